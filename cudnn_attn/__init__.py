@@ -1,0 +1,43 @@
+"""cudnn_attn: NVIDIA's fused attention (cuDNN SDPA) as a declarative graph API.
+
+    import cudnn_attn as cudnn
+    with cudnn.Graph() as g:
+        o, stats = g.sdpa(q=Q, k=K, v=V, generate_stats=True, use_causal_mask=True)
+    O, S = g(Q, K, V)
+
+CPU tensors run on the pure-PyTorch reference backend; CUDA tensors on cuDNN.
+"""
+
+from __future__ import annotations
+
+from .cache import PlanCache, default_cache
+from .data_type import data_type
+from .errors import GraphStateError, ShapeMismatchError, UnsupportedError, ValidationError
+from .graph import Graph
+from .handle import Handle, create_handle, destroy_handle
+from .problem import AttentionProblem, Causal, KVCacheLayout, Op, TensorSpec
+
+__version__ = "0.1.0"
+
+# The frontend's spelling, for `import cudnn_attn as cudnn` drop-in use.
+pygraph = Graph
+
+__all__ = [
+    "AttentionProblem",
+    "Causal",
+    "Graph",
+    "GraphStateError",
+    "Handle",
+    "KVCacheLayout",
+    "Op",
+    "PlanCache",
+    "ShapeMismatchError",
+    "TensorSpec",
+    "UnsupportedError",
+    "ValidationError",
+    "create_handle",
+    "data_type",
+    "default_cache",
+    "destroy_handle",
+    "pygraph",
+]

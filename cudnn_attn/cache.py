@@ -1,0 +1,117 @@
+"""The in-memory plan cache: build a plan once per signature, reuse it everywhere.
+
+Keys are ``(backend name, backend.plan_key(problem), problem)``: the frozen problem holds
+every shape, stride, dtype, mask, flag and the scale; the backend adds what else decides
+its plan (GPU architecture, library versions). Thread-safe: concurrent first requests
+for one key build once, the others wait for that build.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from typing import Any
+
+from .errors import UnsupportedError
+
+DEFAULT_MAXSIZE = 1024
+
+
+class PlanCache:
+    """LRU cache of built plans.
+
+    Example::
+
+        cache = cudnn_attn.PlanCache(maxsize=64)
+        with cudnn_attn.Graph(cache=cache) as g:
+            o, _ = g.sdpa(q, k, v)
+        cache.stats()  # {'hits': 0, 'misses': 1, 'builds': 1, 'evictions': 0, ...}
+    """
+
+    def __init__(self, maxsize: int = DEFAULT_MAXSIZE, path: str | None = None):
+        if maxsize < 1:
+            raise ValueError(f"maxsize: {maxsize}; must be >= 1")
+        if path is not None:
+            raise UnsupportedError(["path: the on-disk plan cache is not available in this version"])
+        self.maxsize = maxsize
+        self.path = path
+        self._entries: OrderedDict[Hashable, Any] = OrderedDict()
+        self._building: dict[Hashable, Future] = {}
+        self._lock = threading.Lock()
+        self._counts = {"hits": 0, "misses": 0, "builds": 0, "evictions": 0, "build_errors": 0}
+        self._build_seconds = 0.0
+
+    def get_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """The plan for ``key``, calling ``build()`` on a miss (once, however many threads ask)."""
+        with self._lock:
+            plan = self._entries.get(key)
+            if plan is not None:
+                self._entries.move_to_end(key)
+                self._counts["hits"] += 1
+                return plan
+            self._counts["misses"] += 1
+            pending = self._building.get(key)
+            if pending is None:
+                pending = self._building[key] = Future()
+                owner = True
+            else:
+                owner = False
+        if not owner:
+            return pending.result()  # re-raises the builder's error, if any
+        start = time.perf_counter()
+        try:
+            plan = build()
+        except BaseException as error:
+            with self._lock:
+                self._counts["build_errors"] += 1
+                del self._building[key]
+            pending.set_exception(error)
+            raise
+        elapsed = time.perf_counter() - start
+        with self._lock:
+            self._counts["builds"] += 1
+            self._build_seconds += elapsed
+            self._entries[key] = plan
+            del self._building[key]
+            while len(self._entries) > self.maxsize:
+                self._entries.popitem(last=False)
+                self._counts["evictions"] += 1
+        pending.set_result(plan)
+        return plan
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {**self._counts, "build_seconds": self._build_seconds, "size": len(self._entries)}
+
+    def clear(self) -> None:
+        """Drop every plan and zero the counters."""
+        with self._lock:
+            self._entries.clear()
+            self._counts = dict.fromkeys(self._counts, 0)
+            self._build_seconds = 0.0
+
+    def keys(self) -> list[Hashable]:
+        with self._lock:
+            return list(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+
+_default: PlanCache | None = None
+_default_lock = threading.Lock()
+
+
+def default_cache() -> PlanCache:
+    """The process-wide cache that graphs use unless given ``cache=``."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = PlanCache()
+        return _default

@@ -1,0 +1,64 @@
+"""The library's exceptions: each lists every problem it found, one per line."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class _ProblemList:
+    """Mixin: keeps the individual problems and formats them one per line."""
+
+    headline = "problems"
+    problems: list[str]
+
+    def _format(self, problems: Iterable[str], context: str | None) -> str:
+        self.problems = list(problems)
+        head = f"{context}: " if context else ""
+        if len(self.problems) == 1:
+            return f"{head}{self.problems[0]}"
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        return f"{head}{len(self.problems)} {self.headline}:\n{lines}"
+
+
+class ValidationError(_ProblemList, ValueError):
+    """The request is malformed. ``.problems`` holds one line per problem.
+
+    Each line names the argument, what was given and what is allowed, e.g.
+    ``"k: head dim d_qk=60 differs from q's 64; q and k must share d_qk"``.
+    """
+
+    headline = "problems"
+
+    def __init__(self, problems: Iterable[str], context: str | None = None):
+        super().__init__(self._format(problems, context))
+
+
+class UnsupportedError(_ProblemList, NotImplementedError):
+    """Well formed, but this GPU / cuDNN version / backend cannot run it.
+
+    ``.problems`` lists the reasons; ``.alternatives`` what would work, where known.
+    """
+
+    headline = "reasons"
+
+    def __init__(
+        self, reasons: Iterable[str], context: str | None = None, alternatives: Iterable[str] = ()
+    ):
+        self.alternatives = list(alternatives)
+        message = self._format(reasons, context)
+        if self.alternatives:
+            message += "\nwhat would work: " + "; ".join(self.alternatives)
+        super().__init__(message)
+
+
+class ShapeMismatchError(_ProblemList, ValueError):
+    """A run's tensors do not match the geometry of the graph they are run on."""
+
+    headline = "mismatches"
+
+    def __init__(self, problems: Iterable[str], context: str | None = None):
+        super().__init__(self._format(problems, context))
+
+
+class GraphStateError(RuntimeError):
+    """The graph was used out of order (ops added after build, run before build, ...)."""

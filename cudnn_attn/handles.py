@@ -1,0 +1,133 @@
+"""Tensor handles: what graph ops take and return while a graph is being recorded.
+
+An ``InputHandle`` stands for one of the graph's inputs: a template tensor's geometry, or a
+descriptor made with ``Graph.tensor``/``tensor_like``. An ``OutputHandle`` is what an op
+returns (O, Stats, dQ, ...); its setters mirror the cuDNN frontend's and chain.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .data_type import to_torch_dtype
+from .errors import GraphStateError, ValidationError
+from .problem import TensorSpec
+
+if TYPE_CHECKING:
+    from .graph import Graph
+
+
+class TensorHandle:
+    """Common face of graph tensors: a name and the frontend's getters."""
+
+    def __init__(self, graph: Graph, name: str):
+        self._graph = graph
+        self._name = name
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def get_name(self) -> str:
+        return self._name
+
+    def set_name(self, name: str) -> TensorHandle:
+        self._graph._rename(self, name)
+        return self
+
+    @property
+    def spec(self) -> TensorSpec | None:
+        raise NotImplementedError
+
+    @property
+    def shape(self) -> tuple[int, ...] | None:
+        spec = self.spec
+        return None if spec is None else spec.shape
+
+    def get_dim(self) -> list[int] | None:
+        shape = self.shape
+        return None if shape is None else list(shape)
+
+    def get_stride(self) -> list[int] | None:
+        spec = self.spec
+        return None if spec is None else list(spec.stride)
+
+    def get_data_type(self) -> torch.dtype | None:
+        spec = self.spec
+        return None if spec is None else spec.dtype
+
+    def __repr__(self) -> str:
+        spec = self.spec
+        return f"<{type(self).__name__} {self._name}: {spec.describe() if spec else 'geometry set at build'}>"
+
+
+class InputHandle(TensorHandle):
+    """One graph input; ``role`` is the op argument it first fed (q, k, attn_bias, ...)."""
+
+    def __init__(self, graph: Graph, name: str, spec: TensorSpec, role: str, template: torch.Tensor | None):
+        super().__init__(graph, name)
+        self._spec = spec
+        self.role = role
+        self.template = template  # the data of a template tensor, for build-time value checks
+
+    @property
+    def spec(self) -> TensorSpec:
+        return self._spec
+
+
+class OutputHandle(TensorHandle):
+    """An op's output. Setters may be called until the graph is built; each returns self."""
+
+    def __init__(self, graph: Graph, name: str, node: Any, port: str):
+        super().__init__(graph, name)
+        self.node = node
+        self.port = port  # the role in the problem: "o", "stats", "d_q", ...
+        self.is_output = True
+        self.dim: tuple[int, ...] | None = None
+        self.stride: tuple[int, ...] | None = None
+        self.dtype: torch.dtype | None = None
+        self._spec: TensorSpec | None = None  # known once the graph is built
+
+    @property
+    def spec(self) -> TensorSpec | None:
+        return self._spec
+
+    def _check_open(self, what: str) -> None:
+        if self._graph.is_built:
+            raise GraphStateError(f"{self._name}.{what}: the graph is already built; set it inside the `with` block")
+
+    def set_output(self, is_output: bool = True) -> OutputHandle:
+        self._check_open("set_output")
+        self.is_output = bool(is_output)
+        return self
+
+    def set_dim(self, dim: Any) -> OutputHandle:
+        self._check_open("set_dim")
+        self.dim = _int_tuple(dim, f"{self._name}.set_dim")
+        return self
+
+    def set_stride(self, stride: Any) -> OutputHandle:
+        self._check_open("set_stride")
+        self.stride = _int_tuple(stride, f"{self._name}.set_stride")
+        return self
+
+    def set_data_type(self, data_type: Any) -> OutputHandle:
+        self._check_open("set_data_type")
+        try:
+            self.dtype = to_torch_dtype(data_type, f"{self._name}.set_data_type")
+        except TypeError as error:
+            raise ValidationError([str(error)]) from None
+        return self
+
+    def set_uid(self, uid: int) -> OutputHandle:
+        """Accepted for frontend compatibility: uids are assigned by the library."""
+        return self
+
+
+def _int_tuple(value: Any, argument: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValidationError([f"{argument}: {value!r}; expected a sequence of ints"]) from None

@@ -1,0 +1,72 @@
+"""Masks as dense tensors: the reference backend's (and the tests') view of every mask option.
+
+Semantics follow the cuDNN frontend. Score (i, j) is row i of q, column j of k/v:
+
+- causal top-left: j <= i; bottom-right: j <= i + (S_kv - S_q), with per-batch lengths
+  under a padding mask;
+- sliding window of length W: also j > i - W (measured from the same diagonal);
+- padding: rows i >= seq_len_q[b] and columns j >= seq_len_kv[b] are masked;
+- ALiBi: adds slope_h * (j - i), slopes as in the ALiBi paper (extended for head counts
+  that are not powers of two).
+
+A row whose every score is masked produces O = 0 and stats = -inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .problem import AttentionProblem, Causal
+
+
+def allowed_scores(
+    p: AttentionProblem,
+    seq_len_q: torch.Tensor | None,
+    seq_len_kv: torch.Tensor | None,
+    device: torch.device | str,
+) -> torch.Tensor | None:
+    """Boolean [B|1, 1, S_q, S_kv]: True where a score takes part. None when nothing is masked."""
+    s_q, s_kv = p.s_q, p.s_kv
+    if p.causal is Causal.NONE and p.sliding_window is None and not p.padding:
+        return None
+    rows = torch.arange(s_q, device=device).view(1, 1, s_q, 1)
+    cols = torch.arange(s_kv, device=device).view(1, 1, 1, s_kv)
+    len_q = _lengths(seq_len_q, p.batch, s_q, device)
+    len_kv = _lengths(seq_len_kv, p.batch, s_kv, device)
+    allowed = torch.ones(len_q.shape[0], 1, s_q, s_kv, dtype=torch.bool, device=device)
+    if p.padding:
+        allowed &= (rows < len_q) & (cols < len_kv)
+    # The diagonal sits at column i + shift of row i.
+    shift = (len_kv - len_q) if p.causal is Causal.BOTTOM_RIGHT else torch.zeros_like(len_q)
+    if p.causal is not Causal.NONE:
+        allowed &= cols <= rows + shift
+    if p.sliding_window is not None:
+        allowed &= cols > rows + shift - p.sliding_window
+    return allowed
+
+
+def _lengths(lengths: torch.Tensor | None, batch: int, full: int, device) -> torch.Tensor:
+    """Per-batch lengths as [B, 1, 1, 1] int64 (full length everywhere when not given)."""
+    if lengths is None:
+        return torch.full((batch, 1, 1, 1), full, dtype=torch.int64, device=device)
+    return lengths.reshape(-1, 1, 1, 1).to(device=device, dtype=torch.int64)
+
+
+def alibi_slopes(heads: int) -> torch.Tensor:
+    """The ALiBi slope of each head, float64 [heads]."""
+    closest = 2 ** math.floor(math.log2(heads))
+    slopes = [2.0 ** (-8.0 * (i + 1) / closest) for i in range(closest)]
+    if closest < heads:  # the remaining heads take the odd slopes of 2 * closest
+        extra = [2.0 ** (-4.0 * (2 * i + 1) / closest) for i in range(heads - closest)]
+        slopes += extra
+    return torch.tensor(slopes, dtype=torch.float64)
+
+
+def alibi_bias(heads: int, s_q: int, s_kv: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """ALiBi as an additive bias [1, H, S_q, S_kv]: slope_h * (j - i)."""
+    distance = torch.arange(s_kv, device=device, dtype=dtype).view(1, -1) - torch.arange(
+        s_q, device=device, dtype=dtype
+    ).view(-1, 1)
+    return alibi_slopes(heads).to(device=device, dtype=dtype).view(1, heads, 1, 1) * distance

@@ -1,0 +1,43 @@
+"""Backends side by side behind one interface, and the choice between them."""
+
+from __future__ import annotations
+
+from ..errors import UnsupportedError
+from ..problem import AttentionProblem
+from .base import Backend, Plan
+from .reference import ReferenceBackend
+
+BACKEND_NAMES = ("auto", "cudnn", "reference")
+
+_backends: dict[str, Backend] = {}
+
+
+def get_backend(name: str) -> Backend:
+    """The backend instance called ``name`` ("cudnn" or "reference"); created once."""
+    if name not in _backends:
+        if name == "reference":
+            _backends[name] = ReferenceBackend()
+        elif name == "cudnn":
+            from .cudnn_backend import CudnnBackend  # the frontend is imported lazily
+
+            _backends[name] = CudnnBackend()
+        else:
+            raise ValueError(f"backend: {name!r}; allowed {', '.join(BACKEND_NAMES)}")
+    return _backends[name]
+
+
+def select_backend(requested: str, problem: AttentionProblem) -> Backend:
+    """The backend that will run ``problem``: cuDNN for CUDA tensors and the reference
+    backend for CPU tensors under "auto"; raises ``UnsupportedError`` with every reason."""
+    name = requested
+    if requested == "auto":
+        name = "cudnn" if problem.device.startswith("cuda") else "reference"
+    backend = get_backend(name)
+    reasons = backend.not_supported_reasons(problem)
+    if reasons:
+        alternatives = [] if name == "reference" else ['backend="reference" runs every valid problem (slowly)']
+        raise UnsupportedError(reasons, context=f"{name} backend, {problem.describe()}", alternatives=alternatives)
+    return backend
+
+
+__all__ = ["Backend", "Plan", "ReferenceBackend", "get_backend", "select_backend", "BACKEND_NAMES"]

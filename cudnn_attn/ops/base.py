@@ -1,0 +1,47 @@
+"""The one small interface every backend implements.
+
+A backend declares what it can run as ``not_supported_reasons(problem)`` (xformers-style:
+each reason is the failing condition, e.g. "head_dim=320 > 256"), and turns a problem into
+a ``Plan``: a prepared callable, built once and cached, cheap to run and safe to call
+many times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+
+from ..problem import AttentionProblem
+
+# Run-time values a plan reads: tensors by role, plus int dropout seeds/offsets.
+RunInputs = Mapping[str, "torch.Tensor | int"]
+
+
+class Plan(Protocol):
+    workspace_size: int
+
+    def __call__(
+        self,
+        inputs: RunInputs,
+        outputs: Mapping[str, torch.Tensor],
+        *,
+        stream: Any = None,
+        workspace: torch.Tensor | None = None,
+        handle: Any = None,
+    ) -> None:
+        """Compute the node, writing every tensor of ``outputs`` (role -> tensor) in place."""
+
+
+class Backend(Protocol):
+    name: str
+
+    def not_supported_reasons(self, problem: AttentionProblem) -> list[str]:
+        """Why this backend cannot run ``problem`` here; empty when it can."""
+
+    def plan_key(self, problem: AttentionProblem) -> tuple:
+        """What besides the problem decides the built plan (GPU architecture, library versions)."""
+
+    def build(self, problem: AttentionProblem) -> Plan:
+        """A ready-to-run plan for a problem this backend supports."""

@@ -1,0 +1,198 @@
+"""The reference backend: every feature, in plain PyTorch, on CPU or GPU.
+
+It brings every layout to dense [B, H, S, D] (unpacking THD, gathering paged caches),
+runs ``reference_math`` in float32 (float64 on request), and writes the results back in
+the outputs' own layouts. Its "plan" precomputes what depends on the problem alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .. import dropout, masks, validation
+from ..errors import ValidationError
+from ..problem import AttentionProblem, KVCacheLayout
+from . import reference_math
+from .base import RunInputs
+
+
+class ReferenceBackend:
+    """Runs anything that validates; on any device torch runs on."""
+
+    name = "reference"
+
+    def __init__(self, compute_dtype: torch.dtype = torch.float32):
+        self.compute_dtype = compute_dtype
+
+    def not_supported_reasons(self, problem: AttentionProblem) -> list[str]:
+        return []
+
+    def plan_key(self, problem: AttentionProblem) -> tuple:
+        return (str(self.compute_dtype),)
+
+    def build(self, problem: AttentionProblem) -> ReferencePlan:
+        return ReferencePlan(problem, self.compute_dtype)
+
+
+class ReferencePlan:
+    workspace_size = 0
+
+    def __init__(self, problem: AttentionProblem, compute_dtype: torch.dtype = torch.float32):
+        self.problem = problem
+        self.compute_dtype = compute_dtype
+        device = problem.device
+        # Problem-only terms are prepared once, as a real plan would be.
+        self._alibi = (
+            masks.alibi_bias(problem.h_q, problem.s_q, problem.s_kv, compute_dtype, device)
+            if problem.alibi
+            else None
+        )
+        self._static_allowed = None if problem.padding else masks.allowed_scores(problem, None, None, device)
+
+    def __call__(
+        self,
+        inputs: RunInputs,
+        outputs: Mapping[str, torch.Tensor],
+        *,
+        stream: Any = None,
+        workspace: torch.Tensor | None = None,
+        handle: Any = None,
+        dropout_keep: torch.Tensor | None = None,
+    ) -> None:
+        p = self.problem
+        tensors = {role: t for role, t in inputs.items() if isinstance(t, torch.Tensor)}
+        found = validation.value_problems(p, tensors)
+        if found:
+            raise ValidationError(found, context=p.describe())
+        dense = self._dense_inputs(inputs)
+        terms = self._terms(inputs, dropout_keep)
+        if p.is_forward:
+            o, stats = reference_math.forward(dense["q"], dense["k"], dense["v"], terms)
+            self._write(outputs["o"], o, inputs, "seq_len_q")
+            if "stats" in outputs:
+                outputs["stats"].copy_(stats)
+        else:
+            d_q, d_k, d_v, d_s = reference_math.backward(
+                dense["q"], dense["k"], dense["v"], dense["o"], dense["d_o"], dense["stats"], terms
+            )
+            self._write(outputs["d_q"], d_q, inputs, "seq_len_q")
+            self._write(outputs["d_k"], d_k, inputs, "seq_len_kv")
+            self._write(outputs["d_v"], d_v, inputs, "seq_len_kv")
+            if "d_bias" in outputs:
+                d_bias = outputs["d_bias"]
+                d_bias.copy_(reference_math.reduce_to_shape(d_s, tuple(d_bias.shape)))
+
+    # ---- inputs to dense ----------------------------------------------------------------
+
+    def _dense_inputs(self, inputs: RunInputs) -> dict[str, torch.Tensor]:
+        p, dt = self.problem, self.compute_dtype
+        dense: dict[str, torch.Tensor] = {}
+        for role, lengths, s_max in (
+            ("q", "seq_len_q", p.s_q),
+            ("o", "seq_len_q", p.s_q),
+            ("d_o", "seq_len_q", p.s_q),
+            ("k", "seq_len_kv", p.s_kv),
+            ("v", "seq_len_kv", p.s_kv),
+        ):
+            t = inputs.get(role)
+            if not isinstance(t, torch.Tensor):
+                continue
+            if p.is_paged and role in ("k", "v"):
+                table = inputs["page_table_k" if role == "k" else "page_table_v"]
+                dense[role] = gather_pages(t, table, p.kv_cache_layout, p.s_kv).to(dt)
+            elif p.is_thd:
+                dense[role] = unpack_thd(t.to(dt), _as_tensor(inputs[lengths]), s_max)
+            else:
+                dense[role] = t.to(dt)
+        if "stats" in inputs and not p.is_forward:
+            dense["stats"] = _as_tensor(inputs["stats"]).to(dt)
+        return dense
+
+    def _terms(self, inputs: RunInputs, dropout_keep: torch.Tensor | None) -> reference_math.ScoreTerms:
+        p, dt = self.problem, self.compute_dtype
+        bias = inputs.get("bias")
+        bias = bias.to(dt) if isinstance(bias, torch.Tensor) else None
+        if self._alibi is not None:
+            bias = self._alibi if bias is None else bias + self._alibi
+        allowed = self._static_allowed
+        if p.padding:
+            allowed = masks.allowed_scores(p, _lengths_or_none(inputs, "seq_len_q"), _lengths_or_none(inputs, "seq_len_kv"), p.device)
+        keep = dropout_keep
+        if p.has_dropout and keep is None:
+            shape = (p.batch, p.h_q, p.s_q, p.s_kv)
+            keep = dropout.keep_mask(
+                dropout.scalar(inputs.get("dropout_seed")),
+                dropout.scalar(inputs.get("dropout_offset")),
+                shape,
+                p.dropout_p,
+                p.device,
+            )
+        return reference_math.ScoreTerms(
+            scale=p.attn_scale, bias=bias, allowed=allowed, keep=keep, dropout_p=p.dropout_p
+        )
+
+    # ---- dense to outputs --------------------------------------------------------------
+
+    def _write(self, out: torch.Tensor, dense: torch.Tensor, inputs: RunInputs, lengths: str) -> None:
+        if self.problem.is_thd:
+            out.copy_(pack_thd(dense, _as_tensor(inputs[lengths]), out.shape[0]))
+        else:
+            out.copy_(dense)
+
+
+def _as_tensor(value: torch.Tensor | int) -> torch.Tensor:
+    assert isinstance(value, torch.Tensor), "the graph passes tensors for tensor roles"
+    return value
+
+
+def _lengths_or_none(inputs: RunInputs, role: str) -> torch.Tensor | None:
+    value = inputs.get(role)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+# ---- layout conversions ------------------------------------------------------------------
+
+
+def sequence_offsets(lengths: torch.Tensor) -> list[int]:
+    """Exclusive prefix sum: where each packed sequence starts."""
+    values = lengths.reshape(-1).to("cpu", torch.int64).tolist()
+    offsets, running = [], 0
+    for n in values:
+        offsets.append(running)
+        running += n
+    return offsets
+
+
+def unpack_thd(packed: torch.Tensor, lengths: torch.Tensor, s_max: int) -> torch.Tensor:
+    """[T, H, D] packed tokens -> [B, H, S_max, D], zero past each sequence's end."""
+    counts = lengths.reshape(-1).to("cpu", torch.int64).tolist()
+    out = packed.new_zeros(len(counts), packed.shape[1], s_max, packed.shape[2])
+    for b, (start, n) in enumerate(zip(sequence_offsets(lengths), counts)):
+        out[b, :, :n] = packed[start : start + n].transpose(0, 1)
+    return out
+
+
+def pack_thd(dense: torch.Tensor, lengths: torch.Tensor, tokens: int) -> torch.Tensor:
+    """[B, H, S_max, D] -> [T, H, D] packed tokens (tokens past the last sequence are 0)."""
+    counts = lengths.reshape(-1).to("cpu", torch.int64).tolist()
+    out = dense.new_zeros(tokens, dense.shape[1], dense.shape[3])
+    for b, (start, n) in enumerate(zip(sequence_offsets(lengths), counts)):
+        out[start : start + n] = dense[b, :, :n].transpose(0, 1)
+    return out
+
+
+def gather_pages(
+    cache: torch.Tensor, table: torch.Tensor | int, layout: KVCacheLayout | None, s_kv: int
+) -> torch.Tensor:
+    """A paged cache and its page table -> dense [B, H_kv, S_kv, D]."""
+    table = _as_tensor(table)
+    table = table.reshape(table.shape[0], -1).to(device=cache.device, dtype=torch.int64)
+    pages = cache[table]  # [B, n, P, H, D] (NPHD) or [B, n, H, P, D] (NHPD)
+    if layout is KVCacheLayout.NHPD:
+        pages = pages.transpose(2, 3)  # -> [B, n, P, H, D]
+    b, n, page_size, h, d = pages.shape
+    tokens = pages.reshape(b, n * page_size, h, d)[:, :s_kv]
+    return tokens.transpose(1, 2)

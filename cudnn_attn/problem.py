@@ -1,0 +1,285 @@
+"""The attention problem: one frozen, hashable description of one graph node.
+
+An ``AttentionProblem`` holds everything that changes the computation a plan performs:
+every tensor's geometry (shape, strides, dtype, device), the data types, the mask and its
+parameters, the scale, dropout, paging and the training flag. It is the validation input,
+the plan-cache key and the test id. It holds no tensor data: per-run values (sequence
+lengths, page tables, dropout seeds) travel with the run, never in the key.
+
+Logical conventions (those of the cuDNN frontend):
+
+- dense q/k/v/o/dO/dQ/dK/dV are 4-D ``[B, H, S, D]`` with any strides (BSHD is a
+  transposed view, SBHD a permuted one);
+- THD (ragged) tensors are 3-D ``[T, H, D]``: sequences packed back to back, token
+  ``seq_offset[b] + i`` of the packed axis is row ``i`` of batch ``b``;
+- paged K/V caches are 4-D ``[num_pages, page_size, H_kv, D]`` ("NPHD") or
+  ``[num_pages, H_kv, page_size, D]`` ("NHPD");
+- stats (log-sum-exp of the scaled, masked scores, natural log) are ``[B, H_q, S_q, 1]`` float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class Op(str, enum.Enum):
+    FORWARD = "sdpa"
+    BACKWARD = "sdpa_backward"
+
+
+class Causal(str, enum.Enum):
+    NONE = "none"
+    TOP_LEFT = "top_left"
+    BOTTOM_RIGHT = "bottom_right"
+
+
+class KVCacheLayout(str, enum.Enum):
+    NPHD = "NPHD"  # [num_pages, page_size, H_kv, D]
+    NHPD = "NHPD"  # [num_pages, H_kv, page_size, D]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Geometry of one tensor: what a plan is specialised on."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorSpec:
+        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, str(tensor.device))
+
+    @classmethod
+    def contiguous(cls, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> TensorSpec:
+        return cls(tuple(shape), contiguous_strides(shape), dtype, device)
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def describe(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"shape={list(self.shape)} stride={list(self.stride)} dtype={dtype} device={self.device}"
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def strides_like(shape: tuple[int, ...], template_stride: tuple[int, ...]) -> tuple[int, ...]:
+    """Dense strides for ``shape`` with the dimension order of ``template_stride``.
+
+    How an output inherits its input's layout: O of a BSHD q is BSHD too.
+    """
+    order = sorted(range(len(shape)), key=lambda i: (template_stride[i], -i))  # innermost first
+    strides = [0] * len(shape)
+    running = 1
+    for i in order:
+        strides[i] = running
+        running *= max(shape[i], 1)
+    return tuple(strides)
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """One sdpa or sdpa_backward node. Equal problems can share one built plan."""
+
+    op: Op
+    q: TensorSpec
+    k: TensorSpec
+    v: TensorSpec
+    o: TensorSpec  # forward: output; backward: input
+    stats: TensorSpec | None = None  # forward: output when generated; backward: input
+    d_o: TensorSpec | None = None  # backward only, as are the three below
+    d_q: TensorSpec | None = None
+    d_k: TensorSpec | None = None
+    d_v: TensorSpec | None = None
+    bias: TensorSpec | None = None
+    d_bias: TensorSpec | None = None
+    seq_len_q: TensorSpec | None = None
+    seq_len_kv: TensorSpec | None = None
+    page_table_k: TensorSpec | None = None
+    page_table_v: TensorSpec | None = None
+    dropout_seed: TensorSpec | None = None  # a tensor seed/offset is a run input
+    dropout_offset: TensorSpec | None = None
+    io_dtype: torch.dtype | None = None
+    intermediate_dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype = torch.float32
+    attn_scale: float = 1.0
+    causal: Causal = Causal.NONE
+    sliding_window: int | None = None
+    alibi: bool = False
+    padding: bool = False
+    dropout_p: float = 0.0
+    kv_cache_layout: KVCacheLayout | None = None  # set exactly when K/V are paged
+    max_seq_len_q: int | None = None  # THD: the padded length cuDNN plans for
+    max_seq_len_kv: int | None = None  # THD and paged
+    deterministic: bool = False
+
+    # ---- derived geometry (valid once validation passed) ------------------------------
+
+    @property
+    def is_forward(self) -> bool:
+        return self.op is Op.FORWARD
+
+    @property
+    def generates_stats(self) -> bool:
+        return self.is_forward and self.stats is not None
+
+    @property
+    def is_thd(self) -> bool:
+        return self.q.rank == 3
+
+    @property
+    def is_paged(self) -> bool:
+        return self.kv_cache_layout is not None
+
+    @property
+    def has_dropout(self) -> bool:
+        return self.dropout_p > 0.0
+
+    @property
+    def batch(self) -> int:
+        if self.is_thd:
+            return self.seq_len_q.shape[0] if self.seq_len_q is not None else 1
+        return self.q.shape[0]
+
+    @property
+    def h_q(self) -> int:
+        return self.q.shape[-3] if self.is_thd else self.q.shape[1]
+
+    @property
+    def h_k(self) -> int:
+        return _heads(self.k, self)
+
+    @property
+    def h_v(self) -> int:
+        return _heads(self.v, self)
+
+    @property
+    def d_qk(self) -> int:
+        return self.q.shape[-1]
+
+    @property
+    def d_v_dim(self) -> int:
+        return self.v.shape[-1]
+
+    @property
+    def s_q(self) -> int:
+        if self.is_thd:
+            return self.max_seq_len_q if self.max_seq_len_q is not None else self.q.shape[0]
+        return self.q.shape[2]
+
+    @property
+    def s_kv(self) -> int:
+        if self.is_paged or self.is_thd:
+            if self.max_seq_len_kv is not None:
+                return self.max_seq_len_kv
+            if self.is_thd:
+                return self.k.shape[0]
+        return self.k.shape[2]
+
+    @property
+    def page_size(self) -> int | None:
+        if self.kv_cache_layout is None:
+            return None
+        return self.k.shape[1] if self.kv_cache_layout is KVCacheLayout.NPHD else self.k.shape[2]
+
+    @property
+    def layout(self) -> str:
+        """The name of q's layout: BHSD, BSHD, SBHD, THD, or "strided" for anything else."""
+        return layout_name(self.q)
+
+    @property
+    def device(self) -> str:
+        return self.q.device
+
+    @property
+    def stats_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.h_q, self.s_q, 1)
+
+    def replace(self, **changes: Any) -> AttentionProblem:
+        return dataclasses.replace(self, **changes)
+
+    def tensor_specs(self) -> dict[str, TensorSpec]:
+        """Every tensor of the problem by role, inputs and outputs alike."""
+        return {
+            f.name: value
+            for f in dataclasses.fields(self)
+            if isinstance(value := getattr(self, f.name), TensorSpec)
+        }
+
+    def flops(self) -> float:
+        """Matrix-multiply FLOPs of this node (causal halves the forward's; backward is 2.5x)."""
+        b, h, s_q, s_kv = self.batch, self.h_q, self.s_q, self.s_kv
+        forward = 2.0 * b * h * s_q * s_kv * (self.d_qk + self.d_v_dim)
+        if self.causal is not Causal.NONE:
+            forward /= 2
+        return forward if self.is_forward else 2.5 * forward
+
+    def describe(self) -> str:
+        """A short, human id: used in test ids, logs and error messages."""
+        parts = [
+            self.op.value,
+            self.layout,
+            str(self.q.dtype).removeprefix("torch."),
+            f"b{self.batch}",
+            f"h{self.h_q}" + (f"/{self.h_k}" if self.h_k != self.h_q else ""),
+            f"s{self.s_q}" + (f"x{self.s_kv}" if self.s_kv != self.s_q else ""),
+            f"d{self.d_qk}" + (f"/{self.d_v_dim}" if self.d_v_dim != self.d_qk else ""),
+        ]
+        if self.causal is not Causal.NONE:
+            parts.append(f"causal-{self.causal.value}")
+        if self.sliding_window is not None:
+            parts.append(f"window{self.sliding_window}")
+        if self.padding:
+            parts.append("padding")
+        if self.alibi:
+            parts.append("alibi")
+        if self.bias is not None:
+            parts.append("bias" + "".join("1" if s == 1 else "x" for s in self.bias.shape))
+        if self.has_dropout:
+            parts.append(f"dropout{self.dropout_p:g}")
+        if self.is_paged:
+            parts.append(f"paged{self.page_size}")
+        return "-".join(parts)
+
+
+def _heads(spec: TensorSpec, problem: AttentionProblem) -> int:
+    if spec.rank == 3:
+        return spec.shape[1]
+    if problem.kv_cache_layout is KVCacheLayout.NPHD:
+        return spec.shape[2]
+    return spec.shape[1]
+
+
+def layout_name(spec: TensorSpec) -> str:
+    if spec.rank == 3:
+        return "THD"
+    if spec.rank != 4:
+        return "strided"
+    b, h, s, _ = spec.stride
+    # Sizes of 1 make strides ambiguous; ignore such dims when ordering.
+    shape = spec.shape
+    keyed = [(stride, name) for stride, name, size in zip((b, h, s), "BHS", shape[:3]) if size > 1]
+    order = "".join(name for _, name in sorted(keyed, key=lambda x: -x[0]))
+    for candidate in ("BHSD", "BSHD", "SBHD"):
+        if "".join(c for c in candidate[:3] if c in order) == order:
+            return candidate
+    return "strided"

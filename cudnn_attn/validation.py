@@ -1,0 +1,385 @@
+"""Validation: pure functions from a problem to the list of everything wrong with it.
+
+``problems(p)`` checks geometry, dtypes and option combinations; ``value_problems(p, data)``
+checks the values of the small integer inputs (sequence lengths, page tables), which only
+exist where a tensor is at hand. Neither raises: callers collect the lines and raise one
+``ValidationError``. Each line names the argument, what was given and what is allowed.
+
+These are the rules of the operation itself, the same on every backend (they mirror what
+the cuDNN frontend documents as well formed). What a given GPU or cuDNN version can run is
+the backends' business and raises ``UnsupportedError``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from .data_type import FLOATING_IO, FP8, dtype_name
+from .problem import AttentionProblem, Causal, KVCacheLayout, TensorSpec
+
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 8
+SEQ_LEN_DTYPES = (torch.int32,)
+PAGE_TABLE_DTYPES = (torch.int32,)
+RNG_DTYPES = (torch.int64, torch.int32)
+
+
+def _dt(spec: TensorSpec) -> str:
+    return dtype_name(spec.dtype)
+
+
+def problems(p: AttentionProblem) -> list[str]:
+    """Everything structurally wrong with ``p``; empty when it is well formed."""
+    found: list[str] = []
+    ranks_ok = _check_ranks(p, found)
+    _check_strides(p, found)
+    _check_dtypes(p, found)
+    _check_devices(p, found)
+    if not ranks_ok:
+        return found  # the geometry below needs the ranks to be right
+    _check_geometry(p, found)
+    _check_bias(p, found)
+    _check_masks(p, found)
+    _check_padding(p, found)
+    _check_dropout(p, found)
+    _check_paging(p, found)
+    _check_backward(p, found)
+    if not math.isfinite(p.attn_scale):
+        found.append(f"attn_scale: {p.attn_scale} is not finite; give a finite float")
+    return found
+
+
+# ---- ranks, strides, dtypes, devices -----------------------------------------------------
+
+
+def _check_ranks(p: AttentionProblem, found: list[str]) -> bool:
+    before = len(found)
+    if p.q.rank not in (3, 4):
+        found.append(
+            f"q: rank {p.q.rank} (shape {list(p.q.shape)}); q must be 4-D [B, H, S, D] "
+            "or 3-D [T, H, D] for ragged (THD) inputs"
+        )
+        return False
+    kv_rank = 4 if p.is_paged else p.q.rank
+    what = "a 4-D paged cache" if p.is_paged else ("3-D [T, H, D] like q" if p.q.rank == 3 else "4-D [B, H, S, D] like q")
+    for role in ("k", "v"):
+        spec = getattr(p, role)
+        if spec.rank != kv_rank:
+            found.append(f"{role}: rank {spec.rank} (shape {list(spec.shape)}); expected {what}")
+    for role in ("o", "d_o", "d_q"):
+        spec = getattr(p, role)
+        if spec is not None and spec.rank != p.q.rank:
+            found.append(f"{_name(role)}: rank {spec.rank} (shape {list(spec.shape)}); expected rank {p.q.rank} like q")
+    for role in ("d_k", "d_v"):
+        spec = getattr(p, role)
+        if spec is not None and spec.rank != p.q.rank:
+            found.append(f"{_name(role)}: rank {spec.rank}; expected rank {p.q.rank} like {role[-1]}")
+    for role in ("stats", "bias", "d_bias"):
+        spec = getattr(p, role)
+        if spec is not None and spec.rank != 4:
+            found.append(f"{_name(role)}: rank {spec.rank} (shape {list(spec.shape)}); expected 4-D")
+    for spec in p.tensor_specs().values():
+        if any(s <= 0 for s in spec.shape):
+            found.append(f"{_role_of(p, spec)}: shape {list(spec.shape)} has an empty dimension; every dimension must be >= 1")
+            break
+    return len(found) == before
+
+
+def _check_strides(p: AttentionProblem, found: list[str]) -> None:
+    for role in ("q", "k", "v", "o", "d_o", "d_q", "d_k", "d_v", "bias", "d_bias"):
+        spec = getattr(p, role)
+        if spec is None or not spec.shape:
+            continue
+        if spec.stride[-1] != 1 and spec.shape[-1] != 1:
+            found.append(
+                f"{_name(role)}: last stride {spec.stride[-1]} (strides {list(spec.stride)}); "
+                "the head dimension must be contiguous (stride 1): call .contiguous() or permute a contiguous tensor"
+            )
+        if any(s < 0 for s in spec.stride):
+            found.append(f"{_name(role)}: negative stride in {list(spec.stride)}; strides must be >= 0")
+
+
+def _check_dtypes(p: AttentionProblem, found: list[str]) -> None:
+    q_dt = p.q.dtype
+    allowed_q = FLOATING_IO + (FP8 if p.is_forward and not p.is_paged else ())
+    if q_dt not in allowed_q:
+        allowed = ", ".join(dtype_name(d) for d in allowed_q)
+        extra = "" if p.is_forward else " (fp8 is forward-only)"
+        found.append(f"q: dtype {_dt(p.q)} is not supported; allowed: {allowed}{extra}")
+    if p.io_dtype is not None and p.io_dtype != q_dt:
+        found.append(
+            f"io_data_type: {dtype_name(p.io_dtype)} but q is {_dt(p.q)}; they must agree (or leave io_data_type=None)"
+        )
+    for role in ("k", "v"):
+        spec = getattr(p, role)
+        if spec.dtype != q_dt:
+            found.append(f"{role}: dtype {_dt(spec)} differs from q's {_dt(p.q)}; q, k and v must share one dtype")
+    out_allowed = (q_dt,) + ((torch.float16, torch.bfloat16) if q_dt in FP8 else ())
+    if p.o.dtype not in out_allowed:
+        found.append(f"o: dtype {_dt(p.o)}; must be {', '.join(dtype_name(d) for d in out_allowed)}")
+    for role in ("d_o", "d_q", "d_k", "d_v"):
+        spec = getattr(p, role)
+        if spec is not None and spec.dtype != q_dt:
+            found.append(f"{_name(role)}: dtype {_dt(spec)} differs from q's {_dt(p.q)}; it must match")
+    if p.stats is not None and p.stats.dtype != torch.float32:
+        found.append(f"stats: dtype {_dt(p.stats)}; stats are float32")
+    for role in ("bias", "d_bias"):
+        spec = getattr(p, role)
+        if spec is not None and spec.dtype not in (q_dt, torch.float32):
+            found.append(f"{_name(role)}: dtype {_dt(spec)}; must be q's dtype ({_dt(p.q)}) or float32")
+    for role, allowed in (
+        ("seq_len_q", SEQ_LEN_DTYPES),
+        ("seq_len_kv", SEQ_LEN_DTYPES),
+        ("page_table_k", PAGE_TABLE_DTYPES),
+        ("page_table_v", PAGE_TABLE_DTYPES),
+        ("dropout_seed", RNG_DTYPES),
+        ("dropout_offset", RNG_DTYPES),
+    ):
+        spec = getattr(p, role)
+        if spec is not None and spec.dtype not in allowed:
+            found.append(f"{role}: dtype {_dt(spec)}; must be {' or '.join(dtype_name(d) for d in allowed)}")
+    for name, dtype in (("intermediate_data_type", p.intermediate_dtype), ("compute_data_type", p.compute_dtype)):
+        if dtype != torch.float32:
+            found.append(f"{name}: {dtype_name(dtype)}; attention accumulates in float32 (data_type.FLOAT)")
+
+
+def _check_devices(p: AttentionProblem, found: list[str]) -> None:
+    specs = p.tensor_specs()
+    devices = {spec.device for spec in specs.values()}
+    if len(devices) > 1:
+        where = ", ".join(f"{_name(role)} on {spec.device}" for role, spec in specs.items() if spec.device != p.q.device)
+        found.append(f"device: tensors are on several devices (q on {p.q.device}; {where}); put them on one device")
+
+
+# ---- geometry ------------------------------------------------------------------------------
+
+
+def _check_geometry(p: AttentionProblem, found: list[str]) -> None:
+    h_q, h_k, h_v = p.h_q, p.h_k, p.h_v
+    for role, h in (("k", h_k), ("v", h_v)):
+        if h_q % h != 0:
+            found.append(
+                f"{role}: {h} heads do not divide q's {h_q}; for GQA/MQA the K/V head count must divide the Q head count"
+            )
+    if p.k.shape[-1] != p.d_qk:
+        found.append(f"k: head dim d_qk={p.k.shape[-1]} differs from q's {p.d_qk}; q and k must share d_qk")
+    for name, d in (("d_qk (q)", p.d_qk), ("d_v (v)", p.d_v_dim)):
+        if d % HEAD_DIM_MULTIPLE or d > MAX_HEAD_DIM:
+            found.append(
+                f"{name}: head dim {d}; allowed: a multiple of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}"
+            )
+    if not p.is_thd and not p.is_paged:
+        b = p.q.shape[0]
+        for role in ("k", "v"):
+            if getattr(p, role).shape[0] != b:
+                found.append(f"{role}: batch {getattr(p, role).shape[0]} differs from q's {b}")
+        if p.k.shape[2] != p.v.shape[2]:
+            found.append(f"v: sequence length {p.v.shape[2]} differs from k's {p.k.shape[2]}; k and v must share S_kv")
+    if p.is_thd:
+        if p.k.shape[0] != p.v.shape[0]:
+            found.append(f"v: {p.v.shape[0]} tokens differ from k's {p.k.shape[0]}; packed k and v must share T_kv")
+        for name, value, tokens in (
+            ("max_seq_len_q", p.max_seq_len_q, p.q.shape[0]),
+            ("max_seq_len_kv", p.max_seq_len_kv, p.k.shape[0]),
+        ):
+            if value is not None and not 1 <= value <= tokens:
+                found.append(f"{name}: {value}; allowed 1..{tokens} (the packed token count)")
+    elif p.max_seq_len_q is not None:
+        found.append("max_seq_len_q: only meaningful for ragged (3-D THD) q; leave it None")
+    expected_o = _out_shape(p, p.d_v_dim)
+    if tuple(p.o.shape) != expected_o:
+        found.append(f"o: shape {list(p.o.shape)}; expected {list(expected_o)} (q's shape with v's head dim)")
+    if p.stats is not None and tuple(p.stats.shape) != p.stats_shape:
+        found.append(f"stats: shape {list(p.stats.shape)}; expected {list(p.stats_shape)} ([B, H_q, S_q, 1])")
+
+
+def _out_shape(p: AttentionProblem, d: int) -> tuple[int, ...]:
+    return tuple(p.q.shape[:-1]) + (d,)
+
+
+def _check_bias(p: AttentionProblem, found: list[str]) -> None:
+    if p.bias is None:
+        if p.d_bias is not None:
+            found.append("dBias: requested without attn_bias; a bias gradient needs a bias")
+        return
+    full = (p.batch, p.h_q, p.s_q, p.s_kv)
+    names = ("B", "H", "S_q", "S_kv")
+    allowed = [(1, full[0]), (1, full[1]), (1, full[2]), (full[3],)]  # keys are never broadcast
+    bad = [
+        f"{n}={given} (allowed {' or '.join(map(str, ok))})"
+        for n, given, ok in zip(names, p.bias.shape, allowed)
+        if given not in ok
+    ]
+    if bad:
+        found.append(
+            f"attn_bias: shape {list(p.bias.shape)} does not broadcast to [B, H, S_q, S_kv]={list(full)}: {', '.join(bad)}"
+        )
+    if p.d_bias is not None and tuple(p.d_bias.shape) != tuple(p.bias.shape):
+        found.append(f"dBias: shape {list(p.d_bias.shape)} differs from attn_bias's {list(p.bias.shape)}")
+
+
+def _check_masks(p: AttentionProblem, found: list[str]) -> None:
+    s_q, s_kv = p.s_q, p.s_kv
+    if p.alibi and p.causal is not Causal.TOP_LEFT:
+        found.append(
+            f"use_alibi_mask: ALiBi needs use_causal_mask=True (top-left causal); given causal={p.causal.value}"
+        )
+    if p.causal is Causal.BOTTOM_RIGHT:
+        if s_q > s_kv and not p.padding:
+            found.append(
+                f"use_causal_mask_bottom_right: S_q={s_q} > S_kv={s_kv}; bottom-right causal needs S_q <= S_kv "
+                "(or a padding mask with per-batch lengths)"
+            )
+        for flag, name in ((p.bias is not None, "attn_bias"), (p.alibi, "use_alibi_mask"), (p.has_dropout, "dropout")):
+            if flag:
+                found.append(f"use_causal_mask_bottom_right: cannot be combined with {name}; use top-left causal")
+    if p.sliding_window is not None:
+        if p.sliding_window < 1:
+            found.append(f"sliding_window_length: {p.sliding_window}; must be >= 1")
+        if s_q > s_kv and not p.padding:
+            found.append(
+                f"sliding_window_length: S_q={s_q} > S_kv={s_kv}; sliding windows need S_q <= S_kv "
+                "(or a padding mask with per-batch lengths)"
+            )
+
+
+def _check_padding(p: AttentionProblem, found: list[str]) -> None:
+    if p.is_thd and not p.padding:
+        found.append("use_padding_mask: ragged (THD) inputs need the padding mask with seq_len_q and seq_len_kv")
+    if p.padding:
+        for role in ("seq_len_q", "seq_len_kv"):
+            if getattr(p, role) is None and not (role == "seq_len_q" and p.is_paged):
+                found.append(f"{role}: missing; use_padding_mask=True needs seq_len_q and seq_len_kv tensors of shape [B]")
+    else:
+        for role in ("seq_len_q", "seq_len_kv"):
+            if getattr(p, role) is not None:
+                found.append(f"{role}: given without use_padding_mask=True; set use_padding_mask=True or drop it")
+    b = p.batch
+    for role in ("seq_len_q", "seq_len_kv"):
+        spec = getattr(p, role)
+        if spec is not None and tuple(spec.shape) not in ((b,), (b, 1, 1, 1)):
+            found.append(f"{role}: shape {list(spec.shape)}; expected [{b}] or [{b}, 1, 1, 1] (one length per batch)")
+
+
+def _check_dropout(p: AttentionProblem, found: list[str]) -> None:
+    if not 0.0 <= p.dropout_p < 1.0 or math.isnan(p.dropout_p):
+        found.append(f"dropout: probability {p.dropout_p}; allowed 0 <= p < 1")
+    for role in ("dropout_seed", "dropout_offset"):
+        spec = getattr(p, role)
+        if spec is not None and spec.numel != 1:
+            found.append(f"{role}: shape {list(spec.shape)}; must hold one value (shape [1] or [1, 1, 1, 1])")
+
+
+def _check_paging(p: AttentionProblem, found: list[str]) -> None:
+    if not p.is_paged:
+        for role in ("page_table_k", "page_table_v"):
+            if getattr(p, role) is not None:
+                found.append(f"{role}: given but k/v are not paged caches")
+        return
+    if not p.is_forward:
+        found.append("paged_attention_k_table: paged K/V caches are forward-only (inference); sdpa_backward takes dense K/V")
+    if p.q.rank != 4:
+        found.append("q: paged caches need a dense 4-D q [B, H, S_q, D]")
+        return
+    if p.seq_len_kv is None:
+        found.append("seq_len_kv: paged caches need seq_len_kv (the valid length of each sequence's cache)")
+    b = p.q.shape[0]
+    page_size = p.page_size or 0
+    pages = None
+    for role in ("page_table_k", "page_table_v"):
+        spec = getattr(p, role)
+        if spec is None:
+            found.append(f"{role}: missing; a paged cache needs a page table [B, pages_per_seq] int32")
+            continue
+        shape = tuple(spec.shape)
+        if len(shape) == 2 and shape[0] == b:
+            n = shape[1]
+        elif len(shape) == 4 and shape[0] == b and shape[1] == 1 and shape[3] == 1:
+            n = shape[2]
+        else:
+            found.append(f"{role}: shape {list(shape)}; expected [{b}, pages_per_seq] or [{b}, 1, pages_per_seq, 1]")
+            continue
+        pages = n if pages is None else min(pages, n)
+    if p.k.shape != p.v.shape[:3] + (p.k.shape[3],):
+        found.append(
+            f"v: cache shape {list(p.v.shape)} does not match k's {list(p.k.shape)} in pages, page size and heads"
+        )
+    if pages is not None and p.max_seq_len_kv is not None and p.max_seq_len_kv > pages * page_size:
+        found.append(
+            f"paged_attention_max_seq_len_kv: {p.max_seq_len_kv} exceeds pages_per_seq*page_size={pages * page_size}"
+        )
+    if p.max_seq_len_kv is not None and p.max_seq_len_kv < 1:
+        found.append(f"paged_attention_max_seq_len_kv: {p.max_seq_len_kv}; must be >= 1")
+    if p.kv_cache_layout not in (KVCacheLayout.NPHD, KVCacheLayout.NHPD):
+        found.append(f"kv_cache_layout: {p.kv_cache_layout}; allowed NPHD or NHPD")
+
+
+def _check_backward(p: AttentionProblem, found: list[str]) -> None:
+    if p.is_forward:
+        return
+    if p.stats is None:
+        found.append("stats: sdpa_backward needs the forward's stats (run the forward with generate_stats=True)")
+    for role, like in (("d_o", p.o), ("d_q", p.q), ("d_k", p.k), ("d_v", p.v)):
+        spec = getattr(p, role)
+        if spec is None:
+            continue
+        if tuple(spec.shape) != tuple(like.shape):
+            source = {"d_o": "o", "d_q": "q", "d_k": "k", "d_v": "v"}[role]
+            found.append(f"{_name(role)}: shape {list(spec.shape)} differs from {source}'s {list(like.shape)}")
+
+
+# ---- values ----------------------------------------------------------------------------------
+
+
+def value_problems(p: AttentionProblem, data: Mapping[str, torch.Tensor]) -> list[str]:
+    """Problems with the values of the integer inputs in ``data`` (role -> tensor).
+
+    Reads the (small) tensors to the host: call it where that costs nothing (CPU tensors,
+    graph build time), never on a GPU hot path.
+    """
+    found: list[str] = []
+    limits = {"seq_len_q": p.s_q, "seq_len_kv": p.s_kv}
+    for role, limit in limits.items():
+        t = data.get(role)
+        if t is None:
+            continue
+        values = t.detach().reshape(-1).to("cpu", torch.int64)
+        bad = values[(values < 0) | (values > limit)]
+        if bad.numel():
+            found.append(f"{role}: values {bad[:4].tolist()} out of range; each length must be in 0..{limit}")
+    if p.is_thd:
+        for role, tokens in (("seq_len_q", p.q.shape[0]), ("seq_len_kv", p.k.shape[0])):
+            t = data.get(role)
+            if t is not None and int(t.detach().to("cpu", torch.int64).sum()) > tokens:
+                total = int(t.detach().to("cpu", torch.int64).sum())
+                found.append(f"{role}: lengths sum to {total} but the packed tensor holds {tokens} tokens")
+    if p.is_paged:
+        num_pages = p.k.shape[0]
+        for role in ("page_table_k", "page_table_v"):
+            t = data.get(role)
+            if t is None:
+                continue
+            values = t.detach().reshape(-1).to("cpu", torch.int64)
+            bad = values[(values < 0) | (values >= num_pages)]
+            if bad.numel():
+                found.append(f"{role}: page indices {bad[:4].tolist()} out of range; allowed 0..{num_pages - 1}")
+    return found
+
+
+# ---- naming helpers --------------------------------------------------------------------------
+
+_USER_NAMES = {"d_o": "dO", "d_q": "dQ", "d_k": "dK", "d_v": "dV", "d_bias": "dBias", "bias": "attn_bias"}
+
+
+def _name(role: str) -> str:
+    return _USER_NAMES.get(role, role)
+
+
+def _role_of(p: AttentionProblem, spec: TensorSpec) -> str:
+    for role, candidate in p.tensor_specs().items():
+        if candidate is spec:
+            return _name(role)
+    return "tensor"
