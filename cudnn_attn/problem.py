@@ -162,7 +162,7 @@ class AttentionProblem:
 
     @property
     def h_q(self) -> int:
-        return self.q.shape[-3] if self.is_thd else self.q.shape[1]
+        return self.q.shape[1]  # [B, H, S, D] and [T, H, D] alike
 
     @property
     def h_k(self) -> int:
@@ -188,12 +188,20 @@ class AttentionProblem:
 
     @property
     def s_kv(self) -> int:
-        if self.is_paged or self.is_thd:
-            if self.max_seq_len_kv is not None:
-                return self.max_seq_len_kv
-            if self.is_thd:
-                return self.k.shape[0]
+        if self.max_seq_len_kv is not None and (self.is_paged or self.is_thd):
+            return self.max_seq_len_kv
+        if self.is_paged:
+            return self.pages_per_seq * (self.page_size or 0)
+        if self.is_thd:
+            return self.k.shape[0]
         return self.k.shape[2]
+
+    @property
+    def pages_per_seq(self) -> int:
+        table = self.page_table_k
+        if table is None:
+            return 0
+        return table.shape[1] if table.rank == 2 else table.shape[2] if table.rank == 4 else 0
 
     @property
     def page_size(self) -> int | None:
