@@ -364,19 +364,16 @@ class Graph:
         prefix = len(self.nodes) > 1
         for node in self.nodes:
             lines = list(node.errors)
-            if not lines:
-                problem = self._make_problem(node)
-                if problem is None:
-                    lines.append("inputs: an input comes from a node that failed validation")
-                else:
-                    lines += validation.problems(problem)
-                    if not lines:
-                        templates = {
-                            role: h.template for role, h in node.inputs.items() if isinstance(h, InputHandle) and h.template is not None
-                        }
-                        lines += validation.value_problems(problem, templates)
-                    node.problem = problem
-                    self._fill_output_specs(node, problem)
+            problem = self._make_problem(node)
+            if problem is None:
+                lines = lines or ["inputs: q, k and v must all be given (an input may come from a node that failed)"]
+            else:
+                # Structural problems are reported alongside argument errors: all problems at once.
+                lines += [line for line in validation.problems(problem) if line not in lines]
+                if not lines:
+                    lines += validation.value_problems(problem, self._templates(node))
+                node.problem = problem
+                self._fill_output_specs(node, problem)
             found += [f"{node.name}: {line}" if prefix else line for line in lines]
         if found:
             raise ValidationError(found, context=f"{self.name}")
@@ -397,6 +394,10 @@ class Graph:
         self._built = True
         self._run_order = self._prepare_run()
         return self
+
+    def _templates(self, node: Node) -> dict[str, torch.Tensor]:
+        """The data of the node's template inputs, for build-time value checks."""
+        return {role: h.template for role, h in node.inputs.items() if isinstance(h, InputHandle) and h.template is not None}
 
     def _make_problem(self, node: Node) -> AttentionProblem | None:
         specs: dict[str, TensorSpec] = {}

@@ -1,0 +1,118 @@
+"""The plan cache: one build per signature, hits for equal requests, misses for any difference."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from conftest import randn
+
+import cudnn_attn
+from cudnn_attn import PlanCache
+
+
+def _build(cache, q, k, v, **kwargs):
+    with cudnn_attn.Graph(cache=cache) as g:
+        g.sdpa(q, k, v, **kwargs)
+    return g
+
+
+def _qkv(s=16, dtype=torch.float16):
+    return tuple(randn(2, 4, s, 32, dtype=dtype) for _ in range(3))
+
+
+def test_equal_requests_hit_and_build_once(cache):
+    q, k, v = _qkv()
+    g1 = _build(cache, q, k, v, use_causal_mask=True)
+    g2 = _build(cache, *_qkv(), use_causal_mask=True)  # other data, same geometry
+    stats = cache.stats()
+    assert (stats["builds"], stats["misses"], stats["hits"]) == (1, 1, 1)
+    assert g1.nodes[0].plan is g2.nodes[0].plan and len(cache) == 1
+    assert stats["build_seconds"] >= 0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"attn_scale": 0.1},  # FlashInfer once keyed its cuDNN graphs without the scale
+        {"use_causal_mask": True},
+        {"use_causal_mask_bottom_right": True},
+        {"use_causal_mask": True, "sliding_window_length": 4},
+        {"dropout": 0.1},
+        {"generate_stats": True},
+    ],
+    ids=["scale", "causal", "causal-br", "window", "dropout", "stats"],
+)
+def test_any_change_in_a_built_value_is_a_miss(cache, change):
+    q, k, v = _qkv()
+    _build(cache, q, k, v)
+    _build(cache, q, k, v, **change)
+    assert cache.stats()["builds"] == 2
+
+
+def test_geometry_changes_are_misses(cache):
+    q, k, v = _qkv()
+    _build(cache, q, k, v)
+    _build(cache, *_qkv(s=24))  # sequence length
+    _build(cache, *_qkv(dtype=torch.bfloat16))  # dtype
+    bshd = tuple(randn(2, 16, 4, 32, dtype=torch.float16).transpose(1, 2) for _ in range(3))
+    _build(cache, *bshd)  # strides
+    assert cache.stats()["builds"] == 4
+
+
+def test_lru_evicts_the_least_recently_used():
+    cache = PlanCache(maxsize=2)
+    a, b, c = _qkv(8), _qkv(16), _qkv(24)
+    _build(cache, *a)
+    _build(cache, *b)
+    _build(cache, *a)  # a is now the most recent
+    _build(cache, *c)  # evicts b
+    assert cache.stats()["evictions"] == 1
+    _build(cache, *a)
+    assert cache.stats()["hits"] == 2
+    _build(cache, *b)
+    assert cache.stats()["builds"] == 4
+
+
+def test_concurrent_first_requests_build_once():
+    cache = PlanCache()
+    calls = []
+
+    def slow_build():
+        calls.append(1)
+        time.sleep(0.05)
+        return object()
+
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(cache.get_or_build("key", slow_build))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len({id(r) for r in results}) == 1
+    assert cache.stats()["builds"] == 1 and cache.stats()["misses"] == 8
+
+
+def test_a_failed_build_is_not_cached_and_reaches_every_waiter():
+    cache = PlanCache()
+
+    def broken():
+        raise RuntimeError("no plan")
+
+    with pytest.raises(RuntimeError):
+        cache.get_or_build("k", broken)
+    assert len(cache) == 0 and cache.stats()["build_errors"] == 1
+    assert cache.get_or_build("k", lambda: "plan") == "plan"
+
+
+def test_clear_and_default_cache():
+    cache = cudnn_attn.default_cache()
+    assert cache is cudnn_attn.default_cache()
+    _build(None, *_qkv(40))
+    assert len(cache) >= 1
+    cache.clear()
+    assert len(cache) == 0 and cache.stats()["hits"] == 0
+    with pytest.raises(ValueError):
+        PlanCache(maxsize=0)

@@ -1,0 +1,190 @@
+"""Malformed requests: each gives one ValidationError whose lines name the right argument."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cudnn_attn
+from cudnn_attn import ValidationError
+
+B, H, S, D = 2, 4, 16, 64
+
+
+def t(*shape, dtype=torch.float16):
+    return torch.randn(*shape).to(dtype)
+
+
+def lengths(*values, dtype=torch.int32):
+    return torch.tensor(values, dtype=dtype)
+
+
+Q, K, V = t(B, H, S, D), t(B, H, S, D), t(B, H, S, D)
+DO = t(B, H, S, D)
+STATS = torch.randn(B, H, S, 1)
+PAGED_CACHE = t(8, 16, H, D)
+TABLE = torch.arange(8, dtype=torch.int32).view(B, 4)
+
+
+def fwd(**kw):
+    args = {"q": Q, "k": K, "v": V}
+    args.update(kw)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    with cudnn_attn.Graph(backend="reference") as g:
+        g.sdpa(q, k, v, **args)
+
+
+def bwd(**kw):
+    args = {"q": Q, "k": K, "v": V, "o": Q, "dO": DO, "stats": STATS}
+    args.update(kw)
+    with cudnn_attn.Graph(backend="reference") as g:
+        g.sdpa_backward(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("o"), args.pop("dO"), args.pop("stats"), **args)
+
+
+def paged(**kw):
+    args = {"q": t(B, H, 1, D), "k": PAGED_CACHE, "v": PAGED_CACHE, "page_table": TABLE, "seq_len_kv": lengths(30, 64)}
+    args.update(kw)
+    with cudnn_attn.Graph(backend="reference") as g:
+        g.sdpa_with_paged_cache(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("page_table"), **args)
+
+
+# (id, call, argument the message must name, a phrase it must contain)
+MALFORMED = [
+    ("q-rank-2", lambda: fwd(q=t(S, D)), "q:", "rank 2"),
+    ("q-rank-5", lambda: fwd(q=t(1, B, H, S, D)), "q:", "rank 5"),
+    ("k-rank", lambda: fwd(k=t(H, S, D)), "k:", "rank 3"),
+    ("q-not-tensor", lambda: fwd(q=[1, 2, 3]), "q:", "expected a tensor"),
+    ("v-not-tensor", lambda: fwd(v="v"), "v:", "expected a tensor"),
+    ("q-last-stride", lambda: fwd(q=t(B, H, D, S).transpose(2, 3)), "q:", "last stride"),
+    ("k-last-stride", lambda: fwd(k=t(B, H, D, S).transpose(2, 3)), "k:", "last stride"),
+    ("q-float32", lambda: fwd(q=t(B, H, S, D, dtype=torch.float32)), "q:", "float32"),
+    ("q-int", lambda: fwd(q=torch.ones(B, H, S, D, dtype=torch.int32)), "q:", "int32"),
+    ("k-dtype-differs", lambda: fwd(k=t(B, H, S, D, dtype=torch.bfloat16)), "k:", "bfloat16"),
+    ("v-dtype-differs", lambda: fwd(v=t(B, H, S, D, dtype=torch.bfloat16)), "v:", "bfloat16"),
+    ("k-batch", lambda: fwd(k=t(3, H, S, D), v=t(3, H, S, D)), "k:", "batch 3"),
+    ("v-seq-len", lambda: fwd(v=t(B, H, S + 8, D)), "v:", "sequence length"),
+    ("k-head-dim", lambda: fwd(k=t(B, H, S, 32)), "k:", "d_qk=32"),
+    ("head-dim-not-multiple-of-8", lambda: fwd(q=t(B, H, S, 60), k=t(B, H, S, 60), v=t(B, H, S, 60)), "d_qk", "60"),
+    ("head-dim-too-large", lambda: fwd(q=t(1, 1, 8, 264), k=t(1, 1, 8, 264), v=t(1, 1, 8, 264)), "d_qk", "264"),
+    ("v-head-dim-too-large", lambda: fwd(v=t(B, H, S, 320)), "d_v", "320"),
+    ("gqa-ratio", lambda: fwd(k=t(B, 3, S, D), v=t(B, 3, S, D)), "k:", "3 heads"),
+    ("gqa-v-ratio", lambda: fwd(v=t(B, 3, S, D)), "v:", "3 heads"),
+    ("io-data-type", lambda: _graph_io(cudnn_attn.data_type.BFLOAT16), "io_data_type", "bfloat16"),
+    ("both-causal", lambda: fwd(use_causal_mask=True, use_causal_mask_bottom_right=True), "use_causal_mask", "both"),
+    ("inference-contradicts-stats", lambda: fwd(is_inference=True, generate_stats=True), "generate_stats", "contradicts"),
+    ("bias-shape", lambda: fwd(attn_bias=t(B, H, S, S + 1)), "attn_bias", "S_kv=17"),
+    ("bias-heads", lambda: fwd(attn_bias=t(1, 3, S, S)), "attn_bias", "H=3"),
+    ("bias-rank", lambda: fwd(attn_bias=t(S, S)), "attn_bias", "rank 2"),
+    ("bias-dtype", lambda: fwd(attn_bias=torch.zeros(1, 1, S, S, dtype=torch.int64)), "attn_bias", "int64"),
+    ("bias-given-twice", lambda: fwd(attn_bias=t(1, 1, S, S), bias=t(1, 1, S, S)), "attn_bias", "twice"),
+    ("alibi-needs-causal", lambda: fwd(use_alibi_mask=True), "use_alibi_mask", "causal"),
+    ("alibi-bottom-right", lambda: fwd(use_alibi_mask=True, use_causal_mask_bottom_right=True), "use_alibi_mask", "bottom_right"),
+    ("window-zero", lambda: fwd(use_causal_mask=True, sliding_window_length=0), "sliding_window_length", ">= 1"),
+    ("window-not-int", lambda: fwd(sliding_window_length=2.5), "sliding_window_length", "2.5"),
+    ("window-sq-gt-skv", lambda: fwd(k=t(B, H, 8, D), v=t(B, H, 8, D), sliding_window_length=4), "sliding_window_length", "S_q=16 > S_kv=8"),
+    ("br-sq-gt-skv", lambda: fwd(k=t(B, H, 8, D), v=t(B, H, 8, D), use_causal_mask_bottom_right=True), "use_causal_mask_bottom_right", "S_q=16 > S_kv=8"),
+    ("br-with-bias", lambda: fwd(use_causal_mask_bottom_right=True, attn_bias=t(1, 1, S, S)), "use_causal_mask_bottom_right", "attn_bias"),
+    ("br-with-dropout", lambda: fwd(use_causal_mask_bottom_right=True, dropout=0.1), "use_causal_mask_bottom_right", "dropout"),
+    ("padding-without-lengths", lambda: fwd(use_padding_mask=True), "seq_len_q", "missing"),
+    ("lengths-without-padding", lambda: fwd(seq_len_q=lengths(S, S), seq_len_kv=lengths(S, S)), "seq_len_q", "use_padding_mask"),
+    ("seq-len-dtype", lambda: fwd(use_padding_mask=True, seq_len_q=lengths(S, S, dtype=torch.int64), seq_len_kv=lengths(S, S)), "seq_len_q", "int64"),
+    ("seq-len-shape", lambda: fwd(use_padding_mask=True, seq_len_q=lengths(S, S, S), seq_len_kv=lengths(S, S)), "seq_len_q", "[3]"),
+    ("seq-len-value", lambda: fwd(use_padding_mask=True, seq_len_q=lengths(S, S + 1), seq_len_kv=lengths(S, S)), "seq_len_q", "17"),
+    ("seq-len-negative", lambda: fwd(use_padding_mask=True, seq_len_q=lengths(S, S), seq_len_kv=lengths(-1, S)), "seq_len_kv", "-1"),
+    ("dropout-one", lambda: fwd(dropout=1.0), "dropout", "1.0"),
+    ("dropout-negative", lambda: fwd(dropout=-0.1), "dropout", "-0.1"),
+    ("dropout-not-number", lambda: fwd(dropout="0.1"), "dropout", "'0.1'"),
+    ("dropout-tuple-and-seed", lambda: fwd(dropout=(0.1, 1, 2), dropout_seed=3), "dropout", "both"),
+    ("dropout-seed-shape", lambda: fwd(dropout=0.1, dropout_seed=torch.zeros(2, dtype=torch.int64)), "dropout_seed", "one value"),
+    ("dropout-seed-dtype", lambda: fwd(dropout=0.1, dropout_seed=torch.zeros(1)), "dropout_seed", "float32"),
+    ("attn-scale-nan", lambda: fwd(attn_scale=float("nan")), "attn_scale", "finite"),
+    ("attn-scale-string", lambda: fwd(attn_scale="big"), "attn_scale", "'big'"),
+    ("right-bound", lambda: fwd(diagonal_band_right_bound=3), "diagonal_band_right_bound", "3"),
+    ("window-disagrees", lambda: fwd(use_causal_mask=True, sliding_window_length=3, diagonal_band_left_bound=4), "sliding_window_length", "disagrees"),
+    ("compute-dtype", lambda: fwd(compute_data_type=torch.float16), "compute_data_type", "float16"),
+    ("thd-no-lengths", lambda: fwd(q=t(40, H, D), k=t(40, H, D), v=t(40, H, D)), "seq_len_q", "missing"),
+    ("thd-lengths-overflow", lambda: fwd(q=t(10, H, D), k=t(10, H, D), v=t(10, H, D), seq_len_q=lengths(6, 6), seq_len_kv=lengths(5, 5)), "seq_len_q", "sum to 12"),
+    ("thd-k-dense", lambda: fwd(q=t(10, H, D), seq_len_q=lengths(5, 5), seq_len_kv=lengths(5, 5)), "k:", "rank 4"),
+    ("paged-table-dtype", lambda: paged(page_table=TABLE.long()), "page_table_k", "int64"),
+    ("paged-table-shape", lambda: paged(page_table=torch.zeros(3, 4, dtype=torch.int32)), "page_table_k", "[3, 4]"),
+    ("paged-table-values", lambda: paged(page_table=TABLE + 5), "page_table_k", "out of range"),
+    ("paged-no-seq-len-kv", lambda: paged(seq_len_kv=None), "seq_len_kv", "paged"),
+    ("paged-max-too-large", lambda: paged(max_seq_len_kv=100), "paged_attention_max_seq_len_kv", "100"),
+    ("paged-layout-name", lambda: paged(kv_cache_layout="HND"), "kv_cache_layout", "HND"),
+    ("paged-max-without-pages", lambda: fwd(paged_attention_max_seq_len_kv=64), "paged_attention_max_seq_len_kv", "without paged"),
+    ("fp8-backward", lambda: bwd(q=t(B, H, S, D, dtype=torch.float8_e4m3fn)), "q:", "forward-only"),
+    ("bwd-stats-dtype", lambda: bwd(stats=STATS.half()), "stats", "float16"),
+    ("bwd-stats-shape", lambda: bwd(stats=torch.randn(B, H, S)), "stats", "rank 3"),
+    ("bwd-do-shape", lambda: bwd(dO=t(B, H, S, 32)), "dO", "[2, 4, 16, 32]"),
+    ("bwd-o-shape", lambda: bwd(o=t(B, H, S + 1, D)), "o:", "[2, 4, 17, 64]"),
+    ("bwd-dbias-without-bias", lambda: bwd(bias_grad=True), "dBias", "without attn_bias"),
+    ("device-mismatch", lambda: fwd(k=torch.empty(B, H, S, D, dtype=torch.float16, device="meta")), "device", "meta"),
+    ("empty-dimension", lambda: fwd(q=t(B, H, 0, D)), "q:", "empty dimension"),
+]
+
+
+def _graph_io(io):
+    with cudnn_attn.Graph(io_data_type=io, backend="reference") as g:
+        g.sdpa(Q, K, V)
+
+
+@pytest.mark.parametrize("call,argument,phrase", [m[1:] for m in MALFORMED], ids=[m[0] for m in MALFORMED])
+def test_malformed_request_names_its_argument(call, argument, phrase):
+    with pytest.raises(ValidationError) as info:
+        call()
+    lines = info.value.problems
+    hit = [line for line in lines if argument in line and phrase in line]
+    assert hit, f"no line names {argument!r} with {phrase!r}: {lines}"
+
+
+def test_there_are_at_least_40_distinct_malformed_requests():
+    assert len({m[0] for m in MALFORMED}) >= 40
+
+
+def test_every_problem_is_reported_together():
+    with pytest.raises(ValidationError) as info:
+        fwd(k=t(B, 3, S, 60), use_causal_mask=True, use_causal_mask_bottom_right=True, dropout=2.0)
+    text = str(info.value)
+    for fragment in ("k: 3 heads", "d_qk=60", "use_causal_mask: both", "dropout: probability 2.0"):
+        assert fragment in text, text
+    assert len(info.value.problems) >= 4
+
+
+def test_multi_node_graph_prefixes_each_problem_with_its_node():
+    with pytest.raises(ValidationError) as info:
+        with cudnn_attn.Graph(backend="reference") as g:
+            g.sdpa(Q, K, V, name="first")
+            g.sdpa(Q, t(B, 3, S, D), V, name="second")
+    assert all(line.startswith("second: ") for line in info.value.problems)
+
+
+def test_validation_is_a_pure_function_of_the_problem():
+    from cudnn_attn import validation
+    from cudnn_attn.problem import AttentionProblem, Op, TensorSpec
+
+    q = TensorSpec.of(Q)
+    good = AttentionProblem(op=Op.FORWARD, q=q, k=q, v=q, o=q, attn_scale=0.125)
+    assert validation.problems(good) == []
+    bad = good.replace(k=TensorSpec.of(t(B, H, S, 32)))
+    assert validation.problems(bad) == validation.problems(bad)
+    assert any("k:" in line for line in validation.problems(bad))
+
+
+def test_validation_error_is_a_value_error_and_unsupported_is_not_implemented():
+    assert issubclass(ValidationError, ValueError)
+    assert issubclass(cudnn_attn.UnsupportedError, NotImplementedError)
+    assert issubclass(cudnn_attn.ShapeMismatchError, ValueError)
+
+
+def test_graph_arguments_are_validated():
+    with pytest.raises(ValidationError, match="backend"):
+        cudnn_attn.Graph(backend="tensorrt")
+    with pytest.raises(ValidationError, match="io_data_type"):
+        cudnn_attn.Graph(io_data_type="complex")
+
+
+def test_cudnn_backend_on_cpu_tensors_is_unsupported_with_an_alternative():
+    with pytest.raises(cudnn_attn.UnsupportedError) as info:
+        with cudnn_attn.Graph(backend="cudnn") as g:
+            g.sdpa(Q, K, V)
+    assert "CUDA" in str(info.value) and 'backend="reference"' in str(info.value)
