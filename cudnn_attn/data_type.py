@@ -10,6 +10,7 @@ import enum
 from typing import Any
 
 import torch
+from torch import dtype as TorchDtype
 
 
 class data_type(enum.Enum):  # noqa: N801 - the frontend's spelling
@@ -26,13 +27,13 @@ class data_type(enum.Enum):  # noqa: N801 - the frontend's spelling
     NOT_SET = "not_set"
 
     @property
-    def torch(self) -> torch.dtype | None:
+    def torch(self) -> TorchDtype | None:
         if self is data_type.NOT_SET:
             return None
         return getattr(torch, self.value)
 
     @classmethod
-    def from_torch(cls, dtype: torch.dtype) -> data_type:
+    def from_torch(cls, dtype: TorchDtype) -> data_type:
         name = str(dtype).removeprefix("torch.")
         return cls(name)
 

@@ -41,9 +41,7 @@ class UnsupportedError(_ProblemList, NotImplementedError):
 
     headline = "reasons"
 
-    def __init__(
-        self, reasons: Iterable[str], context: str | None = None, alternatives: Iterable[str] = ()
-    ):
+    def __init__(self, reasons: Iterable[str], context: str | None = None, alternatives: Iterable[str] = ()):
         self.alternatives = list(alternatives)
         message = self._format(reasons, context)
         if self.alternatives:

@@ -13,6 +13,7 @@ miss. Calling the graph checks the run's tensors against the templates and runs 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -106,7 +107,9 @@ class Graph:
 
     # ---- tensors -----------------------------------------------------------------------------
 
-    def tensor(self, *, name: str = "", dim: Sequence[int], stride: Sequence[int], data_type: Any, device: str = "cuda:0") -> InputHandle:
+    def tensor(
+        self, *, name: str = "", dim: Sequence[int], stride: Sequence[int], data_type: Any, device: str = "cuda:0"
+    ) -> InputHandle:
         """An input described without data (the frontend's ``graph.tensor``)."""
         self._check_recording("tensor")
         try:
@@ -163,7 +166,9 @@ class Graph:
         if handle is None:
             tensor = interop.as_torch(value)
             if tensor is None:
-                node.errors.append(f"{user_name(role)}: {type(value).__name__}; expected a tensor (torch, or any DLPack array)")
+                node.errors.append(
+                    f"{user_name(role)}: {type(value).__name__}; expected a tensor (torch, or any DLPack array)"
+                )
                 return
             handle = self._new_input(TensorSpec.of(tensor), user_name(role), tensor, role)
             self._by_identity[id(value)] = handle
@@ -226,12 +231,18 @@ class Graph:
         paged = paged_attention_k_table is not None or paged_attention_v_table is not None
         if paged:
             self._bind_input(node, "page_table_k", paged_attention_k_table)
-            self._bind_input(node, "page_table_v", paged_attention_v_table if paged_attention_v_table is not None else paged_attention_k_table)
+            self._bind_input(
+                node,
+                "page_table_v",
+                paged_attention_v_table if paged_attention_v_table is not None else paged_attention_k_table,
+            )
             node.options["padding"] = True  # paged caches are read through per-sequence lengths
             node.options["max_seq_len_kv"] = paged_attention_max_seq_len_kv or node.options["max_seq_len_kv"]
             k_handle, q_handle = node.inputs.get("k"), node.inputs.get("q")
             if k_handle is not None and q_handle is not None and k_handle.spec and q_handle.spec:
-                node.options["kv_cache_layout"] = infer_cache_layout(k_handle.spec, q_handle.spec, kv_cache_layout, node.errors)
+                node.options["kv_cache_layout"] = infer_cache_layout(
+                    k_handle.spec, q_handle.spec, kv_cache_layout, node.errors
+                )
         elif paged_attention_max_seq_len_kv is not None:
             node.errors.append("paged_attention_max_seq_len_kv: given without paged caches (paged_attention_k_table)")
         o = self._new_output(node, "o")
@@ -332,7 +343,9 @@ class Graph:
 
     def _new_output(self, node: Node, role: str) -> OutputHandle:
         base = OUTPUT_NAMES[role]
-        handle = OutputHandle(self, self._unique_name(base if len(self.nodes) == 0 else f"{node.name}::{base}"), node, role)
+        handle = OutputHandle(
+            self, self._unique_name(base if len(self.nodes) == 0 else f"{node.name}::{base}"), node, role
+        )
         node.outputs[role] = handle
         return handle
 
@@ -388,7 +401,7 @@ class Graph:
                 continue
             key = (backend.name, backend.plan_key(node.problem), node.problem)
             node.backend = backend.name
-            node.plan = self.cache.get_or_build(key, lambda b=backend, p=node.problem: b.build(p))
+            node.plan = self.cache.get_or_build(key, functools.partial(backend.build, node.problem))
         if reasons:
             raise UnsupportedError(reasons, context=self.name, alternatives=alternatives)
         self._built = True
@@ -397,7 +410,9 @@ class Graph:
 
     def _templates(self, node: Node) -> dict[str, torch.Tensor]:
         """The data of the node's template inputs, for build-time value checks."""
-        return {role: h.template for role, h in node.inputs.items() if isinstance(h, InputHandle) and h.template is not None}
+        return {
+            role: h.template for role, h in node.inputs.items() if isinstance(h, InputHandle) and h.template is not None
+        }
 
     def _make_problem(self, node: Node) -> AttentionProblem | None:
         specs: dict[str, TensorSpec] = {}
@@ -410,7 +425,7 @@ class Graph:
             return None
         d_qk = q.shape[-1] if q.shape else 1
         scale = node.scale if node.scale is not None else 1.0 / math.sqrt(max(d_qk, 1))
-        common = dict(
+        common: dict[str, Any] = dict(
             io_dtype=self._dtypes["io_data_type"],
             intermediate_dtype=self._dtypes["intermediate_data_type"] or torch.float32,
             compute_dtype=self._dtypes["compute_data_type"] or torch.float32,
@@ -425,8 +440,13 @@ class Graph:
                 rows = q.shape[:3] if q.rank == 4 else None
                 shape = (rows[0], rows[1], rows[2], 1) if rows else _thd_stats_shape(specs, node)
                 stats = output_spec(node.outputs["stats"], TensorSpec.contiguous(shape, torch.float32, q.device))
-            return AttentionProblem(op=Op.FORWARD, o=o, stats=stats, **_tensor_fields(specs, exclude=("o", "stats")), **common)
-        outs = {role: output_spec(node.outputs[role], like(specs[source])) for role, source in (("d_q", "q"), ("d_k", "k"), ("d_v", "v"))}
+            return AttentionProblem(
+                op=Op.FORWARD, o=o, stats=stats, **_tensor_fields(specs, exclude=("o", "stats")), **common
+            )
+        outs: dict[str, Any] = {
+            role: output_spec(node.outputs[role], like(specs[source]))
+            for role, source in (("d_q", "q"), ("d_k", "k"), ("d_v", "v"))
+        }
         if "d_bias" in node.outputs:
             bias = specs.get("bias")
             default = like(bias) if bias is not None else TensorSpec.contiguous((1, 1, 1, 1), torch.float32, q.device)
@@ -472,7 +492,9 @@ class Graph:
 
     # ---- run -----------------------------------------------------------------------------------
 
-    def __call__(self, *args: Any, handle: Any = None, stream: Any = None, out: Any = None, workspace: Any = None) -> Any:
+    def __call__(
+        self, *args: Any, handle: Any = None, stream: Any = None, out: Any = None, workspace: Any = None
+    ) -> Any:
         """Run the graph: ``g(q, k, v, ...)`` positionally or ``g({name: tensor})``.
 
         Returns the one output, or a tuple of the outputs in node order.
@@ -488,7 +510,9 @@ class Graph:
         values = [interop.to_kind(results[h], kind) for h in self.outputs]
         return values[0] if len(values) == 1 else tuple(values)
 
-    def execute(self, variant_pack: Mapping[Any, Any], workspace: Any = None, handle: Any = None, stream: Any = None) -> None:
+    def execute(
+        self, variant_pack: Mapping[Any, Any], workspace: Any = None, handle: Any = None, stream: Any = None
+    ) -> None:
         """The frontend's form: ``variant_pack`` maps every handle (inputs and outputs) to a tensor."""
         if not self._built:
             self.build()
@@ -496,7 +520,9 @@ class Graph:
         outputs = {h: t for h, t in variant_pack.items() if isinstance(h, OutputHandle)}
         missing = [h.name for h in self.outputs if h not in outputs]
         if missing:
-            raise ShapeMismatchError([f"{name}: missing from the variant pack (outputs are written in place)" for name in missing])
+            raise ShapeMismatchError(
+                [f"{name}: missing from the variant pack (outputs are written in place)" for name in missing]
+            )
         bound = self._bind_by_name(inputs)
         self._run(bound, self._bind_out(outputs), handle, stream, workspace)
 
@@ -542,15 +568,20 @@ class Graph:
         outputs = self.outputs
         if isinstance(out, Mapping):
             by_name = {h.name: h for h in outputs}
-            pairs = [(k if isinstance(k, OutputHandle) else by_name.get(k), v) for k, v in out.items()]
+            pairs: list[tuple[Any, Any]] = [
+                (k if isinstance(k, OutputHandle) else by_name.get(k), v) for k, v in out.items()
+            ]
             if any(h is None for h, _ in pairs):
                 raise ShapeMismatchError([f"out: keys must be output names ({', '.join(by_name)}) or handles"])
         else:
             values = [out] if isinstance(out, torch.Tensor) or hasattr(out, "__dlpack__") else list(out)
             if len(values) != len(outputs):
-                raise ShapeMismatchError([f"out: {len(values)} tensors for {len(outputs)} outputs ({', '.join(h.name for h in outputs)})"])
+                raise ShapeMismatchError(
+                    [f"out: {len(values)} tensors for {len(outputs)} outputs ({', '.join(h.name for h in outputs)})"]
+                )
             pairs = list(zip(outputs, values))
-        bound, problems = {}, []
+        bound: dict[OutputHandle, Any] = {}
+        problems: list[str] = []
         for handle, value in pairs:
             tensor = interop.as_torch(value)
             mismatch = "not a tensor" if tensor is None else interop.geometry_mismatch(tensor, handle.spec)
@@ -572,10 +603,11 @@ class Graph:
             for role, h in output_roles:
                 t = outs.get(h)
                 if t is None:
-                    spec = h.spec
+                    spec: Any = h.spec
                     t = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=spec.device)
                 outputs[role] = values[h] = t
-            node.plan(inputs, outputs, stream=stream, workspace=workspace, handle=handle or self.handle)
+            plan: Any = node.plan
+            plan(inputs, outputs, stream=stream, workspace=workspace, handle=handle or self.handle)
         return values, kind
 
     def __repr__(self) -> str:
@@ -600,7 +632,7 @@ def _resolve_stats(is_inference: bool | None, generate_stats: bool | None, error
     return not is_inference if is_inference is not None else False
 
 
-def _tensor_fields(specs: dict[str, TensorSpec], exclude: tuple[str, ...] = ()) -> dict[str, TensorSpec]:
+def _tensor_fields(specs: dict[str, TensorSpec], exclude: tuple[str, ...] = ()) -> dict[str, Any]:
     roles = set(FORWARD_INPUTS) | set(BACKWARD_INPUTS)
     return {role: spec for role, spec in specs.items() if role in roles and role not in exclude}
 

@@ -37,7 +37,12 @@ def geometry_mismatch(tensor: torch.Tensor, spec: TensorSpec) -> str | None:
     Strides of size-1 dimensions are ignored: they never address memory.
     """
     shape, stride = tuple(tensor.shape), tensor.stride()
-    if shape == spec.shape and stride == spec.stride and tensor.dtype == spec.dtype and str(tensor.device) == spec.device:
+    if (
+        shape == spec.shape
+        and stride == spec.stride
+        and tensor.dtype == spec.dtype
+        and str(tensor.device) == spec.device
+    ):
         return None  # the fast path of every steady-state call
     problems = []
     if shape != spec.shape:

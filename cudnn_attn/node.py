@@ -148,13 +148,13 @@ def _causal(args: MaskArgs, errors: list[str]) -> Causal:
     right = args.diagonal_band_right_bound
     if right is not None:
         if right != 0:
-            errors.append(
-                f"diagonal_band_right_bound: {right!r}; only 0 (a causal diagonal) is supported"
-            )
+            errors.append(f"diagonal_band_right_bound: {right!r}; only 0 (a causal diagonal) is supported")
         elif not (top or bottom):
             top, bottom = alignment != "BOTTOM_RIGHT", alignment == "BOTTOM_RIGHT"
     elif alignment == "BOTTOM_RIGHT" and not bottom:
-        errors.append("diagonal_alignment: BOTTOM_RIGHT needs diagonal_band_right_bound=0 (or use_causal_mask_bottom_right)")
+        errors.append(
+            "diagonal_alignment: BOTTOM_RIGHT needs diagonal_band_right_bound=0 (or use_causal_mask_bottom_right)"
+        )
     if bottom:
         return Causal.BOTTOM_RIGHT
     return Causal.TOP_LEFT if top else Causal.NONE
@@ -163,9 +163,7 @@ def _causal(args: MaskArgs, errors: list[str]) -> Causal:
 def _window(args: MaskArgs, errors: list[str]) -> int | None:
     window, left = args.sliding_window_length, args.diagonal_band_left_bound
     if window is not None and left is not None and window != left:
-        errors.append(
-            f"sliding_window_length: {window} disagrees with diagonal_band_left_bound={left}; give one"
-        )
+        errors.append(f"sliding_window_length: {window} disagrees with diagonal_band_left_bound={left}; give one")
     value = window if window is not None else left
     if value is None:
         return None
@@ -218,7 +216,11 @@ def infer_cache_layout(k: TensorSpec, q: TensorSpec, explicit: Any, errors: list
     if k.rank != 4 or q.rank != 4:
         return KVCacheLayout.NPHD  # validation reports the ranks
     h_q = q.shape[1]
-    fits = [layout for layout, heads in ((KVCacheLayout.NPHD, k.shape[2]), (KVCacheLayout.NHPD, k.shape[1])) if h_q % heads == 0]
+    fits = [
+        layout
+        for layout, heads in ((KVCacheLayout.NPHD, k.shape[2]), (KVCacheLayout.NHPD, k.shape[1]))
+        if h_q % heads == 0
+    ]
     if len(fits) == 1:
         return fits[0]
     if not fits:

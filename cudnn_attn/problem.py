@@ -228,9 +228,7 @@ class AttentionProblem:
     def tensor_specs(self) -> dict[str, TensorSpec]:
         """Every tensor of the problem by role, inputs and outputs alike."""
         return {
-            f.name: value
-            for f in dataclasses.fields(self)
-            if isinstance(value := getattr(self, f.name), TensorSpec)
+            f.name: value for f in dataclasses.fields(self) if isinstance(value := getattr(self, f.name), TensorSpec)
         }
 
     def flops(self) -> float:

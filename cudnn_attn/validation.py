@@ -64,7 +64,9 @@ def _check_ranks(p: AttentionProblem, found: list[str]) -> bool:
         )
         return False
     kv_rank = 4 if p.is_paged else p.q.rank
-    what = "a 4-D paged cache" if p.is_paged else ("3-D [T, H, D] like q" if p.q.rank == 3 else "4-D [B, H, S, D] like q")
+    what = (
+        "a 4-D paged cache" if p.is_paged else ("3-D [T, H, D] like q" if p.q.rank == 3 else "4-D [B, H, S, D] like q")
+    )
     for role in ("k", "v"):
         spec = getattr(p, role)
         if spec.rank != kv_rank:
@@ -83,7 +85,9 @@ def _check_ranks(p: AttentionProblem, found: list[str]) -> bool:
             found.append(f"{_name(role)}: rank {spec.rank} (shape {list(spec.shape)}); expected 4-D")
     for spec in p.tensor_specs().values():
         if any(s <= 0 for s in spec.shape):
-            found.append(f"{_role_of(p, spec)}: shape {list(spec.shape)} has an empty dimension; every dimension must be >= 1")
+            found.append(
+                f"{_role_of(p, spec)}: shape {list(spec.shape)} has an empty dimension; every dimension must be >= 1"
+            )
             break
     return len(found) == before
 
@@ -130,7 +134,7 @@ def _check_dtypes(p: AttentionProblem, found: list[str]) -> None:
         spec = getattr(p, role)
         if spec is not None and spec.dtype not in (q_dt, torch.float32):
             found.append(f"{_name(role)}: dtype {_dt(spec)}; must be q's dtype ({_dt(p.q)}) or float32")
-    for role, allowed in (
+    for role, int_dtypes in (
         ("seq_len_q", SEQ_LEN_DTYPES),
         ("seq_len_kv", SEQ_LEN_DTYPES),
         ("page_table_k", PAGE_TABLE_DTYPES),
@@ -139,8 +143,8 @@ def _check_dtypes(p: AttentionProblem, found: list[str]) -> None:
         ("dropout_offset", RNG_DTYPES),
     ):
         spec = getattr(p, role)
-        if spec is not None and spec.dtype not in allowed:
-            found.append(f"{role}: dtype {_dt(spec)}; must be {' or '.join(dtype_name(d) for d in allowed)}")
+        if spec is not None and spec.dtype not in int_dtypes:
+            found.append(f"{role}: dtype {_dt(spec)}; must be {' or '.join(dtype_name(d) for d in int_dtypes)}")
     for name, dtype in (("intermediate_data_type", p.intermediate_dtype), ("compute_data_type", p.compute_dtype)):
         if dtype != torch.float32:
             found.append(f"{name}: {dtype_name(dtype)}; attention accumulates in float32 (data_type.FLOAT)")
@@ -150,7 +154,9 @@ def _check_devices(p: AttentionProblem, found: list[str]) -> None:
     specs = p.tensor_specs()
     devices = {spec.device for spec in specs.values()}
     if len(devices) > 1:
-        where = ", ".join(f"{_name(role)} on {spec.device}" for role, spec in specs.items() if spec.device != p.q.device)
+        where = ", ".join(
+            f"{_name(role)} on {spec.device}" for role, spec in specs.items() if spec.device != p.q.device
+        )
         found.append(f"device: tensors are on several devices (q on {p.q.device}; {where}); put them on one device")
 
 
@@ -168,9 +174,7 @@ def _check_geometry(p: AttentionProblem, found: list[str]) -> None:
         found.append(f"k: head dim d_qk={p.k.shape[-1]} differs from q's {p.d_qk}; q and k must share d_qk")
     for name, d in (("d_qk (q)", p.d_qk), ("d_v (v)", p.d_v_dim)):
         if d % HEAD_DIM_MULTIPLE or d > MAX_HEAD_DIM:
-            found.append(
-                f"{name}: head dim {d}; allowed: a multiple of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}"
-            )
+            found.append(f"{name}: head dim {d}; allowed: a multiple of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}")
     if not p.is_thd and not p.is_paged:
         b = p.q.shape[0]
         for role in ("k", "v"):
@@ -252,7 +256,9 @@ def _check_padding(p: AttentionProblem, found: list[str]) -> None:
     if p.padding:
         for role in ("seq_len_q", "seq_len_kv"):
             if getattr(p, role) is None and not (role == "seq_len_q" and p.is_paged):
-                found.append(f"{role}: missing; use_padding_mask=True needs seq_len_q and seq_len_kv tensors of shape [B]")
+                found.append(
+                    f"{role}: missing; use_padding_mask=True needs seq_len_q and seq_len_kv tensors of shape [B]"
+                )
     else:
         for role in ("seq_len_q", "seq_len_kv"):
             if getattr(p, role) is not None:
@@ -280,7 +286,9 @@ def _check_paging(p: AttentionProblem, found: list[str]) -> None:
                 found.append(f"{role}: given but k/v are not paged caches")
         return
     if not p.is_forward:
-        found.append("paged_attention_k_table: paged K/V caches are forward-only (inference); sdpa_backward takes dense K/V")
+        found.append(
+            "paged_attention_k_table: paged K/V caches are forward-only (inference); sdpa_backward takes dense K/V"
+        )
     if p.q.rank != 4:
         found.append("q: paged caches need a dense 4-D q [B, H, S_q, D]")
         return

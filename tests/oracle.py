@@ -35,7 +35,9 @@ def allowed_row(i, s_kv, len_q, len_kv, causal, window):
     return ok
 
 
-def attention(q, k, v, *, scale, causal=None, window=None, seq_q=None, seq_kv=None, bias=None, alibi=False, keep=None, p=0.0):
+def attention(
+    q, k, v, *, scale, causal=None, window=None, seq_q=None, seq_kv=None, bias=None, alibi=False, keep=None, p=0.0
+):
     """Dense [B, H, S, D] inputs -> (O, LSE) in float64; fully masked rows give (0, -inf)."""
     q, k, v = q.double(), k.double(), v.double()
     b_n, h_q, s_q, _ = q.shape

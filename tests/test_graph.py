@@ -32,7 +32,9 @@ def test_frontend_spelling_works_as_a_drop_in(qkv):
     out, lse = g(q, k, v, handle=handle)
     cudnn.destroy_handle(handle)
     assert out.shape == q.shape and lse.shape == (2, 4, 16, 1) and lse.dtype == torch.float32
-    expected = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, scale=0.2)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), is_causal=True, scale=0.2
+    )
     assert rel_err(out, expected) < 1e-3
 
 

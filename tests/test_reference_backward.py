@@ -31,19 +31,31 @@ def _setup(case, seed=0):
     b, h_q, h_kv, s_q, s_kv, d_qk, d_v, options = CASES[case]
     options = dict(options)
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = randn(b, s_q, h_q, d_qk, dtype=torch.float16, generator=gen).transpose(1, 2), randn(
-        b, s_kv, h_kv, d_qk, dtype=torch.float16, generator=gen
-    ).transpose(1, 2), randn(b, s_kv, h_kv, d_v, dtype=torch.float16, generator=gen).transpose(1, 2)
+    q, k, v = (
+        randn(b, s_q, h_q, d_qk, dtype=torch.float16, generator=gen).transpose(1, 2),
+        randn(b, s_kv, h_kv, d_qk, dtype=torch.float16, generator=gen).transpose(1, 2),
+        randn(b, s_kv, h_kv, d_v, dtype=torch.float16, generator=gen).transpose(1, 2),
+    )
     kwargs, allowed_kwargs = {}, {}
     if "padding" in options:
         lq, lkv = options.pop("padding")
-        kwargs.update(use_padding_mask=True, seq_len_q=torch.tensor(lq, dtype=torch.int32), seq_len_kv=torch.tensor(lkv, dtype=torch.int32))
+        kwargs.update(
+            use_padding_mask=True,
+            seq_len_q=torch.tensor(lq, dtype=torch.int32),
+            seq_len_kv=torch.tensor(lkv, dtype=torch.int32),
+        )
         allowed_kwargs.update(seq_q=lq, seq_kv=lkv)
     if "bias" in options:
         kwargs["attn_bias"] = randn(*options.pop("bias"), dtype=torch.float16, generator=gen)
     kwargs.update(options)
-    causal = "bottom_right" if options.get("use_causal_mask_bottom_right") else ("top_left" if options.get("use_causal_mask") else None)
-    allowed = oracle.allowed_matrix(b, s_q, s_kv, causal=causal, window=options.get("sliding_window_length"), **allowed_kwargs)
+    causal = (
+        "bottom_right"
+        if options.get("use_causal_mask_bottom_right")
+        else ("top_left" if options.get("use_causal_mask") else None)
+    )
+    allowed = oracle.allowed_matrix(
+        b, s_q, s_kv, causal=causal, window=options.get("sliding_window_length"), **allowed_kwargs
+    )
     d_o = randn(b, h_q, s_q, d_v, dtype=torch.float16, generator=gen)
     return q, k, v, d_o, kwargs, allowed
 
@@ -55,7 +67,10 @@ def _expected_grads(q, k, v, d_o, kwargs, allowed):
     total_bias = bias64
     if kwargs.get("use_alibi_mask"):
         h, s_q, s_kv = q.shape[1], q.shape[2], k.shape[2]
-        alibi = oracle.alibi_slopes(h).view(1, h, 1, 1) * (torch.arange(s_kv).view(1, -1) - torch.arange(s_q).view(-1, 1)).double()
+        alibi = (
+            oracle.alibi_slopes(h).view(1, h, 1, 1)
+            * (torch.arange(s_kv).view(1, -1) - torch.arange(s_q).view(-1, 1)).double()
+        )
         total_bias = alibi if total_bias is None else total_bias + alibi
     scale = kwargs.get("attn_scale", 1 / math.sqrt(q.shape[-1]))
     out = oracle.attention_autograd(*leaves, scale=scale, allowed=allowed, bias=total_bias)
@@ -80,7 +95,9 @@ def test_backward_matches_autograd(case):
     for name, a, e in zip(("dQ", "dK", "dV"), actual, expected):
         source = {"dQ": q, "dK": k, "dV": v}[name]
         assert a.shape == e.shape
-        assert [st for st, n in zip(a.stride(), a.shape) if n > 1] == [st for st, n in zip(source.stride(), a.shape) if n > 1]
+        assert [st for st, n in zip(a.stride(), a.shape) if n > 1] == [
+            st for st, n in zip(source.stride(), a.shape) if n > 1
+        ]
         assert rel_err(a, e) < GRAD_TOL, name
     if bias_grad:
         assert rel_err(actual[3], expected_dbias) < GRAD_TOL
@@ -92,7 +109,7 @@ def test_backward_matches_torch_sdpa_autograd():
     d_o = randn(2, 4, 24, 32, dtype=torch.float16, generator=gen)
     with cudnn_attn.Graph(backend="reference") as g:
         o, stats = g.sdpa(q, k, v, use_causal_mask=True, generate_stats=True)
-        grads = g.sdpa_backward(q, k, v, o, d_o, stats, use_causal_mask=True)
+        g.sdpa_backward(q, k, v, o, d_o, stats, use_causal_mask=True)
     # One graph: the backward reads the forward's O and Stats through their handles.
     assert [h.name for h in g.inputs] == ["q", "k", "v", "dO"]
     o_val, stats_val, dq, dk, dv = g(q, k, v, d_o)

@@ -41,7 +41,16 @@ CASES = {
     "alibi-6-heads": (1, 6, 6, 8, 8, 32, 32, {"use_causal_mask": True, "use_alibi_mask": True}),
     "padding": (3, 2, 2, 16, 16, 32, 32, {"padding": ([16, 9, 1], [16, 5, 12])}),
     "padding-causal": (3, 2, 2, 16, 16, 32, 32, {"padding": ([16, 9, 4], [16, 5, 12]), "use_causal_mask": True}),
-    "padding-causal-br": (3, 2, 2, 16, 16, 32, 32, {"padding": ([6, 9, 4], [16, 11, 12]), "use_causal_mask_bottom_right": True}),
+    "padding-causal-br": (
+        3,
+        2,
+        2,
+        16,
+        16,
+        32,
+        32,
+        {"padding": ([6, 9, 4], [16, 11, 12]), "use_causal_mask_bottom_right": True},
+    ),
     "padding-empty-seq": (2, 2, 2, 8, 8, 32, 32, {"padding": ([8, 0], [8, 0])}),
     "bias-full": (2, 4, 4, 16, 16, 32, 32, {"bias": (2, 4, 16, 16)}),
     "bias-1hss": (2, 4, 4, 16, 16, 32, 32, {"bias": (1, 4, 16, 16)}),
@@ -61,7 +70,11 @@ def run_case(case, layout, dtype, seed=0):
     kwargs, oracle_kwargs = {}, {}
     if "padding" in options:
         lq, lkv = options.pop("padding")
-        kwargs.update(use_padding_mask=True, seq_len_q=torch.tensor(lq, dtype=torch.int32), seq_len_kv=torch.tensor(lkv, dtype=torch.int32))
+        kwargs.update(
+            use_padding_mask=True,
+            seq_len_q=torch.tensor(lq, dtype=torch.int32),
+            seq_len_kv=torch.tensor(lkv, dtype=torch.int32),
+        )
         oracle_kwargs.update(seq_q=lq, seq_kv=lkv)
     if "bias" in options:
         bias = randn(*options.pop("bias"), dtype=dtype, generator=gen)
@@ -69,11 +82,19 @@ def run_case(case, layout, dtype, seed=0):
         oracle_kwargs["bias"] = bias
     kwargs.update(options)
     scale = options.get("attn_scale", 1 / math.sqrt(d_qk))
-    causal = "bottom_right" if options.get("use_causal_mask_bottom_right") else ("top_left" if options.get("use_causal_mask") else None)
+    causal = (
+        "bottom_right"
+        if options.get("use_causal_mask_bottom_right")
+        else ("top_left" if options.get("use_causal_mask") else None)
+    )
     with cudnn_attn.Graph(backend="reference", cache=cudnn_attn.PlanCache()) as g:
         o, stats = g.sdpa(q, k, v, generate_stats=True, **kwargs)
     out = (poisoned(o), poisoned(stats))
-    inputs = [x for x in (q, k, v, kwargs.get("attn_bias"), kwargs.get("seq_len_q"), kwargs.get("seq_len_kv")) if x is not None]
+    inputs = [
+        x
+        for x in (q, k, v, kwargs.get("attn_bias"), kwargs.get("seq_len_q"), kwargs.get("seq_len_kv"))
+        if x is not None
+    ]
     actual_o, actual_stats = g(*inputs, out=out)
     expected_o, expected_lse = oracle.attention(
         q, k, v, scale=scale, causal=causal, window=options.get("sliding_window_length"),
@@ -116,12 +137,22 @@ def _torch_sdpa(q, k, v, **kwargs):
 
 @pytest.mark.parametrize(
     "h_kv,causal,use_bias,scale",
-    [(4, False, False, None), (4, True, False, None), (2, True, False, 0.3), (1, False, True, None), (4, True, True, 0.1)],
+    [
+        (4, False, False, None),
+        (4, True, False, None),
+        (2, True, False, 0.3),
+        (1, False, True, None),
+        (4, True, True, 0.1),
+    ],
     ids=["mha", "causal", "gqa-causal-scale", "mqa-bias", "causal-bias-scale"],
 )
 def test_forward_matches_torch_sdpa(h_kv, causal, use_bias, scale):
     gen = torch.Generator().manual_seed(3)
-    q, k, v = randn(2, 4, 24, 32, generator=gen), randn(2, h_kv, 24, 32, generator=gen), randn(2, h_kv, 24, 32, generator=gen)
+    q, k, v = (
+        randn(2, 4, 24, 32, generator=gen),
+        randn(2, h_kv, 24, 32, generator=gen),
+        randn(2, h_kv, 24, 32, generator=gen),
+    )
     bias = randn(1, 4, 24, 24, generator=gen) if use_bias else None
     with cudnn_attn.Graph(backend="reference") as g:
         g.sdpa(q, k, v, attn_bias=bias, use_causal_mask=causal, attn_scale=scale)
@@ -130,7 +161,9 @@ def test_forward_matches_torch_sdpa(h_kv, causal, use_bias, scale):
     if causal and bias is not None:
         tril = torch.ones(24, 24, dtype=torch.bool).tril()
         mask = mask.masked_fill(~tril, float("-inf"))
-    expected = _torch_sdpa(q, k, v, attn_mask=mask, is_causal=causal and bias is None, scale=scale, enable_gqa=h_kv != 4)
+    expected = _torch_sdpa(
+        q, k, v, attn_mask=mask, is_causal=causal and bias is None, scale=scale, enable_gqa=h_kv != 4
+    )
     assert rel_err(actual, expected) < 8e-3  # bf16 output rounding
 
 

@@ -32,7 +32,9 @@ def test_thd_forward_and_backward(causal, h_kv):
                           use_causal_mask_bottom_right=causal, generate_stats=True)  # fmt: skip
     assert o.shape == q.shape and stats.shape == (3, 4, 12, 1)
     o_val, stats_val = g(q, k, v, seq_q, seq_kv, out=(poisoned(o), poisoned(stats)))
-    expected_o, expected_lse = oracle.attention(q_dense, k_dense, v_dense, scale=d**-0.5, causal=mask, seq_q=lq, seq_kv=lkv)
+    expected_o, expected_lse = oracle.attention(
+        q_dense, k_dense, v_dense, scale=d**-0.5, causal=mask, seq_q=lq, seq_kv=lkv
+    )
     assert rel_err(o_val, _pack(expected_o, lq)) < 1e-3
     assert rel_err(stats_val, expected_lse) < 2e-5
 
@@ -90,7 +92,9 @@ def test_paged_cache_matches_dense(layout, s_q):
     out = g(q, k_cache, v_cache, seq_kv, table_k, table_v)  # the contract order: lengths, then tables
     k_pad = torch.cat([k_dense, torch.zeros(b, h_kv, 4, d, dtype=k_dense.dtype)], 2)
     v_pad = torch.cat([v_dense, torch.zeros(b, h_kv, 4, d, dtype=v_dense.dtype)], 2)
-    expected, _ = oracle.attention(q, k_pad, v_pad, scale=d**-0.5, seq_kv=lkv, causal="bottom_right" if s_q > 1 else None)
+    expected, _ = oracle.attention(
+        q, k_pad, v_pad, scale=d**-0.5, seq_kv=lkv, causal="bottom_right" if s_q > 1 else None
+    )
     assert rel_err(out, expected) < 8e-3
 
 

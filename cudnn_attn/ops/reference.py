@@ -46,9 +46,7 @@ class ReferencePlan:
         device = problem.device
         # Problem-only terms are prepared once, as a real plan would be.
         self._alibi = (
-            masks.alibi_bias(problem.h_q, problem.s_q, problem.s_kv, compute_dtype, device)
-            if problem.alibi
-            else None
+            masks.alibi_bias(problem.h_q, problem.s_q, problem.s_kv, compute_dtype, device) if problem.alibi else None
         )
         self._static_allowed = None if problem.padding else masks.allowed_scores(problem, None, None, device)
 
@@ -119,7 +117,9 @@ class ReferencePlan:
             bias = self._alibi if bias is None else bias + self._alibi
         allowed = self._static_allowed
         if p.padding:
-            allowed = masks.allowed_scores(p, _lengths_or_none(inputs, "seq_len_q"), _lengths_or_none(inputs, "seq_len_kv"), p.device)
+            allowed = masks.allowed_scores(
+                p, _lengths_or_none(inputs, "seq_len_q"), _lengths_or_none(inputs, "seq_len_kv"), p.device
+            )
         keep = dropout_keep
         if p.has_dropout and keep is None:
             shape = (p.batch, p.h_q, p.s_q, p.s_kv)

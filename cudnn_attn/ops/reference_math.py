@@ -53,9 +53,7 @@ def _dropped(p: torch.Tensor, terms: ScoreTerms) -> torch.Tensor:
     return p * terms.keep / (1.0 - terms.dropout_p)
 
 
-def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, terms: ScoreTerms
-) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, terms: ScoreTerms) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (O [B, H, S_q, D_v], stats [B, H, S_q, 1]); fully masked rows: O = 0, stats = -inf."""
     heads = q.shape[1]
     k, v = _expand_kv(k, heads), _expand_kv(v, heads)
