@@ -151,7 +151,12 @@ def _check_dtypes(p: AttentionProblem, found: list[str]) -> None:
 
 
 def _check_devices(p: AttentionProblem, found: list[str]) -> None:
-    specs = p.tensor_specs()
+    # Dropout seeds and offsets may live on the host: they are passed by value.
+    specs = {
+        role: spec
+        for role, spec in p.tensor_specs().items()
+        if not (role in ("dropout_seed", "dropout_offset") and spec.device == "cpu")
+    }
     devices = {spec.device for spec in specs.values()}
     if len(devices) > 1:
         where = ", ".join(

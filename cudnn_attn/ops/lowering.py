@@ -1,0 +1,178 @@
+"""Lowering: one ``AttentionProblem`` to one cuDNN frontend graph, tensors bound by fixed uids.
+
+Works without a GPU (the frontend builds and validates graphs on the host), which is how
+the CPU tests check it. Layout translations:
+
+- THD ``[T, H, D]`` with token stride ``st`` becomes ``[B, H, S_max, D]`` with strides
+  ``[S_max*st, sh, st, 1]`` plus a ragged offset per tensor: ``cumsum(seq_len) * st``;
+- paged caches become the frontend's ``[num_pages, H_kv, page_size, D]`` containers;
+- a page table ``[B, n]`` becomes ``[B, 1, n, 1]``; sequence lengths ``[B]`` become ``[B, 1, 1, 1]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..problem import AttentionProblem, Causal, KVCacheLayout, TensorSpec
+
+# Fixed uids: the run binds tensors by these, with no per-call lookup.
+UID = {
+    "q": 1, "k": 2, "v": 3, "o": 4, "stats": 5, "d_o": 6, "d_q": 7, "d_k": 8, "d_v": 9,
+    "bias": 10, "d_bias": 11, "seq_len_q": 12, "seq_len_kv": 13, "page_table_k": 14,
+    "page_table_v": 15, "dropout_seed": 16, "dropout_offset": 17, "rng_dump": 18,
+}  # fmt: skip
+RAGGED_UID_BASE = 32  # + index of the tensor role in RAGGED_ROLES
+RAGGED_ROLES = ("q", "k", "v", "o", "d_o", "d_q", "d_k", "d_v")
+# Which sequence-length input each ragged tensor's offsets come from.
+RAGGED_LENGTHS = {"q": "seq_len_q", "o": "seq_len_q", "d_o": "seq_len_q", "d_q": "seq_len_q",
+                  "k": "seq_len_kv", "v": "seq_len_kv", "d_k": "seq_len_kv", "d_v": "seq_len_kv"}  # fmt: skip
+
+
+@dataclass
+class Lowered:
+    """A frontend graph and what running it needs beyond the caller's tensors."""
+
+    graph: Any
+    ragged: dict[int, tuple[str, int]] = field(default_factory=dict)  # uid -> (lengths role, token stride)
+    full_seq_len_q: bool = False  # paged without seq_len_q: bind a constant S_q per batch
+    rng_dump: bool = False
+
+
+def cudnn_dtype(dtype: torch.dtype) -> Any:
+    import cudnn
+
+    names = {
+        torch.float16: "HALF", torch.bfloat16: "BFLOAT16", torch.float32: "FLOAT", torch.int32: "INT32",
+        torch.int64: "INT64", torch.float8_e4m3fn: "FP8_E4M3", torch.float8_e5m2: "FP8_E5M2",
+    }  # fmt: skip
+    return getattr(cudnn.data_type, names[dtype])
+
+
+def dims_and_strides(role: str, spec: TensorSpec, p: AttentionProblem) -> tuple[list[int], list[int]]:
+    """The frontend's logical [B, H, S, D]-style geometry for a tensor of the problem."""
+    shape, stride = list(spec.shape), list(spec.stride)
+    if role in RAGGED_ROLES and spec.rank == 3:  # THD
+        s_max = p.s_q if RAGGED_LENGTHS[role] == "seq_len_q" else p.s_kv
+        token, head = stride[0], stride[1]
+        return [p.batch, shape[1], s_max, shape[2]], [s_max * token, head, token, 1]
+    if role in ("k", "v") and p.kv_cache_layout is KVCacheLayout.NPHD:  # [N, P, H, D] -> [N, H, P, D]
+        return [shape[0], shape[2], shape[1], shape[3]], [stride[0], stride[2], stride[1], stride[3]]
+    if role in ("seq_len_q", "seq_len_kv"):
+        return [shape[0], 1, 1, 1], [1, 1, 1, 1]
+    if role in ("page_table_k", "page_table_v"):
+        if spec.rank == 2:
+            return [shape[0], 1, shape[1], 1], [stride[0], stride[1] * shape[1], stride[1], 1]
+        return shape, stride
+    if role in ("dropout_seed", "dropout_offset"):
+        return [1, 1, 1, 1], [1, 1, 1, 1]
+    return shape, stride
+
+
+def lower(p: AttentionProblem, *, rng_dump: bool = False) -> Lowered:
+    """Build (but do not plan) the frontend graph for ``p``."""
+    import cudnn
+
+    graph = cudnn.pygraph(
+        io_data_type=cudnn_dtype(p.q.dtype),
+        intermediate_data_type=cudnn.data_type.FLOAT,
+        compute_data_type=cudnn.data_type.FLOAT,
+    )
+    lowered = Lowered(graph=graph, rng_dump=rng_dump)
+
+    def tensor(role: str, spec: TensorSpec, **extra: Any) -> Any:
+        dim, stride = dims_and_strides(role, spec, p)
+        return graph.tensor(
+            name=role, dim=dim, stride=stride, data_type=cudnn_dtype(spec.dtype), uid=UID[role], **extra
+        )
+
+    def ragged(role: str, spec: TensorSpec) -> dict[str, Any]:
+        if not p.is_thd:
+            return {}
+        uid = RAGGED_UID_BASE + RAGGED_ROLES.index(role)
+        lowered.ragged[uid] = (RAGGED_LENGTHS[role], spec.stride[0])
+        offsets = graph.tensor(name=f"ragged_{role}", dim=[p.batch + 1, 1, 1, 1], stride=[1, 1, 1, 1],
+                               data_type=cudnn.data_type.INT64, uid=uid)  # fmt: skip
+        return {"ragged_offset": offsets}
+
+    def output(handle: Any, role: str, spec: TensorSpec) -> None:
+        dim, stride = dims_and_strides(role, spec, p)
+        handle.set_output(True).set_dim(dim).set_stride(stride).set_data_type(cudnn_dtype(spec.dtype)).set_uid(
+            UID[role]
+        )
+        if p.is_thd and role in RAGGED_ROLES:
+            handle.set_ragged_offset(ragged(role, spec)["ragged_offset"])
+
+    inputs = {role: tensor(role, getattr(p, role), **ragged(role, getattr(p, role))) for role in ("q", "k", "v")}
+    options = _mask_options(p, graph, tensor, lowered)
+    if p.is_forward:
+        if p.is_paged:
+            options.update(
+                paged_attention_k_table=tensor("page_table_k", p.page_table_k),
+                paged_attention_v_table=tensor("page_table_v", p.page_table_v),
+                paged_attention_max_seq_len_kv=p.s_kv,
+            )
+        if rng_dump:
+            options["rng_dump"] = graph.tensor(name="rng_dump", dim=[p.batch, p.h_q, p.s_q, p.s_kv],
+                                               stride=[p.h_q * p.s_q * p.s_kv, p.s_q * p.s_kv, p.s_kv, 1],
+                                               data_type=cudnn.data_type.FLOAT, uid=UID["rng_dump"])  # fmt: skip
+        o, stats = graph.sdpa(
+            inputs["q"], inputs["k"], inputs["v"], generate_stats=p.generates_stats, name="sdpa", **options
+        )
+        output(o, "o", p.o)
+        if p.stats is not None:
+            output(stats, "stats", p.stats)
+        return lowered
+    extra = {role: tensor(role, getattr(p, role), **ragged(role, getattr(p, role))) for role in ("o", "d_o")}
+    stats = tensor("stats", p.stats)
+    if p.d_bias is not None:
+        d_bias = graph.tensor(name="d_bias", dim=list(p.d_bias.shape), stride=list(p.d_bias.stride),
+                              data_type=cudnn_dtype(p.d_bias.dtype), uid=UID["d_bias"])  # fmt: skip
+        options["dBias"] = d_bias
+    d_q, d_k, d_v = graph.sdpa_backward(
+        inputs["q"], inputs["k"], inputs["v"], extra["o"], extra["d_o"], stats,
+        use_deterministic_algorithm=p.deterministic, name="sdpa_backward", **options,
+    )  # fmt: skip
+    for handle, role in ((d_q, "d_q"), (d_k, "d_k"), (d_v, "d_v")):
+        output(handle, role, getattr(p, role))
+    return lowered
+
+
+def _mask_options(p: AttentionProblem, graph: Any, tensor: Any, lowered: Lowered) -> dict[str, Any]:
+    import cudnn
+
+    options: dict[str, Any] = {"attn_scale": p.attn_scale}
+    if p.causal is not Causal.NONE or p.sliding_window is not None:
+        bottom = p.causal is Causal.BOTTOM_RIGHT
+        options["diagonal_alignment"] = (
+            cudnn.diagonal_alignment.BOTTOM_RIGHT if bottom else cudnn.diagonal_alignment.TOP_LEFT
+        )
+        if p.causal is not Causal.NONE:
+            options["diagonal_band_right_bound"] = 0
+        if p.sliding_window is not None:
+            options["diagonal_band_left_bound"] = p.sliding_window
+    if p.bias is not None:
+        options["bias"] = tensor("bias", p.bias)
+    if p.alibi:
+        options["use_alibi_mask"] = True
+    if p.padding:
+        options["use_padding_mask"] = True
+        if p.seq_len_q is not None:
+            options["seq_len_q"] = tensor("seq_len_q", p.seq_len_q)
+        else:  # paged without per-sequence query lengths: the plan binds S_q for every batch
+            lowered.full_seq_len_q = True
+            options["seq_len_q"] = graph.tensor(name="seq_len_q", dim=[p.batch, 1, 1, 1], stride=[1, 1, 1, 1],
+                                                data_type=cudnn.data_type.INT32, uid=UID["seq_len_q"])  # fmt: skip
+        options["seq_len_kv"] = tensor("seq_len_kv", p.seq_len_kv)
+    if p.has_dropout:
+        rng = []
+        for role in ("dropout_seed", "dropout_offset"):
+            spec = getattr(p, role)
+            on_host = spec is None or spec.device == "cpu"
+            dtype = cudnn_dtype(spec.dtype) if spec is not None else cudnn.data_type.INT64
+            rng.append(graph.tensor(name=role, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dtype,
+                                    uid=UID[role], is_pass_by_value=on_host))  # fmt: skip
+        options["dropout"] = (p.dropout_p, rng[0], rng[1])
+    return options
