@@ -15,6 +15,7 @@ from .data_type import data_type
 from .errors import GraphStateError, ShapeMismatchError, UnsupportedError, ValidationError
 from .graph import Graph
 from .handle import Handle, create_handle, destroy_handle
+from .heur_mode import heur_mode
 from .problem import AttentionProblem, Causal, KVCacheLayout, Op, TensorSpec
 
 __version__ = "0.1.0"
@@ -39,5 +40,6 @@ __all__ = [
     "data_type",
     "default_cache",
     "destroy_handle",
+    "heur_mode",
     "pygraph",
 ]

@@ -76,6 +76,12 @@ def unsupported_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
             "S_q = 1 (decode) with a causal mask and GQA/MQA: refused (known wrong results in cuDNN); "
             "drop the causal mask, a single query row already sees only the cache"
         )
+    if not p.is_forward and p.bias is not None and p.bias.shape[2] == 1 and p.s_q > 1:
+        # Seen on an H200 with cuDNN 9.19: dQ off by ~90% when the bias broadcasts over S_q.
+        reasons.append(
+            "sdpa_backward with attn_bias broadcast over S_q (shape [.., .., 1, S_kv]): refused (wrong dQ from cuDNN); "
+            "pass bias.expand(-1, -1, S_q, -1).contiguous()"
+        )
     reasons += _stride_reasons(p)
     return reasons
 

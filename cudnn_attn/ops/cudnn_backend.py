@@ -23,7 +23,7 @@ from .base import RunInputs
 from .lowering import UID, Lowered
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def platform(device_index: int) -> capabilities.Platform:
     """The GPU and versions of ``cuda:device_index`` (read once per device)."""
     import cudnn

@@ -82,7 +82,8 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False) -> Lowered:
     )
     lowered = Lowered(graph=graph, rng_dump=rng_dump)
 
-    def tensor(role: str, spec: TensorSpec, **extra: Any) -> Any:
+    def tensor(role: str, spec: TensorSpec | None, **extra: Any) -> Any:
+        assert spec is not None, f"{role} is required here (validation guarantees it)"
         dim, stride = dims_and_strides(role, spec, p)
         return graph.tensor(
             name=role, dim=dim, stride=stride, data_type=cudnn_dtype(spec.dtype), uid=UID[role], **extra

@@ -1,0 +1,239 @@
+"""cuDNN features beyond the dense grid: THD, paged caches, dropout, dBias, determinism,
+CUDA graphs, streams and CuPy. Each result is compared with the reference backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import poisoned, rel_err
+
+import cudnn_attn
+from cudnn_attn.ops import get_backend
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def randn(*shape, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(device="cuda", dtype=dtype)
+
+
+def both(build, inputs, **run):
+    """Run the graph that ``build(backend)`` records on cuDNN and on the reference."""
+    fast, ref = build("cudnn"), build("reference")
+    assert fast.nodes[0].backend == "cudnn"
+    outs = tuple(poisoned(h) for h in fast.outputs)
+    got = fast(*inputs, out=outs, **run)
+    expected = ref(*inputs)
+    torch.cuda.synchronize()
+    return (got if isinstance(got, tuple) else (got,)), (expected if isinstance(expected, tuple) else (expected,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal-br"])
+def test_thd_ragged_forward_and_backward(dtype, causal):
+    lq, lkv = [37, 128, 1, 90], [64, 128, 50, 90]
+    h, h_kv, d = 8, 2, 128
+    q, k, v = (
+        randn(sum(lq), h, d, dtype=dtype, seed=1),
+        randn(sum(lkv), h_kv, d, dtype=dtype, seed=2),
+        randn(sum(lkv), h_kv, d, dtype=dtype, seed=3),
+    )
+    seq_q, seq_kv = (torch.tensor(x, dtype=torch.int32, device="cuda") for x in (lq, lkv))
+    kw = dict(
+        seq_len_q=seq_q, seq_len_kv=seq_kv, max_seq_len_q=128, max_seq_len_kv=128, use_causal_mask_bottom_right=causal
+    )
+
+    def forward(backend):
+        with cudnn_attn.Graph(backend=backend, cache=cudnn_attn.PlanCache()) as g:
+            g.sdpa(q, k, v, generate_stats=True, **kw)
+        return g
+
+    (o, s), (o_ref, s_ref) = both(forward, (q, k, v, seq_q, seq_kv))
+    assert rel_err(o, o_ref) < TOL[dtype]
+    rows = torch.arange(128, device="cuda").view(1, 1, -1, 1) < seq_q.view(-1, 1, 1, 1)
+    assert rel_err(s.masked_fill(~rows, 0), s_ref.masked_fill(~rows, 0)) < 1e-3
+    d_o = randn(*o_ref.shape, dtype=dtype, seed=4)
+
+    def backward(backend):
+        with cudnn_attn.Graph(backend=backend, cache=cudnn_attn.PlanCache()) as g:
+            g.sdpa_backward(q, k, v, o_ref, d_o, s_ref, **kw)
+        return g
+
+    got, expected = both(backward, (q, k, v, o_ref, d_o, s_ref, seq_q, seq_kv))
+    for a, e in zip(got, expected):
+        assert rel_err(a, e) < 3 * TOL[dtype]
+
+
+def _paged_cache(dense, page, layout, seed):
+    b, h, s, d = dense.shape
+    per_seq = -(-s // page)
+    order = torch.randperm(b * per_seq + 2, generator=torch.Generator().manual_seed(seed))[: b * per_seq].view(
+        b, per_seq
+    )
+    cache = randn(b * per_seq + 2, page, h, d, dtype=dense.dtype, seed=seed)
+    for bi in range(b):
+        for p in range(per_seq):
+            chunk = dense[bi, :, p * page : (p + 1) * page].transpose(0, 1)
+            cache[order[bi, p], : chunk.shape[0]] = chunk
+    if layout == "NHPD":
+        cache = cache.transpose(1, 2).contiguous()
+    return cache, order.to(device="cuda", dtype=torch.int32)
+
+
+@pytest.mark.parametrize("layout", ["NPHD", "NHPD"])
+@pytest.mark.parametrize("s_q", [1, 16], ids=["decode", "prefill"])
+def test_paged_cache(layout, s_q):
+    b, h, h_kv, s_kv, d, page = 3, 8, 2, 300, 128, 32
+    q = randn(b, h, s_q, d, seed=5)
+    k_cache, table_k = _paged_cache(randn(b, h_kv, s_kv, d, seed=6), page, layout, 7)
+    v_cache, table_v = _paged_cache(randn(b, h_kv, s_kv, d, seed=8), page, layout, 9)
+    lengths = torch.tensor([300, 17, 160], dtype=torch.int32, device="cuda")
+
+    def build(backend):
+        with cudnn_attn.Graph(backend=backend, cache=cudnn_attn.PlanCache()) as g:
+            g.sdpa_with_paged_cache(q, k_cache, v_cache, table_k, page_table_v=table_v, seq_len_kv=lengths,
+                                    kv_cache_layout=layout, use_causal_mask_bottom_right=s_q > 1)  # fmt: skip
+        return g
+
+    (o,), (o_ref,) = both(build, (q, k_cache, v_cache, lengths, table_k, table_v))
+    assert rel_err(o, o_ref) < TOL[torch.bfloat16]
+
+
+def test_dropout_matches_the_reference_given_cudnns_mask():
+    b, h, s, d, p = 2, 4, 128, 64, 0.2
+    q, k, v, d_o = (randn(b, h, s, d, seed=i) for i in range(4))
+    with cudnn_attn.Graph(backend="reference") as g:
+        g.sdpa(q, k, v, dropout=p, dropout_seed=1234, dropout_offset=7, generate_stats=True)
+    problem = g.problems[0]
+    fast = get_backend("cudnn").build(problem, rng_dump=True)
+    rng_dump = torch.full((b, h, s, s), float("nan"), device="cuda")
+    o, stats = poisoned(g.outputs[0]), poisoned(g.outputs[1])
+    fast(
+        {"q": q, "k": k, "v": v, "dropout_seed": 1234, "dropout_offset": 7}, {"o": o, "stats": stats}, rng_dump=rng_dump
+    )
+    torch.cuda.synchronize()
+    keep = rng_dump.bool()
+    assert set(rng_dump.unique().tolist()) <= {0.0, 1.0} and abs(keep.float().mean().item() - (1 - p)) < 0.02
+    ref_plan = get_backend("reference").build(problem)
+    o_ref, s_ref = torch.empty_like(o), torch.empty_like(stats)
+    ref_plan({"q": q, "k": k, "v": v}, {"o": o_ref, "stats": s_ref}, dropout_keep=keep)
+    assert rel_err(o, o_ref) < TOL[torch.bfloat16]
+
+    # The backward regenerates the same mask from the same seed and offset.
+    with cudnn_attn.Graph(backend="cudnn") as gb:
+        gb.sdpa_backward(q, k, v, o_ref, d_o, s_ref, dropout=p, dropout_seed=1234, dropout_offset=7)
+    got = gb(q, k, v, o_ref, d_o, s_ref)
+    with cudnn_attn.Graph(backend="reference") as rb:
+        rb.sdpa_backward(q, k, v, o_ref, d_o, s_ref, dropout=p, dropout_seed=1234, dropout_offset=7)
+    ref_b = get_backend("reference").build(rb.problems[0])
+    expected = [torch.empty_like(x) for x in (q, k, v)]
+    ref_b(
+        {"q": q, "k": k, "v": v, "o": o_ref, "d_o": d_o, "stats": s_ref},
+        dict(zip(("d_q", "d_k", "d_v"), expected)),
+        dropout_keep=keep,
+    )
+    for a, e in zip(got, expected):
+        assert rel_err(a, e) < 3 * TOL[torch.bfloat16]
+
+
+def test_bias_gradient():
+    q, k, v, d_o = (randn(2, 4, 128, 64, dtype=torch.float16, seed=i) for i in range(4))
+    bias = randn(1, 4, 128, 128, dtype=torch.float16, seed=9)
+
+    def build(backend):
+        with cudnn_attn.Graph(backend=backend, cache=cudnn_attn.PlanCache()) as g:
+            o, s = g.sdpa(q, k, v, attn_bias=bias, generate_stats=True)
+            g.sdpa_backward(q, k, v, o, d_o, s, attn_bias=bias, bias_grad=True)
+        return g
+
+    got, expected = both(build, (q, k, v, bias, d_o))
+    for name, a, e in zip(("O", "Stats", "dQ", "dK", "dV", "dBias"), got, expected):
+        assert rel_err(a, e) < 3 * TOL[torch.float16], name
+
+
+def test_broadcast_bias_backward_is_refused():
+    q = randn(2, 4, 64, 64)
+    bias = randn(2, 1, 1, 64)
+    with pytest.raises(cudnn_attn.UnsupportedError, match="broadcast over S_q"):
+        with cudnn_attn.Graph() as g:
+            o, s = g.sdpa(q, q, q, attn_bias=bias, generate_stats=True)
+            g.sdpa_backward(q, q, q, o, q, s, attn_bias=bias)
+
+
+def test_deterministic_backward_is_bitwise_repeatable():
+    q, k, v, d_o = (randn(2, 8, 256, 128, seed=i) for i in range(4))
+    with cudnn_attn.Graph() as g:
+        o, s = g.sdpa(q, k, v, generate_stats=True, use_causal_mask=True)
+        g.sdpa_backward(q, k, v, o, d_o, s, use_causal_mask=True, use_deterministic_algorithm=True)
+    first = g(q, k, v, d_o)
+    second = g(q, k, v, d_o)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_cuda_graph_capture_and_replay():
+    q, k, v = (randn(2, 8, 128, 64, seed=i) for i in range(3))
+    with cudnn_attn.Graph() as g:
+        o_handle, _ = g.sdpa(q, k, v, use_causal_mask=True)
+    static_out = poisoned(o_handle)
+    g(q, k, v, out=static_out)  # warm up outside the capture (handle, workspace)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        g(q, k, v, out=static_out)
+    for seed in (10, 11):
+        for static, new in zip((q, k, v), (randn(2, 8, 128, 64, seed=seed + i) for i in range(3))):
+            static.copy_(new)
+        static_out.fill_(float("nan"))
+        cuda_graph.replay()
+        torch.cuda.synchronize()
+        expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+        assert rel_err(static_out, expected) < TOL[torch.bfloat16]
+
+
+def test_runs_on_the_current_and_a_given_stream():
+    q, k, v = (randn(2, 8, 128, 64, seed=i) for i in range(3))
+    with cudnn_attn.Graph() as g:
+        g.sdpa(q, k, v)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = g(q, k, v)
+    explicit = g(q, k, v, stream=side)
+    side.synchronize()
+    assert rel_err(on_side, expected) < TOL[torch.bfloat16] and rel_err(explicit, expected) < TOL[torch.bfloat16]
+
+
+def test_cupy_arrays_in_and_out():
+    cupy = pytest.importorskip("cupy")
+    q = randn(1, 4, 64, 64, dtype=torch.float16)
+    q_cp = cupy.from_dlpack(q)
+    with cudnn_attn.Graph() as g:
+        g.sdpa(q_cp, q_cp, q_cp)
+    out = g(q_cp)
+    assert isinstance(out, cupy.ndarray)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), q.float(), q.float())
+    assert rel_err(torch.from_dlpack(out), expected) < TOL[torch.float16]
+
+
+def test_user_handles_are_accepted():
+    import cudnn
+
+    q = randn(1, 4, 64, 64, dtype=torch.float16)
+    ours, theirs = cudnn_attn.create_handle(), cudnn.create_handle()
+    with cudnn_attn.Graph(handle=ours) as g:
+        g.sdpa(q, q, q)
+    a, b = g(q, q, q), g(q, q, q, handle=theirs)
+    torch.cuda.synchronize()
+    assert torch.equal(a, b)
+    cudnn_attn.destroy_handle(ours)
+
+
+def test_info_lists_cudnn_features(capsys):
+    from cudnn_attn import cli
+
+    cli.main(["info"])
+    text = capsys.readouterr().out
+    assert "cudnn" in text and "compute_capability" in text and "paged KV cache" in text
