@@ -1,0 +1,109 @@
+"""cuDNN's capability rules, on synthetic GPUs and versions (no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cudnn_attn.ops.capabilities import Platform, unsupported_reasons
+from cudnn_attn.problem import AttentionProblem, Causal, KVCacheLayout, Op, TensorSpec
+
+H200 = Platform("NVIDIA H200", (9, 0), 91900, "1.32.0")
+A100 = Platform("NVIDIA A100", (8, 0), 91900, "1.32.0")
+
+
+def spec(*shape, dtype=torch.bfloat16):
+    return TensorSpec.contiguous(shape, dtype, "cuda:0")
+
+
+def forward(b=2, h=8, h_kv=8, s_q=128, s_kv=128, d=128, **kw):
+    q = spec(b, h, s_q, d)
+    kv = spec(b, h_kv, s_kv, d)
+    return AttentionProblem(op=Op.FORWARD, q=q, k=kv, v=kv, o=q, attn_scale=0.1, **kw)
+
+
+def backward(**kw):
+    p = forward(**kw)
+    return p.replace(
+        op=Op.BACKWARD, stats=spec(*p.stats_shape, dtype=torch.float32), d_o=p.o, d_q=p.q, d_k=p.k, d_v=p.v
+    )
+
+
+def reasons(p, platform=H200):
+    return " | ".join(unsupported_reasons(p, platform))
+
+
+def test_a_plain_problem_is_supported_on_hopper_and_ampere():
+    assert unsupported_reasons(forward(), H200) == []
+    assert unsupported_reasons(backward(), A100) == []
+
+
+@pytest.mark.parametrize(
+    "problem,platform,fragment",
+    [
+        (forward(), Platform("T4", (7, 5), 91900, "1.32.0"), "compute capability 7.5"),
+        (forward(), Platform("H100", (9, 0), 80900, "1.32.0"), "cuDNN 8.9 < 9.0"),
+        (forward(d=256), A100, None),
+        (forward(d=256, s_q=1), A100, "head_dim=256 > 128"),
+        (backward(d=256), A100, "backward on Ampere/Ada"),
+        (backward(d=256), H200, None),
+        (backward(s_q=1, s_kv=1), H200, "S_q = S_kv = 1"),
+        (forward(s_q=1, h_kv=2, causal=Causal.BOTTOM_RIGHT), H200, "decode"),
+        (
+            forward(causal=Causal.BOTTOM_RIGHT),
+            Platform("H100", (9, 0), 90200, "1.32.0"),
+            "bottom-right causal masks need cuDNN >= 9.3",
+        ),
+        (
+            forward(causal=Causal.TOP_LEFT, sliding_window=8),
+            Platform("H100", (9, 0), 90100, "1.32.0"),
+            "sliding windows",
+        ),
+        (backward(bias=spec(2, 1, 1, 128)), H200, "broadcast over S_q"),
+        (backward(bias=spec(1, 8, 128, 128)), H200, None),
+        (
+            forward().replace(q=TensorSpec((2, 8, 128, 128), (0, 16384, 128, 1), torch.bfloat16, "cuda:0")),
+            H200,
+            "zero stride",
+        ),
+        (forward().replace(q=spec(2, 8, 128, 128, dtype=torch.float8_e4m3fn)), H200, "fp8"),
+        (forward().replace(q=TensorSpec.contiguous((2, 8, 128, 128), torch.bfloat16, "cpu")), H200, "CUDA tensors"),
+    ],
+    ids=[
+        "sm75",
+        "cudnn8",
+        "ampere-d256-prefill",
+        "ampere-d256-decode",
+        "ampere-d256-backward",
+        "hopper-d256-backward",
+        "backward-s1",
+        "decode-causal-gqa",
+        "old-bottom-right",
+        "old-window",
+        "broadcast-bias-backward",
+        "full-bias-backward",
+        "zero-stride",
+        "fp8",
+        "cpu",
+    ],  # fmt: skip
+)
+def test_rules(problem, platform, fragment):
+    text = reasons(problem, platform)
+    if fragment is None:
+        assert text == ""
+    else:
+        assert fragment in text
+
+
+def test_paged_needs_cudnn_9_5():
+    q = spec(2, 8, 1, 128)
+    cache = spec(16, 16, 8, 128)
+    p = AttentionProblem(op=Op.FORWARD, q=q, k=cache, v=cache, o=q, padding=True, seq_len_kv=spec(2, dtype=torch.int32),
+                         page_table_k=spec(2, 8, dtype=torch.int32), page_table_v=spec(2, 8, dtype=torch.int32),
+                         kv_cache_layout=KVCacheLayout.NPHD)  # fmt: skip
+    assert unsupported_reasons(p, H200) == []
+    assert "paged K/V caches need cuDNN >= 9.5" in reasons(p, Platform("H100", (9, 0), 90400, "1.32.0"))
+
+
+def test_platform_describes_itself():
+    assert H200.describe() == "NVIDIA H200 (sm90), cuDNN 9.19.0, frontend 1.32.0"
