@@ -10,9 +10,11 @@ CPU tensors run on the pure-PyTorch reference backend; CUDA tensors on cuDNN.
 
 from __future__ import annotations
 
+from . import nn
 from .cache import PlanCache, default_cache
 from .data_type import data_type
 from .errors import GraphStateError, ShapeMismatchError, UnsupportedError, ValidationError
+from .functional import sdpa
 from .graph import Graph
 from .handle import Handle, create_handle, destroy_handle
 from .heur_mode import heur_mode
@@ -41,5 +43,7 @@ __all__ = [
     "default_cache",
     "destroy_handle",
     "heur_mode",
+    "nn",
     "pygraph",
+    "sdpa",
 ]

@@ -406,6 +406,11 @@ class Graph:
             raise UnsupportedError(reasons, context=self.name, alternatives=alternatives)
         self._built = True
         self._run_order = self._prepare_run()
+        # Templates only served the build-time checks: holding them would keep the first
+        # call's tensors alive for as long as the graph is cached.
+        for handle in self.inputs:
+            handle.template = None
+        self._by_identity.clear()
         return self
 
     def _templates(self, node: Node) -> dict[str, torch.Tensor]:

@@ -178,3 +178,18 @@ def test_paged_cache_flow():
     build_and_run(graph, {q: q_gpu, k: k_container, v: v_container, table_t: table, sq: seq_q, skv: seq_kv, o: o_gpu})
     expected = torch_ref(q_gpu, k_dense, v_dense, enable_gqa=True)
     assert rel_err(o_gpu, expected) < TOL
+
+
+def test_attention_layer_class():
+    torch.manual_seed(0)
+    layer = cudnn.nn.Attention(768, H, num_kv_heads=4, causal=True, device="cuda", dtype=torch.half)
+    x = torch.randn(B, 256, 768, device="cuda", dtype=torch.half, requires_grad=True)
+    y = layer(x)
+    y.float().square().mean().backward()
+    b, s, _ = x.shape
+    qkv = layer.qkv(x.detach()).view(b, s, H + 8, D)
+    q, k, v = (t.transpose(1, 2) for t in qkv.split([H, 4, 4], dim=2))
+    o = torch_ref(q, k, v, is_causal=True, enable_gqa=True).half()
+    expected = layer.out(o.transpose(1, 2).reshape(b, s, H * D))
+    assert rel_err(y, expected) < TOL
+    assert layer.qkv.weight.grad is not None and torch.isfinite(layer.qkv.weight.grad).all()

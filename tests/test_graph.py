@@ -201,3 +201,16 @@ def test_repr_and_problem_description(qkv):
         g.sdpa(*qkv, use_causal_mask=True)
     assert "layer0" in repr(g) and "causal-top_left" in repr(g)
     assert g.problems[0].describe() == "sdpa-BHSD-float16-b2-h4-s16-d32-causal-top_left"
+
+
+def test_a_built_graph_does_not_keep_its_templates_alive():
+    import gc
+    import weakref
+
+    q = randn(1, 2, 8, 32, dtype=torch.float16)
+    ref = weakref.ref(q)
+    with cudnn_attn.Graph() as g:
+        g.sdpa(q, q, q)
+    del q
+    gc.collect()
+    assert ref() is None and g.is_built

@@ -1,0 +1,161 @@
+"""``cudnn_attn.sdpa``: a drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
+
+Same signature and semantics, differentiable, backed by cached graphs (cuDNN on CUDA
+tensors, the reference backend on CPU tensors)::
+
+    out = cudnn_attn.sdpa(q, k, v, is_causal=True)
+    # == torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+``attn_mask`` may be boolean (True = takes part) or additive, broadcastable to
+``[B, H, L, S]``. Inputs are fp16/bf16 ``[B, H, L, E]`` (or ``[H, L, E]``). Dropout draws a
+fresh seed from torch's default generator on each call, so ``torch.manual_seed`` makes it
+repeatable; the backward reuses the forward's mask.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+
+import torch
+
+from .errors import ValidationError
+from .graph import Graph
+from .problem import TensorSpec
+
+_GRAPHS_MAX = 256
+_graphs: OrderedDict[tuple, Graph] = OrderedDict()
+_lock = threading.Lock()
+
+
+def _cached_graph(key: tuple, record) -> Graph:
+    """A built graph per call signature: the steady state pays a dict lookup, not a build."""
+    with _lock:
+        graph = _graphs.get(key)
+        if graph is not None:
+            _graphs.move_to_end(key)
+            return graph
+    graph = Graph()
+    record(graph)
+    graph.build()
+    with _lock:
+        _graphs[key] = graph
+        while len(_graphs) > _GRAPHS_MAX:
+            _graphs.popitem(last=False)
+    return graph
+
+
+def _spec(t: torch.Tensor | None) -> TensorSpec | None:
+    return None if t is None else TensorSpec.of(t)
+
+
+def _mask_as_bias(attn_mask: torch.Tensor, q: torch.Tensor, s_kv: int) -> torch.Tensor:
+    """torch's attn_mask as an additive 4-D bias cuDNN can read."""
+    if attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
+    elif attn_mask.dtype != q.dtype:
+        attn_mask = attn_mask.to(q.dtype)
+    while attn_mask.dim() < 4:
+        attn_mask = attn_mask.unsqueeze(0)
+    if attn_mask.shape[-1] != s_kv:  # keys are never broadcast in a cuDNN bias
+        attn_mask = attn_mask.expand(*attn_mask.shape[:-1], s_kv)
+    if attn_mask.stride(-1) != 1 or any(st == 0 and n > 1 for st, n in zip(attn_mask.stride(), attn_mask.shape)):
+        attn_mask = attn_mask.contiguous()
+    return attn_mask
+
+
+class _SDPA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, scale, is_causal, dropout_p, seed, offset, train):  # type: ignore[override]
+        options = dict(attn_scale=scale, use_causal_mask=is_causal)
+        if dropout_p > 0:
+            options.update(dropout=dropout_p, dropout_seed=seed, dropout_offset=offset)
+        inputs = [t for t in (q, k, v, bias) if t is not None] + ([seed, offset] if dropout_p > 0 else [])
+        key = ("forward", *map(_spec, (q, k, v, bias)), _aliasing(inputs), scale, is_causal, dropout_p, train)
+        graph = _cached_graph(key, lambda g: g.sdpa(q, k, v, attn_bias=bias, generate_stats=train, **options))
+        result = graph(*_distinct(inputs))
+        out, stats = result if train else (result, None)
+        if train:
+            ctx.save_for_backward(q, k, v, bias, out, stats, seed, offset)
+            ctx.options = options
+            ctx.bias_grad = bias is not None and bias.requires_grad
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):  # type: ignore[override]
+        q, k, v, bias, out, stats, seed, offset = ctx.saved_tensors
+        d_out = d_out if d_out.stride() == out.stride() else _like(d_out, out)
+        options, bias_grad = ctx.options, ctx.bias_grad
+        inputs = [q, k, v, out, d_out, stats] + ([bias] if bias is not None else [])
+        if "dropout" in options:
+            inputs += [seed, offset]
+        scalars = tuple(sorted((name, value) for name, value in options.items() if not isinstance(value, torch.Tensor)))
+        key = ("backward", *map(_spec, (q, k, v, bias, out, d_out)), _aliasing(inputs), scalars, bias_grad)
+        graph = _cached_graph(
+            key, lambda g: g.sdpa_backward(q, k, v, out, d_out, stats, attn_bias=bias, bias_grad=bias_grad, **options)
+        )
+        grads = graph(*_distinct(inputs))
+        d_q, d_k, d_v = grads[:3]
+        d_bias = grads[3] if bias_grad else None
+        return d_q, d_k, d_v, d_bias, None, None, None, None, None, None
+
+
+def _like(t: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_strided(template.shape, template.stride(), dtype=t.dtype, device=t.device)
+    return out.copy_(t)
+
+
+def _aliasing(tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    """Which inputs are the same tensor: graphs count a tensor given twice once."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(id(t), i) for i, t in enumerate(tensors))
+
+
+def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    return [t for t in tensors if not (id(t) in seen or seen.add(id(t)))]  # type: ignore[func-returns-value]
+
+
+def sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Scaled dot-product attention with torch's signature, on cached cuDNN graphs."""
+    problems = []
+    if is_causal and attn_mask is not None:
+        problems.append("is_causal: True together with attn_mask; give one (as torch requires)")
+    if not enable_gqa and query.dim() >= 3 and key.dim() == query.dim() and key.shape[-3] != query.shape[-3]:
+        problems.append(
+            f"key: {key.shape[-3]} heads differ from query's {query.shape[-3]}; pass enable_gqa=True for GQA/MQA"
+        )
+    if problems:
+        raise ValidationError(problems, context="sdpa")
+    squeeze = query.dim() == 3
+    if squeeze:
+        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+        attn_mask = attn_mask if attn_mask is None or attn_mask.dim() < 3 else attn_mask.unsqueeze(0)
+    scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    bias = None if attn_mask is None else _mask_as_bias(attn_mask, query, key.shape[-2])
+    train = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value) if t is not None)
+    seed = offset = None
+    if dropout_p > 0:
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+        offset = torch.zeros(1, dtype=torch.int64)
+    out = _SDPA.apply(query, key, value, bias, float(scale), bool(is_causal), float(dropout_p), seed, offset, train)
+    return out.squeeze(0) if squeeze else out
+
+
+def _clear_graphs() -> None:
+    """Drop the functional form's graphs (their plans stay in the plan cache)."""
+    with _lock:
+        _graphs.clear()
+
+
+__all__ = ["sdpa"]

@@ -1,0 +1,74 @@
+"""``cudnn_attn.nn``: attention as a module, for models and training.
+
+``Attention`` is self-attention with one fused QKV projection, grouped-query heads, an
+optional causal mask and dropout, and an output projection. Q, K and V stay views of the
+projection's output (BSHD, no copies) all the way into the fused kernel.
+
+Equivalent plain torch::
+
+    qkv = self.qkv(x).view(B, S, H + 2 * H_kv, D)
+    q, k, v = qkv.split([H, H_kv, H_kv], dim=2)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       is_causal=causal, enable_gqa=True)
+    return self.out(o.transpose(1, 2).reshape(B, S, H * D))
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .functional import sdpa
+
+
+class Attention(nn.Module):
+    """Multi-head (or grouped-query) self-attention on ``[B, S, embed_dim]`` inputs.
+
+    Args:
+        num_kv_heads: K/V heads (default ``num_heads``); must divide ``num_heads``.
+        causal: apply a causal mask by default (``forward(is_causal=...)`` overrides).
+        dropout: attention dropout probability, applied in training mode only.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        bias: bool = True,
+        causal: bool = False,
+        dropout: float = 0.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        num_kv_heads = num_kv_heads or num_heads
+        if embed_dim % num_heads or num_heads % num_kv_heads:
+            raise ValueError(
+                f"embed_dim={embed_dim}, num_heads={num_heads}, num_kv_heads={num_kv_heads}: "
+                "num_heads must divide embed_dim and num_kv_heads must divide num_heads"
+            )
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.causal, self.dropout = causal, dropout
+        factory = {"device": device, "dtype": dtype}
+        self.qkv = nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * self.head_dim, bias=bias, **factory)
+        self.out = nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias, **factory)
+
+    def forward(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool | None = None
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(x).view(b, s, h + 2 * h_kv, d)
+        q, k, v = (t.transpose(1, 2) for t in qkv.split([h, h_kv, h_kv], dim=2))
+        causal = self.causal if is_causal is None else is_causal
+        o = sdpa(
+            q, k, v, attn_mask=attn_mask, is_causal=causal and attn_mask is None,
+            dropout_p=self.dropout if self.training else 0.0, enable_gqa=h_kv != h,
+        )  # fmt: skip
+        return self.out(o.transpose(1, 2).reshape(b, s, h * d))
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, causal={self.causal}"

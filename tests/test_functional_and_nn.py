@@ -1,0 +1,129 @@
+"""The torch-style forms: ``cudnn_attn.sdpa`` against torch's own, and the ``Attention`` module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import randn, rel_err
+
+import cudnn_attn
+from cudnn_attn.nn import Attention
+
+TOL = 8e-3  # bf16 outputs
+
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def _torch_sdpa(q, k, v, **kw):
+    return torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kw)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"is_causal": True},
+        {"scale": 0.3},
+        {"enable_gqa": True},
+        {"mask": "bool"},
+        {"mask": "float"},
+        {"mask": "2d"},
+    ],
+    ids=["plain", "causal", "scale", "gqa", "bool-mask", "float-mask", "2d-mask"],
+)
+def test_sdpa_matches_torch_forward_and_backward(kw):
+    kw = dict(kw)
+    gen = torch.Generator().manual_seed(0)
+    h_kv = 2 if kw.get("enable_gqa") else 4
+    q = randn(2, 4, 24, 32, generator=gen)
+    k, v = randn(2, h_kv, 32, 32, generator=gen), randn(2, h_kv, 32, 32, generator=gen)
+    mask = kw.pop("mask", None)
+    if mask == "bool":
+        kw["attn_mask"] = torch.rand(2, 1, 24, 32, generator=gen) > 0.3
+    elif mask == "float":
+        kw["attn_mask"] = randn(1, 4, 24, 32, generator=gen)
+    elif mask == "2d":
+        kw["attn_mask"] = randn(24, 32, generator=gen)
+    ours, theirs = _leaves(q, k, v), _leaves(q, k, v)
+    out = cudnn_attn.sdpa(*ours, **kw)
+    theirs64 = [t.double().detach().requires_grad_() for t in theirs]
+    mask64 = (
+        {"attn_mask": kw["attn_mask"].double() if kw["attn_mask"].dtype != torch.bool else kw["attn_mask"]}
+        if "attn_mask" in kw
+        else {}
+    )
+    ref = torch.nn.functional.scaled_dot_product_attention(*theirs64, **{**kw, **mask64})
+    assert rel_err(out, ref) < TOL
+    d_o = randn(*out.shape, generator=gen)
+    out.backward(d_o)
+    ref.backward(d_o.double())
+    for a, b in zip(ours, theirs64):
+        assert rel_err(a.grad, b.grad) < 2 * TOL
+
+
+def test_sdpa_without_grad_generates_no_stats_and_caches_graphs():
+    q = randn(1, 2, 16, 32)
+    cudnn_attn.functional._clear_graphs()
+    with torch.no_grad():
+        a = cudnn_attn.sdpa(q, q, q)
+        b = cudnn_attn.sdpa(q.clone(), q.clone(), q.clone())  # other aliasing: its own graph
+    assert torch.allclose(a, b) and len(cudnn_attn.functional._graphs) == 2
+    assert not cudnn_attn.functional._graphs[next(iter(cudnn_attn.functional._graphs))].problems[0].generates_stats
+
+
+def test_sdpa_three_dim_inputs_and_errors():
+    q = randn(4, 16, 32)
+    assert rel_err(cudnn_attn.sdpa(q, q, q), _torch_sdpa(q, q, q)) < TOL
+    with pytest.raises(cudnn_attn.ValidationError, match="enable_gqa"):
+        cudnn_attn.sdpa(randn(1, 4, 8, 32), randn(1, 2, 8, 32), randn(1, 2, 8, 32))
+    with pytest.raises(cudnn_attn.ValidationError, match="is_causal"):
+        cudnn_attn.sdpa(q, q, q, attn_mask=torch.ones(16, 16, dtype=torch.bool), is_causal=True)
+
+
+def test_sdpa_dropout_follows_torch_manual_seed_and_backward_reuses_the_mask():
+    q, k, v = (randn(1, 2, 16, 32) for _ in range(3))
+    torch.manual_seed(1)
+    a = cudnn_attn.sdpa(q, k, v, dropout_p=0.3)
+    torch.manual_seed(1)
+    b = cudnn_attn.sdpa(q, k, v, dropout_p=0.3)
+    c = cudnn_attn.sdpa(q, k, v, dropout_p=0.3)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    # Gradient check on the linear map V -> O: with the same mask, <dO, O(V)> = <dV, V>.
+    leaves = _leaves(q, k, v)
+    torch.manual_seed(2)
+    out = cudnn_attn.sdpa(*leaves, dropout_p=0.3)
+    d_o = randn(*out.shape)
+    out.backward(d_o)
+    lhs = (d_o.double() * out.double()).sum()
+    rhs = (leaves[2].grad.double() * v.double()).sum()
+    assert abs(lhs - rhs) / abs(lhs) < 1e-2
+
+
+def test_attention_module_matches_plain_torch_and_trains():
+    torch.manual_seed(0)
+    module = Attention(64, 4, num_kv_heads=2, causal=True, dtype=torch.bfloat16)
+    x = randn(2, 16, 64)
+    y = module(x)
+    b, s, _ = x.shape
+    qkv = module.qkv(x).view(b, s, 8, 16)
+    q, k, v = (t.transpose(1, 2) for t in qkv.split([4, 2, 2], dim=2))
+    o = _torch_sdpa(q, k, v, is_causal=True, enable_gqa=True).to(torch.bfloat16)
+    expected = module.out(o.transpose(1, 2).reshape(b, s, 64))
+    assert rel_err(y, expected) < 2 * TOL
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+    target = randn(2, 16, 64)
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = (module(x).float() - target.float()).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_attention_module_rejects_bad_head_counts():
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        Attention(64, 4, num_kv_heads=3)
