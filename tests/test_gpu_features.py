@@ -259,3 +259,12 @@ def test_functional_sdpa_matches_torch_with_gradients(kw):
     assert rel_err(out, ref) < TOL[torch.bfloat16]
     for a, b in zip((q, k, v), leaves):
         assert rel_err(a.grad, b.grad) < 2 * TOL[torch.bfloat16]
+
+
+def test_module_under_torch_compile():
+    torch.manual_seed(0)
+    layer = cudnn_attn.nn.Attention(256, 4, causal=True, device="cuda", dtype=torch.bfloat16)
+    x = randn(2, 128, 256, seed=6)
+    eager = layer(x)
+    compiled = torch.compile(layer)
+    assert rel_err(compiled(x), eager) < TOL[torch.bfloat16]
