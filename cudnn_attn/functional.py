@@ -22,7 +22,7 @@ import torch
 
 from .errors import ValidationError
 from .graph import Graph
-from .problem import TensorSpec
+from .problem import TensorSpec, strides_like
 
 _GRAPHS_MAX = 256
 _graphs: OrderedDict[tuple, Graph] = OrderedDict()
@@ -65,40 +65,113 @@ def _mask_as_bias(attn_mask: torch.Tensor, q: torch.Tensor, s_kv: int) -> torch.
     return attn_mask
 
 
-class _SDPA(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, bias, scale, is_causal, dropout_p, seed, offset, train):  # type: ignore[override]
-        options = dict(attn_scale=scale, use_causal_mask=is_causal)
-        if dropout_p > 0:
-            options.update(dropout=dropout_p, dropout_seed=seed, dropout_offset=offset)
-        inputs = [t for t in (q, k, v, bias) if t is not None] + ([seed, offset] if dropout_p > 0 else [])
-        key = ("forward", *map(_spec, (q, k, v, bias)), _aliasing(inputs), scale, is_causal, dropout_p, train)
-        graph = _cached_graph(key, lambda g: g.sdpa(q, k, v, attn_bias=bias, generate_stats=train, **options))
-        result = graph(*_distinct(inputs))
-        out, stats = result if train else (result, None)
-        if train:
-            ctx.save_for_backward(q, k, v, bias, out, stats, seed, offset)
-            ctx.options = options
-            ctx.bias_grad = bias is not None and bias.requires_grad
-        return out
+# The fused op is a torch custom op: torch.compile treats it as one opaque node (no graph
+# break), autograd goes through register_autograd, and fake tensors get the right strides.
 
-    @staticmethod
-    def backward(ctx, d_out):  # type: ignore[override]
-        q, k, v, bias, out, stats, seed, offset = ctx.saved_tensors
-        d_out = d_out if d_out.stride() == out.stride() else _like(d_out, out)
-        options, bias_grad = ctx.options, ctx.bias_grad
-        inputs = [q, k, v, out, d_out, stats] + ([bias] if bias is not None else [])
-        if "dropout" in options:
-            inputs += [seed, offset]
-        scalars = tuple(sorted((name, value) for name, value in options.items() if not isinstance(value, torch.Tensor)))
-        key = ("backward", *map(_spec, (q, k, v, bias, out, d_out)), _aliasing(inputs), scalars, bias_grad)
-        graph = _cached_graph(
-            key, lambda g: g.sdpa_backward(q, k, v, out, d_out, stats, attn_bias=bias, bias_grad=bias_grad, **options)
-        )
-        grads = graph(*_distinct(inputs))
-        d_q, d_k, d_v = grads[:3]
-        d_bias = grads[3] if bias_grad else None
-        return d_q, d_k, d_v, d_bias, None, None, None, None, None, None
+
+def _forward_options(scale: float, is_causal: bool, dropout_p: float, seed, offset) -> dict:
+    options = dict(attn_scale=scale, use_causal_mask=is_causal)
+    if dropout_p > 0:
+        options.update(dropout=dropout_p, dropout_seed=seed, dropout_offset=offset)
+    return options
+
+
+@torch.library.custom_op("cudnn_attn::sdpa_forward", mutates_args=())
+def _sdpa_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    is_causal: bool,
+    dropout_p: float,
+    seed: torch.Tensor | None,
+    offset: torch.Tensor | None,
+    train: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    options = _forward_options(scale, is_causal, dropout_p, seed, offset)
+    inputs = [t for t in (q, k, v, bias) if t is not None] + ([seed, offset] if dropout_p > 0 else [])
+    key = ("forward", *map(_spec, (q, k, v, bias)), _aliasing(inputs), scale, is_causal, dropout_p, train)
+    graph = _cached_graph(key, lambda g: g.sdpa(q, k, v, attn_bias=bias, generate_stats=train, **options))
+    result = graph(*_distinct(inputs))
+    if train:
+        return result
+    return result, q.new_empty(0, dtype=torch.float32)
+
+
+@_sdpa_forward.register_fake
+def _(q, k, v, bias, scale, is_causal, dropout_p, seed, offset, train):
+    shape = (*q.shape[:-1], v.shape[-1])
+    out = q.new_empty_strided(shape, strides_like(shape, q.stride()))
+    stats = q.new_empty((*q.shape[:-1], 1), dtype=torch.float32) if train else q.new_empty(0, dtype=torch.float32)
+    return out, stats
+
+
+@torch.library.custom_op("cudnn_attn::sdpa_backward", mutates_args=())
+def _sdpa_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    d_out: torch.Tensor,
+    stats: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    is_causal: bool,
+    dropout_p: float,
+    seed: torch.Tensor | None,
+    offset: torch.Tensor | None,
+    bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    d_out = d_out if d_out.stride() == out.stride() else _like(d_out, out)
+    options = _forward_options(scale, is_causal, dropout_p, seed, offset)
+    inputs = [q, k, v, out, d_out, stats] + ([bias] if bias is not None else [])
+    if dropout_p > 0:
+        inputs += [seed, offset]
+    key = (
+        "backward",
+        *map(_spec, (q, k, v, bias, out, d_out)),
+        _aliasing(inputs),
+        scale,
+        is_causal,
+        dropout_p,
+        bias_grad,
+    )
+    graph = _cached_graph(
+        key, lambda g: g.sdpa_backward(q, k, v, out, d_out, stats, attn_bias=bias, bias_grad=bias_grad, **options)
+    )
+    grads = graph(*_distinct(inputs))
+    return (*grads[:3], grads[3] if bias_grad else q.new_empty(0))
+
+
+@_sdpa_backward.register_fake
+def _(q, k, v, out, d_out, stats, bias, scale, is_causal, dropout_p, seed, offset, bias_grad):
+    grads = [t.new_empty_strided(t.shape, strides_like(tuple(t.shape), t.stride())) for t in (q, k, v)]
+    d_bias = (
+        bias.new_empty_strided(bias.shape, strides_like(tuple(bias.shape), bias.stride()))
+        if bias_grad
+        else q.new_empty(0)
+    )
+    return (*grads, d_bias)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, bias, scale, is_causal, dropout_p, seed, offset, train = inputs
+    out, stats = output
+    ctx.save_for_backward(q, k, v, bias, out, stats, seed, offset)
+    ctx.scalars = (scale, is_causal, dropout_p)
+
+
+def _backward(ctx, d_out, _d_stats):
+    q, k, v, bias, out, stats, seed, offset = ctx.saved_tensors
+    if stats.numel() == 0:
+        raise RuntimeError("cudnn_attn.sdpa: backward of a call made without gradients enabled")
+    bias_grad = bias is not None and ctx.needs_input_grad[3]
+    d_q, d_k, d_v, d_bias = _sdpa_backward(q, k, v, out, d_out, stats, bias, *ctx.scalars, seed, offset, bias_grad)
+    return d_q, d_k, d_v, (d_bias if bias_grad else None), None, None, None, None, None, None
+
+
+torch.library.register_autograd("cudnn_attn::sdpa_forward", _backward, setup_context=_setup_context)
 
 
 def _like(t: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
@@ -148,7 +221,9 @@ def sdpa(
     if dropout_p > 0:
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
         offset = torch.zeros(1, dtype=torch.int64)
-    out = _SDPA.apply(query, key, value, bias, float(scale), bool(is_causal), float(dropout_p), seed, offset, train)
+    out, _ = _sdpa_forward(
+        query, key, value, bias, float(scale), bool(is_causal), float(dropout_p), seed, offset, train
+    )
     return out.squeeze(0) if squeeze else out
 
 

@@ -127,3 +127,14 @@ def test_attention_module_matches_plain_torch_and_trains():
 def test_attention_module_rejects_bad_head_counts():
     with pytest.raises(ValueError, match="num_kv_heads"):
         Attention(64, 4, num_kv_heads=3)
+
+
+def test_sdpa_compiles_as_one_op_without_graph_breaks():
+    torch.manual_seed(0)
+    module = Attention(64, 4, causal=True, dtype=torch.bfloat16)
+    x = randn(2, 16, 64)
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)  # fullgraph: a break would raise
+    y = compiled(x)
+    assert rel_err(y, module(x)) < 1e-6
+    y.float().sum().backward()
+    assert module.qkv.weight.grad is not None
