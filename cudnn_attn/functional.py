@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
+from typing import Any
 
 import torch
 
@@ -125,7 +126,7 @@ def _sdpa_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     d_out = d_out if d_out.stride() == out.stride() else _like(d_out, out)
     options = _forward_options(scale, is_causal, dropout_p, seed, offset)
-    inputs = [q, k, v, out, d_out, stats] + ([bias] if bias is not None else [])
+    inputs: list[Any] = [q, k, v, out, d_out, stats] + ([bias] if bias is not None else [])
     if dropout_p > 0:
         inputs += [seed, offset]
     key = (
@@ -179,13 +180,13 @@ def _like(t: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
     return out.copy_(t)
 
 
-def _aliasing(tensors: list[torch.Tensor]) -> tuple[int, ...]:
+def _aliasing(tensors: list[Any]) -> tuple[int, ...]:
     """Which inputs are the same tensor: graphs count a tensor given twice once."""
     first: dict[int, int] = {}
     return tuple(first.setdefault(id(t), i) for i, t in enumerate(tensors))
 
 
-def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def _distinct(tensors: list[Any]) -> list[Any]:
     seen: set[int] = set()
     return [t for t in tensors if not (id(t) in seen or seen.add(id(t)))]  # type: ignore[func-returns-value]
 
