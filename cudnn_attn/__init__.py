@@ -18,6 +18,7 @@ from .functional import sdpa
 from .graph import Graph
 from .handle import Handle, create_handle, destroy_handle
 from .heur_mode import heur_mode
+from .ops.autotune import set_autotune
 from .problem import AttentionProblem, Causal, KVCacheLayout, Op, TensorSpec
 
 __version__ = "0.1.0"
@@ -46,4 +47,5 @@ __all__ = [
     "nn",
     "pygraph",
     "sdpa",
+    "set_autotune",
 ]

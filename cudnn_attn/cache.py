@@ -8,6 +8,7 @@ for one key build once, the others wait for that build.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -15,7 +16,7 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import Any
 
-from .errors import UnsupportedError
+from .plan_store import PlanStore, default_path
 
 DEFAULT_MAXSIZE = 1024
 
@@ -31,13 +32,13 @@ class PlanCache:
         cache.stats()  # {'hits': 0, 'misses': 1, 'builds': 1, 'evictions': 0, ...}
     """
 
-    def __init__(self, maxsize: int = DEFAULT_MAXSIZE, path: str | None = None):
+    def __init__(self, maxsize: int = DEFAULT_MAXSIZE, path: str | os.PathLike | None = None):
         if maxsize < 1:
             raise ValueError(f"maxsize: {maxsize}; must be >= 1")
-        if path is not None:
-            raise UnsupportedError(["path: the on-disk plan cache is not available in this version"])
         self.maxsize = maxsize
         self.path = path
+        # Built plans persist here across processes (cuDNN plans; see plan_store.py).
+        self.store = PlanStore(path) if path is not None else None
         self._entries: OrderedDict[Hashable, Any] = OrderedDict()
         self._building: dict[Hashable, Future] = {}
         self._lock = threading.Lock()
@@ -109,9 +110,10 @@ _default_lock = threading.Lock()
 
 
 def default_cache() -> PlanCache:
-    """The process-wide cache that graphs use unless given ``cache=``."""
+    """The process-wide cache that graphs use unless given ``cache=``; it persists plans under
+    ``$CUDNN_ATTN_CACHE_DIR`` (default ``~/.cache/cudnn_attn``; ``""`` turns that off)."""
     global _default
     with _default_lock:
         if _default is None:
-            _default = PlanCache()
+            _default = PlanCache(path=default_path())
         return _default

@@ -38,6 +38,7 @@ from .node import (
     user_name,
 )
 from .ops import BACKEND_NAMES, select_backend
+from .ops.autotune import enabled_by_default as autotune_default
 from .problem import AttentionProblem, Op, TensorSpec
 
 _UNSET: Any = object()
@@ -51,6 +52,8 @@ class Graph:
             members, torch dtypes and the frontend's own enum.
         backend: ``"auto"`` (cuDNN for CUDA tensors, the reference backend for CPU
             tensors), ``"cudnn"`` or ``"reference"``.
+        autotune: time every candidate plan and keep the fastest (cuDNN only); ``None`` follows
+            ``cudnn_attn.set_autotune`` / ``CUDNN_ATTN_AUTOTUNE=1``.
         cache: the ``PlanCache`` to use; the process-wide ``default_cache()`` by default.
     """
 
@@ -62,7 +65,7 @@ class Graph:
         compute_data_type: Any = "float32",
         handle: Any = None,
         backend: str = "auto",
-        autotune: bool = False,
+        autotune: bool | None = None,
         cache: PlanCache | None = None,
         name: str | None = None,
     ):
@@ -82,7 +85,7 @@ class Graph:
         if problems:
             raise ValidationError(problems, context="Graph")
         self.backend = backend
-        self.autotune = bool(autotune)
+        self.autotune = autotune_default() if autotune is None else bool(autotune)
         self.cache = cache if cache is not None else default_cache()
         self.handle = handle
         self.name = name or "graph"
@@ -399,9 +402,11 @@ class Graph:
                 reasons += [f"{node.name}: {r}" if prefix else r for r in error.problems]
                 alternatives = error.alternatives
                 continue
-            key = (backend.name, backend.plan_key(node.problem), node.problem)
+            tune = self.autotune and backend.name == "cudnn"  # the reference has nothing to tune
+            key = (backend.name, backend.plan_key(node.problem), node.problem, tune)
             node.backend = backend.name
-            node.plan = self.cache.get_or_build(key, functools.partial(backend.build, node.problem))
+            build = functools.partial(backend.build, node.problem, autotune=tune, store=self.cache.store)
+            node.plan = self.cache.get_or_build(key, build)
         if reasons:
             raise UnsupportedError(reasons, context=self.name, alternatives=alternatives)
         self._built = True

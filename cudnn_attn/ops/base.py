@@ -43,5 +43,6 @@ class Backend(Protocol):
     def plan_key(self, problem: AttentionProblem) -> tuple:
         """What besides the problem decides the built plan (GPU architecture, library versions)."""
 
-    def build(self, problem: AttentionProblem) -> Plan:
-        """A ready-to-run plan for a problem this backend supports."""
+    def build(self, problem: AttentionProblem, *, autotune: bool = False, store: Any = None) -> Plan:
+        """A ready-to-run plan for a problem this backend supports (tuned, and loaded from or
+        saved to the persistent ``store``, where the backend has such things)."""

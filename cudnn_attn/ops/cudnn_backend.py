@@ -9,18 +9,25 @@ thread.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from .. import synthetic
 from ..errors import UnsupportedError
+from ..plan_store import PlanStore, entry_key, signature
 from ..problem import AttentionProblem
+from . import autotune as autotune_
 from . import capabilities, lowering
 from .base import RunInputs
 from .lowering import UID, Lowered
+
+log = logging.getLogger("cudnn_attn.cudnn")
 
 
 @functools.cache
@@ -92,21 +99,28 @@ class CudnnBackend:
         here = platform(_device_index(problem.device))
         return (here.arch, here.cudnn, here.frontend)
 
-    def build(self, problem: AttentionProblem, *, rng_dump: bool = False) -> CudnnPlan:
+    def build(
+        self,
+        problem: AttentionProblem,
+        *,
+        autotune: bool = False,
+        store: PlanStore | None = None,
+        rng_dump: bool = False,
+    ) -> CudnnPlan:
+        """Load the plan from ``store`` when it holds one for this problem and platform;
+        otherwise build it (timing every candidate when ``autotune``) and save it there."""
         device_index = _device_index(problem.device)
         here = platform(device_index)
+        record = {"gpu": here.gpu, "arch": list(here.arch), "cudnn": here.cudnn, "frontend": here.frontend}
+        variant = "autotuned" if autotune else "heuristic"
+        key = entry_key(problem, record, variant) if store is not None and not rng_dump else None
         try:
             lowered = lowering.lower(problem, rng_dump=rng_dump)
-            graph = lowered.graph
-            graph.validate()
-            graph.build_operation_graph()
-            import cudnn
-
-            graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-            graph.check_support()
-            with torch.cuda.device(device_index):
-                graph.build_plans()
-            workspace_size = int(graph.get_workspace_size())
+            if key is not None and store is not None:
+                plan = self._load(problem, lowered, store, key, record, device_index)
+                if plan is not None:
+                    return plan
+            plan = self._build(problem, lowered, autotune, device_index)
         except UnsupportedError:
             raise
         except Exception as error:  # cuDNN's own failures: re-raised with the problem and the machine
@@ -116,7 +130,79 @@ class CudnnBackend:
                 context=f"{problem.describe()} on {here.describe()}",
                 alternatives=['backend="reference" runs every valid problem'],
             ) from error
-        return CudnnPlan(problem, lowered, workspace_size, device_index)
+        if key is not None and store is not None:
+            self._save(plan, store, key, record, variant)
+        return plan
+
+    def _build(self, problem: AttentionProblem, lowered: Lowered, autotune: bool, device_index: int) -> CudnnPlan:
+        import cudnn
+
+        graph = lowered.graph
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        with torch.cuda.device(device_index):
+            if autotune:
+                plan = CudnnPlan(problem, lowered, 0, device_index)
+                inputs, outputs = synthetic.run_tensors(problem)
+                handle = cudnn_handle(device_index)
+                cudnn.set_stream(handle, _stream_pointer(None, device_index))
+                choice = autotune_.tune(
+                    graph, plan.variant_pack(inputs, outputs), handle, plan.device, problem.describe()
+                )
+            else:
+                graph.build_plans()
+                choice = autotune_.Choice(index=-1, name=_selected_name(graph))
+        plan = CudnnPlan(problem, lowered, int(graph.get_workspace_size()), device_index)
+        plan.choice, plan.source = choice, "built"
+        return plan
+
+    def _load(self, problem, lowered, store, key, record, device_index) -> CudnnPlan | None:
+        entry = store.load(key, record)
+        if entry is None:
+            return None
+        import cudnn
+
+        try:
+            graph = cudnn.pygraph()
+            graph.deserialize(cudnn_handle(device_index), entry.blob)
+            workspace_size = int(graph.get_workspace_size())
+        except Exception as error:  # a plan this cuDNN cannot load: rebuild and overwrite it
+            log.warning(
+                "plan store: cannot load %s (%s); rebuilding",
+                key[:12],
+                str(error).splitlines()[0] if str(error) else error,
+            )
+            return None
+        plan = CudnnPlan(problem, dataclasses.replace(lowered, graph=graph), workspace_size, device_index)
+        choice = entry.header.get("choice") or {}
+        plan.choice = autotune_.Choice(
+            **{k: v for k, v in choice.items() if k in autotune_.Choice.__dataclass_fields__}
+        )
+        plan.source = "disk"
+        return plan
+
+    def _save(self, plan: CudnnPlan, store: PlanStore, key: str, record: dict, variant: str) -> None:
+        try:
+            blob = bytes(plan.graph.serialize(as_bytes=True))
+        except Exception as error:  # some plans cannot be serialized: they are simply not stored
+            log.info(
+                "plan store: %s not serializable (%s)",
+                plan.problem.describe(),
+                str(error).splitlines()[0] if str(error) else error,
+            )
+            return
+        header = {"problem": signature(plan.problem), "platform": record, "variant": variant, "choice": plan.choice.as_record(),
+                  "describe": plan.problem.describe()}  # fmt: skip
+        store.save(key, header, blob)
+
+
+def _selected_name(graph: Any) -> str:
+    try:
+        return str(graph.get_plan_name_at_index(graph._plan_index))
+    except Exception:
+        return "heuristic"
 
 
 class CudnnPlan:
@@ -129,6 +215,8 @@ class CudnnPlan:
         self.workspace_size = workspace_size
         self.device_index = device_index
         self.device = torch.device("cuda", device_index)
+        self.choice = autotune_.Choice(index=-1, name="heuristic")
+        self.source = "built"  # or "disk"
         self._full_seq_len_q = (
             torch.full((problem.batch, 1, 1, 1), problem.s_q, dtype=torch.int32, device=self.device)
             if lowered.full_seq_len_q
@@ -145,6 +233,19 @@ class CudnnPlan:
         handle: Any = None,
         rng_dump: torch.Tensor | None = None,
     ) -> None:
+        pack = self.variant_pack(inputs, outputs, rng_dump)
+        if self.workspace_size and workspace is None:
+            workspace = torch.empty(self.workspace_size, dtype=torch.uint8, device=self.device)
+        native = cudnn_handle(self.device_index, handle)
+        import cudnn
+
+        cudnn.set_stream(native, _stream_pointer(stream, self.device_index))
+        self.graph.execute(pack, workspace, handle=native)
+
+    def variant_pack(
+        self, inputs: RunInputs, outputs: Mapping[str, torch.Tensor], rng_dump: torch.Tensor | None = None
+    ) -> dict[int, Any]:
+        """Every tensor the plan reads or writes, by uid."""
         pack: dict[int, Any] = {}
         for role, value in inputs.items():
             if isinstance(value, int):  # a dropout seed/offset given as an int: passed by value
@@ -158,13 +259,7 @@ class CudnnPlan:
             self._bind_ragged_offsets(inputs, pack)
         if rng_dump is not None:
             pack[UID["rng_dump"]] = rng_dump
-        if self.workspace_size and workspace is None:
-            workspace = torch.empty(self.workspace_size, dtype=torch.uint8, device=self.device)
-        native = cudnn_handle(self.device_index, handle)
-        import cudnn
-
-        cudnn.set_stream(native, _stream_pointer(stream, self.device_index))
-        self.graph.execute(pack, workspace, handle=native)
+        return pack
 
     def _bind_ragged_offsets(self, inputs: RunInputs, pack: dict[int, Any]) -> None:
         """THD: each tensor's element offset of every sequence, from the sequence lengths."""

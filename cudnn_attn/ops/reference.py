@@ -33,7 +33,8 @@ class ReferenceBackend:
     def plan_key(self, problem: AttentionProblem) -> tuple:
         return (str(self.compute_dtype),)
 
-    def build(self, problem: AttentionProblem) -> ReferencePlan:
+    def build(self, problem: AttentionProblem, *, autotune: bool = False, store: Any = None) -> ReferencePlan:
+        """The reference has one way to run a problem: nothing to tune, nothing worth storing."""
         return ReferencePlan(problem, self.compute_dtype)
 
 

@@ -1,0 +1,143 @@
+"""Autotuning: build every candidate plan, time each on the device, keep the fastest.
+
+Each candidate runs on the same fresh random inputs: a few warm-up runs, then timed
+repetitions between CUDA events; the median decides. The chosen plan's engine and knobs are
+recorded so the choice can be stored and replayed without tuning again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+log = logging.getLogger("cudnn_attn.autotune")
+
+ENV = "CUDNN_ATTN_AUTOTUNE"
+WARMUP = 3
+REPEATS = 20
+
+
+_default: bool | None = None
+
+
+def set_autotune(enabled: bool | None) -> None:
+    """Tune every graph that does not say otherwise (``None``: back to ``CUDNN_ATTN_AUTOTUNE``)."""
+    global _default
+    _default = enabled
+
+
+def enabled_by_default() -> bool:
+    """``set_autotune(True)`` or ``CUDNN_ATTN_AUTOTUNE=1`` turn tuning on for graphs that do not say."""
+    if _default is not None:
+        return _default
+    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass
+class Choice:
+    """The plan a build settled on, and how."""
+
+    index: int
+    name: str
+    engine_id: int | None = None
+    knobs: dict[str, int] = field(default_factory=dict)
+    tuned: bool = False
+    timings_ms: dict[str, float] = field(default_factory=dict)  # candidate name -> median ms
+    tuning_seconds: float = 0.0
+
+    def as_record(self) -> dict[str, Any]:
+        return {
+            "index": self.index, "name": self.name, "engine_id": self.engine_id, "knobs": self.knobs,
+            "tuned": self.tuned, "timings_ms": self.timings_ms, "tuning_seconds": self.tuning_seconds,
+        }  # fmt: skip
+
+
+def engine_and_knobs(graph: Any, index: int) -> tuple[int | None, dict[str, int]]:
+    try:
+        engine_id, knobs = graph.get_engine_and_knobs_at_index(index)
+    except Exception:  # some candidates delegate to the backend's own choice
+        return None, {}
+    return int(engine_id), {getattr(k, "name", str(k)): int(v) for k, v in (knobs or {}).items()}
+
+
+def time_plan(run, device: torch.device, warmup: int = WARMUP, repeats: int = REPEATS) -> float:
+    """Median milliseconds of ``run()`` on ``device``'s current stream."""
+    for _ in range(warmup):
+        run()
+    stream = torch.cuda.current_stream(device)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    for start, end in zip(starts, ends):
+        start.record(stream)
+        run()
+        end.record(stream)
+    torch.cuda.synchronize(device)
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def tune(graph: Any, pack: dict[int, Any], handle: Any, device: torch.device, label: str) -> Choice:
+    """Time every buildable candidate of ``graph`` (already planned) and select the fastest."""
+    started = time.perf_counter()
+    count = graph.get_execution_plan_count()
+    timings: dict[int, float] = {}
+    names: dict[int, str] = {}
+    progress = _progress(count, label)
+    for index in range(count):
+        progress.update(1)
+        try:
+            graph.build_plan_at_index(index)
+            size = graph.get_workspace_size_plan_at_index(index)
+            workspace = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
+            names[index] = graph.get_plan_name_at_index(index)
+            timings[index] = time_plan(
+                lambda i=index, w=workspace: graph.execute_plan_at_index(pack, w, i, handle), device
+            )
+        except Exception as error:  # a candidate that cannot build or run here is skipped
+            log.debug(
+                "autotune %s: candidate %d skipped: %s",
+                label,
+                index,
+                str(error).splitlines()[0] if str(error) else error,
+            )
+    progress.close()
+    if not timings:
+        raise RuntimeError(f"autotune {label}: none of {count} candidate plans could be built and run")
+    best = min(timings, key=timings.__getitem__)
+    graph.build_plan_at_index(best)  # selects it for execute()
+    engine_id, knobs = engine_and_knobs(graph, best)
+    choice = Choice(
+        index=best, name=names[best], engine_id=engine_id, knobs=knobs, tuned=True,
+        timings_ms={names[i]: round(t, 5) for i, t in timings.items()}, tuning_seconds=time.perf_counter() - started,
+    )  # fmt: skip
+    log.info(
+        "autotune %s: %d candidates in %.2fs; best %s (%.4f ms)",
+        label,
+        len(timings),
+        choice.tuning_seconds,
+        choice.name,
+        timings[best],
+    )
+    return choice
+
+
+def _progress(total: int, label: str) -> Any:
+    """A progress bar on a terminal (tuning can take seconds), silent otherwise."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is optional
+        return _Silent()
+    return tqdm(total=total, desc=f"autotune {label}", unit="plan", leave=False, disable=None)
+
+
+class _Silent:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
