@@ -1,0 +1,258 @@
+"""``cudnn-attn bench``: cudnn_attn against torch's SDPA backends and the bare frontend, side by side.
+
+For each shape, every column runs on the same fresh random inputs in one process: time
+(median of CUDA-event timings after warm-up), TFLOP/s, GB/s, and the relative error against
+the reference backend. Also: host time per call on a tiny shape (ours vs the frontend's own
+``execute``) and cold start to first result in a fresh process, with and without the
+persistent plan store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import Graph, PlanCache, synthetic
+from .ops import autotune
+from .shapes import Shape
+
+COLUMNS = ("cudnn_attn", "cudnn_attn tuned", "frontend direct", "torch cudnn", "torch flash", "torch efficient")
+
+
+def _bytes(shape: Shape) -> float:
+    item = torch.empty(0, dtype=shape.torch_dtype).element_size()
+    q = shape.b * shape.h * shape.sq * shape.d
+    kv = shape.b * shape.h_kv * shape.skv * (shape.d + shape.d_v)
+    o = shape.b * shape.h * shape.sq * shape.d_v
+    moved = q + kv + o if not shape.bwd else 2 * (q + kv) + 3 * o  # backward: reads q,k,v,o,dO; writes dq,dk,dv
+    return float(moved * item)
+
+
+def _graphs(shape: Shape, t: dict, tune: bool) -> tuple[Graph, Graph | None]:
+    cache = PlanCache()  # private: each column builds (and tunes) its own plans
+    with Graph(autotune=tune, cache=cache) as fwd:
+        fwd.sdpa(t["q"], t["k"], t["v"], use_causal_mask=shape.causal, generate_stats=shape.bwd)
+    if not shape.bwd:
+        return fwd, None
+    o, stats = fwd(t["q"], t["k"], t["v"])
+    t["o"], t["stats"] = o, stats
+    with Graph(autotune=tune, cache=cache) as bwd:
+        bwd.sdpa_backward(t["q"], t["k"], t["v"], o, t["d_o"], stats, use_causal_mask=shape.causal)
+    return fwd, bwd
+
+
+def _ours(shape: Shape, t: dict, tune: bool) -> Callable:
+    fwd, bwd = _graphs(shape, t, tune)
+    if bwd is None:
+        return lambda: fwd(t["q"], t["k"], t["v"])
+    args = (t["q"], t["k"], t["v"], t["o"], t["d_o"], t["stats"])
+    return lambda: bwd(*args)
+
+
+def _frontend_direct(shape: Shape, t: dict) -> Callable:
+    """The plan the library would build, executed through the frontend's ``execute`` directly."""
+    fwd, bwd = _graphs(shape, t, False)
+    graph = bwd or fwd
+    node = graph.nodes[0]
+    plan: Any = node.plan
+    inputs = {
+        role: t[role] for role in ("q", "k", "v", "o", "d_o", "stats") if role in t and (role in ("q", "k", "v") or bwd)
+    }
+    outputs = {role: synthetic.empty(h.spec) for role, h in node.outputs.items() if h.spec is not None}
+    pack = plan.variant_pack(inputs, outputs)
+    workspace = torch.empty(max(plan.workspace_size, 1), dtype=torch.uint8, device="cuda")
+    from .ops.cudnn_backend import cudnn_handle
+
+    handle = cudnn_handle(torch.cuda.current_device())
+    return lambda: plan.graph.execute(pack, workspace, handle=handle)
+
+
+def _torch(shape: Shape, t: dict, backend: Any) -> Callable:
+    from torch.nn.attention import sdpa_kernel
+
+    kw: dict[str, Any] = dict(is_causal=shape.causal, enable_gqa=shape.h_kv != shape.h, scale=shape.scale())
+    if not shape.bwd:
+
+        def run() -> torch.Tensor:
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(t["q"], t["k"], t["v"], **kw)
+
+        run()  # raises here if this backend cannot run the shape
+        return run
+    leaves = [t[n].detach().requires_grad_() for n in ("q", "k", "v")]
+    with sdpa_kernel(backend):
+        out = torch.nn.functional.scaled_dot_product_attention(*leaves, **kw)
+    return lambda: torch.autograd.grad(out, leaves, t["d_o"], retain_graph=True)
+
+
+def _reference_error(shape: Shape, t: dict, result: Any) -> float | None:
+    """Relative error of a forward result against the reference backend (forward shapes only)."""
+    if shape.bwd or shape.sq * shape.skv * shape.b * shape.h > 2**31:
+        return None  # the reference materialises the score matrix: skip what would not fit
+    with Graph(backend="reference", cache=PlanCache()) as g:
+        g.sdpa(t["q"], t["k"], t["v"], use_causal_mask=shape.causal)
+    expected = g(t["q"], t["k"], t["v"]).float()
+    actual = (result[0] if isinstance(result, tuple) else result).float()
+    return float((actual - expected).norm() / expected.norm())
+
+
+def bench_shape(shape: Shape, warmup: int = 5, repeats: int = 30) -> dict[str, Any]:
+    t = shape.tensors("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
+    row: dict[str, Any] = {"shape": shape.label(), "flops": shape.flops(), "columns": {}}
+    from torch.nn.attention import SDPBackend
+
+    makers: dict[str, Callable[[], Callable]] = {
+        "cudnn_attn": lambda: _ours(shape, t, False),
+        "cudnn_attn tuned": lambda: _ours(shape, t, True),
+        "frontend direct": lambda: _frontend_direct(shape, t),
+        "torch cudnn": lambda: _torch(shape, t, SDPBackend.CUDNN_ATTENTION),
+        "torch flash": lambda: _torch(shape, t, SDPBackend.FLASH_ATTENTION),
+        "torch efficient": lambda: _torch(shape, t, SDPBackend.EFFICIENT_ATTENTION),
+    }
+    for name, make in makers.items():
+        try:
+            run = make()
+            ms = autotune.time_plan(run, device, warmup, repeats)
+            error = (
+                _reference_error(shape, t, run()) if name in ("cudnn_attn", "cudnn_attn tuned", "torch flash") else None
+            )
+        except Exception as failure:  # a backend that cannot run this shape: reported, not fatal
+            row["columns"][name] = {
+                "error": str(failure).strip().splitlines()[0][:120] if str(failure).strip() else type(failure).__name__
+            }
+            continue
+        row["columns"][name] = {
+            "ms": ms,
+            "tflops": shape.flops() / (ms * 1e-3) / 1e12,
+            "gbps": _bytes(shape) / (ms * 1e-3) / 1e9,
+            **({"rel_err": error} if error is not None else {}),
+        }
+    return row
+
+
+def host_overhead(calls: int = 3000) -> dict[str, float]:
+    """Host microseconds per call of a cache-hit ``g(...)`` and of the frontend's ``execute``."""
+    shape = Shape(b=1, h=1, sq=64, skv=64, d=64, layout="BHSD")
+    t = shape.tensors("cuda")
+    fwd, _ = _graphs(shape, t, False)
+    out = torch.empty_like(t["q"])
+    direct = _frontend_direct(shape, t)
+
+    def per_call(fn: Callable) -> float:
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.perf_counter() - start) / calls * 1e6)
+            torch.cuda.synchronize()
+        return best
+
+    ours = per_call(lambda: fwd(t["q"], t["k"], t["v"], out=out))
+    frontend = per_call(direct)
+    return {"cudnn_attn_us": ours, "frontend_execute_us": frontend, "overhead_pct": 100.0 * (ours / frontend - 1.0)}
+
+
+_COLD_START = """
+import time, torch
+torch.cuda.init(); torch.empty(1, device="cuda")
+import cudnn, cudnn_attn
+q = torch.randn(4, 16, 4096, 128, device="cuda", dtype=torch.bfloat16)
+torch.cuda.synchronize()
+start = time.perf_counter()
+with cudnn_attn.Graph(autotune=True) as g:
+    g.sdpa(q, q, q, use_causal_mask=True)
+g(q)
+torch.cuda.synchronize()
+print(time.perf_counter() - start)
+"""
+
+
+def cold_start() -> dict[str, float]:
+    """Seconds from entering the first ``with Graph(autotune=True)`` to its first result, in fresh
+    processes: with an empty plan store, then with the store that run filled."""
+    with tempfile.TemporaryDirectory() as store:
+        env = {**os.environ, "CUDNN_ATTN_CACHE_DIR": store}
+
+        def once() -> float:
+            done = subprocess.run(
+                [sys.executable, "-c", _COLD_START], env=env, capture_output=True, text=True, check=True
+            )
+            return float(done.stdout.strip().splitlines()[-1])
+
+        cold = once()
+        warm = min(once() for _ in range(2))
+    return {"cold_s": cold, "warm_store_s": warm, "speedup": cold / warm}
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'shape':<40}" + "".join(f"{c:>18}" for c in COLUMNS)]
+    for row in rows:
+        cells = []
+        for c in COLUMNS:
+            cell = row["columns"].get(c, {})
+            cells.append(f"{cell['tflops']:>10.1f} TF/s  " if "tflops" in cell else f"{'n/a':>16}  ")
+        lines.append(f"{row['shape']:<40}" + "".join(cells))
+    lines.append("(TFLOP/s; per-column ms, GB/s and errors in --json)")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(8, 1.8 * len(rows)), 4.5))
+    width = 0.8 / len(COLUMNS)
+    for i, column in enumerate(COLUMNS):
+        values = [row["columns"].get(column, {}).get("tflops", 0.0) for row in rows]
+        ax.bar([x + i * width for x in range(len(rows))], values, width, label=column)
+    ax.set_xticks(
+        [x + 0.4 - width / 2 for x in range(len(rows))], [r["shape"] for r in rows], rotation=20, ha="right", fontsize=8
+    )
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(f"attention on {torch.cuda.get_device_name()}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run(
+    shapes: list[Shape], *, json_path: str | None, plot_path: str | None, overhead: bool, cold: bool
+) -> dict[str, Any]:
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "rows": []}
+    for shape in shapes:
+        report["rows"].append(bench_shape(shape))
+        print(format_table(report["rows"][-1:]).splitlines()[1], flush=True)
+    print(format_table(report["rows"]))
+    if overhead:
+        report["host_overhead"] = host_overhead()
+        print(
+            "host time per call (tiny shape): "
+            + json.dumps({k: round(v, 2) for k, v in report["host_overhead"].items()})
+        )
+    if cold:
+        report["cold_start"] = cold_start()
+        print(
+            "time to first result in a fresh process: "
+            + json.dumps({k: round(v, 3) for k, v in report["cold_start"].items()})
+        )
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    if plot_path:
+        plot(report["rows"], plot_path)
+    return report
