@@ -11,6 +11,7 @@ CPU tensors run on the pure-PyTorch reference backend; CUDA tensors on cuDNN.
 from __future__ import annotations
 
 from . import nn
+from .buckets import BucketedAttention
 from .cache import PlanCache, default_cache
 from .data_type import data_type
 from .errors import GraphStateError, ShapeMismatchError, UnsupportedError, ValidationError
@@ -28,6 +29,7 @@ pygraph = Graph
 
 __all__ = [
     "AttentionProblem",
+    "BucketedAttention",
     "Causal",
     "Graph",
     "GraphStateError",
