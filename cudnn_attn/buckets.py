@@ -40,7 +40,7 @@ class BucketedAttention:
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValidationError([f"buckets: {buckets!r}; give distinct positive lengths in ascending order"])
         self.buckets = tuple(buckets)
-        self.causal = {True: "top_left", False: None}.get(causal, causal)  # type: ignore[call-overload]
+        self.causal: str | None = "top_left" if causal is True else (None if causal is False else str(causal))
         if self.causal not in (None, "top_left", "bottom_right"):
             raise ValidationError([f"causal: {causal!r}; allowed False, True/'top_left', 'bottom_right'"])
         self.graph_options = graph_options
@@ -92,7 +92,7 @@ class BucketedAttention:
 def _pad(t: torch.Tensor, length: int) -> torch.Tensor:
     """``t`` ([B, H, S, D]) in a buffer of S = ``length`` with ``t``'s memory order; the tail is 0."""
     shape = (t.shape[0], t.shape[1], length, t.shape[3])
-    order = sorted(range(4), key=lambda i: -t.stride(i))
+    order = sorted(range(4), key=lambda i: -t.stride()[i])
     storage = torch.zeros([shape[i] for i in order], dtype=t.dtype, device=t.device)
     out = storage.permute([order.index(i) for i in range(4)])
     out[:, :, : t.shape[2]] = t
