@@ -40,6 +40,7 @@ from .node import (
 from .ops import BACKEND_NAMES, select_backend
 from .ops.autotune import enabled_by_default as autotune_default
 from .problem import AttentionProblem, Op, TensorSpec
+from .runner import Runner
 
 _UNSET: Any = object()
 
@@ -410,7 +411,7 @@ class Graph:
         if reasons:
             raise UnsupportedError(reasons, context=self.name, alternatives=alternatives)
         self._built = True
-        self._run_order = self._prepare_run()
+        self._runner = Runner(self.name, self.inputs, self.nodes, self.handle)
         # Templates only served the build-time checks: holding them would keep the first
         # call's tensors alive for as long as the graph is cached.
         for handle in self.inputs:
@@ -467,10 +468,6 @@ class Graph:
         for role, handle in node.outputs.items():
             handle._spec = getattr(problem, role)
 
-    def _prepare_run(self) -> list[tuple[Node, list[tuple[str, TensorHandle]], list[tuple[str, OutputHandle]]]]:
-        """Per node: (input role, handle) and (output role, handle) lists, resolved once."""
-        return [(node, list(node.inputs.items()), list(node.outputs.items())) for node in self.nodes]
-
     # Frontend-compatible build steps: all of them amount to build().
     def validate(self) -> Graph:
         return self.build()
@@ -511,14 +508,7 @@ class Graph:
         """
         if not self._built:
             self.build()
-        if len(args) == 1 and isinstance(args[0], Mapping):
-            bound = self._bind_by_name(args[0])
-        else:
-            bound = self._bind_positional(args)
-        outs = self._bind_out(out)
-        results, kind = self._run(bound, outs, handle, stream, workspace)
-        values = [interop.to_kind(results[h], kind) for h in self.outputs]
-        return values[0] if len(values) == 1 else tuple(values)
+        return self._runner(args, handle, stream, out, workspace)
 
     def execute(
         self, variant_pack: Mapping[Any, Any], workspace: Any = None, handle: Any = None, stream: Any = None
@@ -533,92 +523,7 @@ class Graph:
             raise ShapeMismatchError(
                 [f"{name}: missing from the variant pack (outputs are written in place)" for name in missing]
             )
-        bound = self._bind_by_name(inputs)
-        self._run(bound, self._bind_out(outputs), handle, stream, workspace)
-
-    def _bind_positional(self, args: Sequence[Any]) -> dict[InputHandle, torch.Tensor]:
-        if len(args) != len(self.inputs):
-            names = ", ".join(h.name for h in self.inputs)
-            raise ShapeMismatchError([f"inputs: {len(args)} given; this graph takes {len(self.inputs)}: {names}"])
-        return self._check_inputs(zip(self.inputs, args))
-
-    def _bind_by_name(self, mapping: Mapping[Any, Any]) -> dict[InputHandle, torch.Tensor]:
-        by_name = {h.name: h for h in self.inputs}
-        pairs, problems = [], []
-        for key, value in mapping.items():
-            handle = key if isinstance(key, InputHandle) else by_name.get(key)
-            if handle is None:
-                problems.append(f"{key}: not an input of this graph (inputs: {', '.join(by_name)})")
-            else:
-                pairs.append((handle, value))
-        given = {h for h, _ in pairs}
-        problems += [f"{h.name}: missing" for h in self.inputs if h not in given]
-        if problems:
-            raise ShapeMismatchError(problems)
-        return self._check_inputs(pairs)
-
-    def _check_inputs(self, pairs: Any) -> dict[InputHandle, Any]:
-        bound, problems = {}, []
-        for handle, value in pairs:
-            tensor = interop.as_torch(value)
-            if tensor is None:
-                problems.append(f"{handle.name}: {type(value).__name__}; expected a tensor")
-                continue
-            mismatch = interop.geometry_mismatch(tensor, handle.spec)
-            if mismatch:
-                problems.append(f"{handle.name}: {mismatch}")
-            bound[handle] = (tensor, value)
-        if problems:
-            raise ShapeMismatchError(problems, context=self.name)
-        return bound
-
-    def _bind_out(self, out: Any) -> dict[OutputHandle, Any]:
-        if out is None:
-            return {}
-        outputs = self.outputs
-        if isinstance(out, Mapping):
-            by_name = {h.name: h for h in outputs}
-            pairs: list[tuple[Any, Any]] = [
-                (k if isinstance(k, OutputHandle) else by_name.get(k), v) for k, v in out.items()
-            ]
-            if any(h is None for h, _ in pairs):
-                raise ShapeMismatchError([f"out: keys must be output names ({', '.join(by_name)}) or handles"])
-        else:
-            values = [out] if isinstance(out, torch.Tensor) or hasattr(out, "__dlpack__") else list(out)
-            if len(values) != len(outputs):
-                raise ShapeMismatchError(
-                    [f"out: {len(values)} tensors for {len(outputs)} outputs ({', '.join(h.name for h in outputs)})"]
-                )
-            pairs = list(zip(outputs, values))
-        bound: dict[OutputHandle, Any] = {}
-        problems: list[str] = []
-        for handle, value in pairs:
-            tensor = interop.as_torch(value)
-            mismatch = "not a tensor" if tensor is None else interop.geometry_mismatch(tensor, handle.spec)
-            if mismatch:
-                problems.append(f"out[{handle.name}]: {mismatch}")
-            bound[handle] = tensor
-        if problems:
-            raise ShapeMismatchError(problems, context=self.name)
-        return bound
-
-    def _run(self, bound: dict, outs: dict, handle: Any, stream: Any, workspace: Any) -> tuple[dict, Any]:
-        values: dict[TensorHandle, Any] = {h: t for h, (t, _) in bound.items()}
-        kind = next((orig for _, orig in bound.values()), None)
-        for node, input_roles, output_roles in self._run_order:
-            inputs: dict[str, Any] = dict(node.runtime)
-            for role, h in input_roles:
-                inputs[role] = values[h]
-            outputs = {}
-            for role, h in output_roles:
-                t = outs.get(h)
-                if t is None:
-                    spec: Any = h.spec
-                    t = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=spec.device)
-                outputs[role] = values[h] = t
-            plan: Any = node.plan
-            plan(inputs, outputs, stream=stream, workspace=workspace, handle=handle or self.handle)
-        return values, kind
+        self._runner((inputs,), handle, stream, outputs, workspace)
 
     def __repr__(self) -> str:
         state = "built" if self._built else "recording"

@@ -75,6 +75,11 @@ def cudnn_handle(device_index: int, user_handle: Any = None) -> Any:
     return handle
 
 
+def _current_stream(device_index: int) -> int:
+    """The raw pointer of torch's current stream on the device (the cheap way to ask)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
 def _stream_pointer(stream: Any, device_index: int) -> int:
     if stream is None:
         return torch.cuda.current_stream(device_index).cuda_stream
@@ -217,6 +222,11 @@ class CudnnPlan:
         self.device = torch.device("cuda", device_index)
         self.choice = autotune_.Choice(index=-1, name="heuristic")
         self.source = "built"  # or "disk"
+        self._workspaces: dict[int, torch.Tensor] = {}
+        self._ordered = True  # the frontend's ordered execute: no per-call dict walk
+        import cudnn
+
+        self._cudnn = cudnn
         self._full_seq_len_q = (
             torch.full((problem.batch, 1, 1, 1), problem.s_q, dtype=torch.int32, device=self.device)
             if lowered.full_seq_len_q
@@ -234,13 +244,28 @@ class CudnnPlan:
         rng_dump: torch.Tensor | None = None,
     ) -> None:
         pack = self.variant_pack(inputs, outputs, rng_dump)
-        if self.workspace_size and workspace is None:
-            workspace = torch.empty(self.workspace_size, dtype=torch.uint8, device=self.device)
-        native = cudnn_handle(self.device_index, handle)
-        import cudnn
-
-        cudnn.set_stream(native, _stream_pointer(stream, self.device_index))
+        index = self.device_index
+        stream_ptr = _current_stream(index) if stream is None else _stream_pointer(stream, index)
+        if workspace is None and self.workspace_size:
+            workspace = self._workspace(stream_ptr)
+        native = cudnn_handle(index, handle)
+        self._cudnn.set_stream(native, stream_ptr)
+        if self._ordered:
+            try:
+                self.graph.execute(tuple(pack.values()), workspace, handle=native, tensor_uids=tuple(pack))
+                return
+            except (TypeError, ValueError, NotImplementedError):  # a frontend without the ordered form
+                self._ordered = False
         self.graph.execute(pack, workspace, handle=native)
+
+    def _workspace(self, stream_ptr: int) -> torch.Tensor:
+        """One workspace per stream, reused: calls on one stream are ordered, so they can share it."""
+        buffer = self._workspaces.get(stream_ptr)
+        if buffer is None:
+            buffer = self._workspaces[stream_ptr] = torch.empty(
+                self.workspace_size, dtype=torch.uint8, device=self.device
+            )
+        return buffer
 
     def variant_pack(
         self, inputs: RunInputs, outputs: Mapping[str, torch.Tensor], rng_dump: torch.Tensor | None = None

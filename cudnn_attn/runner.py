@@ -1,0 +1,167 @@
+"""The run-time half of a built graph: bind the run's tensors, check them, run the plans.
+
+Everything that can be resolved once is resolved when the graph is built: each input's
+expected geometry as plain tuples, each node's inputs and outputs as slots in one list.
+A steady-state call then does a few tuple comparisons per tensor and calls the plans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from . import interop
+from .errors import ShapeMismatchError
+from .handles import InputHandle, OutputHandle
+from .node import Node
+from .problem import TensorSpec
+
+
+def _device_index(device: str) -> int:
+    """What ``Tensor.get_device()`` returns for tensors on ``device`` (-2: never matches, so
+    such tensors always take the exact, slower check)."""
+    if device == "cpu":
+        return -1
+    d = torch.device(device)
+    return d.index if d.type == "cuda" and d.index is not None else -2
+
+
+def _expected(spec: TensorSpec) -> tuple:
+    return (spec.shape, spec.stride, spec.dtype, _device_index(spec.device))
+
+
+def _mismatch(tensor: torch.Tensor, expected: tuple, spec: Any) -> str | None:
+    """None when ``tensor`` fits; the fast comparison first, the exact one only on a difference."""
+    shape, stride, dtype, device = expected
+    if tensor.shape == shape and tensor.stride() == stride and tensor.dtype is dtype and tensor.get_device() == device:
+        return None
+    return interop.geometry_mismatch(tensor, spec)
+
+
+class Runner:
+    def __init__(self, name: str, inputs: list[InputHandle], nodes: list[Node], default_handle: Any):
+        self.name = name
+        self.inputs = inputs
+        self.default_handle = default_handle
+        slot: dict[Any, int] = {h: i for i, h in enumerate(inputs)}
+        self._expect = [_expected(h.spec) for h in inputs]
+        self._specs: list[TensorSpec | None] = [h.spec for h in inputs]
+        self._out_expect: dict[int, tuple] = {}
+        self._steps: list[tuple[Any, dict, list, list]] = []
+        for node in nodes:
+            ins = [(role, slot[h]) for role, h in node.inputs.items()]
+            outs = []
+            for role, h in node.outputs.items():
+                slot[h] = len(self._specs)
+                self._specs.append(h.spec)
+                spec: Any = h.spec
+                self._out_expect[slot[h]] = _expected(spec)
+                outs.append((role, slot[h], (spec.shape, spec.stride, spec.dtype, spec.device)))
+            self._steps.append((node.plan, dict(node.runtime), ins, outs))
+        self.outputs = [h for node in nodes for h in node.outputs.values() if h.is_output]
+        self._returned = [slot[h] for h in self.outputs]
+        self._slot = slot
+
+    # ---- binding ---------------------------------------------------------------------------
+
+    def bind(self, args: Sequence[Any]) -> tuple[list[Any], Any]:
+        """The run's inputs as a slot list (outputs still empty), and the kind of array given."""
+        if len(args) == 1 and isinstance(args[0], Mapping):
+            args = self._ordered_from_mapping(args[0])
+        elif len(args) != len(self._expect):
+            names = ", ".join(h.name for h in self.inputs)
+            raise ShapeMismatchError([f"inputs: {len(args)} given; this graph takes {len(self._expect)}: {names}"])
+        values: list[Any] = [None] * len(self._specs)
+        kind = None
+        problems = None
+        for i, value in enumerate(args):
+            tensor = value
+            if type(value) is not torch.Tensor:
+                tensor = interop.as_torch(value)
+                kind = kind if kind is not None else value
+                if tensor is None:
+                    problems = (problems or []) + [f"{self.inputs[i].name}: {type(value).__name__}; expected a tensor"]
+                    continue
+            shape, stride, dtype, device = self._expect[i]
+            if (
+                tensor.shape != shape
+                or tensor.stride() != stride
+                or tensor.dtype is not dtype
+                or tensor.get_device() != device
+            ):
+                mismatch = interop.geometry_mismatch(tensor, self.inputs[i].spec)
+                if mismatch:
+                    problems = (problems or []) + [f"{self.inputs[i].name}: {mismatch}"]
+            values[i] = tensor
+        if problems:
+            raise ShapeMismatchError(problems, context=self.name)
+        return values, kind
+
+    def _ordered_from_mapping(self, mapping: Mapping[Any, Any]) -> list[Any]:
+        by_name = {h.name: h for h in self.inputs}
+        ordered: dict[InputHandle, Any] = {}
+        problems = []
+        for key, value in mapping.items():
+            handle = key if isinstance(key, InputHandle) else by_name.get(key)
+            if handle is None or handle not in self._slot:
+                problems.append(f"{key}: not an input of this graph (inputs: {', '.join(by_name)})")
+            else:
+                ordered[handle] = value
+        problems += [f"{h.name}: missing" for h in self.inputs if h not in ordered]
+        if problems:
+            raise ShapeMismatchError(problems, context=self.name)
+        return [ordered[h] for h in self.inputs]
+
+    def bind_out(self, values: list[Any], out: Any) -> None:
+        """Place caller-given output tensors (a tensor, a sequence in output order, or a mapping)."""
+        if isinstance(out, Mapping):
+            by_name = {h.name: h for h in self.outputs}
+            pairs: list[tuple[Any, Any]] = [
+                (k if isinstance(k, OutputHandle) else by_name.get(k), v) for k, v in out.items()
+            ]
+            if any(h is None or h not in self._slot for h, _ in pairs):
+                raise ShapeMismatchError([f"out: keys must be output names ({', '.join(by_name)}) or handles"])
+        else:
+            given = [out] if isinstance(out, torch.Tensor) or hasattr(out, "__dlpack__") else list(out)
+            if len(given) != len(self.outputs):
+                names = ", ".join(h.name for h in self.outputs)
+                raise ShapeMismatchError([f"out: {len(given)} tensors for {len(self.outputs)} outputs ({names})"])
+            pairs = list(zip(self.outputs, given))
+        problems = []
+        for handle, value in pairs:
+            tensor = value if type(value) is torch.Tensor else interop.as_torch(value)
+            slot = self._slot[handle]
+            mismatch = "not a tensor" if tensor is None else _mismatch(tensor, self._out_expect[slot], handle.spec)
+            if mismatch:
+                problems.append(f"out[{handle.name}]: {mismatch}")
+            values[slot] = tensor
+        if problems:
+            raise ShapeMismatchError(problems, context=self.name)
+
+    # ---- running -----------------------------------------------------------------------------
+
+    def run(self, values: list[Any], handle: Any, stream: Any, workspace: Any) -> list[Any]:
+        handle = handle if handle is not None else self.default_handle
+        for plan, runtime, ins, outs in self._steps:
+            inputs = dict(runtime) if runtime else {}
+            for role, i in ins:
+                inputs[role] = values[i]
+            outputs = {}
+            for role, i, (shape, stride, dtype, device) in outs:
+                tensor = values[i]
+                if tensor is None:
+                    tensor = values[i] = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                outputs[role] = tensor
+            plan(inputs, outputs, stream=stream, workspace=workspace, handle=handle)
+        return [values[i] for i in self._returned]
+
+    def __call__(self, args: Sequence[Any], handle: Any, stream: Any, out: Any, workspace: Any) -> Any:
+        values, kind = self.bind(args)
+        if out is not None:
+            self.bind_out(values, out)
+        results = self.run(values, handle, stream, workspace)
+        if kind is not None:
+            results = [interop.to_kind(r, kind) for r in results]
+        return results[0] if len(results) == 1 else tuple(results)
