@@ -12,6 +12,7 @@ the backends' business and raises ``UnsupportedError``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 
@@ -33,13 +34,18 @@ def _dt(spec: TensorSpec) -> str:
 
 def problems(p: AttentionProblem) -> list[str]:
     """Everything structurally wrong with ``p``; empty when it is well formed."""
+    return list(_problems(p))
+
+
+@functools.lru_cache(maxsize=4096)  # pure and hashable: a rebuilt graph pays a dict lookup
+def _problems(p: AttentionProblem) -> tuple[str, ...]:
     found: list[str] = []
     ranks_ok = _check_ranks(p, found)
     _check_strides(p, found)
     _check_dtypes(p, found)
     _check_devices(p, found)
     if not ranks_ok:
-        return found  # the geometry below needs the ranks to be right
+        return tuple(found)  # the geometry below needs the ranks to be right
     _check_geometry(p, found)
     _check_bias(p, found)
     _check_masks(p, found)
@@ -49,7 +55,7 @@ def problems(p: AttentionProblem) -> list[str]:
     _check_backward(p, found)
     if not math.isfinite(p.attn_scale):
         found.append(f"attn_scale: {p.attn_scale} is not finite; give a finite float")
-    return found
+    return tuple(found)
 
 
 # ---- ranks, strides, dtypes, devices -----------------------------------------------------
