@@ -107,7 +107,7 @@ def _reference_error(shape: Shape, t: dict, result: Any) -> float | None:
     return float((actual - expected).norm() / expected.norm())
 
 
-def bench_shape(shape: Shape, warmup: int = 5, repeats: int = 30, rounds: int = 3) -> dict[str, Any]:
+def bench_shape(shape: Shape, warmup: int = 5, repeats: int = 30, rounds: int = 6) -> dict[str, Any]:
     t = shape.tensors("cuda")
     device = torch.device("cuda", torch.cuda.current_device())
     row: dict[str, Any] = {"shape": shape.label(), "flops": shape.flops(), "columns": {}}
@@ -131,9 +131,10 @@ def bench_shape(shape: Shape, warmup: int = 5, repeats: int = 30, rounds: int = 
     # Columns are timed in interleaved rounds and keep their best median, so clock and
     # thermal drift during the run favour no column.
     best: dict[str, float] = {}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            ms = autotune.time_plan(run, device, warmup, repeats)
+    names = list(runs)
+    for round_ in range(rounds):  # each round starts at another column: no column always runs first
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            ms = autotune.time_plan(runs[name], device, warmup, repeats)
             best[name] = min(best.get(name, ms), ms)
     for name, run in runs.items():
         ms = best[name]

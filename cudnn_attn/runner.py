@@ -61,6 +61,7 @@ class Runner:
                 outs.append((role, slot[h], (spec.shape, spec.stride, spec.dtype, spec.device)))
             self._steps.append((node.plan, dict(node.runtime), ins, outs))
         self.outputs = [h for node in nodes for h in node.outputs.values() if h.is_output]
+        self._no_outputs = [None] * (len(self._specs) - len(inputs))
         self._returned = [slot[h] for h in self.outputs]
         self._slot = slot
 
@@ -68,23 +69,25 @@ class Runner:
 
     def bind(self, args: Sequence[Any]) -> tuple[list[Any], Any]:
         """The run's inputs as a slot list (outputs still empty), and the kind of array given."""
-        if len(args) == 1 and isinstance(args[0], Mapping):
+        if len(args) == 1 and type(args[0]) is not torch.Tensor and isinstance(args[0], Mapping):
             args = self._ordered_from_mapping(args[0])
         elif len(args) != len(self._expect):
             names = ", ".join(h.name for h in self.inputs)
             raise ShapeMismatchError([f"inputs: {len(args)} given; this graph takes {len(self._expect)}: {names}"])
-        values: list[Any] = [None] * len(self._specs)
+        values: list[Any] = [*args, *self._no_outputs]
         kind = None
         problems = None
-        for i, value in enumerate(args):
-            tensor = value
-            if type(value) is not torch.Tensor:
-                tensor = interop.as_torch(value)
-                kind = kind if kind is not None else value
+        for i, (shape, stride, dtype, device) in enumerate(self._expect):
+            tensor = values[i]
+            if type(tensor) is not torch.Tensor:
+                kind = kind if kind is not None else tensor
+                tensor = values[i] = interop.as_torch(tensor)
                 if tensor is None:
-                    problems = (problems or []) + [f"{self.inputs[i].name}: {type(value).__name__}; expected a tensor"]
+                    problems = (problems or []) + [
+                        f"{self.inputs[i].name}: {type(args[i]).__name__}; expected a tensor"
+                    ]
                     continue
-            shape, stride, dtype, device = self._expect[i]
+            # Inlined fast check: the steady state of every call.
             if (
                 tensor.shape != shape
                 or tensor.stride() != stride
@@ -94,7 +97,6 @@ class Runner:
                 mismatch = interop.geometry_mismatch(tensor, self.inputs[i].spec)
                 if mismatch:
                     problems = (problems or []) + [f"{self.inputs[i].name}: {mismatch}"]
-            values[i] = tensor
         if problems:
             raise ShapeMismatchError(problems, context=self.name)
         return values, kind
@@ -116,6 +118,13 @@ class Runner:
 
     def bind_out(self, values: list[Any], out: Any) -> None:
         """Place caller-given output tensors (a tensor, a sequence in output order, or a mapping)."""
+        if type(out) is torch.Tensor and len(self.outputs) == 1:  # the common case, checked inline
+            slot = self._returned[0]
+            mismatch = _mismatch(out, self._out_expect[slot], self.outputs[0].spec)
+            if mismatch:
+                raise ShapeMismatchError([f"out[{self.outputs[0].name}]: {mismatch}"], context=self.name)
+            values[slot] = out
+            return
         if isinstance(out, Mapping):
             by_name = {h.name: h for h in self.outputs}
             pairs: list[tuple[Any, Any]] = [
@@ -145,9 +154,9 @@ class Runner:
     def run(self, values: list[Any], handle: Any, stream: Any, workspace: Any) -> list[Any]:
         handle = handle if handle is not None else self.default_handle
         for plan, runtime, ins, outs in self._steps:
-            inputs = dict(runtime) if runtime else {}
-            for role, i in ins:
-                inputs[role] = values[i]
+            inputs = {role: values[i] for role, i in ins}
+            if runtime:
+                inputs.update(runtime)
             outputs = {}
             for role, i, (shape, stride, dtype, device) in outs:
                 tensor = values[i]

@@ -31,7 +31,8 @@ def test_autotune_times_every_candidate_and_keeps_the_fastest():
         g.sdpa(q, k, v, use_causal_mask=True)
     choice = g.nodes[0].plan.choice
     assert choice.tuned and choice.timings_ms and choice.name in choice.timings_ms
-    assert choice.timings_ms[choice.name] == min(choice.timings_ms.values())
+    # The fastest, or the heuristic's pick when no challenger beats it clearly (timings are noisy).
+    assert choice.timings_ms[choice.name] <= 1.1 * min(choice.timings_ms.values())
     assert rel_err(g(q, k, v), torch_ref(q, k, v, is_causal=True)) < 1.6e-2
 
 

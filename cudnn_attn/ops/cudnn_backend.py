@@ -249,7 +249,8 @@ class CudnnPlan:
         if workspace is None and self.workspace_size:
             workspace = self._workspace(stream_ptr)
         native = cudnn_handle(index, handle)
-        self._cudnn.set_stream(native, stream_ptr)
+        if native.stream != stream_ptr:  # cudnnSetStream is not free: only when it changes
+            self._cudnn.set_stream(native, stream_ptr)
         if self._ordered:
             try:
                 self.graph.execute(tuple(pack.values()), workspace, handle=native, tensor_uids=tuple(pack))
