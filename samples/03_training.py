@@ -34,7 +34,7 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 x = torch.randn(4, 64, 256, device=device, dtype=dtype)
 target = torch.randn_like(x)
 losses = []
-for step in range(20):
+for _ in range(20):
     optimizer.zero_grad()
     loss = (model(x).float() - target.float()).square().mean()
     loss.backward()
