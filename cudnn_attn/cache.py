@@ -16,6 +16,7 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import Any
 
+from . import lifecycle
 from .plan_store import PlanStore, default_path
 
 DEFAULT_MAXSIZE = 1024
@@ -39,6 +40,7 @@ class PlanCache:
         self.path = path
         # Built plans persist here across processes (cuDNN plans; see plan_store.py).
         self.store = PlanStore(path) if path is not None else None
+        lifecycle.track_cache(self)
         self._entries: OrderedDict[Hashable, Any] = OrderedDict()
         self._building: dict[Hashable, Future] = {}
         self._lock = threading.Lock()

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import interop, validation
+from . import interop, lifecycle, validation
 from .cache import PlanCache, default_cache
 from .data_type import to_torch_dtype
 from .errors import GraphStateError, ShapeMismatchError, UnsupportedError, ValidationError
@@ -412,6 +412,7 @@ class Graph:
             raise UnsupportedError(reasons, context=self.name, alternatives=alternatives)
         self._built = True
         self._runner = Runner(self.name, self.inputs, self.nodes, self.handle)
+        lifecycle.track_graph(self)
         # Templates only served the build-time checks: holding them would keep the first
         # call's tensors alive for as long as the graph is cached.
         for handle in self.inputs:
@@ -524,6 +525,12 @@ class Graph:
                 [f"{name}: missing from the variant pack (outputs are written in place)" for name in missing]
             )
         self._runner((inputs,), handle, stream, outputs, workspace)
+
+    def _release(self) -> None:
+        """Drop this graph's plans (at interpreter exit); calling it afterwards raises."""
+        for node in self.nodes:
+            node.plan = None
+        self._runner = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         state = "built" if self._built else "recording"
