@@ -43,6 +43,24 @@ class Case:
         return "-".join(parts)
 
 
+def paged_cache(dense: torch.Tensor, page_size: int, layout: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scatter a dense [B, H, S, D] cache into shuffled pages (random garbage in unused
+    slots and spare pages); returns (cache in ``layout``, page table [B, pages] int32)."""
+    gen = torch.Generator().manual_seed(seed)
+    b, h, s, d = dense.shape
+    per_seq = -(-s // page_size)
+    total = b * per_seq + 3
+    order = torch.randperm(total, generator=gen)[: b * per_seq].view(b, per_seq)
+    cache = torch.randn(total, page_size, h, d, generator=gen).to(device=dense.device, dtype=dense.dtype)
+    for bi in range(b):
+        for p in range(per_seq):
+            chunk = dense[bi, :, p * page_size : (p + 1) * page_size].transpose(0, 1)
+            cache[order[bi, p], : chunk.shape[0]] = chunk
+    if layout == "NHPD":
+        cache = cache.transpose(1, 2).contiguous()
+    return cache, order.to(device=dense.device, dtype=torch.int32)
+
+
 def _layout(b, h, s, d, layout, dtype, device, gen):
     make = {"BHSD": (b, h, s, d), "BSHD": (b, s, h, d), "SBHD": (s, b, h, d)}[layout]
     x = torch.randn(*make, generator=gen, device="cpu").to(device=device, dtype=dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import paged_cache
 from conftest import poisoned, rel_err
 
 import cudnn_attn
@@ -67,29 +68,13 @@ def test_thd_ragged_forward_and_backward(dtype, causal):
         assert rel_err(a, e) < 3 * TOL[dtype]
 
 
-def _paged_cache(dense, page, layout, seed):
-    b, h, s, d = dense.shape
-    per_seq = -(-s // page)
-    order = torch.randperm(b * per_seq + 2, generator=torch.Generator().manual_seed(seed))[: b * per_seq].view(
-        b, per_seq
-    )
-    cache = randn(b * per_seq + 2, page, h, d, dtype=dense.dtype, seed=seed)
-    for bi in range(b):
-        for p in range(per_seq):
-            chunk = dense[bi, :, p * page : (p + 1) * page].transpose(0, 1)
-            cache[order[bi, p], : chunk.shape[0]] = chunk
-    if layout == "NHPD":
-        cache = cache.transpose(1, 2).contiguous()
-    return cache, order.to(device="cuda", dtype=torch.int32)
-
-
 @pytest.mark.parametrize("layout", ["NPHD", "NHPD"])
 @pytest.mark.parametrize("s_q", [1, 16], ids=["decode", "prefill"])
 def test_paged_cache(layout, s_q):
     b, h, h_kv, s_kv, d, page = 3, 8, 2, 300, 128, 32
     q = randn(b, h, s_q, d, seed=5)
-    k_cache, table_k = _paged_cache(randn(b, h_kv, s_kv, d, seed=6), page, layout, 7)
-    v_cache, table_v = _paged_cache(randn(b, h_kv, s_kv, d, seed=8), page, layout, 9)
+    k_cache, table_k = paged_cache(randn(b, h_kv, s_kv, d, seed=6), page, layout, 7)
+    v_cache, table_v = paged_cache(randn(b, h_kv, s_kv, d, seed=8), page, layout, 9)
     lengths = torch.tensor([300, 17, 160], dtype=torch.int32, device="cuda")
 
     def build(backend):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import oracle
 import pytest
 import torch
+from cases import paged_cache
 from conftest import poisoned, randn, rel_err
 
 import cudnn_attn
@@ -56,22 +57,6 @@ def test_thd_forward_and_backward(causal, h_kv):
     assert rel_err(dv, _pack(leaves[2].grad, lkv)) < 2e-3
 
 
-def _paged(dense, page_size, layout, gen):
-    """Scatter a dense [B, H, S, D] cache into shuffled pages; returns (cache, page_table)."""
-    b, h, s, d = dense.shape
-    per_seq = -(-s // page_size)
-    total = b * per_seq + 3  # spare pages that no table points at
-    order = torch.randperm(total, generator=gen)[: b * per_seq].view(b, per_seq)
-    cache = randn(total, page_size, h, d, dtype=dense.dtype, generator=gen)  # garbage where unused
-    for bi in range(b):
-        for p in range(per_seq):
-            chunk = dense[bi, :, p * page_size : (p + 1) * page_size].transpose(0, 1)
-            cache[order[bi, p], : chunk.shape[0]] = chunk
-    if layout == "NHPD":
-        cache = cache.transpose(1, 2).contiguous()
-    return cache, order.to(torch.int32)
-
-
 @pytest.mark.parametrize("layout", ["NPHD", "NHPD"])
 @pytest.mark.parametrize("s_q", [1, 6], ids=["decode", "prefill"])
 def test_paged_cache_matches_dense(layout, s_q):
@@ -80,8 +65,8 @@ def test_paged_cache_matches_dense(layout, s_q):
     q = randn(b, h, s_q, d, dtype=torch.bfloat16, generator=gen)
     k_dense = randn(b, h_kv, s_kv, d, dtype=torch.bfloat16, generator=gen)
     v_dense = randn(b, h_kv, s_kv, d, dtype=torch.bfloat16, generator=gen)
-    k_cache, table_k = _paged(k_dense, page, layout, gen)
-    v_cache, table_v = _paged(v_dense, page, layout, gen)
+    k_cache, table_k = paged_cache(k_dense, page, layout, seed=6)
+    v_cache, table_v = paged_cache(v_dense, page, layout, seed=7)
     lkv = [20, 13]
     seq_kv = torch.tensor(lkv, dtype=torch.int32)
     with cudnn_attn.Graph(backend="reference") as g:
