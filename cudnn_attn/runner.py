@@ -49,7 +49,7 @@ class Runner:
         self._expect = [_expected(h.spec) for h in inputs]
         self._specs: list[TensorSpec | None] = [h.spec for h in inputs]
         self._out_expect: dict[int, tuple] = {}
-        self._steps: list[tuple[Any, dict, list, list]] = []
+        self._steps: list[tuple[Any, dict, list, list, Any, Any]] = []
         for node in nodes:
             ins = [(role, slot[h]) for role, h in node.inputs.items()]
             outs = []
@@ -59,7 +59,13 @@ class Runner:
                 spec: Any = h.spec
                 self._out_expect[slot[h]] = _expected(spec)
                 outs.append((role, slot[h], (spec.shape, spec.stride, spec.dtype, spec.device)))
-            self._steps.append((node.plan, dict(node.runtime), ins, outs))
+            # Plans that take the caller's buffers as they are get them in one tuple.
+            direct = getattr(node.plan, "direct_uids", None)
+            uids = (
+                direct(tuple(r for r, _ in ins), tuple(r for r, _, _ in outs)) if direct and not node.runtime else None
+            )
+            slots = tuple(i for _, i in ins) + tuple(i for _, i, _ in outs) if uids else None
+            self._steps.append((node.plan, dict(node.runtime), ins, outs, uids, slots))
         self.outputs = [h for node in nodes for h in node.outputs.values() if h.is_output]
         self._no_outputs = [None] * (len(self._specs) - len(inputs))
         self._returned = [slot[h] for h in self.outputs]
@@ -153,7 +159,13 @@ class Runner:
 
     def run(self, values: list[Any], handle: Any, stream: Any, workspace: Any) -> list[Any]:
         handle = handle if handle is not None else self.default_handle
-        for plan, runtime, ins, outs in self._steps:
+        for plan, runtime, ins, outs, uids, slots in self._steps:
+            if uids is not None:
+                for _, i, (shape, stride, dtype, device) in outs:
+                    if values[i] is None:
+                        values[i] = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                plan.execute_ordered(tuple([values[i] for i in slots]), uids, stream, workspace, handle)
+                continue
             inputs = {role: values[i] for role, i in ins}
             if runtime:
                 inputs.update(runtime)

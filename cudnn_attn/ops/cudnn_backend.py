@@ -244,6 +244,17 @@ class CudnnPlan:
         rng_dump: torch.Tensor | None = None,
     ) -> None:
         pack = self.variant_pack(inputs, outputs, rng_dump)
+        self.execute_ordered(tuple(pack.values()), tuple(pack), stream, workspace, handle)
+
+    def direct_uids(self, input_roles: tuple[str, ...], output_roles: tuple[str, ...]) -> tuple[int, ...] | None:
+        """The uids of these roles when the caller's tensors are all the plan binds (no ragged
+        offsets or constant lengths to add): then a runner can hand over buffers directly."""
+        if self.lowered.ragged or self._full_seq_len_q is not None or self.problem.has_dropout:
+            return None
+        return tuple(UID[role] for role in (*input_roles, *output_roles))
+
+    def execute_ordered(self, buffers: tuple, uids: tuple[int, ...], stream: Any, workspace: Any, handle: Any) -> None:
+        """Run on ``buffers`` bound to ``uids``: the hot path under every call."""
         index = self.device_index
         stream_ptr = _current_stream(index) if stream is None else _stream_pointer(stream, index)
         if workspace is None and self.workspace_size:
@@ -253,11 +264,11 @@ class CudnnPlan:
             self._cudnn.set_stream(native, stream_ptr)
         if self._ordered:
             try:
-                self.graph.execute(tuple(pack.values()), workspace, handle=native, tensor_uids=tuple(pack))
+                self.graph.execute(buffers, workspace, handle=native, tensor_uids=uids)
                 return
             except (TypeError, ValueError, NotImplementedError):  # a frontend without the ordered form
                 self._ordered = False
-        self.graph.execute(pack, workspace, handle=native)
+        self.graph.execute(dict(zip(uids, buffers)), workspace, handle=native)
 
     def _workspace(self, stream_ptr: int) -> torch.Tensor:
         """One workspace per stream, reused: calls on one stream are ordered, so they can share it."""
