@@ -253,3 +253,35 @@ def test_module_under_torch_compile():
     eager = layer(x)
     compiled = torch.compile(layer)
     assert rel_err(compiled(x), eager) < TOL[torch.bfloat16]
+
+
+def test_out_of_range_lengths_and_pages_never_crash():
+    """Run-time values are not checked on the cuDNN path (that would need a sync); they are
+    clamped on the device, so memory stays in bounds and the context stays healthy."""
+    q = randn(2, 8, 1, 64, seed=20)
+    cache = randn(8, 16, 2, 64, seed=21)
+    table = torch.arange(8, device="cuda", dtype=torch.int32).view(2, 4)
+    lengths = torch.tensor([64, 30], device="cuda", dtype=torch.int32)
+    with cudnn_attn.Graph() as g:
+        g.sdpa_with_paged_cache(q, cache, cache, table, seq_len_kv=lengths)
+    bad_table = torch.tensor([[0, 10**6, -5, 3], [2**30, 1, 2, 3]], device="cuda", dtype=torch.int32)
+    bad_lengths = torch.tensor([10**6, -7], device="cuda", dtype=torch.int32)
+    g(q, cache, cache, bad_lengths, bad_table)
+    torch.cuda.synchronize()  # raises if a kernel faulted
+    good = g(q, cache, cache, lengths, table)
+    with cudnn_attn.Graph(backend="reference") as ref:
+        ref.sdpa_with_paged_cache(q, cache, cache, table, seq_len_kv=lengths)
+    assert rel_err(good, ref(q, cache, cache, lengths, table)) < TOL[torch.bfloat16]
+
+
+def test_out_of_range_ragged_lengths_never_crash():
+    q = randn(40, 4, 64, seed=22)
+    lengths = torch.tensor([10, 30], device="cuda", dtype=torch.int32)
+    with cudnn_attn.Graph() as g:
+        g.sdpa(q, q, q, seq_len_q=lengths, seq_len_kv=lengths, max_seq_len_q=32, max_seq_len_kv=32)
+    out = torch.zeros_like(q)
+    g(q, lengths.new_tensor([30, 30]), lengths.new_tensor([30, 10**6]), out=out)  # sums past the 40 packed tokens
+    torch.cuda.synchronize()
+    with cudnn_attn.Graph(backend="reference") as ref:
+        ref.sdpa(q, q, q, seq_len_q=lengths, seq_len_kv=lengths, max_seq_len_q=32, max_seq_len_kv=32)
+    assert rel_err(g(q, lengths, lengths), ref(q, lengths, lengths)) < TOL[torch.bfloat16]

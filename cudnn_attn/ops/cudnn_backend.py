@@ -223,6 +223,17 @@ class CudnnPlan:
         self.choice = autotune_.Choice(index=-1, name="heuristic")
         self.source = "built"  # or "disk"
         self._workspaces: dict[int, torch.Tensor] = {}
+        # Upper bounds of the integer inputs that address memory (see _within_bounds).
+        self._bounds = {
+            role: high
+            for role, high in (
+                ("seq_len_q", problem.s_q),
+                ("seq_len_kv", problem.s_kv),
+                ("page_table_k", problem.k.shape[0] - 1),
+                ("page_table_v", problem.v.shape[0] - 1),
+            )
+            if getattr(problem, role) is not None
+        }
         self._ordered = True  # the frontend's ordered execute: no per-call dict walk
         import cudnn
 
@@ -249,7 +260,7 @@ class CudnnPlan:
     def direct_uids(self, input_roles: tuple[str, ...], output_roles: tuple[str, ...]) -> tuple[int, ...] | None:
         """The uids of these roles when the caller's tensors are all the plan binds (no ragged
         offsets or constant lengths to add): then a runner can hand over buffers directly."""
-        if self.lowered.ragged or self._full_seq_len_q is not None or self.problem.has_dropout:
+        if self.lowered.ragged or self._full_seq_len_q is not None or self.problem.has_dropout or self._bounds:
             return None
         return tuple(UID[role] for role in (*input_roles, *output_roles))
 
@@ -283,6 +294,8 @@ class CudnnPlan:
         self, inputs: RunInputs, outputs: Mapping[str, torch.Tensor], rng_dump: torch.Tensor | None = None
     ) -> dict[int, Any]:
         """Every tensor the plan reads or writes, by uid."""
+        if self._bounds:
+            inputs = self._within_bounds(inputs)
         pack: dict[int, Any] = {}
         for role, value in inputs.items():
             if isinstance(value, int):  # a dropout seed/offset given as an int: passed by value
@@ -297,6 +310,24 @@ class CudnnPlan:
         if rng_dump is not None:
             pack[UID["rng_dump"]] = rng_dump
         return pack
+
+    def _within_bounds(self, inputs: RunInputs) -> dict[str, Any]:
+        """Lengths and page indices clamped into range on the device (no sync, capturable):
+        whatever values arrive, cuDNN never reads or writes outside the tensors. Rows with
+        out-of-range values get meaningless results; the reference backend and build-time
+        checks raise ValidationError for them instead."""
+        safe: dict[str, Any] = dict(inputs)
+        for role, high in self._bounds.items():
+            value = safe.get(role)
+            if isinstance(value, torch.Tensor):
+                safe[role] = value.clamp(0, high)
+        if self.problem.is_thd:  # packed sequences must also end inside the packed tensors
+            for role, tokens in (("seq_len_q", self.problem.q.shape[0]), ("seq_len_kv", self.problem.k.shape[0])):
+                lengths = safe[role].reshape(-1).to(torch.int64)
+                ends = torch.cumsum(lengths, 0).clamp(max=tokens)
+                starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+                safe[role] = (ends - starts).to(torch.int32).view(safe[role].shape)
+        return safe
 
     def _bind_ragged_offsets(self, inputs: RunInputs, pack: dict[int, Any]) -> None:
         """THD: each tensor's element offset of every sequence, from the sequence lengths."""
