@@ -277,11 +277,12 @@ def test_out_of_range_lengths_and_pages_never_crash():
 def test_out_of_range_ragged_lengths_never_crash():
     q = randn(40, 4, 64, seed=22)
     lengths = torch.tensor([10, 30], device="cuda", dtype=torch.int32)
+    lengths_kv = lengths.clone()  # a separate input from seq_len_q
     with cudnn_attn.Graph() as g:
-        g.sdpa(q, q, q, seq_len_q=lengths, seq_len_kv=lengths, max_seq_len_q=32, max_seq_len_kv=32)
+        g.sdpa(q, q, q, seq_len_q=lengths, seq_len_kv=lengths_kv, max_seq_len_q=32, max_seq_len_kv=32)
     out = torch.zeros_like(q)
     g(q, lengths.new_tensor([30, 30]), lengths.new_tensor([30, 10**6]), out=out)  # sums past the 40 packed tokens
     torch.cuda.synchronize()
     with cudnn_attn.Graph(backend="reference") as ref:
-        ref.sdpa(q, q, q, seq_len_q=lengths, seq_len_kv=lengths, max_seq_len_q=32, max_seq_len_kv=32)
-    assert rel_err(g(q, lengths, lengths), ref(q, lengths, lengths)) < TOL[torch.bfloat16]
+        ref.sdpa(q, q, q, seq_len_q=lengths, seq_len_kv=lengths_kv, max_seq_len_q=32, max_seq_len_kv=32)
+    assert rel_err(g(q, lengths, lengths_kv), ref(q, lengths, lengths_kv)) < TOL[torch.bfloat16]
