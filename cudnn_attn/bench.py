@@ -49,8 +49,10 @@ def _graphs(shape: Shape, t: dict, tune: bool) -> tuple[Graph, Graph | None]:
     return fwd, bwd
 
 
-def _ours(shape: Shape, t: dict, tune: bool) -> Callable:
+def _ours(shape: Shape, t: dict, tune: bool, plans: dict[str, str] | None = None) -> Callable:
     fwd, bwd = _graphs(shape, t, tune)
+    if plans is not None:  # which engine ran, for the report
+        plans["tuned" if tune else "heuristic"] = getattr((bwd or fwd).nodes[0].plan, "choice").name
     if bwd is None:
         return lambda: fwd(t["q"], t["k"], t["v"])
     args = (t["q"], t["k"], t["v"], t["o"], t["d_o"], t["stats"])
@@ -110,12 +112,12 @@ def _reference_error(shape: Shape, t: dict, result: Any) -> float | None:
 def bench_shape(shape: Shape, warmup: int = 5, repeats: int = 30, rounds: int = 6) -> dict[str, Any]:
     t = shape.tensors("cuda")
     device = torch.device("cuda", torch.cuda.current_device())
-    row: dict[str, Any] = {"shape": shape.label(), "flops": shape.flops(), "columns": {}}
+    row: dict[str, Any] = {"shape": shape.label(), "flops": shape.flops(), "columns": {}, "plans": {}}
     from torch.nn.attention import SDPBackend
 
     makers: dict[str, Callable[[], Callable]] = {
-        "cudnn_attn": lambda: _ours(shape, t, False),
-        "cudnn_attn tuned": lambda: _ours(shape, t, True),
+        "cudnn_attn": lambda: _ours(shape, t, False, row["plans"]),
+        "cudnn_attn tuned": lambda: _ours(shape, t, True, row["plans"]),
         "frontend direct": lambda: _frontend_direct(shape, t),
         "torch cudnn": lambda: _torch(shape, t, SDPBackend.CUDNN_ATTENTION),
         "torch flash": lambda: _torch(shape, t, SDPBackend.FLASH_ATTENTION),
