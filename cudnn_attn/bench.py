@@ -52,7 +52,8 @@ def _graphs(shape: Shape, t: dict, tune: bool) -> tuple[Graph, Graph | None]:
 def _ours(shape: Shape, t: dict, tune: bool, plans: dict[str, str] | None = None) -> Callable:
     fwd, bwd = _graphs(shape, t, tune)
     if plans is not None:  # which engine ran, for the report
-        plans["tuned" if tune else "heuristic"] = getattr((bwd or fwd).nodes[0].plan, "choice").name
+        plan: Any = (bwd or fwd).nodes[0].plan
+        plans["tuned" if tune else "heuristic"] = plan.choice.name
     if bwd is None:
         return lambda: fwd(t["q"], t["k"], t["v"])
     args = (t["q"], t["k"], t["v"], t["o"], t["d_o"], t["stats"])
