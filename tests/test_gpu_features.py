@@ -266,12 +266,13 @@ def test_out_of_range_lengths_and_pages_never_crash():
         g.sdpa_with_paged_cache(q, cache, cache, table, seq_len_kv=lengths)
     bad_table = torch.tensor([[0, 10**6, -5, 3], [2**30, 1, 2, 3]], device="cuda", dtype=torch.int32)
     bad_lengths = torch.tensor([10**6, -7], device="cuda", dtype=torch.int32)
-    g(q, cache, cache, bad_lengths, bad_table)
+    assert [h.name for h in g.inputs] == ["q", "k", "seq_len_kv", "page_table_k"]  # cache and table serve twice
+    g(q, cache, bad_lengths, bad_table)
     torch.cuda.synchronize()  # raises if a kernel faulted
-    good = g(q, cache, cache, lengths, table)
+    good = g(q, cache, lengths, table)
     with cudnn_attn.Graph(backend="reference") as ref:
         ref.sdpa_with_paged_cache(q, cache, cache, table, seq_len_kv=lengths)
-    assert rel_err(good, ref(q, cache, cache, lengths, table)) < TOL[torch.bfloat16]
+    assert rel_err(good, ref(q, cache, lengths, table)) < TOL[torch.bfloat16]
 
 
 def test_out_of_range_ragged_lengths_never_crash():
