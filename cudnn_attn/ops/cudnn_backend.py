@@ -210,6 +210,33 @@ def _selected_name(graph: Any) -> str:
         return "heuristic"
 
 
+def _native_executor(graph: Any) -> tuple | None:
+    """What the frontend's ``execute(buffers, tensor_uids=...)`` resolves on every call for a
+    backend plan, resolved once: its native ordered reader and the plan's index.
+
+    These are the frontend's internals (this frontend version is part of every plan's key);
+    when anything is not as expected, None sends calls through the public ``execute``.
+    """
+    try:
+        if graph.selected_engine is not None:  # a python-engine plan: the public path handles it
+            return None
+        lowered = graph._lowered_graph
+        schema = graph._prepare_ordered_binding_schema()
+        if lowered is None or schema is None:
+            return None
+        config = graph._materialize_backend_plan(graph._plan_index) if graph._plans else None
+        plan_index = -1 if config is None or config.cpp_index is None else config.cpp_index
+
+        def finish(schema: Any, result: Any, workspace: Any, handle: int, index: int) -> None:
+            pack = graph._finish_ordered(schema, result, workspace, None)
+            lowered._execute_ordered_pack(pack.native, pack.workspace, handle, index)
+
+        return (lowered._execute_ordered, finish, schema, graph._data_bindings, plan_index)
+    except (AttributeError, TypeError, IndexError) as error:
+        log.debug("native executor unavailable (%s); using the public execute", error)
+        return None
+
+
 class CudnnPlan:
     """A built cuDNN plan and the little it needs per call."""
 
@@ -235,6 +262,7 @@ class CudnnPlan:
             if getattr(problem, role) is not None
         }
         self._ordered = True  # the frontend's ordered execute: no per-call dict walk
+        self._native: Any = None  # the frontend's native ordered executor, prepared on first run
         import cudnn
 
         self._cudnn = cudnn
@@ -273,6 +301,16 @@ class CudnnPlan:
         native = cudnn_handle(index, handle)
         if native.stream != stream_ptr:  # cudnnSetStream is not free: only when it changes
             self._cudnn.set_stream(native, stream_ptr)
+        if self._native is None:
+            self._native = _native_executor(self.graph) or False
+        if self._native:
+            run, finish, schema, bindings, plan_index = self._native
+            result = run(
+                schema, buffers, uids, bindings, workspace, None, None, None, native.backend_handle, plan_index
+            )
+            if result is not None:  # operands the native reader could not describe: finish as the frontend does
+                finish(schema, result, workspace, native.backend_handle, plan_index)
+            return
         if self._ordered:
             try:
                 self.graph.execute(buffers, workspace, handle=native, tensor_uids=uids)
