@@ -133,19 +133,20 @@ def bench_shape(shape: Shape, warmup: int = 5, repeats: int = 30, rounds: int = 
             row["columns"][name] = {"error": text.splitlines()[0][:120] if text else type(failure).__name__}
     # Columns are timed in interleaved rounds and keep their best median, so clock and
     # thermal drift during the run favour no column.
-    best: dict[str, float] = {}
+    medians: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
     for round_ in range(rounds):  # each round starts at another column: no column always runs first
         for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-            ms = autotune.time_plan(runs[name], device, warmup, repeats)
-            best[name] = min(best.get(name, ms), ms)
+            medians[name].append(autotune.time_plan(runs[name], device, warmup, repeats))
     for name, run in runs.items():
-        ms = best[name]
+        ms = min(medians[name])
         error = _reference_error(shape, t, run()) if name in ("cudnn_attn", "cudnn_attn tuned", "torch flash") else None
         row["columns"][name] = {
             "ms": ms,
             "tflops": shape.flops() / (ms * 1e-3) / 1e12,
             "gbps": _bytes(shape) / (ms * 1e-3) / 1e9,
+            # How far one column's round medians spread: differences below it are noise.
+            "spread_pct": 100.0 * (sorted(medians[name])[len(medians[name]) // 2] / ms - 1.0),
             **({"rel_err": error} if error is not None else {}),
         }
     return row
@@ -181,7 +182,19 @@ def host_overhead(calls: int = 3000) -> dict[str, float]:
         for name, fn in runs.items():
             best[name] = min(best[name], per_call(fn))
     ours, frontend, ordered = best["ours"], best["frontend"], best["ordered"]
+    cache = fwd.cache
+
+    def rebuild() -> None:
+        with Graph(cache=cache) as g:
+            g.sdpa(t["q"], t["k"], t["v"])
+
+    rebuild()
+    start = time.perf_counter()
+    for _ in range(500):
+        rebuild()
+    build_hit_us = (time.perf_counter() - start) / 500 * 1e6
     return {
+        "graph_build_on_cache_hit_us": build_hit_us,
         "cudnn_attn_us": ours,
         "frontend_execute_us": frontend,
         "frontend_ordered_execute_us": ordered,
