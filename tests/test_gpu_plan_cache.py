@@ -97,3 +97,20 @@ def test_buckets_bound_the_plans_on_cudnn():
         mask = torch.ones(s, s, dtype=torch.bool, device="cuda").tril()
         assert rel_err(attend(q, k, v), torch_ref(q, k, v, attn_mask=mask)) < 1.6e-2, s
     assert attend.plan_count == 3 and cache.stats()["builds"] == 3
+
+
+def test_cache_warm_command_stores_plans_a_second_warm_loads(tmp_path, monkeypatch, capsys):
+    import cudnn_attn.cache as cache_module
+    from cudnn_attn import cli
+
+    monkeypatch.setattr(cache_module, "_default", cudnn_attn.PlanCache(path=tmp_path))
+    shape = "b=1,h=8,hkv=2,s=512,d=64,causal,bwd"
+    assert cli.main(["cache", "warm", shape, "--no-autotune"]) == 0
+    assert "(built)" in capsys.readouterr().out
+    assert len(list(tmp_path.glob("*.plan"))) == 2  # forward and backward
+    monkeypatch.setattr(cache_module, "_default", cudnn_attn.PlanCache(path=tmp_path))  # as a restarted server
+    assert cli.main(["cache", "warm", shape, "--no-autotune"]) == 0
+    assert "(disk)" in capsys.readouterr().out
+    assert cli.main(["cache", "ls"]) == 0
+    listing = capsys.readouterr().out
+    assert "2 plan(s)" in listing and "DAMAGED" not in listing
