@@ -7,6 +7,7 @@ issues); rules marked "refused" guard shapes known to fail or to give wrong resu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ..data_type import FP8
@@ -47,9 +48,14 @@ def _version(v: int) -> str:
 
 def unsupported_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
     """Why cuDNN on ``platform`` cannot run ``p``; empty when it can."""
+    return list(_reasons(p, platform))
+
+
+@functools.lru_cache(maxsize=4096)  # pure: a rebuilt graph pays a lookup
+def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
     reasons: list[str] = []
     if not p.device.startswith("cuda"):
-        return [f"device={p.device}: cuDNN runs on CUDA tensors"]
+        return (f"device={p.device}: cuDNN runs on CUDA tensors",)
     if platform.arch < MIN_ARCH:
         reasons.append(
             f"compute capability {platform.arch[0]}.{platform.arch[1]} < 8.0: fused attention needs Ampere or newer"
@@ -83,7 +89,7 @@ def unsupported_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
             "pass bias.expand(-1, -1, S_q, -1).contiguous()"
         )
     reasons += _stride_reasons(p)
-    return reasons
+    return tuple(reasons)
 
 
 def _head_dim_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
