@@ -36,6 +36,25 @@ def poisoned(handle) -> torch.Tensor:
     return t.fill_(float("nan"))
 
 
+def split_options(options: dict, dtype, generator) -> tuple[dict, dict]:
+    """A test case's option dict as (sdpa keywords, oracle keywords): ``padding`` becomes
+    per-batch length tensors, ``bias`` a random bias of that shape; the rest passes through."""
+    options = dict(options)
+    kwargs, oracle_kwargs = {}, {}
+    if "padding" in options:
+        lq, lkv = options.pop("padding")
+        kwargs.update(
+            use_padding_mask=True,
+            seq_len_q=torch.tensor(lq, dtype=torch.int32),
+            seq_len_kv=torch.tensor(lkv, dtype=torch.int32),
+        )
+        oracle_kwargs.update(seq_q=lq, seq_kv=lkv)
+    if "bias" in options:
+        kwargs["attn_bias"] = oracle_kwargs["bias"] = randn(*options.pop("bias"), dtype=dtype, generator=generator)
+    kwargs.update(options)
+    return kwargs, oracle_kwargs
+
+
 @pytest.fixture
 def cache():
     """A private plan cache per test, so counts are the test's own."""

@@ -7,7 +7,7 @@ import math
 import oracle
 import pytest
 import torch
-from conftest import poisoned, randn, rel_err
+from conftest import poisoned, randn, rel_err, split_options
 
 import cudnn_attn
 
@@ -36,18 +36,8 @@ def _setup(case, seed=0):
         randn(b, s_kv, h_kv, d_qk, dtype=torch.float16, generator=gen).transpose(1, 2),
         randn(b, s_kv, h_kv, d_v, dtype=torch.float16, generator=gen).transpose(1, 2),
     )
-    kwargs, allowed_kwargs = {}, {}
-    if "padding" in options:
-        lq, lkv = options.pop("padding")
-        kwargs.update(
-            use_padding_mask=True,
-            seq_len_q=torch.tensor(lq, dtype=torch.int32),
-            seq_len_kv=torch.tensor(lkv, dtype=torch.int32),
-        )
-        allowed_kwargs.update(seq_q=lq, seq_kv=lkv)
-    if "bias" in options:
-        kwargs["attn_bias"] = randn(*options.pop("bias"), dtype=torch.float16, generator=gen)
-    kwargs.update(options)
+    kwargs, oracle_kwargs = split_options(options, torch.float16, gen)
+    allowed_kwargs = {k: v for k, v in oracle_kwargs.items() if k in ("seq_q", "seq_kv")}
     causal = (
         "bottom_right"
         if options.get("use_causal_mask_bottom_right")

@@ -8,7 +8,7 @@ import math
 import oracle
 import pytest
 import torch
-from conftest import REFERENCE_TOL, poisoned, randn, rel_err
+from conftest import REFERENCE_TOL, poisoned, randn, rel_err, split_options
 
 import cudnn_attn
 
@@ -67,20 +67,7 @@ def run_case(case, layout, dtype, seed=0):
     q = make_layout(b, h_q, s_q, d_qk, layout, dtype, gen)
     k = make_layout(b, h_kv, s_kv, d_qk, layout, dtype, gen)
     v = make_layout(b, h_kv, s_kv, d_v, layout, dtype, gen)
-    kwargs, oracle_kwargs = {}, {}
-    if "padding" in options:
-        lq, lkv = options.pop("padding")
-        kwargs.update(
-            use_padding_mask=True,
-            seq_len_q=torch.tensor(lq, dtype=torch.int32),
-            seq_len_kv=torch.tensor(lkv, dtype=torch.int32),
-        )
-        oracle_kwargs.update(seq_q=lq, seq_kv=lkv)
-    if "bias" in options:
-        bias = randn(*options.pop("bias"), dtype=dtype, generator=gen)
-        kwargs["attn_bias"] = bias
-        oracle_kwargs["bias"] = bias
-    kwargs.update(options)
+    kwargs, oracle_kwargs = split_options(options, dtype, gen)
     scale = options.get("attn_scale", 1 / math.sqrt(d_qk))
     causal = (
         "bottom_right"
