@@ -110,7 +110,7 @@ def _reference_error(shape: Shape, t: dict, result: Any) -> float | None:
     return float((actual - expected).norm() / expected.norm())
 
 
-def bench_shape(shape: Shape, warmup: int = 5, repeats: int = 30, rounds: int = 6) -> dict[str, Any]:
+def bench_shape(shape: Shape, warmup: int = 5, repeats: int = 40, rounds: int = 10) -> dict[str, Any]:
     t = shape.tensors("cuda")
     device = torch.device("cuda", torch.cuda.current_device())
     row: dict[str, Any] = {"shape": shape.label(), "flops": shape.flops(), "columns": {}, "plans": {}}
