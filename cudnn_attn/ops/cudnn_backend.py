@@ -140,28 +140,34 @@ class CudnnBackend:
         return plan
 
     def _build(self, problem: AttentionProblem, lowered: Lowered, autotune: bool, device_index: int) -> CudnnPlan:
-        import cudnn
-
-        graph = lowered.graph
-        graph.validate()
-        graph.build_operation_graph()
-        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        graph.check_support()
+        graph = _planned(lowered.graph)
         with torch.cuda.device(device_index):
             if autotune:
-                plan = CudnnPlan(problem, lowered, 0, device_index)
+                probe = CudnnPlan(problem, lowered, 0, device_index)
                 inputs, outputs = synthetic.run_tensors(problem)
                 handle = cudnn_handle(device_index)
-                cudnn.set_stream(handle, _stream_pointer(None, device_index))
+                self._cudnn_module().set_stream(handle, _stream_pointer(None, device_index))
                 choice = autotune_.tune(
-                    graph, plan.variant_pack(inputs, outputs), handle, plan.device, problem.describe()
+                    graph, probe.variant_pack(inputs, outputs), handle, probe.device, problem.describe()
                 )
+                # The tuned graph holds every candidate it built: run the winner from a fresh
+                # graph that builds it alone, as the heuristic path would.
+                lowered = lowering.lower(problem, rng_dump=lowered.rng_dump)
+                graph = _planned(lowered.graph)
+                graph.select_plan(choice.index)
+                graph.build_plans()
             else:
                 graph.build_plans()
                 choice = autotune_.Choice(index=-1, name=_selected_name(graph))
         plan = CudnnPlan(problem, lowered, int(graph.get_workspace_size()), device_index)
         plan.choice, plan.source = choice, "built"
         return plan
+
+    @staticmethod
+    def _cudnn_module() -> Any:
+        import cudnn
+
+        return cudnn
 
     def _load(self, problem, lowered, store, key, record, device_index) -> CudnnPlan | None:
         entry = store.load(key, record)
@@ -201,6 +207,17 @@ class CudnnBackend:
         header = {"problem": signature(plan.problem), "platform": record, "variant": variant, "choice": plan.choice.as_record(),
                   "describe": plan.problem.describe()}  # fmt: skip
         store.save(key, header, blob)
+
+
+def _planned(graph: Any) -> Any:
+    """Validate a lowered graph and rank its candidate plans (nothing built yet)."""
+    import cudnn
+
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    return graph
 
 
 def _selected_name(graph: Any) -> str:
