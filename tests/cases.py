@@ -70,18 +70,28 @@ def _layout(b, h, s, d, layout, dtype, device, gen):
 def make_inputs(case: Case, device: str, seed: int = 0) -> dict[str, Any]:
     """Fresh random inputs (never zeros) for ``case`` on ``device``."""
     gen = torch.Generator().manual_seed(seed)
-    t = {
-        "q": _layout(case.b, case.h_q, case.s_q, case.d_qk, case.layout, case.dtype, device, gen),
-        "k": _layout(case.b, case.h_kv, case.s_kv, case.d_qk, case.layout, case.dtype, device, gen),
-        "v": _layout(case.b, case.h_kv, case.s_kv, case.d_v, case.layout, case.dtype, device, gen),
-        "d_o": _layout(case.b, case.h_q, case.s_q, case.d_v, case.layout, case.dtype, device, gen),
-    }
+    if case.layout == "BS3HD":  # packed QKV: q, k, v are views of one [B, S, 3, H, D] tensor
+        assert case.h_q == case.h_kv and case.s_q == case.s_kv and case.d_qk == case.d_v
+        qkv = torch.randn(case.b, case.s_q, 3, case.h_q, case.d_qk, generator=gen).to(device=device, dtype=case.dtype)
+        t = {name: qkv[:, :, i].transpose(1, 2) for i, name in enumerate("qkv")}
+        t["d_o"] = _layout(case.b, case.h_q, case.s_q, case.d_v, "BSHD", case.dtype, device, gen)
+    else:
+        t = _dense_inputs(case, device, gen)
     if case.bias:
         t["attn_bias"] = torch.randn(*case.bias, generator=gen).to(device=device, dtype=case.dtype)
     if case.padding:
         t["seq_len_q"] = torch.tensor(case.padding[0], dtype=torch.int32, device=device)
         t["seq_len_kv"] = torch.tensor(case.padding[1], dtype=torch.int32, device=device)
     return t
+
+
+def _dense_inputs(case: Case, device: str, gen: torch.Generator) -> dict[str, Any]:
+    return {
+        "q": _layout(case.b, case.h_q, case.s_q, case.d_qk, case.layout, case.dtype, device, gen),
+        "k": _layout(case.b, case.h_kv, case.s_kv, case.d_qk, case.layout, case.dtype, device, gen),
+        "v": _layout(case.b, case.h_kv, case.s_kv, case.d_v, case.layout, case.dtype, device, gen),
+        "d_o": _layout(case.b, case.h_q, case.s_q, case.d_v, case.layout, case.dtype, device, gen),
+    }
 
 
 def keywords(case: Case, t: dict[str, Any]) -> dict[str, Any]:
@@ -148,5 +158,8 @@ MASK_GRID = [
     Case(b=1, s_q=100, s_kv=197, options=(("use_causal_mask", True),)),
     Case(b=3, s_q=33, s_kv=33, h_q=4, h_kv=2, layout="SBHD", options=(("use_causal_mask", True),)),
     Case(b=1, s_q=1, s_kv=257, backward=False),
+    # packed QKV: one [B, S, 3, H, D] tensor, q/k/v its views
+    Case(layout="BS3HD", options=(("use_causal_mask", True),)),
+    Case(layout="BS3HD", dtype=torch.float16, padding=((128, 70), (128, 70))),
     Case(b=2, s_q=1, s_kv=300, h_kv=2, backward=False),
 ]
