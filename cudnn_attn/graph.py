@@ -14,29 +14,18 @@ miss. Calling the graph checks the run's tensors against the templates and runs 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from . import interop, lifecycle, validation
+from .assembly import assemble_problem
 from .cache import PlanCache, default_cache
 from .data_type import to_torch_dtype
 from .errors import GraphStateError, ShapeMismatchError, UnsupportedError, ValidationError
 from .handles import InputHandle, OutputHandle, TensorHandle
-from .node import (
-    BACKWARD_INPUTS,
-    FORWARD_INPUTS,
-    OUTPUT_NAMES,
-    MaskArgs,
-    Node,
-    infer_cache_layout,
-    like,
-    output_spec,
-    parse_masks,
-    user_name,
-)
+from .node import OUTPUT_NAMES, MaskArgs, Node, infer_cache_layout, parse_masks, user_name
 from .ops import BACKEND_NAMES, select_backend
 from .ops.autotune import enabled_by_default as autotune_default
 from .problem import AttentionProblem, Op, TensorSpec
@@ -427,43 +416,7 @@ class Graph:
         }
 
     def _make_problem(self, node: Node) -> AttentionProblem | None:
-        specs: dict[str, TensorSpec] = {}
-        for role, handle in node.inputs.items():
-            if handle.spec is None:
-                return None
-            specs[role] = handle.spec
-        q = specs.get("q")
-        if q is None or "k" not in specs or "v" not in specs:
-            return None
-        d_qk = q.shape[-1] if q.shape else 1
-        scale = node.scale if node.scale is not None else 1.0 / math.sqrt(max(d_qk, 1))
-        common: dict[str, Any] = dict(
-            io_dtype=self._dtypes["io_data_type"],
-            intermediate_dtype=self._dtypes["intermediate_data_type"] or torch.float32,
-            compute_dtype=self._dtypes["compute_data_type"] or torch.float32,
-            attn_scale=scale,
-            **node.options,
-        )
-        if node.op is Op.FORWARD:
-            o_default = like(q, last_dim=specs["v"].shape[-1] if specs["v"].shape else 1)
-            o = output_spec(node.outputs["o"], o_default)
-            stats = None
-            if "stats" in node.outputs:
-                rows = q.shape[:3] if q.rank == 4 else None
-                shape = (rows[0], rows[1], rows[2], 1) if rows else _thd_stats_shape(specs, node)
-                stats = output_spec(node.outputs["stats"], TensorSpec.contiguous(shape, torch.float32, q.device))
-            return AttentionProblem(
-                op=Op.FORWARD, o=o, stats=stats, **_tensor_fields(specs, exclude=("o", "stats")), **common
-            )
-        outs: dict[str, Any] = {
-            role: output_spec(node.outputs[role], like(specs[source]))
-            for role, source in (("d_q", "q"), ("d_k", "k"), ("d_v", "v"))
-        }
-        if "d_bias" in node.outputs:
-            bias = specs.get("bias")
-            default = like(bias) if bias is not None else TensorSpec.contiguous((1, 1, 1, 1), torch.float32, q.device)
-            outs["d_bias"] = output_spec(node.outputs["d_bias"], default)
-        return AttentionProblem(op=Op.BACKWARD, **_tensor_fields(specs), **outs, **common)
+        return assemble_problem(node, self._dtypes)
 
     def _fill_output_specs(self, node: Node, problem: AttentionProblem) -> None:
         for role, handle in node.outputs.items():
@@ -552,17 +505,3 @@ def _resolve_stats(is_inference: bool | None, generate_stats: bool | None, error
     if generate_stats is not None:
         return bool(generate_stats)
     return not is_inference if is_inference is not None else False
-
-
-def _tensor_fields(specs: dict[str, TensorSpec], exclude: tuple[str, ...] = ()) -> dict[str, Any]:
-    roles = set(FORWARD_INPUTS) | set(BACKWARD_INPUTS)
-    return {role: spec for role, spec in specs.items() if role in roles and role not in exclude}
-
-
-def _thd_stats_shape(specs: dict[str, TensorSpec], node: Node) -> tuple[int, ...]:
-    q = specs["q"]
-    lengths = specs.get("seq_len_q")
-    batch = lengths.shape[0] if lengths is not None and lengths.shape else 1
-    heads = q.shape[1] if q.rank == 3 else 1
-    s_max = node.options.get("max_seq_len_q") or (q.shape[0] if q.shape else 1)
-    return (batch, heads, s_max, 1)
