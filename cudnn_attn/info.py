@@ -23,7 +23,10 @@ def _frontend() -> dict[str, Any]:
         found["cudnn"] = cudnn.backend_version_string()
     except Exception as error:  # no libcudnn on this machine
         found["cudnn"] = None
-        found["cudnn_error"] = str(error).splitlines()[0]
+        found["cudnn_error"] = (
+            f"the cuDNN library is not loadable here ({str(error).splitlines()[0]}); "
+            "on a GPU machine install the cu12 or cu13 extra"
+        )
     return found
 
 
