@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .errors import ValidationError
 from .functional import sdpa
 
 
@@ -45,9 +46,12 @@ class Attention(nn.Module):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
         if embed_dim % num_heads or num_heads % num_kv_heads:
-            raise ValueError(
-                f"embed_dim={embed_dim}, num_heads={num_heads}, num_kv_heads={num_kv_heads}: "
-                "num_heads must divide embed_dim and num_kv_heads must divide num_heads"
+            raise ValidationError(
+                [
+                    f"num_heads: {num_heads} with embed_dim={embed_dim} and num_kv_heads={num_kv_heads}; "
+                    "num_heads must divide embed_dim and num_kv_heads must divide num_heads"
+                ],
+                context="Attention",
             )
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads

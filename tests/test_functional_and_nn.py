@@ -134,7 +134,7 @@ def test_attention_module_matches_plain_torch_and_trains():
 
 
 def test_attention_module_rejects_bad_head_counts():
-    with pytest.raises(ValueError, match="num_kv_heads"):
+    with pytest.raises(cudnn_attn.ValidationError, match="num_kv_heads"):
         Attention(64, 4, num_kv_heads=3)
 
 
