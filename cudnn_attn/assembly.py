@@ -1,62 +1,78 @@
 """Assembling a node's ``AttentionProblem`` at build time, from its input handles' geometry,
-its parsed options and whatever its outputs' setters said."""
+its parsed keywords and whatever its outputs' setters said."""
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from typing import Any
 
 import torch
 
-from .node import BACKWARD_INPUTS, FORWARD_INPUTS, Node, like, output_spec
-from .problem import AttentionProblem, Op, TensorSpec
+from .node import Node
+from .options import default_scale
+from .problem import AttentionProblem, KVCacheLayout, Op, TensorSpec, contiguous_strides, strides_like
+from .roles import BACKWARD_INPUTS, SDPA_INPUTS
+
+# What each op cannot run without (anything else missing is optional or reported by validation).
+REQUIRED = {Op.FORWARD: ("q", "k", "v"), Op.BACKWARD: ("q", "k", "v", "o", "grad_o", "stats")}
+
+
+def missing_inputs(node: Node) -> list[str]:
+    """One line per required input the node was not given."""
+    return [
+        f"{node.argument(role)}: missing; {node.op.value} needs it (a tensor, not None)"
+        for role in REQUIRED[node.op]
+        if role not in node.inputs
+    ]
 
 
 def assemble_problem(node: Node, dtypes: dict[str, torch.dtype | None]) -> AttentionProblem | None:
-    """The node's problem; None when an input's geometry is unknown (q, k or v missing, or
-    an input coming from a node that failed). Validation judges the result."""
+    """The node's problem; None when an input's geometry is unknown (a required input missing,
+    or an input coming from a node that failed). Validation judges the result."""
     specs: dict[str, TensorSpec] = {}
     for role, handle in node.inputs.items():
         if handle.spec is None:
             return None
         specs[role] = handle.spec
-    q = specs.get("q")
-    if q is None or "k" not in specs or "v" not in specs:
+    if missing_inputs(node):
         return None
-    d_qk = q.shape[-1] if q.shape else 1
-    scale = node.scale if node.scale is not None else 1.0 / math.sqrt(max(d_qk, 1))
+    q = specs["q"]
+    parsed = node.parsed
+    options = parsed.options
+    if not parsed.scale_given:
+        options = dataclasses.replace(options, attn_scale=default_scale(q.shape[-1] if q.shape else 1))
     common: dict[str, Any] = dict(
         io_dtype=dtypes["io_data_type"],
         intermediate_dtype=dtypes["intermediate_data_type"] or torch.float32,
         compute_dtype=dtypes["compute_data_type"] or torch.float32,
-        attn_scale=scale,
-        **node.options,
+        options=options,
+        max_seq_len_q=parsed.max_seq_len_q,
+        max_seq_len_kv=parsed.max_seq_len_kv,
     )
     if node.op is Op.FORWARD:
+        if node.paged:
+            common.update(
+                kv_cache_layout=infer_cache_layout(specs["k"], q, node.kv_cache_layout, node.errors),
+                options=dataclasses.replace(options, padding=True),  # caches are read through per-sequence lengths
+            )
         o_default = like(q, last_dim=specs["v"].shape[-1] if specs["v"].shape else 1)
         o = output_spec(node.outputs["o"], o_default)
         stats = None
         if "stats" in node.outputs:
-            rows = q.shape[:3] if q.rank == 4 else None
-            shape = (rows[0], rows[1], rows[2], 1) if rows else _thd_stats_shape(specs, node)
+            shape = (*q.shape[:3], 1) if q.rank == 4 else _thd_stats_shape(specs, node)
             stats = output_spec(node.outputs["stats"], TensorSpec.contiguous(shape, torch.float32, q.device))
-        return AttentionProblem(
-            op=Op.FORWARD, o=o, stats=stats, **_tensor_fields(specs, exclude=("o", "stats")), **common
-        )
+        inputs: dict[str, Any] = {role: spec for role, spec in specs.items() if role in SDPA_INPUTS}
+        return AttentionProblem(op=Op.FORWARD, o=o, stats=stats, **inputs, **common)
     outs: dict[str, Any] = {
         role: output_spec(node.outputs[role], like(specs[source]))
-        for role, source in (("d_q", "q"), ("d_k", "k"), ("d_v", "v"))
+        for role, source in (("grad_q", "q"), ("grad_k", "k"), ("grad_v", "v"))
     }
-    if "d_bias" in node.outputs:
+    if "grad_bias" in node.outputs:
         bias = specs.get("bias")
         default = like(bias) if bias is not None else TensorSpec.contiguous((1, 1, 1, 1), torch.float32, q.device)
-        outs["d_bias"] = output_spec(node.outputs["d_bias"], default)
-    return AttentionProblem(op=Op.BACKWARD, **_tensor_fields(specs), **outs, **common)
-
-
-def _tensor_fields(specs: dict[str, TensorSpec], exclude: tuple[str, ...] = ()) -> dict[str, Any]:
-    roles = set(FORWARD_INPUTS) | set(BACKWARD_INPUTS)
-    return {role: spec for role, spec in specs.items() if role in roles and role not in exclude}
+        outs["grad_bias"] = output_spec(node.outputs["grad_bias"], default)
+    inputs = {role: spec for role, spec in specs.items() if role in BACKWARD_INPUTS}
+    return AttentionProblem(op=Op.BACKWARD, **inputs, **outs, **common, deterministic=node.deterministic)
 
 
 def _thd_stats_shape(specs: dict[str, TensorSpec], node: Node) -> tuple[int, ...]:
@@ -65,5 +81,59 @@ def _thd_stats_shape(specs: dict[str, TensorSpec], node: Node) -> tuple[int, ...
     lengths = specs.get("seq_len_q")
     batch = lengths.shape[0] if lengths is not None and lengths.shape else 1
     heads = q.shape[1] if q.rank == 3 else 1
-    s_max = node.options.get("max_seq_len_q") or (q.shape[0] if q.shape else 1)
+    s_max = node.parsed.max_seq_len_q or (q.shape[0] if q.shape else 1)
     return (batch, heads, s_max, 1)
+
+
+def output_spec(handle: Any, default: TensorSpec) -> TensorSpec:
+    """An output's geometry: its defaults, then whatever set_dim/set_stride/set_data_type said.
+    Validation checks that the result is a layout an output can have."""
+    shape = handle.dim if handle.dim is not None else default.shape
+    if handle.stride is not None:
+        stride = handle.stride
+    elif handle.dim is not None and len(shape) == len(default.stride):
+        stride = strides_like(shape, default.stride)
+    elif handle.dim is not None:
+        stride = contiguous_strides(shape)
+    else:
+        stride = default.stride
+    return TensorSpec(tuple(shape), tuple(stride), handle.dtype or default.dtype, default.device)
+
+
+def like(spec: TensorSpec, last_dim: int | None = None, dtype: torch.dtype | None = None) -> TensorSpec:
+    """A dense tensor with ``spec``'s layout (and optionally another last dim or dtype)."""
+    shape = spec.shape if last_dim is None else tuple(spec.shape[:-1]) + (last_dim,)
+    return TensorSpec(shape, strides_like(shape, spec.stride), dtype or spec.dtype, spec.device)
+
+
+def infer_cache_layout(k: TensorSpec, q: TensorSpec, explicit: Any, errors: list[str]) -> KVCacheLayout | None:
+    """Which of [num_pages, page_size, H_kv, D] / [num_pages, H_kv, page_size, D] the cache is."""
+    if explicit is not None:
+        try:
+            return KVCacheLayout(str(getattr(explicit, "value", explicit)).upper())
+        except ValueError:
+            errors.append(f"kv_cache_layout: {explicit!r}; allowed 'NPHD' ([pages, page_size, H_kv, D]) or 'NHPD'")
+            return KVCacheLayout.NPHD
+    if k.rank != 4 or q.rank != 4:
+        return KVCacheLayout.NPHD  # validation reports the ranks
+    h_q = q.shape[1]
+    fits = [
+        layout
+        for layout, heads in ((KVCacheLayout.NPHD, k.shape[2]), (KVCacheLayout.NHPD, k.shape[1]))
+        if heads > 0 and h_q % heads == 0
+    ]
+    if len(fits) == 1:
+        return fits[0]
+    if not fits:
+        errors.append(
+            f"k: paged cache shape {list(k.shape)}: neither dim 1 ({k.shape[1]}) nor dim 2 ({k.shape[2]}) "
+            f"is a K/V head count dividing q's {h_q} heads"
+        )
+        return KVCacheLayout.NPHD
+    if k.shape[1] == k.shape[2]:
+        return KVCacheLayout.NPHD  # page_size == H_kv: both readings gather the same way
+    errors.append(
+        f"k: paged cache shape {list(k.shape)} reads as [num_pages, page_size={k.shape[1]}, H_kv={k.shape[2]}, D] "
+        f"or as [num_pages, H_kv={k.shape[1]}, page_size={k.shape[2]}, D]; pass kv_cache_layout='NPHD' or 'NHPD'"
+    )
+    return KVCacheLayout.NPHD

@@ -45,7 +45,7 @@ def _graphs(shape: Shape, t: dict, tune: bool) -> tuple[Graph, Graph | None]:
     o, stats = fwd(t["q"], t["k"], t["v"])
     t["o"], t["stats"] = o, stats
     with Graph(autotune=tune, cache=cache) as bwd:
-        bwd.sdpa_backward(t["q"], t["k"], t["v"], o, t["d_o"], stats, use_causal_mask=shape.causal)
+        bwd.sdpa_backward(t["q"], t["k"], t["v"], o, t["grad_o"], stats, use_causal_mask=shape.causal)
     return fwd, bwd
 
 
@@ -56,7 +56,7 @@ def _ours(shape: Shape, t: dict, tune: bool, plans: dict[str, str] | None = None
         plans["tuned" if tune else "heuristic"] = plan.choice.name
     if bwd is None:
         return lambda: fwd(t["q"], t["k"], t["v"])
-    args = (t["q"], t["k"], t["v"], t["o"], t["d_o"], t["stats"])
+    args = (t["q"], t["k"], t["v"], t["o"], t["grad_o"], t["stats"])
     return lambda: bwd(*args)
 
 
@@ -67,7 +67,7 @@ def _frontend_direct(shape: Shape, t: dict, ordered: bool = False) -> Callable:
     node = graph.nodes[0]
     plan: Any = node.plan
     inputs = {
-        role: t[role] for role in ("q", "k", "v", "o", "d_o", "stats") if role in t and (role in ("q", "k", "v") or bwd)
+        role: t[role] for role in ("q", "k", "v", "o", "grad_o", "stats") if role in t and (role in ("q", "k", "v") or bwd)
     }
     outputs = {role: synthetic.empty(h.spec) for role, h in node.outputs.items() if h.spec is not None}
     pack = plan.variant_pack(inputs, outputs)
@@ -96,7 +96,7 @@ def _torch(shape: Shape, t: dict, backend: Any) -> Callable:
     leaves = [t[n].detach().requires_grad_() for n in ("q", "k", "v")]
     with sdpa_kernel(backend):
         out = torch.nn.functional.scaled_dot_product_attention(*leaves, **kw)
-    return lambda: torch.autograd.grad(out, leaves, t["d_o"], retain_graph=True)
+    return lambda: torch.autograd.grad(out, leaves, t["grad_o"], retain_graph=True)
 
 
 def _reference_error(shape: Shape, t: dict, result: Any) -> float | None:

@@ -15,13 +15,14 @@ Example::
 from __future__ import annotations
 
 import bisect
-import threading
 from typing import Any
 
 import torch
 
 from .errors import ValidationError
 from .graph import Graph
+from .graph_cache import GraphCache
+from .options import default_scale
 
 DEFAULT_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -44,8 +45,7 @@ class BucketedAttention:
         if self.causal not in (None, "top_left", "bottom_right"):
             raise ValidationError([f"causal: {causal!r}; allowed False, True/'top_left', 'bottom_right'"])
         self.graph_options = graph_options
-        self._graphs: dict[tuple, Graph] = {}
-        self._lock = threading.Lock()
+        self._graphs = GraphCache(**graph_options)
 
     def bucket(self, length: int) -> int:
         i = bisect.bisect_left(self.buckets, length)
@@ -61,7 +61,7 @@ class BucketedAttention:
         padded = [_pad(t, n) for t, n in ((q, bq), (k, bkv), (v, bkv))]
         lengths_q = torch.full((q.shape[0],), s_q, dtype=torch.int32, device=q.device)
         lengths_kv = torch.full((q.shape[0],), s_kv, dtype=torch.int32, device=q.device)
-        scale = attn_scale if attn_scale is not None else q.shape[-1] ** -0.5
+        scale = attn_scale if attn_scale is not None else default_scale(q.shape[-1])
         graph = self._graph(padded, lengths_q, lengths_kv, scale)
         out = graph(*padded, lengths_q, lengths_kv)
         return out[:, :, :s_q]
@@ -70,22 +70,18 @@ class BucketedAttention:
         self, padded: list[torch.Tensor], lengths_q: torch.Tensor, lengths_kv: torch.Tensor, scale: float
     ) -> Graph:
         key = (*(tuple(t.shape) + tuple(t.stride()) for t in padded), padded[0].dtype, str(padded[0].device), scale)
-        with self._lock:
-            graph = self._graphs.get(key)
-        if graph is None:
-            graph = Graph(**self.graph_options)
+
+        def record(graph: Graph) -> None:
             graph.sdpa(
                 *padded, attn_scale=scale, use_padding_mask=True, seq_len_q=lengths_q, seq_len_kv=lengths_kv,
                 use_causal_mask=self.causal == "top_left", use_causal_mask_bottom_right=self.causal == "bottom_right",
             )  # fmt: skip
-            graph.build()
-            with self._lock:
-                self._graphs[key] = graph
-        return graph
+
+        return self._graphs.get_or_build(key, record)
 
     @property
     def plan_count(self) -> int:
-        """How many distinct graphs (one plan each) this object has built."""
+        """How many distinct graphs (one plan each) this object holds."""
         return len(self._graphs)
 
 

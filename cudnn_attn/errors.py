@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 
 class _ProblemList:
@@ -18,6 +19,16 @@ class _ProblemList:
             return f"{head}{self.problems[0]}"
         lines = "\n".join(f"  - {p}" for p in self.problems)
         return f"{head}{len(self.problems)} {self.headline}:\n{lines}"
+
+    def renamed(self, names: Mapping[str, str], context: str | None = None) -> Any:
+        """The same error with each line's leading argument renamed by ``names`` (how a
+        wrapper makes errors speak of its own arguments)."""
+        lines = []
+        for line in self.problems:
+            argument, colon, rest = line.partition(":")
+            lines.append(f"{names[argument]}{colon}{rest}" if colon and argument in names else line)
+        extra = {"alternatives": getattr(self, "alternatives", ())} if isinstance(self, UnsupportedError) else {}
+        return type(self)(lines, context, **extra)  # type: ignore[call-arg]
 
 
 class ValidationError(_ProblemList, ValueError):

@@ -15,36 +15,17 @@ repeatable; the backward reuses the forward's mask.
 from __future__ import annotations
 
 import math
-import threading
-from collections import OrderedDict
+import numbers
 from typing import Any
 
 import torch
 
-from .errors import ValidationError
-from .graph import Graph
+from .errors import GraphStateError, ShapeMismatchError, UnsupportedError, ValidationError
+from .graph_cache import GraphCache
+from .options import default_scale
 from .problem import TensorSpec, strides_like
 
-_GRAPHS_MAX = 256
-_graphs: OrderedDict[tuple, Graph] = OrderedDict()
-_lock = threading.Lock()
-
-
-def _cached_graph(key: tuple, record) -> Graph:
-    """A built graph per call signature: the steady state pays a dict lookup, not a build."""
-    with _lock:
-        graph = _graphs.get(key)
-        if graph is not None:
-            _graphs.move_to_end(key)
-            return graph
-    graph = Graph()
-    record(graph)
-    graph.build()
-    with _lock:
-        _graphs[key] = graph
-        while len(_graphs) > _GRAPHS_MAX:
-            _graphs.popitem(last=False)
-    return graph
+_graphs = GraphCache()
 
 
 def _spec(t: torch.Tensor | None) -> TensorSpec | None:
@@ -93,7 +74,7 @@ def _sdpa_forward(
     options = _forward_options(scale, is_causal, dropout_p, seed, offset)
     inputs = [t for t in (q, k, v, bias) if t is not None] + ([seed, offset] if dropout_p > 0 else [])
     key = ("forward", *map(_spec, (q, k, v, bias)), _aliasing(inputs), scale, is_causal, dropout_p, train)
-    graph = _cached_graph(key, lambda g: g.sdpa(q, k, v, attn_bias=bias, generate_stats=train, **options))
+    graph = _graphs.get_or_build(key, lambda g: g.sdpa(q, k, v, attn_bias=bias, generate_stats=train, **options))
     result = graph(*_distinct(inputs))
     if train:
         return result
@@ -138,7 +119,7 @@ def _sdpa_backward(
         dropout_p,
         bias_grad,
     )
-    graph = _cached_graph(
+    graph = _graphs.get_or_build(
         key, lambda g: g.sdpa_backward(q, k, v, out, d_out, stats, attn_bias=bias, bias_grad=bias_grad, **options)
     )
     grads = graph(*_distinct(inputs))
@@ -166,7 +147,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, d_out, _d_stats):
     q, k, v, bias, out, stats, seed, offset = ctx.saved_tensors
     if stats.numel() == 0:
-        raise RuntimeError("cudnn_attn.sdpa: backward of a call made without gradients enabled")
+        raise GraphStateError("cudnn_attn.sdpa: backward of a call made without gradients enabled")
     bias_grad = bias is not None and ctx.needs_input_grad[3]
     d_q, d_k, d_v, d_bias = _sdpa_backward(q, k, v, out, d_out, stats, bias, *ctx.scalars, seed, offset, bias_grad)
     return d_q, d_k, d_v, (d_bias if bias_grad else None), None, None, None, None, None, None
@@ -191,6 +172,11 @@ def _distinct(tensors: list[Any]) -> list[Any]:
     return [t for t in tensors if not (id(t) in seen or seen.add(id(t)))]  # type: ignore[func-returns-value]
 
 
+# How errors from the graph name sdpa's own arguments.
+_ARGUMENTS = {"q": "query", "k": "key", "v": "value", "attn_bias": "attn_mask", "attn_scale": "scale",
+              "dropout": "dropout_p", "o": "output"}  # fmt: skip
+
+
 def sdpa(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -202,36 +188,93 @@ def sdpa(
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     """Scaled dot-product attention with torch's signature, on cached cuDNN graphs."""
-    problems = []
-    if is_causal and attn_mask is not None:
-        problems.append("is_causal: True together with attn_mask; give one (as torch requires)")
-    if not enable_gqa and query.dim() >= 3 and key.dim() == query.dim() and key.shape[-3] != query.shape[-3]:
-        problems.append(
-            f"key: {key.shape[-3]} heads differ from query's {query.shape[-3]}; pass enable_gqa=True for GQA/MQA"
-        )
-    if problems:
-        raise ValidationError(problems, context="sdpa")
+    _check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     squeeze = query.dim() == 3
     if squeeze:
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
         attn_mask = attn_mask if attn_mask is None or attn_mask.dim() < 3 else attn_mask.unsqueeze(0)
-    scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    # cuDNN reads no broadcast (stride-0) q/k/v; torch's SDPA accepts them, so materialise.
+    query, key, value = (_materialised(t) for t in (query, key, value))
+    scale = float(scale) if scale is not None else default_scale(query.shape[-1])
     bias = None if attn_mask is None else _mask_as_bias(attn_mask, query, key.shape[-2])
-    train = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value) if t is not None)
+    train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, bias))
     seed = offset = None
     if dropout_p > 0:
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
         offset = torch.zeros(1, dtype=torch.int64)
-    out, _ = _sdpa_forward(
-        query, key, value, bias, float(scale), bool(is_causal), float(dropout_p), seed, offset, train
-    )
+    try:
+        out, _ = _sdpa_forward(
+            query, key, value, bias, scale, bool(is_causal), float(dropout_p), seed, offset, train
+        )
+    except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
+        raise error.renamed(_ARGUMENTS, context="sdpa") from None
     return out.squeeze(0) if squeeze else out
+
+
+def _check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> None:
+    """What torch's SDPA would refuse, refused here with one line per argument."""
+    problems = []
+    tensors = {"query": query, "key": key, "value": value}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            problems.append(f"{name}: {type(t).__name__}; expected a torch tensor")
+        elif t.dim() not in (3, 4):
+            problems.append(f"{name}: {t.dim()}-D (shape {list(t.shape)}); expected [B, H, L, E] or [H, L, E]")
+    if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
+        problems.append(f"attn_mask: {type(attn_mask).__name__}; expected a torch tensor (bool or float) or None")
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
+        problems.append(f"dropout_p: {dropout_p!r}; expected a probability 0 <= p < 1")
+    if scale is not None and (
+        not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not math.isfinite(_as_float(scale))
+    ):
+        problems.append(f"scale: {scale!r}; expected a finite float or None")
+    for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
+        if not isinstance(flag, (bool, int)) or flag not in (0, 1):
+            problems.append(f"{name}: {flag!r}; expected True or False")
+    if problems:
+        raise ValidationError(problems, context="sdpa")
+    devices = {name: t.device for name, t in {**tensors, "attn_mask": attn_mask}.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        where = ", ".join(f"{name} on {device}" for name, device in devices.items())
+        problems.append(f"device: tensors are on several devices ({where}); put them on one device")
+    if query.dim() != key.dim() or query.dim() != value.dim():
+        problems.append(f"key: {key.dim()}-D and value: {value.dim()}-D; query is {query.dim()}-D, they must match")
+    elif not enable_gqa and key.shape[-3] != query.shape[-3]:
+        problems.append(
+            f"key: {key.shape[-3]} heads differ from query's {query.shape[-3]}; pass enable_gqa=True for GQA/MQA"
+        )
+    if is_causal and attn_mask is not None:
+        problems.append("is_causal: True together with attn_mask; give one (as torch requires)")
+    if attn_mask is not None and not problems:
+        target = (*query.shape[:-1], key.shape[-2])
+        try:
+            broadcast = torch.broadcast_shapes(attn_mask.shape, target)
+        except RuntimeError:
+            broadcast = None
+        if broadcast != torch.Size(target) or attn_mask.dim() > len(target):
+            problems.append(f"attn_mask: shape {list(attn_mask.shape)} does not broadcast to {list(target)}")
+        if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+            problems.append(f"attn_mask: dtype {attn_mask.dtype}; expected bool or a floating dtype")
+    if problems:
+        raise ValidationError(problems, context="sdpa")
+
+
+def _as_float(value: Any) -> float:
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
+def _materialised(t: torch.Tensor) -> torch.Tensor:
+    if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+        return t.contiguous()
+    return t
 
 
 def _clear_graphs() -> None:
     """Drop the functional form's graphs (their plans stay in the plan cache)."""
-    with _lock:
-        _graphs.clear()
+    _graphs.clear()
 
 
 __all__ = ["sdpa"]

@@ -6,35 +6,45 @@ Example::
         o, stats = g.sdpa(q=Q, k=K, v=V, generate_stats=True, use_causal_mask=True)
     O, S = g(Q, K, V)
 
-Inside the block ops only record nodes. Leaving it validates every node (all problems in
-one ``ValidationError``) and takes each node's plan from the plan cache, building it on a
-miss. Calling the graph checks the run's tensors against the templates and runs the plans.
+Inside the block ops only record nodes (this file). Leaving it builds them (``build.py``):
+every node validated, all problems in one ``ValidationError``, each node's plan taken from
+the plan cache and built on a miss. Calling the graph runs the plans (``runner.py``).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Mapping, Sequence
+import math
+import operator
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from . import interop, lifecycle, validation
-from .assembly import assemble_problem
+from . import interop, lifecycle
+from .build import plan_nodes, positional_inputs, validate_nodes
 from .cache import PlanCache, default_cache
 from .data_type import to_torch_dtype
-from .errors import GraphStateError, ShapeMismatchError, UnsupportedError, ValidationError
-from .handles import InputHandle, OutputHandle, TensorHandle
-from .node import OUTPUT_NAMES, MaskArgs, Node, infer_cache_layout, parse_masks, user_name
-from .ops import BACKEND_NAMES, select_backend
+from .errors import GraphStateError, ValidationError
+from .frontend_compat import FrontendSteps
+from .graph_tensors import InputHandle, OutputHandle, TensorHandle
+from .node import Node
+from .ops import BACKEND_NAMES
 from .ops.autotune import enabled_by_default as autotune_default
-from .problem import AttentionProblem, Op, TensorSpec
+from .options import MaskKeywords, collect_keywords, parse_keywords, publishes_mask_keywords
+from .problem import AttentionProblem, Op, TensorSpec, device_name
+from .roles import BACKWARD_INPUTS, PAGED_INPUTS, ROLES, SDPA_INPUTS
 from .runner import Runner
 
-_UNSET: Any = object()
+# Why a keyword is refused where users might expect it.
+_PAGED_HINTS = {
+    "generate_stats": "paged attention is forward inference: it returns no stats",
+    "is_inference": "paged attention is always inference",
+    "paged_attention_k_table": "pass the page table as the 4th argument, page_table",
+    "paged_attention_v_table": "use page_table_v",
+}
 
 
-class Graph:
+class Graph(FrontendSteps):
     """A graph of attention nodes, built once and run many times.
 
     Args:
@@ -72,6 +82,8 @@ class Graph:
                 problems.append(str(error))
         if backend not in BACKEND_NAMES:
             problems.append(f"backend: {backend!r}; allowed {', '.join(map(repr, BACKEND_NAMES))}")
+        if cache is not None and not isinstance(cache, PlanCache):
+            problems.append(f"cache: {type(cache).__name__}; expected a cudnn_attn.PlanCache")
         if problems:
             raise ValidationError(problems, context="Graph")
         self.backend = backend
@@ -80,10 +92,11 @@ class Graph:
         self.handle = handle
         self.name = name or "graph"
         self.nodes: list[Node] = []
-        self.inputs: list[InputHandle] = []
+        self.inputs: list[InputHandle] = []  # in creation order; positional order once built
         self._by_identity: dict[int, InputHandle] = {}
         self._names: set[str] = set()
         self._built = False
+        self._runner: Runner | None = None
 
     # ---- context manager ------------------------------------------------------------------
 
@@ -101,18 +114,35 @@ class Graph:
     # ---- tensors -----------------------------------------------------------------------------
 
     def tensor(
-        self, *, name: str = "", dim: Sequence[int], stride: Sequence[int], data_type: Any, device: str = "cuda:0"
+        self, *, name: str = "", dim: Sequence[int], stride: Sequence[int], data_type: Any, device: Any = None
     ) -> InputHandle:
-        """An input described without data (the frontend's ``graph.tensor``)."""
+        """An input described without data (the frontend's ``graph.tensor``).
+
+        ``device`` defaults to the current CUDA device where there is one, else the CPU.
+        """
         self._check_recording("tensor")
+        problems: list[str] = []
+        shape = _ints(dim, "dim", problems)
+        strides = _ints(stride, "stride", problems)
+        if shape is not None and strides is not None and len(shape) != len(strides):
+            problems.append(f"stride: {len(strides)} strides for {len(shape)} dims; give one stride per dim")
         try:
             dtype = to_torch_dtype(data_type, "data_type")
+            if dtype is None:
+                problems.append("data_type: NOT_SET; give the tensor's data type")
         except TypeError as error:
-            raise ValidationError([str(error)], context="Graph.tensor") from None
-        if dtype is None:
-            raise ValidationError(["data_type: NOT_SET; give the tensor's data type"], context="Graph.tensor")
-        spec = TensorSpec(tuple(int(d) for d in dim), tuple(int(s) for s in stride), dtype, str(torch.device(device)))
-        return self._new_input(spec, name or "tensor", None)
+            problems.append(str(error))
+        where = "cuda" if device is None and torch.cuda.is_available() else ("cpu" if device is None else device)
+        try:
+            device_str = device_name(where)
+        except (RuntimeError, ValueError, TypeError):
+            problems.append(f"device: {device!r} is not a device; give e.g. 'cuda:0' or 'cpu'")
+        if not isinstance(name, str):
+            problems.append(f"name: {name!r}; expected a string")
+        if problems:
+            raise ValidationError(problems, context="Graph.tensor")
+        assert shape is not None and strides is not None and dtype is not None
+        return self._new_input(TensorSpec(shape, strides, dtype, device_str), name or "tensor", None)
 
     def tensor_like(self, template: Any, name: str = "") -> InputHandle:
         """An input with ``template``'s geometry (the frontend's ``graph.tensor_like``)."""
@@ -138,6 +168,8 @@ class Graph:
         return candidate
 
     def _rename(self, handle: TensorHandle, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValidationError([f"name: {name!r}; expected a non-empty string"])
         if name != handle.name:
             if name in self._names:
                 raise ValidationError([f"name: {name!r} is already used in this graph"])
@@ -145,62 +177,46 @@ class Graph:
             self._names.add(name)
             handle._name = name
 
-    def _bind_input(self, node: Node, role: str, value: Any) -> None:
+    def _bind(self, node: Node, role: str, value: Any) -> None:
         """Record ``value`` as ``node``'s input ``role``: a handle, a template tensor or a DLPack array."""
         if value is None:
             return
         if isinstance(value, TensorHandle):
             if value._graph is not self:
-                node.errors.append(f"{user_name(role)}: a tensor handle of another graph")
-                return
-            node.inputs[role] = value  # type: ignore[assignment]
+                node.errors.append(f"{node.argument(role)}: a tensor handle of another graph")
+            else:
+                node.inputs[role] = value  # type: ignore[assignment]
             return
         handle = self._by_identity.get(id(value))
         if handle is None:
             tensor = interop.as_torch(value)
             if tensor is None:
                 node.errors.append(
-                    f"{user_name(role)}: {type(value).__name__}; expected a tensor (torch, or any DLPack array)"
+                    f"{node.argument(role)}: {type(value).__name__}; expected a tensor (torch, or any DLPack array)"
                 )
                 return
-            handle = self._new_input(TensorSpec.of(tensor), user_name(role), tensor, role)
+            handle = self._new_input(TensorSpec.of(tensor), node.argument(role), tensor, role)
             self._by_identity[id(value)] = handle
         node.inputs[role] = handle
 
     # ---- ops -----------------------------------------------------------------------------------
 
+    @publishes_mask_keywords
     def sdpa(
         self,
         q: Any,
         k: Any,
         v: Any,
         *,
-        attn_scale: Any = None,
         is_inference: bool | None = None,
         generate_stats: bool | None = None,
-        use_causal_mask: bool = False,
-        use_causal_mask_bottom_right: bool = False,
-        sliding_window_length: int | None = None,
-        diagonal_alignment: Any = None,
-        diagonal_band_left_bound: int | None = None,
-        diagonal_band_right_bound: int | None = None,
-        attn_bias: Any = None,
-        bias: Any = None,
-        use_alibi_mask: bool = False,
-        use_padding_mask: bool = False,
-        seq_len_q: Any = None,
-        seq_len_kv: Any = None,
-        max_seq_len_q: int | None = None,
-        max_seq_len_kv: int | None = None,
-        dropout: Any = None,
-        dropout_seed: Any = None,
-        dropout_offset: Any = None,
         paged_attention_k_table: Any = None,
         paged_attention_v_table: Any = None,
         paged_attention_max_seq_len_kv: int | None = None,
         kv_cache_layout: str | None = None,
         compute_data_type: Any = None,
         name: str | None = None,
+        **mask: Any,
     ) -> tuple[OutputHandle, OutputHandle | None]:
         """Scaled dot-product attention forward: ``(O, Stats)``, Stats ``None`` unless generated.
 
@@ -208,41 +224,21 @@ class Graph:
         or ``[T, H, D]`` packed (THD) tensors with ``seq_len_q``/``seq_len_kv``. With
         ``paged_attention_k_table``, ``k``/``v`` are paged caches (see ``sdpa_with_paged_cache``).
         ``attn_scale`` defaults to ``1/sqrt(d_qk)``. ``generate_stats`` defaults to False.
+        The mask keywords are those of ``cudnn_attn.options.MaskKeywords``.
         """
-        node = self._new_node(Op.FORWARD, name)
-        for role, value in (("q", q), ("k", k), ("v", v)):
-            self._bind_input(node, role, value)
-        masks = MaskArgs(
-            attn_scale, use_causal_mask, use_causal_mask_bottom_right, sliding_window_length,
-            diagonal_alignment, diagonal_band_left_bound, diagonal_band_right_bound, attn_bias, bias,
-            use_alibi_mask, use_padding_mask, seq_len_q, seq_len_kv, max_seq_len_q, max_seq_len_kv,
-            dropout, dropout_seed, dropout_offset,
-        )  # fmt: skip
-        parse_masks(self, node, masks, _is_thd(node))
+        node = self._record(Op.FORWARD, name, SDPA_INPUTS, {"q": q, "k": k, "v": v}, mask, "sdpa")
         stats = _resolve_stats(is_inference, generate_stats, node.errors)
-        self._check_dtype_arg(compute_data_type, node)
-        paged = paged_attention_k_table is not None or paged_attention_v_table is not None
-        if paged:
-            self._bind_input(node, "page_table_k", paged_attention_k_table)
-            self._bind_input(
-                node,
-                "page_table_v",
-                paged_attention_v_table if paged_attention_v_table is not None else paged_attention_k_table,
-            )
-            node.options["padding"] = True  # paged caches are read through per-sequence lengths
-            node.options["max_seq_len_kv"] = paged_attention_max_seq_len_kv or node.options["max_seq_len_kv"]
-            k_handle, q_handle = node.inputs.get("k"), node.inputs.get("q")
-            if k_handle is not None and q_handle is not None and k_handle.spec and q_handle.spec:
-                node.options["kv_cache_layout"] = infer_cache_layout(
-                    k_handle.spec, q_handle.spec, kv_cache_layout, node.errors
-                )
+        self._check_compute_dtype(compute_data_type, node)
+        if paged_attention_k_table is not None or paged_attention_v_table is not None:
+            v_table = paged_attention_v_table if paged_attention_v_table is not None else paged_attention_k_table
+            self._paged(node, paged_attention_k_table, v_table, paged_attention_max_seq_len_kv, kv_cache_layout)
         elif paged_attention_max_seq_len_kv is not None:
             node.errors.append("paged_attention_max_seq_len_kv: given without paged caches (paged_attention_k_table)")
         o = self._new_output(node, "o")
         s = self._new_output(node, "stats") if stats else None
-        self.nodes.append(node)
         return o, s
 
+    @publishes_mask_keywords
     def sdpa_with_paged_cache(
         self,
         q: Any,
@@ -255,7 +251,8 @@ class Graph:
         page_table_v: Any = None,
         max_seq_len_kv: int | None = None,
         kv_cache_layout: str | None = None,
-        **mask_keywords: Any,
+        name: str | None = None,
+        **mask: Any,
     ) -> tuple[OutputHandle, None]:
         """Attention over paged K/V caches, for decode (S_q = 1) and chunked prefill.
 
@@ -263,17 +260,23 @@ class Graph:
         ``kv_cache_layout="NHPD"``, ``[num_pages, H_kv, page_size, D]``); ``page_table`` is
         ``[B, pages_per_seq]`` (or ``[B, 1, pages_per_seq, 1]``) int32; ``seq_len_kv`` [B]
         int32 gives each sequence's valid cache length, ``seq_len_q`` defaults to S_q.
+        Runs as ``g(q, k, v, page_table, seq_len_q, seq_len_kv, page_table_v)`` (those given).
         """
-        o, _ = self.sdpa(
-            q, k, v,
-            seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, use_padding_mask=True,
-            paged_attention_k_table=page_table,
-            paged_attention_v_table=page_table_v if page_table_v is not None else page_table,
-            paged_attention_max_seq_len_kv=max_seq_len_kv, kv_cache_layout=kv_cache_layout,
-            generate_stats=False, **mask_keywords,
-        )  # fmt: skip
-        return o, None
+        padding = mask.pop("use_padding_mask", True)
+        mask.update(seq_len_q=seq_len_q, seq_len_kv=seq_len_kv)
+        node = self._record(
+            Op.FORWARD, name, PAGED_INPUTS, {"q": q, "k": k, "v": v}, mask, "sdpa_with_paged_cache", _PAGED_HINTS
+        )
+        node.spelling.update(page_table_k="page_table", page_table_v="page_table_v")
+        if padding is not True:
+            node.errors.append(f"use_padding_mask: {padding!r}; paged caches are always read through seq_len_kv")
+        if page_table is None:
+            node.errors.append("page_table: missing; give the [B, pages_per_seq] int32 page table of the caches")
+        table_v = page_table_v if page_table_v is not None else page_table
+        self._paged(node, page_table, table_v, max_seq_len_kv, kv_cache_layout)
+        return self._new_output(node, "o"), None
 
+    @publishes_mask_keywords
     def sdpa_backward(
         self,
         q: Any,
@@ -283,66 +286,78 @@ class Graph:
         dO: Any,  # noqa: N803 - the frontend's spelling
         stats: Any,
         *,
-        attn_scale: Any = None,
-        use_causal_mask: bool = False,
-        use_causal_mask_bottom_right: bool = False,
-        sliding_window_length: int | None = None,
-        diagonal_alignment: Any = None,
-        diagonal_band_left_bound: int | None = None,
-        diagonal_band_right_bound: int | None = None,
-        attn_bias: Any = None,
-        bias: Any = None,
-        use_alibi_mask: bool = False,
-        use_padding_mask: bool = False,
-        seq_len_q: Any = None,
-        seq_len_kv: Any = None,
-        max_seq_len_q: int | None = None,
-        max_seq_len_kv: int | None = None,
-        dropout: Any = None,
-        dropout_seed: Any = None,
-        dropout_offset: Any = None,
         use_deterministic_algorithm: bool = False,
         bias_grad: bool = False,
         compute_data_type: Any = None,
         name: str | None = None,
+        **mask: Any,
     ) -> tuple[OutputHandle, ...]:
         """Gradients of sdpa: ``(dQ, dK, dV)``, plus ``dBias`` when ``bias_grad=True``.
 
         Give the same mask, bias, scale and dropout (seed and offset included) as the
         forward whose ``o`` and ``stats`` are passed.
         """
-        node = self._new_node(Op.BACKWARD, name)
-        for role, value in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", dO), ("stats", stats)):
-            self._bind_input(node, role, value)
-        masks = MaskArgs(
-            attn_scale, use_causal_mask, use_causal_mask_bottom_right, sliding_window_length,
-            diagonal_alignment, diagonal_band_left_bound, diagonal_band_right_bound, attn_bias, bias,
-            use_alibi_mask, use_padding_mask, seq_len_q, seq_len_kv, max_seq_len_q, max_seq_len_kv,
-            dropout, dropout_seed, dropout_offset,
-        )  # fmt: skip
-        parse_masks(self, node, masks, _is_thd(node))
-        self._check_dtype_arg(compute_data_type, node)
-        node.options["deterministic"] = bool(use_deterministic_algorithm)
-        outputs = [self._new_output(node, role) for role in ("d_q", "d_k", "d_v")]
-        if bias_grad:
-            outputs.append(self._new_output(node, "d_bias"))
-        self.nodes.append(node)
+        tensors = {"q": q, "k": k, "v": v, "o": o, "grad_o": dO, "stats": stats}
+        node = self._record(Op.BACKWARD, name, BACKWARD_INPUTS, tensors, mask, "sdpa_backward")
+        self._check_compute_dtype(compute_data_type, node)
+        for flag, value in (("use_deterministic_algorithm", use_deterministic_algorithm), ("bias_grad", bias_grad)):
+            if not isinstance(value, (bool, int)) or value not in (0, 1):
+                node.errors.append(f"{flag}: {value!r}; expected True or False")
+        node.deterministic = use_deterministic_algorithm is True or use_deterministic_algorithm == 1
+        outputs = [self._new_output(node, role) for role in ("grad_q", "grad_k", "grad_v")]
+        if bias_grad is True or bias_grad == 1:
+            outputs.append(self._new_output(node, "grad_bias"))
         return tuple(outputs)
 
-    def _new_node(self, op: Op, name: str | None) -> Node:
-        self._check_recording(op.value)
+    def _record(
+        self,
+        op: Op,
+        name: str | None,
+        positional: tuple[str, ...],
+        tensors: dict[str, Any],
+        mask: dict[str, Any],
+        method: str,
+        hints: dict[str, str] | None = None,
+    ) -> Node:
+        """A new node with its tensors bound and its mask keywords parsed."""
+        self._check_recording(method)
+        keywords = collect_keywords(mask, method, hints)
+        errors = keywords if isinstance(keywords, list) else []
+        q = interop.as_torch(tensors["q"]) if not isinstance(tensors["q"], TensorHandle) else None
+        q_spec = tensors["q"].spec if isinstance(tensors["q"], TensorHandle) else None
+        ragged = (q is not None and q.dim() == 3) or (q_spec is not None and q_spec.rank == 3)
+        parsed = parse_keywords(keywords if isinstance(keywords, MaskKeywords) else MaskKeywords(), ragged=ragged)
         count = sum(1 for n in self.nodes if n.op is op)
-        return Node(op=op, name=name or (op.value if count == 0 else f"{op.value}_{count}"))
+        default_name = op.value if count == 0 else f"{op.value}_{count}"
+        if name is not None and not isinstance(name, str):
+            errors.append(f"name: {name!r}; expected a string")
+            name = None
+        node = Node(op=op, name=name or default_name, positional=positional, parsed=parsed)
+        node.errors += errors + parsed.errors
+        for role, value in [*tensors.items(), *parsed.tensors.items()]:
+            self._bind(node, role, value)
+        self.nodes.append(node)
+        return node
+
+    def _paged(self, node: Node, table_k: Any, table_v: Any, max_seq_len_kv: Any, layout: Any) -> None:
+        node.paged = True
+        self._bind(node, "page_table_k", table_k)
+        self._bind(node, "page_table_v", table_v)
+        node.kv_cache_layout = layout
+        if max_seq_len_kv is not None:
+            if isinstance(max_seq_len_kv, bool) or not isinstance(max_seq_len_kv, int) or max_seq_len_kv < 1:
+                node.errors.append(f"max_seq_len_kv: {max_seq_len_kv!r}; expected an int >= 1")
+            else:
+                node.parsed.max_seq_len_kv = max_seq_len_kv
 
     def _new_output(self, node: Node, role: str) -> OutputHandle:
-        base = OUTPUT_NAMES[role]
-        handle = OutputHandle(
-            self, self._unique_name(base if len(self.nodes) == 0 else f"{node.name}::{base}"), node, role
-        )
+        base = ROLES[role].output or role
+        unique = self._unique_name(base if len(self.nodes) == 1 else f"{node.name}::{base}")
+        handle = OutputHandle(self, unique, node, role)
         node.outputs[role] = handle
         return handle
 
-    def _check_dtype_arg(self, value: Any, node: Node) -> None:
+    def _check_compute_dtype(self, value: Any, node: Node) -> None:
         try:
             dtype = to_torch_dtype(value, "compute_data_type")
         except TypeError as error:
@@ -355,7 +370,7 @@ class Graph:
         if self._built:
             raise GraphStateError(f"{what}: the graph is already built; record ops inside the `with` block")
 
-    # ---- build -----------------------------------------------------------------------------
+    # ---- build and run -------------------------------------------------------------------------
 
     def build(self) -> Graph:
         """Validate every node, then get each node's plan from the cache (building on a miss).
@@ -364,94 +379,20 @@ class Graph:
         """
         if self._built:
             return self
-        if not self.nodes:
-            raise ValidationError(["graph: no ops were recorded; call g.sdpa(...) inside the `with` block"])
-        found: list[str] = []
-        prefix = len(self.nodes) > 1
-        for node in self.nodes:
-            lines = list(node.errors)
-            problem = self._make_problem(node)
-            if problem is None:
-                lines = lines or ["inputs: q, k and v must all be given (an input may come from a node that failed)"]
-            else:
-                # Structural problems are reported alongside argument errors: all problems at once.
-                lines += [line for line in validation.problems(problem) if line not in lines]
-                if not lines:
-                    lines += validation.value_problems(problem, self._templates(node))
-                node.problem = problem
-                self._fill_output_specs(node, problem)
-            found += [f"{node.name}: {line}" if prefix else line for line in lines]
-        if found:
-            raise ValidationError(found, context=f"{self.name}")
-        reasons: list[str] = []
-        for node in self.nodes:
-            assert node.problem is not None
-            try:
-                backend = select_backend(self.backend, node.problem)
-            except UnsupportedError as error:
-                reasons += [f"{node.name}: {r}" if prefix else r for r in error.problems]
-                alternatives = error.alternatives
-                continue
-            tune = self.autotune and backend.name == "cudnn"  # the reference has nothing to tune
-            key = (backend.name, backend.plan_key(node.problem), node.problem, tune)
-            node.backend = backend.name
-            build = functools.partial(backend.build, node.problem, autotune=tune, store=self.cache.store)
-            node.plan = self.cache.get_or_build(key, build)
-        if reasons:
-            raise UnsupportedError(reasons, context=self.name, alternatives=alternatives)
-        self._built = True
+        validate_nodes(self.nodes, self._dtypes, self.name)
+        plan_nodes(self.nodes, self.backend, self.autotune, self.cache, self.name)
+        self.inputs = positional_inputs(self.nodes)
         self._runner = Runner(self.name, self.inputs, self.nodes, self.handle)
+        self._built = True
         lifecycle.track_graph(self)
         # Templates only served the build-time checks: holding them would keep the first
         # call's tensors alive for as long as the graph is cached.
-        for handle in self.inputs:
-            handle.template = None
+        for node in self.nodes:
+            for handle in node.inputs.values():
+                if isinstance(handle, InputHandle):
+                    handle.template = None
         self._by_identity.clear()
         return self
-
-    def _templates(self, node: Node) -> dict[str, torch.Tensor]:
-        """The data of the node's template inputs, for build-time value checks."""
-        return {
-            role: h.template for role, h in node.inputs.items() if isinstance(h, InputHandle) and h.template is not None
-        }
-
-    def _make_problem(self, node: Node) -> AttentionProblem | None:
-        return assemble_problem(node, self._dtypes)
-
-    def _fill_output_specs(self, node: Node, problem: AttentionProblem) -> None:
-        for role, handle in node.outputs.items():
-            handle._spec = getattr(problem, role)
-
-    # Frontend-compatible build steps: all of them amount to build().
-    def validate(self) -> Graph:
-        return self.build()
-
-    def build_operation_graph(self) -> Graph:
-        return self.build()
-
-    def create_execution_plans(self, *heuristics: Any) -> Graph:
-        return self.build()
-
-    def check_support(self, *args: Any) -> Graph:
-        return self.build()
-
-    def build_plans(self, *args: Any) -> Graph:
-        return self.build()
-
-    def get_workspace_size(self) -> int:
-        self.build()
-        return max((getattr(node.plan, "workspace_size", 0) for node in self.nodes), default=0)
-
-    @property
-    def problems(self) -> list[AttentionProblem]:
-        """The built problem of each node (the cache keys), once built."""
-        return [node.problem for node in self.nodes if node.problem is not None]
-
-    @property
-    def outputs(self) -> list[OutputHandle]:
-        return [h for node in self.nodes for h in node.outputs.values() if h.is_output]
-
-    # ---- run -----------------------------------------------------------------------------------
 
     def __call__(
         self, *args: Any, handle: Any = None, stream: Any = None, out: Any = None, workspace: Any = None
@@ -462,28 +403,28 @@ class Graph:
         """
         if not self._built:
             self.build()
+        if self._runner is None:
+            raise GraphStateError(f"{self.name}: this graph's plans were released (the interpreter is exiting)")
         return self._runner(args, handle, stream, out, workspace)
 
-    def execute(
-        self, variant_pack: Mapping[Any, Any], workspace: Any = None, handle: Any = None, stream: Any = None
-    ) -> None:
-        """The frontend's form: ``variant_pack`` maps every handle (inputs and outputs) to a tensor."""
-        if not self._built:
-            self.build()
-        inputs = {h: t for h, t in variant_pack.items() if isinstance(h, InputHandle)}
-        outputs = {h: t for h, t in variant_pack.items() if isinstance(h, OutputHandle)}
-        missing = [h.name for h in self.outputs if h not in outputs]
-        if missing:
-            raise ShapeMismatchError(
-                [f"{name}: missing from the variant pack (outputs are written in place)" for name in missing]
-            )
-        self._runner((inputs,), handle, stream, outputs, workspace)
+    @property
+    def problems(self) -> list[AttentionProblem]:
+        """The built problem of each node (the cache keys), once built."""
+        return [node.problem for node in self.nodes if node.problem is not None]
+
+    @property
+    def outputs(self) -> list[OutputHandle]:
+        return [h for node in self.nodes for h in node.outputs.values() if h.is_output]
+
+    def nbytes(self) -> int:
+        """Device and host memory this graph's plans hold (workspaces, prepared buffers)."""
+        return sum(getattr(node.plan, "nbytes", 0) for node in self.nodes)
 
     def _release(self) -> None:
         """Drop this graph's plans (at interpreter exit); calling it afterwards raises."""
         for node in self.nodes:
             node.plan = None
-        self._runner = None  # type: ignore[assignment]
+        self._runner = None
 
     def __repr__(self) -> str:
         state = "built" if self._built else "recording"
@@ -491,12 +432,25 @@ class Graph:
         return f"<cudnn_attn.Graph {self.name} ({state}): {nodes}>"
 
 
-def _is_thd(node: Node) -> bool:
-    q = node.inputs.get("q")
-    return q is not None and q.spec is not None and q.spec.rank == 3
+def _ints(values: Any, argument: str, problems: list[str]) -> tuple[int, ...] | None:
+    """``values`` as a tuple of ints (a line in ``problems`` for anything else: None, NaN, 8.5, True)."""
+    try:
+        items = list(values)
+        ints = tuple(operator.index(v) for v in items if not isinstance(v, bool))
+    except TypeError:
+        ints, items = (), [None]
+    if len(ints) != len(items):
+        shown = values if not isinstance(values, float) or math.isfinite(values) else str(values)
+        problems.append(f"{argument}: {shown!r}; expected a sequence of ints")
+        return None
+    return ints
 
 
-def _resolve_stats(is_inference: bool | None, generate_stats: bool | None, errors: list[str]) -> bool:
+def _resolve_stats(is_inference: Any, generate_stats: Any, errors: list[str]) -> bool:
+    for name, value in (("is_inference", is_inference), ("generate_stats", generate_stats)):
+        if value is not None and (not isinstance(value, (bool, int)) or value not in (0, 1)):
+            errors.append(f"{name}: {value!r}; expected True or False")
+            return False
     if is_inference is not None and generate_stats is not None and bool(is_inference) == bool(generate_stats):
         errors.append(
             f"generate_stats: {generate_stats} contradicts is_inference={is_inference}; "

@@ -10,7 +10,8 @@ import torch
 
 from . import __version__
 from .ops import get_backend
-from .problem import AttentionProblem, Causal, KVCacheLayout, Op, TensorSpec
+from .options import Causal, ScoreOptions
+from .problem import AttentionProblem, KVCacheLayout, Op, TensorSpec
 
 
 def _frontend() -> dict[str, Any]:
@@ -37,7 +38,7 @@ def _sample_problems(device: str) -> dict[str, AttentionProblem]:
         return TensorSpec.contiguous(shape, dtype, device)
 
     q = spec(2, 8, 128, 128)
-    base = AttentionProblem(op=Op.FORWARD, q=q, k=q, v=q, o=q, attn_scale=128**-0.5)
+    base = AttentionProblem(op=Op.FORWARD, q=q, k=q, v=q, o=q, options=ScoreOptions(attn_scale=128**-0.5))
     lengths = spec(2, dtype=torch.int32)
     stats = spec(2, 8, 128, 1, dtype=torch.float32)
     cache = spec(16, 16, 8, 128)
@@ -84,7 +85,7 @@ def _sample_problems(device: str) -> dict[str, AttentionProblem]:
             page_table_v=table,
             kv_cache_layout=KVCacheLayout.NPHD,
         ),
-        "backward": base.replace(op=Op.BACKWARD, stats=stats, d_o=q, d_q=q, d_k=q, d_v=q),
+        "backward": base.replace(op=Op.BACKWARD, stats=stats, grad_o=q, grad_q=q, grad_k=q, grad_v=q),
     }
 
 

@@ -18,7 +18,8 @@ import math
 
 import torch
 
-from .problem import AttentionProblem, Causal
+from .options import Causal
+from .problem import AttentionProblem
 
 
 def allowed_scores(
@@ -29,21 +30,21 @@ def allowed_scores(
 ) -> torch.Tensor | None:
     """Boolean [B|1, 1, S_q, S_kv]: True where a score takes part. None when nothing is masked."""
     s_q, s_kv = p.s_q, p.s_kv
-    if p.causal is Causal.NONE and p.sliding_window is None and not p.padding:
+    if p.options.causal is Causal.NONE and p.options.sliding_window is None and not p.options.padding:
         return None
     rows = torch.arange(s_q, device=device).view(1, 1, s_q, 1)
     cols = torch.arange(s_kv, device=device).view(1, 1, 1, s_kv)
     len_q = _lengths(seq_len_q, p.batch, s_q, device)
     len_kv = _lengths(seq_len_kv, p.batch, s_kv, device)
     allowed = torch.ones(len_q.shape[0], 1, s_q, s_kv, dtype=torch.bool, device=device)
-    if p.padding:
+    if p.options.padding:
         allowed &= (rows < len_q) & (cols < len_kv)
     # The diagonal sits at column i + shift of row i.
-    shift = (len_kv - len_q) if p.causal is Causal.BOTTOM_RIGHT else torch.zeros_like(len_q)
-    if p.causal is not Causal.NONE:
+    shift = (len_kv - len_q) if p.options.causal is Causal.BOTTOM_RIGHT else torch.zeros_like(len_q)
+    if p.options.causal is not Causal.NONE:
         allowed &= cols <= rows + shift
-    if p.sliding_window is not None:
-        allowed &= cols > rows + shift - p.sliding_window
+    if p.options.sliding_window is not None:
+        allowed &= cols > rows + shift - p.options.sliding_window
     return allowed
 
 

@@ -27,16 +27,12 @@ from typing import Any
 
 import torch
 
+from .options import Causal, ScoreOptions
+
 
 class Op(str, enum.Enum):
     FORWARD = "sdpa"
     BACKWARD = "sdpa_backward"
-
-
-class Causal(str, enum.Enum):
-    NONE = "none"
-    TOP_LEFT = "top_left"
-    BOTTOM_RIGHT = "bottom_right"
 
 
 class KVCacheLayout(str, enum.Enum):
@@ -55,7 +51,7 @@ class TensorSpec:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorSpec:
-        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, str(tensor.device))
+        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, device_name(tensor.device))
 
     @classmethod
     def contiguous(cls, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> TensorSpec:
@@ -74,6 +70,17 @@ class TensorSpec:
         return f"shape={list(self.shape)} stride={list(self.stride)} dtype={dtype} device={self.device}"
 
 
+def device_name(device: torch.device | str) -> str:
+    """One spelling per device: "cpu", "cuda:0" (a bare "cuda" is the current CUDA device).
+
+    Raises ``ValueError`` or ``RuntimeError`` (from torch) for a string that names no device.
+    """
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return str(d)
+
+
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, running = [], 1
     for size in reversed(shape):
@@ -87,10 +94,13 @@ def strides_like(shape: tuple[int, ...], template_stride: tuple[int, ...]) -> tu
 
     How an output inherits its input's layout: O of a BSHD q is BSHD too.
     """
-    order = sorted(range(len(shape)), key=lambda i: (template_stride[i], -i))  # innermost first
+    # The head dim stays innermost; broadcast (stride-0) dims go outermost; the rest keep
+    # the template's order, outermost first.
+    last = len(shape) - 1
+    outer_first = sorted(range(last), key=lambda i: (template_stride[i] != 0, -template_stride[i], i))
     strides = [0] * len(shape)
     running = 1
-    for i in order:
+    for i in [last, *reversed(outer_first)] if shape else []:
         strides[i] = running
         running *= max(shape[i], 1)
     return tuple(strides)
@@ -106,12 +116,12 @@ class AttentionProblem:
     v: TensorSpec
     o: TensorSpec  # forward: output; backward: input
     stats: TensorSpec | None = None  # forward: output when generated; backward: input
-    d_o: TensorSpec | None = None  # backward only, as are the three below
-    d_q: TensorSpec | None = None
-    d_k: TensorSpec | None = None
-    d_v: TensorSpec | None = None
+    grad_o: TensorSpec | None = None  # backward only, as are the three below
+    grad_q: TensorSpec | None = None
+    grad_k: TensorSpec | None = None
+    grad_v: TensorSpec | None = None
     bias: TensorSpec | None = None
-    d_bias: TensorSpec | None = None
+    grad_bias: TensorSpec | None = None
     seq_len_q: TensorSpec | None = None
     seq_len_kv: TensorSpec | None = None
     page_table_k: TensorSpec | None = None
@@ -121,12 +131,7 @@ class AttentionProblem:
     io_dtype: torch.dtype | None = None
     intermediate_dtype: torch.dtype = torch.float32
     compute_dtype: torch.dtype = torch.float32
-    attn_scale: float = 1.0
-    causal: Causal = Causal.NONE
-    sliding_window: int | None = None
-    alibi: bool = False
-    padding: bool = False
-    dropout_p: float = 0.0
+    options: ScoreOptions = ScoreOptions()  # scale, causal, window, ALiBi, padding, dropout
     kv_cache_layout: KVCacheLayout | None = None  # set exactly when K/V are paged
     max_seq_len_q: int | None = None  # THD: the padded length cuDNN plans for
     max_seq_len_kv: int | None = None  # THD and paged
@@ -152,7 +157,7 @@ class AttentionProblem:
 
     @property
     def has_dropout(self) -> bool:
-        return self.dropout_p > 0.0
+        return self.options.has_dropout
 
     @property
     def batch(self) -> int:
@@ -177,7 +182,7 @@ class AttentionProblem:
         return self.q.shape[-1]
 
     @property
-    def d_v_dim(self) -> int:
+    def d_v(self) -> int:
         return self.v.shape[-1]
 
     @property
@@ -223,6 +228,12 @@ class AttentionProblem:
         return (self.batch, self.h_q, self.s_q, 1)
 
     def replace(self, **changes: Any) -> AttentionProblem:
+        """A copy with ``changes``; option fields (``causal=``, ``attn_scale=``, ...) may be given
+        directly and land in ``options``."""
+        option_names = {f.name for f in dataclasses.fields(ScoreOptions)}
+        options = {name: changes.pop(name) for name in list(changes) if name in option_names}
+        if options:
+            changes["options"] = dataclasses.replace(changes.get("options", self.options), **options)
         return dataclasses.replace(self, **changes)
 
     def tensor_specs(self) -> dict[str, TensorSpec]:
@@ -234,8 +245,8 @@ class AttentionProblem:
     def flops(self) -> float:
         """Matrix-multiply FLOPs of this node (causal halves the forward's; backward is 2.5x)."""
         b, h, s_q, s_kv = self.batch, self.h_q, self.s_q, self.s_kv
-        forward = 2.0 * b * h * s_q * s_kv * (self.d_qk + self.d_v_dim)
-        if self.causal is not Causal.NONE:
+        forward = 2.0 * b * h * s_q * s_kv * (self.d_qk + self.d_v)
+        if self.options.causal is not Causal.NONE:
             forward /= 2
         return forward if self.is_forward else 2.5 * forward
 
@@ -248,20 +259,21 @@ class AttentionProblem:
             f"b{self.batch}",
             f"h{self.h_q}" + (f"/{self.h_k}" if self.h_k != self.h_q else ""),
             f"s{self.s_q}" + (f"x{self.s_kv}" if self.s_kv != self.s_q else ""),
-            f"d{self.d_qk}" + (f"/{self.d_v_dim}" if self.d_v_dim != self.d_qk else ""),
+            f"d{self.d_qk}" + (f"/{self.d_v}" if self.d_v != self.d_qk else ""),
         ]
-        if self.causal is not Causal.NONE:
-            parts.append(f"causal-{self.causal.value}")
-        if self.sliding_window is not None:
-            parts.append(f"window{self.sliding_window}")
-        if self.padding:
+        options = self.options
+        if options.causal is not Causal.NONE:
+            parts.append(f"causal-{options.causal.value}")
+        if options.sliding_window is not None:
+            parts.append(f"window{options.sliding_window}")
+        if options.padding:
             parts.append("padding")
-        if self.alibi:
+        if options.alibi:
             parts.append("alibi")
         if self.bias is not None:
             parts.append("bias" + "".join("1" if s == 1 else "x" for s in self.bias.shape))
         if self.has_dropout:
-            parts.append(f"dropout{self.dropout_p:g}")
+            parts.append(f"dropout{options.dropout_p:g}")
         if self.is_paged:
             parts.append(f"paged{self.page_size}")
         return "-".join(parts)

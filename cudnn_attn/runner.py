@@ -14,7 +14,7 @@ import torch
 
 from . import interop
 from .errors import ShapeMismatchError
-from .handles import InputHandle, OutputHandle
+from .graph_tensors import InputHandle, OutputHandle
 from .node import Node
 from .problem import TensorSpec
 
@@ -81,12 +81,12 @@ class Runner:
             names = ", ".join(h.name for h in self.inputs)
             raise ShapeMismatchError([f"inputs: {len(args)} given; this graph takes {len(self._expect)}: {names}"])
         values: list[Any] = [*args, *self._no_outputs]
-        kind = None
+        # Outputs come back as the kind of array the first input (q) is.
+        kind = None if type(values[0]) is torch.Tensor else values[0]
         problems = None
         for i, (shape, stride, dtype, device) in enumerate(self._expect):
             tensor = values[i]
             if type(tensor) is not torch.Tensor:
-                kind = kind if kind is not None else tensor
                 tensor = values[i] = interop.as_torch(tensor)
                 if tensor is None:
                     problems = (problems or []) + [
@@ -139,7 +139,14 @@ class Runner:
             if any(h is None or h not in self._slot for h, _ in pairs):
                 raise ShapeMismatchError([f"out: keys must be output names ({', '.join(by_name)}) or handles"])
         else:
-            given = [out] if isinstance(out, torch.Tensor) or hasattr(out, "__dlpack__") else list(out)
+            if isinstance(out, torch.Tensor) or hasattr(out, "__dlpack__"):
+                given = [out]
+            elif isinstance(out, (list, tuple)):
+                given = list(out)
+            else:
+                raise ShapeMismatchError(
+                    [f"out: {type(out).__name__}; expected a tensor, a sequence of tensors or a dict name -> tensor"]
+                )
             if len(given) != len(self.outputs):
                 names = ", ".join(h.name for h in self.outputs)
                 raise ShapeMismatchError([f"out: {len(given)} tensors for {len(self.outputs)} outputs ({names})"])

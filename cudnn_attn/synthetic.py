@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 
 from .problem import AttentionProblem, TensorSpec
-
-OUTPUT_ROLES = {"forward": ("o", "stats"), "backward": ("d_q", "d_k", "d_v", "d_bias")}
+from .roles import BACKWARD_OUTPUTS, FORWARD_OUTPUTS
 
 
 def empty(spec: TensorSpec, device: torch.device | str | None = None) -> torch.Tensor:
@@ -30,7 +29,7 @@ def run_tensors(p: AttentionProblem, seed: int = 0) -> tuple[dict, dict]:
     """(inputs, outputs) by role, ready for a plan's ``__call__``."""
     gen = torch.Generator().manual_seed(seed)
     inputs: dict = {}
-    for role in ("q", "k", "v", "o", "d_o", "bias"):
+    for role in ("q", "k", "v", "o", "grad_o", "bias"):
         spec = getattr(p, role)
         if spec is not None and (role != "o" or not p.is_forward):
             inputs[role] = random_like(spec, gen)
@@ -48,7 +47,7 @@ def run_tensors(p: AttentionProblem, seed: int = 0) -> tuple[dict, dict]:
     if p.has_dropout:
         inputs["dropout_seed"], inputs["dropout_offset"] = 1234, 0
     outputs = {}
-    for role in OUTPUT_ROLES["forward" if p.is_forward else "backward"]:
+    for role in FORWARD_OUTPUTS if p.is_forward else BACKWARD_OUTPUTS:
         spec = getattr(p, role)
         if spec is not None:
             outputs[role] = empty(spec)

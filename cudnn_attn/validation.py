@@ -19,7 +19,9 @@ from collections.abc import Mapping
 import torch
 
 from .data_type import FLOATING_IO, FP8, dtype_name
-from .problem import AttentionProblem, Causal, KVCacheLayout, TensorSpec
+from .options import Causal
+from .problem import AttentionProblem, KVCacheLayout, TensorSpec
+from .roles import user_name
 
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
@@ -53,8 +55,8 @@ def _problems(p: AttentionProblem) -> tuple[str, ...]:
     _check_dropout(p, found)
     _check_paging(p, found)
     _check_backward(p, found)
-    if not math.isfinite(p.attn_scale):
-        found.append(f"attn_scale: {p.attn_scale} is not finite; give a finite float")
+    if not math.isfinite(p.options.attn_scale):
+        found.append(f"attn_scale: {p.options.attn_scale} is not finite; give a finite float")
     return tuple(found)
 
 
@@ -77,15 +79,15 @@ def _check_ranks(p: AttentionProblem, found: list[str]) -> bool:
         spec = getattr(p, role)
         if spec.rank != kv_rank:
             found.append(f"{role}: rank {spec.rank} (shape {list(spec.shape)}); expected {what}")
-    for role in ("o", "d_o", "d_q"):
+    for role in ("o", "grad_o", "grad_q"):
         spec = getattr(p, role)
         if spec is not None and spec.rank != p.q.rank:
             found.append(f"{_name(role)}: rank {spec.rank} (shape {list(spec.shape)}); expected rank {p.q.rank} like q")
-    for role in ("d_k", "d_v"):
+    for role in ("grad_k", "grad_v"):
         spec = getattr(p, role)
         if spec is not None and spec.rank != p.q.rank:
             found.append(f"{_name(role)}: rank {spec.rank}; expected rank {p.q.rank} like {role[-1]}")
-    for role in ("stats", "bias", "d_bias"):
+    for role in ("stats", "bias", "grad_bias"):
         spec = getattr(p, role)
         if spec is not None and spec.rank != 4:
             found.append(f"{_name(role)}: rank {spec.rank} (shape {list(spec.shape)}); expected 4-D")
@@ -99,7 +101,7 @@ def _check_ranks(p: AttentionProblem, found: list[str]) -> bool:
 
 
 def _check_strides(p: AttentionProblem, found: list[str]) -> None:
-    for role in ("q", "k", "v", "o", "d_o", "d_q", "d_k", "d_v", "bias", "d_bias"):
+    for role in ("q", "k", "v", "o", "grad_o", "grad_q", "grad_k", "grad_v", "bias", "grad_bias"):
         spec = getattr(p, role)
         if spec is None or not spec.shape:
             continue
@@ -130,13 +132,13 @@ def _check_dtypes(p: AttentionProblem, found: list[str]) -> None:
     out_allowed = (q_dt,) + ((torch.float16, torch.bfloat16) if q_dt in FP8 else ())
     if p.o.dtype not in out_allowed:
         found.append(f"o: dtype {_dt(p.o)}; must be {', '.join(dtype_name(d) for d in out_allowed)}")
-    for role in ("d_o", "d_q", "d_k", "d_v"):
+    for role in ("grad_o", "grad_q", "grad_k", "grad_v"):
         spec = getattr(p, role)
         if spec is not None and spec.dtype != q_dt:
             found.append(f"{_name(role)}: dtype {_dt(spec)} differs from q's {_dt(p.q)}; it must match")
     if p.stats is not None and p.stats.dtype != torch.float32:
         found.append(f"stats: dtype {_dt(p.stats)}; stats are float32")
-    for role in ("bias", "d_bias"):
+    for role in ("bias", "grad_bias"):
         spec = getattr(p, role)
         if spec is not None and spec.dtype not in (q_dt, torch.float32):
             found.append(f"{_name(role)}: dtype {_dt(spec)}; must be q's dtype ({_dt(p.q)}) or float32")
@@ -183,7 +185,7 @@ def _check_geometry(p: AttentionProblem, found: list[str]) -> None:
             )
     if p.k.shape[-1] != p.d_qk:
         found.append(f"k: head dim d_qk={p.k.shape[-1]} differs from q's {p.d_qk}; q and k must share d_qk")
-    for name, d in (("d_qk (q)", p.d_qk), ("d_v (v)", p.d_v_dim)):
+    for name, d in (("d_qk (q)", p.d_qk), ("d_v (v)", p.d_v)):
         if d % HEAD_DIM_MULTIPLE or d > MAX_HEAD_DIM:
             found.append(f"{name}: head dim {d}; allowed: a multiple of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}")
     if not p.is_thd and not p.is_paged:
@@ -204,7 +206,7 @@ def _check_geometry(p: AttentionProblem, found: list[str]) -> None:
                 found.append(f"{name}: {value}; allowed 1..{tokens} (the packed token count)")
     elif p.max_seq_len_q is not None:
         found.append("max_seq_len_q: only meaningful for ragged (3-D THD) q; leave it None")
-    expected_o = _out_shape(p, p.d_v_dim)
+    expected_o = _out_shape(p, p.d_v)
     if tuple(p.o.shape) != expected_o:
         found.append(f"o: shape {list(p.o.shape)}; expected {list(expected_o)} (q's shape with v's head dim)")
     if p.stats is not None and tuple(p.stats.shape) != p.stats_shape:
@@ -217,7 +219,7 @@ def _out_shape(p: AttentionProblem, d: int) -> tuple[int, ...]:
 
 def _check_bias(p: AttentionProblem, found: list[str]) -> None:
     if p.bias is None:
-        if p.d_bias is not None:
+        if p.grad_bias is not None:
             found.append("dBias: requested without attn_bias; a bias gradient needs a bias")
         return
     full = (p.batch, p.h_q, p.s_q, p.s_kv)
@@ -232,29 +234,29 @@ def _check_bias(p: AttentionProblem, found: list[str]) -> None:
         found.append(
             f"attn_bias: shape {list(p.bias.shape)} does not broadcast to [B, H, S_q, S_kv]={list(full)}: {', '.join(bad)}"
         )
-    if p.d_bias is not None and tuple(p.d_bias.shape) != tuple(p.bias.shape):
-        found.append(f"dBias: shape {list(p.d_bias.shape)} differs from attn_bias's {list(p.bias.shape)}")
+    if p.grad_bias is not None and tuple(p.grad_bias.shape) != tuple(p.bias.shape):
+        found.append(f"dBias: shape {list(p.grad_bias.shape)} differs from attn_bias's {list(p.bias.shape)}")
 
 
 def _check_masks(p: AttentionProblem, found: list[str]) -> None:
     s_q, s_kv = p.s_q, p.s_kv
-    if p.alibi and p.causal is not Causal.TOP_LEFT:
+    if p.options.alibi and p.options.causal is not Causal.TOP_LEFT:
         found.append(
-            f"use_alibi_mask: ALiBi needs use_causal_mask=True (top-left causal); given causal={p.causal.value}"
+            f"use_alibi_mask: ALiBi needs use_causal_mask=True (top-left causal); given causal={p.options.causal.value}"
         )
-    if p.causal is Causal.BOTTOM_RIGHT:
-        if s_q > s_kv and not p.padding:
+    if p.options.causal is Causal.BOTTOM_RIGHT:
+        if s_q > s_kv and not p.options.padding:
             found.append(
                 f"use_causal_mask_bottom_right: S_q={s_q} > S_kv={s_kv}; bottom-right causal needs S_q <= S_kv "
                 "(or a padding mask with per-batch lengths)"
             )
-        for flag, name in ((p.bias is not None, "attn_bias"), (p.alibi, "use_alibi_mask"), (p.has_dropout, "dropout")):
+        for flag, name in ((p.bias is not None, "attn_bias"), (p.options.alibi, "use_alibi_mask"), (p.has_dropout, "dropout")):
             if flag:
                 found.append(f"use_causal_mask_bottom_right: cannot be combined with {name}; use top-left causal")
-    if p.sliding_window is not None:
-        if p.sliding_window < 1:
-            found.append(f"sliding_window_length: {p.sliding_window}; must be >= 1")
-        if s_q > s_kv and not p.padding:
+    if p.options.sliding_window is not None:
+        if p.options.sliding_window < 1:
+            found.append(f"sliding_window_length: {p.options.sliding_window}; must be >= 1")
+        if s_q > s_kv and not p.options.padding:
             found.append(
                 f"sliding_window_length: S_q={s_q} > S_kv={s_kv}; sliding windows need S_q <= S_kv "
                 "(or a padding mask with per-batch lengths)"
@@ -262,9 +264,9 @@ def _check_masks(p: AttentionProblem, found: list[str]) -> None:
 
 
 def _check_padding(p: AttentionProblem, found: list[str]) -> None:
-    if p.is_thd and not p.padding:
+    if p.is_thd and not p.options.padding:
         found.append("use_padding_mask: ragged (THD) inputs need the padding mask with seq_len_q and seq_len_kv")
-    if p.padding:
+    if p.options.padding:
         for role in ("seq_len_q", "seq_len_kv"):
             if getattr(p, role) is None and not (role == "seq_len_q" and p.is_paged):
                 found.append(
@@ -282,8 +284,8 @@ def _check_padding(p: AttentionProblem, found: list[str]) -> None:
 
 
 def _check_dropout(p: AttentionProblem, found: list[str]) -> None:
-    if not 0.0 <= p.dropout_p < 1.0 or math.isnan(p.dropout_p):
-        found.append(f"dropout: probability {p.dropout_p}; allowed 0 <= p < 1")
+    if not 0.0 <= p.options.dropout_p < 1.0 or math.isnan(p.options.dropout_p):
+        found.append(f"dropout: probability {p.options.dropout_p}; allowed 0 <= p < 1")
     for role in ("dropout_seed", "dropout_offset"):
         spec = getattr(p, role)
         if spec is not None and spec.numel != 1:
@@ -341,12 +343,12 @@ def _check_backward(p: AttentionProblem, found: list[str]) -> None:
         return
     if p.stats is None:
         found.append("stats: sdpa_backward needs the forward's stats (run the forward with generate_stats=True)")
-    for role, like in (("d_o", p.o), ("d_q", p.q), ("d_k", p.k), ("d_v", p.v)):
+    for role, like in (("grad_o", p.o), ("grad_q", p.q), ("grad_k", p.k), ("grad_v", p.v)):
         spec = getattr(p, role)
         if spec is None:
             continue
         if tuple(spec.shape) != tuple(like.shape):
-            source = {"d_o": "o", "d_q": "q", "d_k": "k", "d_v": "v"}[role]
+            source = {"grad_o": "o", "grad_q": "q", "grad_k": "k", "grad_v": "v"}[role]
             found.append(f"{_name(role)}: shape {list(spec.shape)} differs from {source}'s {list(like.shape)}")
 
 
@@ -390,11 +392,8 @@ def value_problems(p: AttentionProblem, data: Mapping[str, torch.Tensor]) -> lis
 
 # ---- naming helpers --------------------------------------------------------------------------
 
-_USER_NAMES = {"d_o": "dO", "d_q": "dQ", "d_k": "dK", "d_v": "dV", "d_bias": "dBias", "bias": "attn_bias"}
-
-
 def _name(role: str) -> str:
-    return _USER_NAMES.get(role, role)
+    return user_name(role)
 
 
 def _role_of(p: AttentionProblem, spec: TensorSpec) -> str:

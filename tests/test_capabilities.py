@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from cudnn_attn.ops.capabilities import Platform, unsupported_reasons
-from cudnn_attn.problem import AttentionProblem, Causal, KVCacheLayout, Op, TensorSpec
+from cudnn_attn.options import Causal, ScoreOptions
+from cudnn_attn.problem import AttentionProblem, KVCacheLayout, Op, TensorSpec
 
 H200 = Platform("NVIDIA H200", (9, 0), 91900, "1.32.0")
 A100 = Platform("NVIDIA A100", (8, 0), 91900, "1.32.0")
@@ -19,13 +20,13 @@ def spec(*shape, dtype=torch.bfloat16):
 def forward(b=2, h=8, h_kv=8, s_q=128, s_kv=128, d=128, **kw):
     q = spec(b, h, s_q, d)
     kv = spec(b, h_kv, s_kv, d)
-    return AttentionProblem(op=Op.FORWARD, q=q, k=kv, v=kv, o=q, attn_scale=0.1, **kw)
+    return AttentionProblem(op=Op.FORWARD, q=q, k=kv, v=kv, o=q).replace(attn_scale=0.1, **kw)
 
 
 def backward(**kw):
     p = forward(**kw)
     return p.replace(
-        op=Op.BACKWARD, stats=spec(*p.stats_shape, dtype=torch.float32), d_o=p.o, d_q=p.q, d_k=p.k, d_v=p.v
+        op=Op.BACKWARD, stats=spec(*p.stats_shape, dtype=torch.float32), grad_o=p.o, grad_q=p.q, grad_k=p.k, grad_v=p.v
     )
 
 
@@ -98,7 +99,7 @@ def test_rules(problem, platform, fragment):
 def test_paged_needs_cudnn_9_5():
     q = spec(2, 8, 1, 128)
     cache = spec(16, 16, 8, 128)
-    p = AttentionProblem(op=Op.FORWARD, q=q, k=cache, v=cache, o=q, padding=True, seq_len_kv=spec(2, dtype=torch.int32),
+    p = AttentionProblem(op=Op.FORWARD, q=q, k=cache, v=cache, o=q, options=ScoreOptions(padding=True), seq_len_kv=spec(2, dtype=torch.int32),
                          page_table_k=spec(2, 8, dtype=torch.int32), page_table_v=spec(2, 8, dtype=torch.int32),
                          kv_cache_layout=KVCacheLayout.NPHD)  # fmt: skip
     assert unsupported_reasons(p, H200) == []

@@ -83,7 +83,7 @@ def test_paged_cache(layout, s_q):
                                     kv_cache_layout=layout, use_causal_mask_bottom_right=s_q > 1)  # fmt: skip
         return g
 
-    (o,), (o_ref,) = both(build, (q, k_cache, v_cache, lengths, table_k, table_v))
+    (o,), (o_ref,) = both(build, (q, k_cache, v_cache, table_k, lengths, table_v))
     assert rel_err(o, o_ref) < TOL[torch.bfloat16]
 
 
@@ -266,13 +266,13 @@ def test_out_of_range_lengths_and_pages_never_crash():
         g.sdpa_with_paged_cache(q, cache, cache, table, seq_len_kv=lengths)
     bad_table = torch.tensor([[0, 10**6, -5, 3], [2**30, 1, 2, 3]], device="cuda", dtype=torch.int32)
     bad_lengths = torch.tensor([10**6, -7], device="cuda", dtype=torch.int32)
-    assert [h.name for h in g.inputs] == ["q", "k", "seq_len_kv", "page_table_k"]  # cache and table serve twice
-    g(q, cache, bad_lengths, bad_table)
+    assert [h.name for h in g.inputs] == ["q", "k", "page_table", "seq_len_kv"]  # cache and table serve twice
+    g(q, cache, bad_table, bad_lengths)
     torch.cuda.synchronize()  # raises if a kernel faulted
-    good = g(q, cache, lengths, table)
+    good = g(q, cache, table, lengths)
     with cudnn_attn.Graph(backend="reference") as ref:
         ref.sdpa_with_paged_cache(q, cache, cache, table, seq_len_kv=lengths)
-    assert rel_err(good, ref(q, cache, lengths, table)) < TOL[torch.bfloat16]
+    assert rel_err(good, ref(q, cache, table, lengths)) < TOL[torch.bfloat16]
 
 
 def test_out_of_range_ragged_lengths_never_crash():

@@ -9,6 +9,7 @@ from cases import MASK_GRID, Case, keywords, make_inputs
 
 import cudnn_attn
 from cudnn_attn.ops import lowering
+from cudnn_attn.roles import ROLES
 
 cudnn = pytest.importorskip("cudnn")
 
@@ -41,7 +42,7 @@ def test_every_mask_case_lowers_and_validates(case: Case):
     _, info = lowered(p)
     params = node(info)["params"]
     tensors = by_uid(info)
-    assert params["attn_scale"] == pytest.approx(p.attn_scale)
+    assert params["attn_scale"] == pytest.approx(p.options.attn_scale)
     assert tensors[lowering.UID["q"]]["dim"] == list(p.q.shape) and tensors[lowering.UID["q"]]["stride"] == list(
         p.q.stride
     )
@@ -71,9 +72,9 @@ def test_backward_lowers_with_dbias_and_determinism():
     n = node(info)
     assert n["type"] == "SDPA_BWD" and n["params"]["use_deterministic_algorithm"] is True
     tensors = by_uid(info)
-    for role in ("d_q", "d_k", "d_v", "d_bias", "stats", "d_o"):
+    for role in ("grad_q", "grad_k", "grad_v", "grad_bias", "stats", "grad_o"):
         assert lowering.UID[role] in tensors, role
-    assert tensors[lowering.UID["d_bias"]]["dim"] == [1, 4, 64, 64]
+    assert tensors[lowering.UID["grad_bias"]]["dim"] == [1, 4, 64, 64]
 
 
 def test_thd_lowers_to_ragged_bshd():
@@ -87,7 +88,7 @@ def test_thd_lowers_to_ragged_bshd():
     assert tensors[lowering.UID["q"]]["dim"] == [2, 8, 32, 64]
     assert tensors[lowering.UID["q"]]["stride"] == [32 * 512, 64, 512, 1]  # [S_max*token, head, token, 1]
     assert tensors[lowering.UID["k"]]["stride"] == [40 * 128, 64, 128, 1]
-    ragged = {role: lowering.RAGGED_UID_BASE + lowering.RAGGED_ROLES.index(role) for role in ("q", "k", "v", "o")}
+    ragged = {role: ROLES[role].ragged_uid for role in ("q", "k", "v", "o")}
     for role, uid in ragged.items():
         assert tensors[uid]["dim"] == [3, 1, 1, 1] and tensors[uid]["dtype"] == "data_type.INT64", role
     assert result.ragged[ragged["q"]] == ("seq_len_q", 512) and result.ragged[ragged["k"]] == ("seq_len_kv", 128)

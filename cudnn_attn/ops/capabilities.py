@@ -11,7 +11,8 @@ import functools
 from dataclasses import dataclass
 
 from ..data_type import FP8
-from ..problem import AttentionProblem, Causal
+from ..options import Causal
+from ..problem import AttentionProblem
 
 
 @dataclass(frozen=True)
@@ -67,16 +68,16 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
     reasons += _head_dim_reasons(p, platform)
     if p.is_paged and platform.cudnn < PAGED_MIN_CUDNN:
         reasons.append(f"paged K/V caches need cuDNN >= 9.5 (have {_version(platform.cudnn)})")
-    if p.causal is Causal.BOTTOM_RIGHT and platform.cudnn < BOTTOM_RIGHT_MIN_CUDNN:
+    if p.options.causal is Causal.BOTTOM_RIGHT and platform.cudnn < BOTTOM_RIGHT_MIN_CUDNN:
         reasons.append(f"bottom-right causal masks need cuDNN >= 9.3 (have {_version(platform.cudnn)})")
-    if p.sliding_window is not None and platform.cudnn < SLIDING_WINDOW_MIN_CUDNN:
+    if p.options.sliding_window is not None and platform.cudnn < SLIDING_WINDOW_MIN_CUDNN:
         reasons.append(f"sliding windows need cuDNN >= 9.2 (have {_version(platform.cudnn)})")
     if p.is_thd and platform.cudnn < RAGGED_INT64_MIN_CUDNN:
         reasons.append(f"ragged (THD) inputs need cuDNN >= 9.6 (have {_version(platform.cudnn)})")
     if not p.is_forward and p.s_q == 1 and p.s_kv == 1:
         # cuDNN release notes, known issue: "bprop is not supported when both key/value have sequence length of 1".
         reasons.append("sdpa_backward with S_q = S_kv = 1: refused (cuDNN does not support this backward shape)")
-    if p.s_q == 1 and p.causal is not Causal.NONE and p.h_k != p.h_q:
+    if p.s_q == 1 and p.options.causal is not Causal.NONE and p.h_k != p.h_q:
         # cuDNN release notes, known issue: decode with causal masking and H_q != H_kv gives wrong results.
         reasons.append(
             "S_q = 1 (decode) with a causal mask and GQA/MQA: refused (known wrong results in cuDNN); "
@@ -93,7 +94,7 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
 
 
 def _head_dim_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
-    d = max(p.d_qk, p.d_v_dim)
+    d = max(p.d_qk, p.d_v)
     if platform.arch >= (9, 0):
         limit, where = 256, "Hopper and newer"
     elif not p.is_forward:
@@ -109,7 +110,7 @@ def _head_dim_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
 
 def _stride_reasons(p: AttentionProblem) -> list[str]:
     reasons = []
-    for role in ("q", "k", "v", "o", "d_o", "d_q", "d_k", "d_v"):
+    for role in ("q", "k", "v", "o", "grad_o", "grad_q", "grad_k", "grad_v"):
         spec = getattr(p, role)
         if spec is None:
             continue

@@ -16,19 +16,9 @@ from typing import Any
 
 import torch
 
-from ..problem import AttentionProblem, Causal, KVCacheLayout, TensorSpec
-
-# Fixed uids: the run binds tensors by these, with no per-call lookup.
-UID = {
-    "q": 1, "k": 2, "v": 3, "o": 4, "stats": 5, "d_o": 6, "d_q": 7, "d_k": 8, "d_v": 9,
-    "bias": 10, "d_bias": 11, "seq_len_q": 12, "seq_len_kv": 13, "page_table_k": 14,
-    "page_table_v": 15, "dropout_seed": 16, "dropout_offset": 17, "rng_dump": 18,
-}  # fmt: skip
-RAGGED_UID_BASE = 32  # + index of the tensor role in RAGGED_ROLES
-RAGGED_ROLES = ("q", "k", "v", "o", "d_o", "d_q", "d_k", "d_v")
-# Which sequence-length input each ragged tensor's offsets come from.
-RAGGED_LENGTHS = {"q": "seq_len_q", "o": "seq_len_q", "d_o": "seq_len_q", "d_q": "seq_len_q",
-                  "k": "seq_len_kv", "v": "seq_len_kv", "d_k": "seq_len_kv", "d_v": "seq_len_kv"}  # fmt: skip
+from ..options import Causal
+from ..problem import AttentionProblem, KVCacheLayout, TensorSpec
+from ..roles import ROLES, UID
 
 
 @dataclass
@@ -54,8 +44,9 @@ def cudnn_dtype(dtype: torch.dtype) -> Any:
 def dims_and_strides(role: str, spec: TensorSpec, p: AttentionProblem) -> tuple[list[int], list[int]]:
     """The frontend's logical [B, H, S, D]-style geometry for a tensor of the problem."""
     shape, stride = list(spec.shape), list(spec.stride)
-    if role in RAGGED_ROLES and spec.rank == 3:  # THD
-        s_max = p.s_q if RAGGED_LENGTHS[role] == "seq_len_q" else p.s_kv
+    lengths = ROLES[role].lengths
+    if lengths is not None and spec.rank == 3:  # THD
+        s_max = p.s_q if lengths == "seq_len_q" else p.s_kv
         token, head = stride[0], stride[1]
         return [p.batch, shape[1], s_max, shape[2]], [s_max * token, head, token, 1]
     if role in ("k", "v") and p.kv_cache_layout is KVCacheLayout.NPHD:  # [N, P, H, D] -> [N, H, P, D]
@@ -92,8 +83,10 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False) -> Lowered:
     def ragged(role: str, spec: TensorSpec) -> dict[str, Any]:
         if not p.is_thd:
             return {}
-        uid = RAGGED_UID_BASE + RAGGED_ROLES.index(role)
-        lowered.ragged[uid] = (RAGGED_LENGTHS[role], spec.stride[0])
+        entry = ROLES[role]
+        uid = entry.ragged_uid
+        assert uid is not None and entry.lengths is not None, f"{role} cannot be ragged"
+        lowered.ragged[uid] = (entry.lengths, spec.stride[0])
         offsets = graph.tensor(name=f"ragged_{role}", dim=[p.batch + 1, 1, 1, 1], stride=[1, 1, 1, 1],
                                data_type=cudnn.data_type.INT64, uid=uid)  # fmt: skip
         return {"ragged_offset": offsets}
@@ -103,7 +96,7 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False) -> Lowered:
         handle.set_output(True).set_dim(dim).set_stride(stride).set_data_type(cudnn_dtype(spec.dtype)).set_uid(
             UID[role]
         )
-        if p.is_thd and role in RAGGED_ROLES:
+        if p.is_thd and ROLES[role].lengths is not None:
             handle.set_ragged_offset(ragged(role, spec)["ragged_offset"])
 
     inputs = {role: tensor(role, getattr(p, role), **ragged(role, getattr(p, role))) for role in ("q", "k", "v")}
@@ -126,17 +119,17 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False) -> Lowered:
         if p.stats is not None:
             output(stats, "stats", p.stats)
         return lowered
-    extra = {role: tensor(role, getattr(p, role), **ragged(role, getattr(p, role))) for role in ("o", "d_o")}
+    extra = {role: tensor(role, getattr(p, role), **ragged(role, getattr(p, role))) for role in ("o", "grad_o")}
     stats = tensor("stats", p.stats)
-    if p.d_bias is not None:
-        d_bias = graph.tensor(name="d_bias", dim=list(p.d_bias.shape), stride=list(p.d_bias.stride),
-                              data_type=cudnn_dtype(p.d_bias.dtype), uid=UID["d_bias"])  # fmt: skip
+    if p.grad_bias is not None:
+        d_bias = graph.tensor(name="grad_bias", dim=list(p.grad_bias.shape), stride=list(p.grad_bias.stride),
+                              data_type=cudnn_dtype(p.grad_bias.dtype), uid=UID["grad_bias"])  # fmt: skip
         options["dBias"] = d_bias
     d_q, d_k, d_v = graph.sdpa_backward(
-        inputs["q"], inputs["k"], inputs["v"], extra["o"], extra["d_o"], stats,
+        inputs["q"], inputs["k"], inputs["v"], extra["o"], extra["grad_o"], stats,
         use_deterministic_algorithm=p.deterministic, name="sdpa_backward", **options,
     )  # fmt: skip
-    for handle, role in ((d_q, "d_q"), (d_k, "d_k"), (d_v, "d_v")):
+    for handle, role in ((d_q, "grad_q"), (d_k, "grad_k"), (d_v, "grad_v")):
         output(handle, role, getattr(p, role))
     return lowered
 
@@ -144,21 +137,21 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False) -> Lowered:
 def _mask_options(p: AttentionProblem, graph: Any, tensor: Any, lowered: Lowered) -> dict[str, Any]:
     import cudnn
 
-    options: dict[str, Any] = {"attn_scale": p.attn_scale}
-    if p.causal is not Causal.NONE or p.sliding_window is not None:
-        bottom = p.causal is Causal.BOTTOM_RIGHT
+    options: dict[str, Any] = {"attn_scale": p.options.attn_scale}
+    if p.options.causal is not Causal.NONE or p.options.sliding_window is not None:
+        bottom = p.options.causal is Causal.BOTTOM_RIGHT
         options["diagonal_alignment"] = (
             cudnn.diagonal_alignment.BOTTOM_RIGHT if bottom else cudnn.diagonal_alignment.TOP_LEFT
         )
-        if p.causal is not Causal.NONE:
+        if p.options.causal is not Causal.NONE:
             options["diagonal_band_right_bound"] = 0
-        if p.sliding_window is not None:
-            options["diagonal_band_left_bound"] = p.sliding_window
+        if p.options.sliding_window is not None:
+            options["diagonal_band_left_bound"] = p.options.sliding_window
     if p.bias is not None:
         options["bias"] = tensor("bias", p.bias)
-    if p.alibi:
+    if p.options.alibi:
         options["use_alibi_mask"] = True
-    if p.padding:
+    if p.options.padding:
         options["use_padding_mask"] = True
         if p.seq_len_q is not None:
             options["seq_len_q"] = tensor("seq_len_q", p.seq_len_q)
@@ -175,5 +168,5 @@ def _mask_options(p: AttentionProblem, graph: Any, tensor: Any, lowered: Lowered
             dtype = cudnn_dtype(spec.dtype) if spec is not None else cudnn.data_type.INT64
             rng.append(graph.tensor(name=role, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dtype,
                                     uid=UID[role], is_pass_by_value=on_host))  # fmt: skip
-        options["dropout"] = (p.dropout_p, rng[0], rng[1])
+        options["dropout"] = (p.options.dropout_p, rng[0], rng[1])
     return options

@@ -47,9 +47,9 @@ class ReferencePlan:
         device = problem.device
         # Problem-only terms are prepared once, as a real plan would be.
         self._alibi = (
-            masks.alibi_bias(problem.h_q, problem.s_q, problem.s_kv, compute_dtype, device) if problem.alibi else None
+            masks.alibi_bias(problem.h_q, problem.s_q, problem.s_kv, compute_dtype, device) if problem.options.alibi else None
         )
-        self._static_allowed = None if problem.padding else masks.allowed_scores(problem, None, None, device)
+        self._static_allowed = None if problem.options.padding else masks.allowed_scores(problem, None, None, device)
 
     def __call__(
         self,
@@ -75,13 +75,13 @@ class ReferencePlan:
                 outputs["stats"].copy_(stats)
         else:
             d_q, d_k, d_v, d_s = reference_math.backward(
-                dense["q"], dense["k"], dense["v"], dense["o"], dense["d_o"], dense["stats"], terms
+                dense["q"], dense["k"], dense["v"], dense["o"], dense["grad_o"], dense["stats"], terms
             )
-            self._write(outputs["d_q"], d_q, inputs, "seq_len_q")
-            self._write(outputs["d_k"], d_k, inputs, "seq_len_kv")
-            self._write(outputs["d_v"], d_v, inputs, "seq_len_kv")
-            if "d_bias" in outputs:
-                d_bias = outputs["d_bias"]
+            self._write(outputs["grad_q"], d_q, inputs, "seq_len_q")
+            self._write(outputs["grad_k"], d_k, inputs, "seq_len_kv")
+            self._write(outputs["grad_v"], d_v, inputs, "seq_len_kv")
+            if "grad_bias" in outputs:
+                d_bias = outputs["grad_bias"]
                 d_bias.copy_(reference_math.reduce_to_shape(d_s, tuple(d_bias.shape)))
 
     # ---- inputs to dense ----------------------------------------------------------------
@@ -92,7 +92,7 @@ class ReferencePlan:
         for role, lengths, s_max in (
             ("q", "seq_len_q", p.s_q),
             ("o", "seq_len_q", p.s_q),
-            ("d_o", "seq_len_q", p.s_q),
+            ("grad_o", "seq_len_q", p.s_q),
             ("k", "seq_len_kv", p.s_kv),
             ("v", "seq_len_kv", p.s_kv),
         ):
@@ -117,7 +117,7 @@ class ReferencePlan:
         if self._alibi is not None:
             bias = self._alibi if bias is None else bias + self._alibi
         allowed = self._static_allowed
-        if p.padding:
+        if p.options.padding:
             allowed = masks.allowed_scores(
                 p, _lengths_or_none(inputs, "seq_len_q"), _lengths_or_none(inputs, "seq_len_kv"), p.device
             )
@@ -128,11 +128,11 @@ class ReferencePlan:
                 dropout.scalar(inputs.get("dropout_seed")),
                 dropout.scalar(inputs.get("dropout_offset")),
                 shape,
-                p.dropout_p,
+                p.options.dropout_p,
                 p.device,
             )
         return reference_math.ScoreTerms(
-            scale=p.attn_scale, bias=bias, allowed=allowed, keep=keep, dropout_p=p.dropout_p
+            scale=p.options.attn_scale, bias=bias, allowed=allowed, keep=keep, dropout_p=p.options.dropout_p
         )
 
     # ---- dense to outputs --------------------------------------------------------------

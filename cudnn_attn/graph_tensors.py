@@ -7,6 +7,7 @@ returns (O, Stats, dQ, ...); its setters mirror the cuDNN frontend's and chain.
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -127,7 +128,12 @@ class OutputHandle(TensorHandle):
 
 
 def _int_tuple(value: Any, argument: str) -> tuple[int, ...]:
+    """``value`` as a tuple of ints; ints, integral tensors and numpy ints pass, floats and bools do not."""
     try:
-        return tuple(int(v) for v in value)
-    except (TypeError, ValueError):
+        items = list(value)
+        ints = tuple(operator.index(v) for v in items)
+    except TypeError:
         raise ValidationError([f"{argument}: {value!r}; expected a sequence of ints"]) from None
+    if any(isinstance(v, bool) for v in items):
+        raise ValidationError([f"{argument}: {value!r}; expected a sequence of ints, not bools"])
+    return ints

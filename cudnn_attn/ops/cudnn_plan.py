@@ -1,0 +1,161 @@
+"""A built cuDNN plan and the little it needs per call: binding by uid, workspaces, the
+device-side clamps that keep run-time lengths and page indices inside the tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..problem import AttentionProblem
+from ..roles import UID
+from . import autotune as autotune_
+from .base import RunInputs
+from .cudnn_platform import cudnn_handle, current_stream, stream_pointer
+from .frontend_internals import native_executor
+from .lowering import Lowered
+
+
+class CudnnPlan:
+    """A built cuDNN plan and the little it needs per call."""
+
+    def __init__(self, problem: AttentionProblem, lowered: Lowered, workspace_size: int, device_index: int):
+        self.problem = problem
+        self.lowered = lowered
+        self.graph = lowered.graph
+        self.workspace_size = workspace_size
+        self.device_index = device_index
+        self.device = torch.device("cuda", device_index)
+        self.choice = autotune_.Choice(index=-1, name="heuristic")
+        self.source = "built"  # or "disk"
+        self._workspaces: dict[int, torch.Tensor] = {}
+        # Upper bounds of the integer inputs that address memory (see _within_bounds).
+        self._bounds = {
+            role: high
+            for role, high in (
+                ("seq_len_q", problem.s_q),
+                ("seq_len_kv", problem.s_kv),
+                ("page_table_k", problem.k.shape[0] - 1),
+                ("page_table_v", problem.v.shape[0] - 1),
+            )
+            if getattr(problem, role) is not None
+        }
+        self._ordered = True  # the frontend's ordered execute: no per-call dict walk
+        self._native: Any = None  # the frontend's native ordered executor, prepared on first run
+        import cudnn
+
+        self._cudnn = cudnn
+        self._full_seq_len_q = (
+            torch.full((problem.batch, 1, 1, 1), problem.s_q, dtype=torch.int32, device=self.device)
+            if lowered.full_seq_len_q
+            else None
+        )
+
+    def __call__(
+        self,
+        inputs: RunInputs,
+        outputs: Mapping[str, torch.Tensor],
+        *,
+        stream: Any = None,
+        workspace: torch.Tensor | None = None,
+        handle: Any = None,
+        rng_dump: torch.Tensor | None = None,
+    ) -> None:
+        pack = self.variant_pack(inputs, outputs, rng_dump)
+        self.execute_ordered(tuple(pack.values()), tuple(pack), stream, workspace, handle)
+
+    def direct_uids(self, input_roles: tuple[str, ...], output_roles: tuple[str, ...]) -> tuple[int, ...] | None:
+        """The uids of these roles when the caller's tensors are all the plan binds (no ragged
+        offsets or constant lengths to add): then a runner can hand over buffers directly."""
+        if self.lowered.ragged or self._full_seq_len_q is not None or self.problem.has_dropout or self._bounds:
+            return None
+        return tuple(UID[role] for role in (*input_roles, *output_roles))
+
+    def execute_ordered(self, buffers: tuple, uids: tuple[int, ...], stream: Any, workspace: Any, handle: Any) -> None:
+        """Run on ``buffers`` bound to ``uids``: the hot path under every call."""
+        index = self.device_index
+        stream_ptr = current_stream(index) if stream is None else stream_pointer(stream, index)
+        if workspace is None and self.workspace_size:
+            workspace = self._workspace(stream_ptr)
+        native = cudnn_handle(index, handle)
+        if native.stream != stream_ptr:  # cudnnSetStream is not free: only when it changes
+            self._cudnn.set_stream(native, stream_ptr)
+        if self._native is None:
+            self._native = native_executor(self.graph) or False
+        if self._native:
+            run, finish, schema, bindings, plan_index = self._native
+            result = run(
+                schema, buffers, uids, bindings, workspace, None, None, None, native.backend_handle, plan_index
+            )
+            if result is not None:  # operands the native reader could not describe: finish as the frontend does
+                finish(schema, result, workspace, native.backend_handle, plan_index)
+            return
+        if self._ordered:
+            try:
+                self.graph.execute(buffers, workspace, handle=native, tensor_uids=uids)
+                return
+            except (TypeError, ValueError, NotImplementedError):  # a frontend without the ordered form
+                self._ordered = False
+        self.graph.execute(dict(zip(uids, buffers)), workspace, handle=native)
+
+    def _workspace(self, stream_ptr: int) -> torch.Tensor:
+        """One workspace per stream, reused: calls on one stream are ordered, so they can share it."""
+        buffer = self._workspaces.get(stream_ptr)
+        if buffer is None:
+            buffer = self._workspaces[stream_ptr] = torch.empty(
+                self.workspace_size, dtype=torch.uint8, device=self.device
+            )
+        return buffer
+
+    def variant_pack(
+        self, inputs: RunInputs, outputs: Mapping[str, torch.Tensor], rng_dump: torch.Tensor | None = None
+    ) -> dict[int, Any]:
+        """Every tensor the plan reads or writes, by uid."""
+        if self._bounds:
+            inputs = self._within_bounds(inputs)
+        pack: dict[int, Any] = {}
+        for role, value in inputs.items():
+            if isinstance(value, int):  # a dropout seed/offset given as an int: passed by value
+                value = torch.full((1, 1, 1, 1), value, dtype=torch.int64)
+            pack[UID[role]] = value
+        for role, tensor in outputs.items():
+            pack[UID[role]] = tensor
+        if self._full_seq_len_q is not None:
+            pack[UID["seq_len_q"]] = self._full_seq_len_q
+        if self.lowered.ragged:
+            self._bind_ragged_offsets(inputs, pack)
+        if rng_dump is not None:
+            pack[UID["rng_dump"]] = rng_dump
+        return pack
+
+    def _within_bounds(self, inputs: RunInputs) -> dict[str, Any]:
+        """Lengths and page indices clamped into range on the device (no sync, capturable):
+        whatever values arrive, cuDNN never reads or writes outside the tensors. Rows with
+        out-of-range values get meaningless results; the reference backend and build-time
+        checks raise ValidationError for them instead."""
+        safe: dict[str, Any] = dict(inputs)
+        for role, high in self._bounds.items():
+            value = safe.get(role)
+            if isinstance(value, torch.Tensor):
+                safe[role] = value.clamp(0, high)
+        if self.problem.is_thd:  # packed sequences must also end inside the packed tensors
+            for role, tokens in (("seq_len_q", self.problem.q.shape[0]), ("seq_len_kv", self.problem.k.shape[0])):
+                lengths = safe[role].reshape(-1).to(torch.int64)
+                ends = torch.cumsum(lengths, 0).clamp(max=tokens)
+                starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+                safe[role] = (ends - starts).to(torch.int32).view(safe[role].shape)
+        return safe
+
+    def _bind_ragged_offsets(self, inputs: RunInputs, pack: dict[int, Any]) -> None:
+        """THD: each tensor's element offset of every sequence, from the sequence lengths."""
+        starts: dict[str, torch.Tensor] = {}
+        for uid, (lengths_role, token_stride) in self.lowered.ragged.items():
+            start = starts.get(lengths_role)
+            if start is None:
+                lengths = inputs[lengths_role]
+                assert isinstance(lengths, torch.Tensor)
+                start = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+                torch.cumsum(lengths.reshape(-1), 0, out=start[1:])
+                starts[lengths_role] = start
+            pack[uid] = (start * token_stride).view(-1, 1, 1, 1)

@@ -1,0 +1,49 @@
+"""Every use of the cuDNN frontend's private internals, in one adapter.
+
+The library binds buffers through the frontend's native ordered executor and reads which
+plan the heuristics selected; both live behind underscore names that may change between
+frontend versions (the version is part of every plan's key). A frontend upgrade touches
+this file alone; when anything is not as expected, callers fall back to public calls.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("cudnn_attn.cudnn")
+
+
+def selected_plan_name(graph: Any) -> str:
+    """The name of the plan the heuristics selected for a built graph."""
+    try:
+        return str(graph.get_plan_name_at_index(graph._plan_index))
+    except Exception:
+        return "heuristic"
+
+
+def native_executor(graph: Any) -> tuple | None:
+    """What the frontend's ``execute(buffers, tensor_uids=...)`` resolves on every call for a
+    backend plan, resolved once: its native ordered reader and the plan's index.
+
+    These are the frontend's internals (this frontend version is part of every plan's key);
+    when anything is not as expected, None sends calls through the public ``execute``.
+    """
+    try:
+        if graph.selected_engine is not None:  # a python-engine plan: the public path handles it
+            return None
+        lowered = graph._lowered_graph
+        schema = graph._prepare_ordered_binding_schema()
+        if lowered is None or schema is None:
+            return None
+        config = graph._materialize_backend_plan(graph._plan_index) if graph._plans else None
+        plan_index = -1 if config is None or config.cpp_index is None else config.cpp_index
+
+        def finish(schema: Any, result: Any, workspace: Any, handle: int, index: int) -> None:
+            pack = graph._finish_ordered(schema, result, workspace, None)
+            lowered._execute_ordered_pack(pack.native, pack.workspace, handle, index)
+
+        return (lowered._execute_ordered, finish, schema, graph._data_bindings, plan_index)
+    except (AttributeError, TypeError, IndexError) as error:
+        log.debug("native executor unavailable (%s); using the public execute", error)
+        return None

@@ -1,0 +1,290 @@
+"""The mask, scale, length and dropout keywords: one definition shared by every op.
+
+``MaskKeywords`` lists the keywords as users give them (the cuDNN frontend's names and
+spellings). ``parse_keywords`` turns them into ``ScoreOptions``, the typed group of problem
+fields that says how scores are formed, plus the tensors the graph must bind as inputs.
+Parsing never raises for bad input: each problem becomes one line of ``Parsed.errors``.
+
+Ops take the keywords as ``**mask``; ``publishes_mask_keywords`` adds them to the op's
+signature, so ``help(g.sdpa)`` and editors list every keyword.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+# cuDNN reads window lengths and sequence lengths as int32.
+MAX_LENGTH = 2**31 - 1
+
+
+def default_scale(d_qk: int) -> float:
+    """The softmax scale when none is given: 1 / sqrt(head dim), as everywhere."""
+    return 1.0 / math.sqrt(max(d_qk, 1))
+
+
+class Causal(str, enum.Enum):
+    NONE = "none"
+    TOP_LEFT = "top_left"
+    BOTTOM_RIGHT = "bottom_right"
+
+
+@dataclass(frozen=True)
+class MaskKeywords:
+    """Every mask/scale/length/dropout keyword an attention op accepts, as given."""
+
+    attn_scale: Any = None
+    use_causal_mask: Any = False
+    use_causal_mask_bottom_right: Any = False
+    sliding_window_length: Any = None
+    diagonal_alignment: Any = None
+    diagonal_band_left_bound: Any = None
+    diagonal_band_right_bound: Any = None
+    attn_bias: Any = None
+    bias: Any = None  # the frontend's alias of attn_bias
+    use_alibi_mask: Any = False
+    use_padding_mask: Any = False
+    seq_len_q: Any = None
+    seq_len_kv: Any = None
+    max_seq_len_q: Any = None
+    max_seq_len_kv: Any = None
+    dropout: Any = None
+    dropout_seed: Any = None
+    dropout_offset: Any = None
+
+
+KEYWORDS = tuple(f.name for f in dataclasses.fields(MaskKeywords))
+
+
+@dataclass(frozen=True)
+class ScoreOptions:
+    """How q @ k^T becomes the scores softmax sees: a group of fields of every problem."""
+
+    attn_scale: float = 1.0
+    causal: Causal = Causal.NONE
+    sliding_window: int | None = None
+    alibi: bool = False
+    padding: bool = False
+    dropout_p: float = 0.0
+
+    @property
+    def has_dropout(self) -> bool:
+        return self.dropout_p > 0.0
+
+    @property
+    def masks_scores(self) -> bool:
+        """Whether some score can be masked out (causal, window or padding)."""
+        return self.causal is not Causal.NONE or self.sliding_window is not None or self.padding
+
+
+@dataclass
+class Parsed:
+    """What the keywords say: the options, the inputs to bind, and every problem found."""
+
+    options: ScoreOptions
+    scale_given: bool  # False: the scale is the default, resolved once q's head dim is known
+    max_seq_len_q: int | None
+    max_seq_len_kv: int | None
+    tensors: dict[str, Any] = field(default_factory=dict)  # role -> tensor to bind as an input
+    runtime: dict[str, int] = field(default_factory=dict)  # int dropout seed/offset, passed by value
+    errors: list[str] = field(default_factory=list)
+
+
+def collect_keywords(given: dict[str, Any], op: str, hints: dict[str, str] | None = None) -> MaskKeywords | list[str]:
+    """``given`` as ``MaskKeywords``, or the lines naming each keyword ``op`` does not take."""
+    unknown = [name for name in given if name not in KEYWORDS]
+    if unknown:
+        hints = hints or {}
+        return [
+            f"{name}: not a keyword of {op}" + (f"; {hints[name]}" if name in hints else "") for name in unknown
+        ]
+    return MaskKeywords(**given)
+
+
+def parse_keywords(given: MaskKeywords, *, ragged: bool) -> Parsed:
+    """Parse ``given``; ``ragged``: q is THD, which implies the padding mask."""
+    errors: list[str] = []
+    scale = _scale(given.attn_scale, errors)
+    causal = _causal(given, errors)
+    window = _window(given, errors)
+    tensors: dict[str, Any] = {}
+    if given.attn_bias is not None and given.bias is not None:
+        errors.append("attn_bias: given twice (attn_bias= and its alias bias=); give one")
+    bias = given.attn_bias if given.attn_bias is not None else given.bias
+    for role, value in (("bias", bias), ("seq_len_q", given.seq_len_q), ("seq_len_kv", given.seq_len_kv)):
+        if value is not None:
+            tensors[role] = value
+    dropout_p, runtime = _dropout(given, tensors, errors)
+    options = ScoreOptions(
+        attn_scale=scale if scale is not None else 1.0,
+        causal=causal,
+        sliding_window=window,
+        alibi=_flag(given.use_alibi_mask, "use_alibi_mask", errors),
+        padding=_flag(given.use_padding_mask, "use_padding_mask", errors) or ragged,
+        dropout_p=dropout_p,
+    )
+    return Parsed(
+        options=options,
+        scale_given=scale is not None,
+        max_seq_len_q=_length(given.max_seq_len_q, "max_seq_len_q", errors),
+        max_seq_len_kv=_length(given.max_seq_len_kv, "max_seq_len_kv", errors),
+        tensors=tensors,
+        runtime=runtime,
+        errors=errors,
+    )
+
+
+# ---- one keyword each -------------------------------------------------------------------
+
+
+def _flag(value: Any, name: str, errors: list[str]) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, (bool, int)) or value not in (0, 1):
+        errors.append(f"{name}: {value!r}; expected True or False")
+        return False
+    return bool(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _length(value: Any, name: str, errors: list[str]) -> int | None:
+    if value is None:
+        return None
+    if not _is_int(value) or not 1 <= value <= MAX_LENGTH:
+        errors.append(f"{name}: {value!r}; expected an int in 1..{MAX_LENGTH}")
+        return None
+    return value
+
+
+def _scale(value: Any, errors: list[str]) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.device.type == "meta":
+            errors.append(f"attn_scale: tensor of shape {list(value.shape)}; give a float or a one-element real tensor")
+            return None
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        errors.append(f"attn_scale: {value!r}; expected a finite float")
+        return None
+    try:
+        scale = float(value)
+    except OverflowError:  # ints beyond float range
+        scale = math.inf
+    if not math.isfinite(scale):
+        errors.append(f"attn_scale: {value!r}; must be a finite float")
+        return None
+    return scale
+
+
+def _alignment_name(value: Any) -> str | None:
+    if value is None:
+        return None
+    name = getattr(value, "name", value)
+    return str(name).upper()
+
+
+def _causal(given: MaskKeywords, errors: list[str]) -> Causal:
+    top = _flag(given.use_causal_mask, "use_causal_mask", errors)
+    bottom = _flag(given.use_causal_mask_bottom_right, "use_causal_mask_bottom_right", errors)
+    if top and bottom:
+        errors.append(
+            "use_causal_mask: both use_causal_mask and use_causal_mask_bottom_right are set; choose one diagonal"
+        )
+    alignment = _alignment_name(given.diagonal_alignment)
+    if alignment not in (None, "TOP_LEFT", "BOTTOM_RIGHT"):
+        errors.append(f"diagonal_alignment: {given.diagonal_alignment!r}; allowed TOP_LEFT or BOTTOM_RIGHT")
+        alignment = None
+    right = given.diagonal_band_right_bound
+    if right is not None:
+        if not _is_int(right) or right != 0:
+            errors.append(f"diagonal_band_right_bound: {right!r}; only 0 (a causal diagonal) is supported")
+        elif not (top or bottom):
+            top, bottom = alignment != "BOTTOM_RIGHT", alignment == "BOTTOM_RIGHT"
+    elif alignment == "BOTTOM_RIGHT" and not bottom:
+        errors.append(
+            "diagonal_alignment: BOTTOM_RIGHT needs diagonal_band_right_bound=0 (or use_causal_mask_bottom_right)"
+        )
+    if bottom:
+        return Causal.BOTTOM_RIGHT
+    return Causal.TOP_LEFT if top else Causal.NONE
+
+
+def _window(given: MaskKeywords, errors: list[str]) -> int | None:
+    window, left = given.sliding_window_length, given.diagonal_band_left_bound
+    if window is not None and left is not None and window != left:
+        errors.append(f"sliding_window_length: {window!r} disagrees with diagonal_band_left_bound={left!r}; give one")
+    value = window if window is not None else left
+    if value is None:
+        return None
+    if not _is_int(value) or not 1 <= value <= MAX_LENGTH:
+        errors.append(f"sliding_window_length: {value!r}; must be an int >= 1 (and <= {MAX_LENGTH})")
+        return None
+    return value
+
+
+def _dropout(given: MaskKeywords, tensors: dict[str, Any], errors: list[str]) -> tuple[float, dict[str, int]]:
+    value, seed, offset = given.dropout, given.dropout_seed, given.dropout_offset
+    p: Any = 0.0
+    if isinstance(value, (tuple, list)):
+        if len(value) == 3:
+            p, tuple_seed, tuple_offset = value
+            if seed is not None or offset is not None:
+                errors.append(
+                    "dropout: a (p, seed, offset) tuple and dropout_seed/dropout_offset are both given; give one"
+                )
+            seed, offset = tuple_seed, tuple_offset
+        else:
+            errors.append(
+                f"dropout: a tuple of {len(value)} items; give a probability or a (p, seed, offset) tuple "
+                "(custom (mask, scale) dropout is not supported)"
+            )
+    elif value is not None:
+        p = value
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        errors.append(f"dropout: probability {p!r}; allowed 0 <= p < 1")
+        return 0.0, {}
+    runtime: dict[str, int] = {}
+    for role, rng in (("dropout_seed", seed), ("dropout_offset", offset)):
+        if rng is None or not p:
+            continue
+        if _is_int(rng):
+            if not -(2**63) <= rng < 2**63:
+                errors.append(f"{role}: {rng}; must fit in int64")
+            else:
+                runtime[role] = rng
+        elif isinstance(rng, bool) or isinstance(rng, (float, complex, str)):
+            errors.append(f"{role}: {rng!r}; expected an int or a one-element int64 tensor")
+        else:
+            tensors[role] = rng
+    return float(p), runtime
+
+
+# ---- publishing the keywords in op signatures ------------------------------------------------
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def publishes_mask_keywords(method: F) -> F:
+    """Replace the op's ``**mask`` in its signature by every keyword of ``MaskKeywords``."""
+    signature = inspect.signature(method)
+    params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    taken = {p.name for p in params}
+    extra = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
+        for f in dataclasses.fields(MaskKeywords)
+        if f.name not in taken
+    ]
+    split = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.KEYWORD_ONLY), len(params))
+    method.__signature__ = signature.replace(parameters=params[:split] + extra + params[split:])  # type: ignore[attr-defined]
+    return method

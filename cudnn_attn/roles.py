@@ -1,0 +1,69 @@
+"""The tensor roles of an attention node: one table, read by every module that names a tensor.
+
+A role is a tensor's place in a problem (``q``, ``grad_q``, ``seq_len_kv``, ...). The table
+gives each role its fixed cuDNN uid (runs bind tensors by it), the name users know it by
+(an op argument, or the frontend's output name) and, for tensors that can be ragged (THD),
+the sequence-length input their offsets come from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str  # the AttentionProblem field
+    uid: int  # the cuDNN frontend uid
+    user: str  # how errors and g.inputs spell it (an op argument)
+    output: str | None = None  # the frontend's name when the role is an op output
+    lengths: str | None = None  # ragged (THD) tensors: the seq_len input their offsets come from
+    ragged_uid: int | None = None  # ... and the uid of those offsets
+
+
+ROLES: dict[str, Role] = {
+    role.name: role
+    for role in (
+        Role("q", 1, "q", lengths="seq_len_q", ragged_uid=32),
+        Role("k", 2, "k", lengths="seq_len_kv", ragged_uid=33),
+        Role("v", 3, "v", lengths="seq_len_kv", ragged_uid=34),
+        Role("o", 4, "o", output="O", lengths="seq_len_q", ragged_uid=35),
+        Role("stats", 5, "stats", output="Stats"),
+        Role("grad_o", 6, "dO", lengths="seq_len_q", ragged_uid=36),
+        Role("grad_q", 7, "dQ", output="dQ", lengths="seq_len_q", ragged_uid=37),
+        Role("grad_k", 8, "dK", output="dK", lengths="seq_len_kv", ragged_uid=38),
+        Role("grad_v", 9, "dV", output="dV", lengths="seq_len_kv", ragged_uid=39),
+        Role("bias", 10, "attn_bias"),
+        Role("grad_bias", 11, "dBias", output="dBias"),
+        Role("seq_len_q", 12, "seq_len_q"),
+        Role("seq_len_kv", 13, "seq_len_kv"),
+        Role("page_table_k", 14, "paged_attention_k_table"),
+        Role("page_table_v", 15, "paged_attention_v_table"),
+        Role("dropout_seed", 16, "dropout_seed"),
+        Role("dropout_offset", 17, "dropout_offset"),
+        Role("rng_dump", 18, "rng_dump"),
+    )
+}
+
+UID = {name: role.uid for name, role in ROLES.items()}
+
+# Each op's run-time inputs in the order of that method's own parameters: a graph's positional
+# inputs are its distinct input tensors, node by node, each node's in this order.
+MASK_INPUTS = ("bias", "seq_len_q", "seq_len_kv", "dropout_seed", "dropout_offset")
+SDPA_INPUTS = ("q", "k", "v", *MASK_INPUTS, "page_table_k", "page_table_v")
+PAGED_INPUTS = ("q", "k", "v", "page_table_k", "seq_len_q", "seq_len_kv", "page_table_v", "bias",
+                "dropout_seed", "dropout_offset")  # fmt: skip
+BACKWARD_INPUTS = ("q", "k", "v", "o", "grad_o", "stats", *MASK_INPUTS)
+
+FORWARD_OUTPUTS = ("o", "stats")
+BACKWARD_OUTPUTS = ("grad_q", "grad_k", "grad_v", "grad_bias")
+
+
+def user_name(role: str) -> str:
+    """How a role is spelled to users: ``grad_o`` -> ``dO``, ``bias`` -> ``attn_bias``."""
+    entry = ROLES.get(role)
+    return entry.user if entry is not None else role
+
+
+def ragged_roles() -> tuple[str, ...]:
+    return tuple(name for name, role in ROLES.items() if role.lengths is not None)
