@@ -6,6 +6,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 
+def shown(value: Any, limit: int = 40) -> str:
+    """``repr(value)`` clipped to ``limit`` characters, for error lines about huge inputs."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class _ProblemList:
     """Mixin: keeps the individual problems and formats them one per line."""
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .errors import GraphStateError, ShapeMismatchError, UnsupportedError, ValidationError
+from .errors import GraphStateError, ShapeMismatchError, UnsupportedError, ValidationError, shown
 from .graph_cache import GraphCache
 from .options import default_scale
 from .problem import TensorSpec, strides_like
@@ -223,14 +223,14 @@ def _check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, 
     if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
         problems.append(f"attn_mask: {type(attn_mask).__name__}; expected a torch tensor (bool or float) or None")
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
-        problems.append(f"dropout_p: {dropout_p!r}; expected a probability 0 <= p < 1")
+        problems.append(f"dropout_p: {shown(dropout_p)}; expected a probability 0 <= p < 1")
     if scale is not None and (
         not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not math.isfinite(_as_float(scale))
     ):
-        problems.append(f"scale: {scale!r}; expected a finite float or None")
+        problems.append(f"scale: {shown(scale)}; expected a finite float or None")
     for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
         if not isinstance(flag, (bool, int)) or flag not in (0, 1):
-            problems.append(f"{name}: {flag!r}; expected True or False")
+            problems.append(f"{name}: {shown(flag)}; expected True or False")
     if problems:
         raise ValidationError(problems, context="sdpa")
     devices = {name: t.device for name, t in {**tensors, "attn_mask": attn_mask}.items() if t is not None}

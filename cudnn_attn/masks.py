@@ -27,24 +27,28 @@ def allowed_scores(
     seq_len_q: torch.Tensor | None,
     seq_len_kv: torch.Tensor | None,
     device: torch.device | str,
+    rows: range | None = None,
 ) -> torch.Tensor | None:
-    """Boolean [B|1, 1, S_q, S_kv]: True where a score takes part. None when nothing is masked."""
-    s_q, s_kv = p.s_q, p.s_kv
-    if p.options.causal is Causal.NONE and p.options.sliding_window is None and not p.options.padding:
+    """Boolean [B|1, 1, rows, S_kv]: True where a score takes part (``rows``: the query rows
+    wanted, all by default). None when nothing is masked."""
+    options = p.options
+    if not options.masks_scores:
         return None
-    rows = torch.arange(s_q, device=device).view(1, 1, s_q, 1)
+    rows = rows if rows is not None else range(p.s_q)
+    s_kv = p.s_kv
+    row = torch.arange(rows.start, rows.stop, device=device).view(1, 1, -1, 1)
     cols = torch.arange(s_kv, device=device).view(1, 1, 1, s_kv)
-    len_q = _lengths(seq_len_q, p.batch, s_q, device)
+    len_q = _lengths(seq_len_q, p.batch, p.s_q, device)
     len_kv = _lengths(seq_len_kv, p.batch, s_kv, device)
-    allowed = torch.ones(len_q.shape[0], 1, s_q, s_kv, dtype=torch.bool, device=device)
-    if p.options.padding:
-        allowed &= (rows < len_q) & (cols < len_kv)
+    allowed = torch.ones(len_q.shape[0], 1, len(rows), s_kv, dtype=torch.bool, device=device)
+    if options.padding:
+        allowed &= (row < len_q) & (cols < len_kv)
     # The diagonal sits at column i + shift of row i.
-    shift = (len_kv - len_q) if p.options.causal is Causal.BOTTOM_RIGHT else torch.zeros_like(len_q)
-    if p.options.causal is not Causal.NONE:
-        allowed &= cols <= rows + shift
-    if p.options.sliding_window is not None:
-        allowed &= cols > rows + shift - p.options.sliding_window
+    shift = (len_kv - len_q) if options.causal is Causal.BOTTOM_RIGHT else torch.zeros_like(len_q)
+    if options.causal is not Causal.NONE:
+        allowed &= cols <= row + shift
+    if options.sliding_window is not None:
+        allowed &= cols > row + shift - options.sliding_window
     return allowed
 
 
@@ -65,9 +69,9 @@ def alibi_slopes(heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float64)
 
 
-def alibi_bias(heads: int, s_q: int, s_kv: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """ALiBi as an additive bias [1, H, S_q, S_kv]: slope_h * (j - i)."""
+def alibi_bias(heads: int, rows: range, s_kv: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """ALiBi as an additive bias [1, H, rows, S_kv]: slope_h * (j - i)."""
     distance = torch.arange(s_kv, device=device, dtype=dtype).view(1, -1) - torch.arange(
-        s_q, device=device, dtype=dtype
+        rows.start, rows.stop, device=device, dtype=dtype
     ).view(-1, 1)
     return alibi_slopes(heads).to(device=device, dtype=dtype).view(1, heads, 1, 1) * distance

@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from .errors import shown
+
 # cuDNN reads window lengths and sequence lengths as int32.
 MAX_LENGTH = 2**31 - 1
 
@@ -148,7 +150,7 @@ def _flag(value: Any, name: str, errors: list[str]) -> bool:
     if value is None:
         return False
     if not isinstance(value, (bool, int)) or value not in (0, 1):
-        errors.append(f"{name}: {value!r}; expected True or False")
+        errors.append(f"{name}: {shown(value)}; expected True or False")
         return False
     return bool(value)
 
@@ -161,7 +163,7 @@ def _length(value: Any, name: str, errors: list[str]) -> int | None:
     if value is None:
         return None
     if not _is_int(value) or not 1 <= value <= MAX_LENGTH:
-        errors.append(f"{name}: {value!r}; expected an int in 1..{MAX_LENGTH}")
+        errors.append(f"{name}: {shown(value)}; expected an int in 1..{MAX_LENGTH}")
         return None
     return value
 
@@ -175,14 +177,14 @@ def _scale(value: Any, errors: list[str]) -> float | None:
             return None
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        errors.append(f"attn_scale: {value!r}; expected a finite float")
+        errors.append(f"attn_scale: {shown(value)}; expected a finite float")
         return None
     try:
         scale = float(value)
     except OverflowError:  # ints beyond float range
         scale = math.inf
     if not math.isfinite(scale):
-        errors.append(f"attn_scale: {value!r}; must be a finite float")
+        errors.append(f"attn_scale: {shown(value)}; must be a finite float")
         return None
     return scale
 
@@ -208,7 +210,7 @@ def _causal(given: MaskKeywords, errors: list[str]) -> Causal:
     right = given.diagonal_band_right_bound
     if right is not None:
         if not _is_int(right) or right != 0:
-            errors.append(f"diagonal_band_right_bound: {right!r}; only 0 (a causal diagonal) is supported")
+            errors.append(f"diagonal_band_right_bound: {shown(right)}; only 0 (a causal diagonal) is supported")
         elif not (top or bottom):
             top, bottom = alignment != "BOTTOM_RIGHT", alignment == "BOTTOM_RIGHT"
     elif alignment == "BOTTOM_RIGHT" and not bottom:
@@ -223,12 +225,12 @@ def _causal(given: MaskKeywords, errors: list[str]) -> Causal:
 def _window(given: MaskKeywords, errors: list[str]) -> int | None:
     window, left = given.sliding_window_length, given.diagonal_band_left_bound
     if window is not None and left is not None and window != left:
-        errors.append(f"sliding_window_length: {window!r} disagrees with diagonal_band_left_bound={left!r}; give one")
+        errors.append(f"sliding_window_length: {shown(window)} disagrees with diagonal_band_left_bound={shown(left)}; give one")
     value = window if window is not None else left
     if value is None:
         return None
     if not _is_int(value) or not 1 <= value <= MAX_LENGTH:
-        errors.append(f"sliding_window_length: {value!r}; must be an int >= 1 (and <= {MAX_LENGTH})")
+        errors.append(f"sliding_window_length: {shown(value)}; must be an int >= 1 (and <= {MAX_LENGTH})")
         return None
     return value
 
@@ -252,7 +254,7 @@ def _dropout(given: MaskKeywords, tensors: dict[str, Any], errors: list[str]) ->
     elif value is not None:
         p = value
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
-        errors.append(f"dropout: probability {p!r}; allowed 0 <= p < 1")
+        errors.append(f"dropout: probability {shown(p)}; allowed 0 <= p < 1")
         return 0.0, {}
     runtime: dict[str, int] = {}
     for role, rng in (("dropout_seed", seed), ("dropout_offset", offset)):
@@ -264,7 +266,7 @@ def _dropout(given: MaskKeywords, tensors: dict[str, Any], errors: list[str]) ->
             else:
                 runtime[role] = rng
         elif isinstance(rng, bool) or isinstance(rng, (float, complex, str)):
-            errors.append(f"{role}: {rng!r}; expected an int or a one-element int64 tensor")
+            errors.append(f"{role}: {shown(rng)}; expected an int or a one-element int64 tensor")
         else:
             tensors[role] = rng
     return float(p), runtime

@@ -20,10 +20,11 @@ import torch
 
 from .data_type import FLOATING_IO, FP8, dtype_name
 from .options import Causal
-from .problem import AttentionProblem, KVCacheLayout, TensorSpec
-from .roles import user_name
+from .problem import AttentionProblem, KVCacheLayout, Op, TensorSpec
+from .roles import BACKWARD_OUTPUTS, FORWARD_OUTPUTS, user_name
 
 MAX_HEAD_DIM = 256
+OUTPUT_ROLES = {Op.FORWARD: FORWARD_OUTPUTS, Op.BACKWARD: BACKWARD_OUTPUTS}
 HEAD_DIM_MULTIPLE = 8
 SEQ_LEN_DTYPES = (torch.int32,)
 PAGE_TABLE_DTYPES = (torch.int32,)
@@ -43,7 +44,7 @@ def problems(p: AttentionProblem) -> list[str]:
 def _problems(p: AttentionProblem) -> tuple[str, ...]:
     found: list[str] = []
     ranks_ok = _check_ranks(p, found)
-    _check_strides(p, found)
+    ranks_ok = _check_strides(p, found) and ranks_ok
     _check_dtypes(p, found)
     _check_devices(p, found)
     if not ranks_ok:
@@ -100,18 +101,47 @@ def _check_ranks(p: AttentionProblem, found: list[str]) -> bool:
     return len(found) == before
 
 
-def _check_strides(p: AttentionProblem, found: list[str]) -> None:
+def _check_strides(p: AttentionProblem, found: list[str]) -> bool:
+    """Strides match the ranks, the head dim is contiguous, outputs never overlap themselves."""
+    ok = True
+    for role, spec in p.tensor_specs().items():
+        if len(spec.stride) != len(spec.shape):
+            found.append(
+                f"{_name(role)}: {len(spec.stride)} strides {list(spec.stride)} for shape {list(spec.shape)}; "
+                "give one stride per dimension"
+            )
+            ok = False
+        elif any(s < 0 for s in spec.stride):
+            found.append(f"{_name(role)}: negative stride in {list(spec.stride)}; strides must be >= 0")
+            ok = False
+    if not ok:
+        return False
     for role in ("q", "k", "v", "o", "grad_o", "grad_q", "grad_k", "grad_v", "bias", "grad_bias"):
         spec = getattr(p, role)
-        if spec is None or not spec.shape:
-            continue
-        if spec.stride[-1] != 1 and spec.shape[-1] != 1:
+        if spec is not None and spec.shape and spec.stride[-1] != 1 and spec.shape[-1] != 1:
             found.append(
                 f"{_name(role)}: last stride {spec.stride[-1]} (strides {list(spec.stride)}); "
                 "the head dimension must be contiguous (stride 1): call .contiguous() or permute a contiguous tensor"
             )
-        if any(s < 0 for s in spec.stride):
-            found.append(f"{_name(role)}: negative stride in {list(spec.stride)}; strides must be >= 0")
+    for role in OUTPUT_ROLES[p.op]:
+        spec = getattr(p, role)
+        if spec is not None and overlaps(spec):
+            found.append(
+                f"{_name(role)}: strides {list(spec.stride)} for shape {list(spec.shape)} make elements overlap; "
+                "an output needs a layout where every element has its own memory"
+            )
+    return True
+
+
+def overlaps(spec: TensorSpec) -> bool:
+    """Whether two elements of ``spec`` share memory (dims of size 1 never address memory)."""
+    dims = sorted((stride, size) for stride, size in zip(spec.stride, spec.shape) if size > 1)
+    extent = 1  # elements spanned by the dims inside the current one
+    for stride, size in dims:
+        if stride < extent:
+            return True
+        extent = stride * size
+    return False
 
 
 def _check_dtypes(p: AttentionProblem, found: list[str]) -> None:

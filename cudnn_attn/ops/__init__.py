@@ -35,9 +35,21 @@ def select_backend(requested: str, problem: AttentionProblem) -> Backend:
     backend = get_backend(name)
     reasons = backend.not_supported_reasons(problem)
     if reasons:
-        alternatives = [] if name == "reference" else ['backend="reference" runs every valid problem (slowly)']
+        alternatives = [] if name == "reference" else [_reference_hint(problem)]
         raise UnsupportedError(reasons, context=f"{name} backend, {problem.describe()}", alternatives=alternatives)
     return backend
+
+
+def _reference_hint(problem: AttentionProblem) -> str:
+    """What would work instead, phrased so that following it works."""
+    import torch
+
+    if problem.device.startswith("cuda") and not torch.cuda.is_available():
+        return (
+            "no CUDA device is visible here: give CPU tensors (or Graph.tensor(..., device='cpu')) "
+            "to run on the reference backend"
+        )
+    return 'backend="reference" runs every valid problem on these tensors (slowly)'
 
 
 __all__ = ["Backend", "Plan", "ReferenceBackend", "get_backend", "select_backend", "BACKEND_NAMES"]

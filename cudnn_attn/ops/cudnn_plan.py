@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..bounds import clamped, upper_bounds
 from ..problem import AttentionProblem
 from ..roles import UID
 from . import autotune as autotune_
@@ -30,17 +31,7 @@ class CudnnPlan:
         self.choice = autotune_.Choice(index=-1, name="heuristic")
         self.source = "built"  # or "disk"
         self._workspaces: dict[int, torch.Tensor] = {}
-        # Upper bounds of the integer inputs that address memory (see _within_bounds).
-        self._bounds = {
-            role: high
-            for role, high in (
-                ("seq_len_q", problem.s_q),
-                ("seq_len_kv", problem.s_kv),
-                ("page_table_k", problem.k.shape[0] - 1),
-                ("page_table_v", problem.v.shape[0] - 1),
-            )
-            if getattr(problem, role) is not None
-        }
+        self._bounds = upper_bounds(problem)  # integer inputs clamped on the device (bounds.py)
         self._ordered = True  # the frontend's ordered execute: no per-call dict walk
         self._native: Any = None  # the frontend's native ordered executor, prepared on first run
         import cudnn
@@ -99,6 +90,12 @@ class CudnnPlan:
                 self._ordered = False
         self.graph.execute(dict(zip(uids, buffers)), workspace, handle=native)
 
+    @property
+    def nbytes(self) -> int:
+        """Device memory this plan holds (its workspaces and constant inputs), for cache bounds."""
+        held = [*self._workspaces.values(), self._full_seq_len_q]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
     def _workspace(self, stream_ptr: int) -> torch.Tensor:
         """One workspace per stream, reused: calls on one stream are ordered, so they can share it."""
         buffer = self._workspaces.get(stream_ptr)
@@ -113,7 +110,7 @@ class CudnnPlan:
     ) -> dict[int, Any]:
         """Every tensor the plan reads or writes, by uid."""
         if self._bounds:
-            inputs = self._within_bounds(inputs)
+            inputs = clamped(self.problem, inputs, self._bounds)
         pack: dict[int, Any] = {}
         for role, value in inputs.items():
             if isinstance(value, int):  # a dropout seed/offset given as an int: passed by value
@@ -128,24 +125,6 @@ class CudnnPlan:
         if rng_dump is not None:
             pack[UID["rng_dump"]] = rng_dump
         return pack
-
-    def _within_bounds(self, inputs: RunInputs) -> dict[str, Any]:
-        """Lengths and page indices clamped into range on the device (no sync, capturable):
-        whatever values arrive, cuDNN never reads or writes outside the tensors. Rows with
-        out-of-range values get meaningless results; the reference backend and build-time
-        checks raise ValidationError for them instead."""
-        safe: dict[str, Any] = dict(inputs)
-        for role, high in self._bounds.items():
-            value = safe.get(role)
-            if isinstance(value, torch.Tensor):
-                safe[role] = value.clamp(0, high)
-        if self.problem.is_thd:  # packed sequences must also end inside the packed tensors
-            for role, tokens in (("seq_len_q", self.problem.q.shape[0]), ("seq_len_kv", self.problem.k.shape[0])):
-                lengths = safe[role].reshape(-1).to(torch.int64)
-                ends = torch.cumsum(lengths, 0).clamp(max=tokens)
-                starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-                safe[role] = (ends - starts).to(torch.int32).view(safe[role].shape)
-        return safe
 
     def _bind_ragged_offsets(self, inputs: RunInputs, pack: dict[int, Any]) -> None:
         """THD: each tensor's element offset of every sequence, from the sequence lengths."""

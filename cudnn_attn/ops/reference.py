@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .. import dropout, masks, validation
+from ..bounds import clamped, upper_bounds
 from ..errors import ValidationError
 from ..problem import AttentionProblem, KVCacheLayout
 from . import reference_math
@@ -39,17 +40,16 @@ class ReferenceBackend:
 
 
 class ReferencePlan:
+    """Holds the problem alone: masks and ALiBi are made per block of rows at run time, so a
+    plan costs no memory whatever the sequence length."""
+
     workspace_size = 0
+    nbytes = 0
 
     def __init__(self, problem: AttentionProblem, compute_dtype: torch.dtype = torch.float32):
         self.problem = problem
         self.compute_dtype = compute_dtype
-        device = problem.device
-        # Problem-only terms are prepared once, as a real plan would be.
-        self._alibi = (
-            masks.alibi_bias(problem.h_q, problem.s_q, problem.s_kv, compute_dtype, device) if problem.options.alibi else None
-        )
-        self._static_allowed = None if problem.options.padding else masks.allowed_scores(problem, None, None, device)
+        self._bounds = upper_bounds(problem)
 
     def __call__(
         self,
@@ -62,10 +62,7 @@ class ReferencePlan:
         dropout_keep: torch.Tensor | None = None,
     ) -> None:
         p = self.problem
-        tensors = {role: t for role, t in inputs.items() if isinstance(t, torch.Tensor)}
-        found = validation.value_problems(p, tensors)
-        if found:
-            raise ValidationError(found, context=p.describe())
+        inputs = self._checked(inputs)
         dense = self._dense_inputs(inputs)
         terms = self._terms(inputs, dropout_keep)
         if p.is_forward:
@@ -74,15 +71,27 @@ class ReferencePlan:
             if "stats" in outputs:
                 outputs["stats"].copy_(stats)
         else:
-            d_q, d_k, d_v, d_s = reference_math.backward(
-                dense["q"], dense["k"], dense["v"], dense["o"], dense["grad_o"], dense["stats"], terms
-            )
+            d_bias = outputs.get("grad_bias")
+            d_q, d_k, d_v, d_b = reference_math.backward(
+                dense["q"], dense["k"], dense["v"], dense["o"], dense["grad_o"], dense["stats"], terms,
+                bias_shape=tuple(d_bias.shape) if d_bias is not None else None,
+            )  # fmt: skip
             self._write(outputs["grad_q"], d_q, inputs, "seq_len_q")
             self._write(outputs["grad_k"], d_k, inputs, "seq_len_kv")
             self._write(outputs["grad_v"], d_v, inputs, "seq_len_kv")
-            if "grad_bias" in outputs:
-                d_bias = outputs["grad_bias"]
-                d_bias.copy_(reference_math.reduce_to_shape(d_s, tuple(d_bias.shape)))
+            if d_bias is not None and d_b is not None:
+                d_bias.copy_(d_b)
+
+    def _checked(self, inputs: RunInputs) -> RunInputs:
+        """Integer inputs checked where they live on the host (an error names bad values);
+        on a GPU clamped on the device instead, as the cuDNN path does (no sync per call)."""
+        ints = {role: t for role in self._bounds if isinstance(t := inputs.get(role), torch.Tensor)}
+        if all(t.device.type == "cpu" for t in ints.values()):
+            found = validation.value_problems(self.problem, ints)
+            if found:
+                raise ValidationError(found, context=self.problem.describe())
+            return inputs
+        return clamped(self.problem, inputs, self._bounds)
 
     # ---- inputs to dense ----------------------------------------------------------------
 
@@ -114,13 +123,17 @@ class ReferencePlan:
         p, dt = self.problem, self.compute_dtype
         bias = inputs.get("bias")
         bias = bias.to(dt) if isinstance(bias, torch.Tensor) else None
-        if self._alibi is not None:
-            bias = self._alibi if bias is None else bias + self._alibi
-        allowed = self._static_allowed
-        if p.options.padding:
-            allowed = masks.allowed_scores(
-                p, _lengths_or_none(inputs, "seq_len_q"), _lengths_or_none(inputs, "seq_len_kv"), p.device
-            )
+        alibi = None
+        if p.options.alibi:
+
+            def alibi(rows: range) -> torch.Tensor:
+                return masks.alibi_bias(p.h_q, rows, p.s_kv, dt, p.device)
+
+        lengths_q, lengths_kv = _lengths_or_none(inputs, "seq_len_q"), _lengths_or_none(inputs, "seq_len_kv")
+
+        def allowed(rows: range) -> torch.Tensor | None:
+            return masks.allowed_scores(p, lengths_q, lengths_kv, p.device, rows)
+
         keep = dropout_keep
         if p.has_dropout and keep is None:
             shape = (p.batch, p.h_q, p.s_q, p.s_kv)
@@ -132,8 +145,9 @@ class ReferencePlan:
                 p.device,
             )
         return reference_math.ScoreTerms(
-            scale=p.options.attn_scale, bias=bias, allowed=allowed, keep=keep, dropout_p=p.options.dropout_p
-        )
+            scale=p.options.attn_scale, bias=bias, alibi=alibi, allowed=allowed, keep=keep,
+            dropout_p=p.options.dropout_p,
+        )  # fmt: skip
 
     # ---- dense to outputs --------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Attention in plain PyTorch on dense [B, H, S, D] tensors: the oracle for every backend.
 
-Kept obviously right rather than fast: the whole score matrix is materialised, in float32
-(or float64) whatever the input dtype.
+Kept obviously right rather than fast: scores are materialised in float32 (or float64)
+whatever the input dtype. Query rows go in blocks, so memory stays bounded at any length:
+masks and ALiBi are made per block at run time (``ScoreTerms.block``), never whole.
 
 Equivalent plain torch for the simple case::
 
@@ -11,20 +12,58 @@ Equivalent plain torch for the simple case::
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
+# Scores held at once (elements): query rows go in blocks of at most this many scores.
+BLOCK_SCORES = 1 << 24
+
+
+@dataclass
+class BlockTerms:
+    """What turns q @ k^T into the final scores of a block of query rows."""
+
+    scale: float
+    bias: torch.Tensor | None = None  # broadcastable to [B, H, rows, S_kv]
+    allowed: torch.Tensor | None = None  # bool, broadcastable; False = masked
+    keep: torch.Tensor | None = None  # dropout keep-mask [B, H, rows, S_kv]
+    dropout_p: float = 0.0
+
 
 @dataclass
 class ScoreTerms:
-    """What turns q @ k^T into the final scores: everything but the data itself."""
+    """The same for the whole problem; masks and ALiBi are made per block of rows."""
 
     scale: float
     bias: torch.Tensor | None = None  # broadcastable to [B, H, S_q, S_kv]
-    allowed: torch.Tensor | None = None  # bool, broadcastable; False = masked
+    alibi: Callable[[range], torch.Tensor] | None = None  # rows -> [1, H, rows, S_kv]
+    allowed: Callable[[range], torch.Tensor | None] | None = None  # rows -> bool mask or None
     keep: torch.Tensor | None = None  # dropout keep-mask [B, H, S_q, S_kv]
     dropout_p: float = 0.0
+
+    def block(self, rows: range) -> BlockTerms:
+        bias = self.bias
+        if bias is not None and bias.shape[-2] != 1:
+            bias = bias[..., rows.start : rows.stop, :]
+        if self.alibi is not None:
+            alibi = self.alibi(rows)
+            bias = alibi if bias is None else bias + alibi
+        return BlockTerms(
+            scale=self.scale,
+            bias=bias,
+            allowed=None if self.allowed is None else self.allowed(rows),
+            keep=None if self.keep is None else self.keep[..., rows.start : rows.stop, :],
+            dropout_p=self.dropout_p,
+        )
+
+
+def row_blocks(s_q: int, scores_per_row: int) -> Iterator[range]:
+    """Consecutive ranges of query rows holding at most ``BLOCK_SCORES`` scores each."""
+    step = max(1, BLOCK_SCORES // max(scores_per_row, 1))
+    for start in range(0, s_q, step):
+        yield range(start, min(start + step, s_q))
 
 
 def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -38,7 +77,7 @@ def _reduce_groups(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, terms: ScoreTerms) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, terms: BlockTerms) -> torch.Tensor:
     s = torch.matmul(q, k.transpose(-1, -2)) * terms.scale
     if terms.bias is not None:
         s = s + terms.bias.to(s.dtype)
@@ -47,7 +86,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, terms: ScoreTerms) -> torch.Tensor
     return s
 
 
-def _dropped(p: torch.Tensor, terms: ScoreTerms) -> torch.Tensor:
+def _dropped(p: torch.Tensor, terms: BlockTerms) -> torch.Tensor:
     if terms.keep is None or terms.dropout_p == 0.0:
         return p
     return p * terms.keep / (1.0 - terms.dropout_p)
@@ -55,17 +94,22 @@ def _dropped(p: torch.Tensor, terms: ScoreTerms) -> torch.Tensor:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, terms: ScoreTerms) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (O [B, H, S_q, D_v], stats [B, H, S_q, 1]); fully masked rows: O = 0, stats = -inf."""
-    heads = q.shape[1]
+    b, heads, s_q, _ = q.shape
     k, v = _expand_kv(k, heads), _expand_kv(v, heads)
-    s = _scores(q, k, terms)
-    row_max = s.amax(-1, keepdim=True)
-    empty = torch.isneginf(row_max)
-    row_max = torch.where(empty, torch.zeros_like(row_max), row_max)
-    e = torch.exp(s - row_max)
-    row_sum = e.sum(-1, keepdim=True)
-    p = e / torch.where(empty, torch.ones_like(row_sum), row_sum)
-    o = torch.matmul(_dropped(p, terms), v)
-    stats = torch.where(empty, torch.full_like(row_max, float("-inf")), row_max + torch.log(row_sum))
+    o = q.new_empty(b, heads, s_q, v.shape[-1])
+    stats = q.new_empty(b, heads, s_q, 1)
+    for rows in row_blocks(s_q, b * heads * k.shape[2]):
+        part = terms.block(rows)
+        s = _scores(q[:, :, rows.start : rows.stop], k, part)
+        row_max = s.amax(-1, keepdim=True)
+        empty = torch.isneginf(row_max)
+        row_max = torch.where(empty, torch.zeros_like(row_max), row_max)
+        e = torch.exp(s - row_max)
+        row_sum = e.sum(-1, keepdim=True)
+        p = e / torch.where(empty, torch.ones_like(row_sum), row_sum)
+        o[:, :, rows.start : rows.stop] = torch.matmul(_dropped(p, part), v)
+        lse = torch.where(empty, torch.full_like(row_max, float("-inf")), row_max + torch.log(row_sum))
+        stats[:, :, rows.start : rows.stop] = lse
     return o, stats
 
 
@@ -77,25 +121,42 @@ def backward(
     d_o: torch.Tensor,
     stats: torch.Tensor,
     terms: ScoreTerms,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dQ, dK, dV, dS) where dS [B, H, S_q, S_kv] is the gradient of the scores
-    after scaling, which is also the gradient of an additive bias before reduction."""
-    heads, kv_heads_k, kv_heads_v = q.shape[1], k.shape[1], v.shape[1]
+    bias_shape: tuple[int, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Returns (dQ, dK, dV, dBias). dBias, given ``bias_shape``, is the gradient of an additive
+    bias of that (broadcast) shape: the score gradient after scaling, summed over broadcast dims."""
+    b, heads, s_q, _ = q.shape
+    kv_heads_k, kv_heads_v = k.shape[1], v.shape[1]
     k_full, v_full = _expand_kv(k, heads), _expand_kv(v, heads)
-    s = _scores(q, k_full, terms)
-    # P from the forward's stats, as fused kernels do; masked and empty rows give 0.
-    p = torch.exp(s - torch.where(torch.isneginf(stats), torch.zeros_like(stats), stats))
-    p = torch.where(torch.isneginf(s), torch.zeros_like(p), p)
-    d_v = torch.matmul(_dropped(p, terms).transpose(-1, -2), d_o)
-    d_p = _dropped(torch.matmul(d_o, v_full.transpose(-1, -2)), terms)
+    d_q = torch.empty_like(q)
+    d_k = q.new_zeros(k_full.shape)
+    d_v = q.new_zeros(v_full.shape)
+    d_bias = q.new_zeros(bias_shape) if bias_shape is not None else None
     delta = (d_o * o).sum(-1, keepdim=True)
-    d_s = p * (d_p - delta)
-    d_q = torch.matmul(d_s, k_full) * terms.scale
-    d_k = torch.matmul(d_s.transpose(-1, -2), q) * terms.scale
-    return d_q, _reduce_groups(d_k, kv_heads_k), _reduce_groups(d_v, kv_heads_v), d_s
+    for rows in row_blocks(s_q, b * heads * k_full.shape[2]):
+        block = slice(rows.start, rows.stop)
+        part = terms.block(rows)
+        s = _scores(q[:, :, block], k_full, part)
+        lse = stats[:, :, block]
+        # P from the forward's stats, as fused kernels do; masked and empty rows give 0.
+        p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse))
+        p = torch.where(torch.isneginf(s), torch.zeros_like(p), p)
+        d_v += torch.matmul(_dropped(p, part).transpose(-1, -2), d_o[:, :, block])
+        d_p = _dropped(torch.matmul(d_o[:, :, block], v_full.transpose(-1, -2)), part)
+        d_s = p * (d_p - delta[:, :, block])
+        d_q[:, :, block] = torch.matmul(d_s, k_full) * terms.scale
+        d_k += torch.matmul(d_s.transpose(-1, -2), q[:, :, block]) * terms.scale
+        if d_bias is not None:
+            reduced = reduce_to_shape(d_s, tuple(d_bias.shape[:2]) + (1 if d_bias.shape[2] == 1 else len(rows),)
+                                      + tuple(d_bias.shape[3:]))  # fmt: skip
+            if d_bias.shape[2] == 1:
+                d_bias += reduced
+            else:
+                d_bias[:, :, block] = reduced
+    return d_q, _reduce_groups(d_k, kv_heads_k), _reduce_groups(d_v, kv_heads_v), d_bias
 
 
 def reduce_to_shape(grad: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """Sum a full [B, H, S_q, S_kv] gradient down to a broadcast bias shape."""
+    """Sum a [B, H, rows, S_kv] gradient down to a broadcast bias shape."""
     dims = [i for i, (g, s) in enumerate(zip(grad.shape, shape)) if s == 1 and g != 1]
     return grad.sum(dim=dims, keepdim=True) if dims else grad
