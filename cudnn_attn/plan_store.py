@@ -1,24 +1,35 @@
 """The persistent plan store: tuned choices and serialized plans on disk, across processes.
 
 One file per plan, named by the SHA-256 of its key (the problem's canonical signature plus
-the GPU, cuDNN and frontend versions). A file is a magic line, a JSON header and the
-serialized plan, with a SHA-256 over both. Writes go to a temporary file in the same
-directory and are renamed into place, so readers in other processes see a whole file or
-none. A truncated, corrupted or foreign file is ignored with a warning (and rewritten by the
-next build); an entry is used only when its recorded platform equals this one.
+the GPU, cuDNN and frontend versions). A file is a magic line, a SHA-256 of everything after
+it, then the header length, a JSON header and the serialized plan. Writes go to a temporary
+file in the same directory and are renamed into place, so readers in other processes see a
+whole file or none. A truncated, corrupted or foreign file (files of format v1 included) is
+ignored with a warning (and rewritten by the next build); an entry is used only when its
+recorded platform equals this one.
 
-Serialized plans carry native code, so the directory must be the user's own: a directory or
-file owned by someone else, or writable by group or others, is refused.
+Serialized plans carry native code, so every byte on disk is treated as hostile:
+
+- the directory must be the user's own and not writable by group or others, checked (one
+  stat) on every load, save, listing and clear, not once per process;
+- only regular files are opened, never through a symbolic link, never a FIFO or device, and
+  at most ``MAX_FILE_BYTES`` are read; the file too must be the user's own and private;
+- keys are the library's own (64 lowercase hex digits, as ``entry_key`` makes): any other
+  key (``"../x"``) is a programming error, and ``file_for``, ``load`` and ``save`` raise
+  ValueError for it. Disk trouble never raises from ``load``/``save``: they warn and return
+  None/False. Listing and clearing an unsafe directory raise ``UnsafeStoreError``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import hashlib
 import json
 import logging
 import os
+import re
 import stat
 import tempfile
 import time
@@ -28,14 +39,29 @@ from typing import Any
 
 import torch
 
-from .problem import AttentionProblem, TensorSpec
+from .problem import AttentionProblem
 
 log = logging.getLogger("cudnn_attn.plan_store")
 
-MAGIC = b"CUDNN_ATTN_PLAN v1\n"
+MAGIC = b"CUDNN_ATTN_PLAN v2\n"
 SUFFIX = ".plan"
+TMP_PREFIX = ".tmp-"
 ENV = "CUDNN_ATTN_CACHE_DIR"
 DEFAULT_DIR = Path("~/.cache/cudnn_attn")
+MAX_FILE_BYTES = 256 << 20  # far above any plan; a larger file is refused unread
+STALE_TMP_SECONDS = 600  # a temporary file this old was left by a crashed writer; younger ones are live saves
+_KEY = re.compile(r"[0-9a-f]{64}")
+# O_NOFOLLOW: a link could lead anywhere (/dev/zero, another user's file). O_NONBLOCK: opening a FIFO
+# would otherwise wait for a writer forever. Neither changes how a regular file is read.
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+class UnsafeStoreError(Exception):
+    """The store's directory cannot be used: not a directory, unreadable, or not private to this user."""
+
+
+class _RefusedFileError(Exception):
+    """A file that is not read: a link, not a regular file, not private, or too large."""
 
 
 def default_path() -> Path | None:
@@ -48,18 +74,15 @@ def default_path() -> Path | None:
 
 
 def _plain(value: Any) -> Any:
-    """A JSON-ready, canonical form of a problem field."""
-    if isinstance(value, TensorSpec):
-        return {
-            "shape": list(value.shape),
-            "stride": list(value.stride),
-            "dtype": str(value.dtype),
-            "device": value.device,
-        }
+    """A JSON-ready, canonical form of a problem field, nested frozen dataclasses included."""
+    if isinstance(value, enum.Enum):  # before the plain types: our enums are also str
+        return _plain(value.value)
     if isinstance(value, torch.dtype):
         return str(value)
-    if isinstance(value, enum.Enum):
-        return value.value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_plain(item) for item in value]
     return value
 
 
@@ -79,57 +102,87 @@ class Entry:
     blob: bytes
 
 
+@dataclasses.dataclass
+class Listed:
+    """One plan file as ``entries()`` found it."""
+
+    path: Path
+    size: int | None  # bytes read; None when the file was refused unread
+    entry: Entry | None  # None when damaged or refused
+    problem: str | None = None  # why ``entry`` is None
+
+
 class PlanStore:
     """Files of built plans under one private directory."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path).expanduser()
-        self._usable: bool | None = None
+        self._warned: str | None = None  # the last refusal logged, so one reason is not logged on every call
 
     # ---- safety -------------------------------------------------------------------------
 
     def usable(self) -> bool:
-        """Create the directory (mode 0700) if needed; False (with a warning) if it is not ours."""
-        if self._usable is None:
-            self._usable = self._check_directory()
-        return self._usable
+        """Create the directory (mode 0700) if needed; False (with a warning) if it is not ours.
 
-    def _check_directory(self) -> bool:
+        Checked on every call (one stat): a directory made unsafe after the first use is refused too.
+        """
         try:
-            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            info = self.path.stat()
-        except OSError as error:
-            log.warning("plan store %s is unusable: %s", self.path, error)
+            self._check_directory(create=True)
+        except UnsafeStoreError as error:
+            if str(error) != self._warned:
+                log.warning("%s", error)
+                self._warned = str(error)
             return False
+        self._warned = None
+        return True
+
+    def _check_directory(self, create: bool) -> bool:
+        """True if the directory is there and safe, False if absent (and not created); else UnsafeStoreError."""
+        try:
+            info = os.stat(self.path)
+        except FileNotFoundError:
+            if not create:
+                return False
+            try:
+                self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+                info = os.stat(self.path)
+            except OSError as error:
+                raise UnsafeStoreError(f"plan store {self.path} is unusable: {error}") from None
+        except OSError as error:
+            raise UnsafeStoreError(f"plan store {self.path} is unusable: {error}") from None
+        if not stat.S_ISDIR(info.st_mode):
+            raise UnsafeStoreError(f"plan store {self.path} is unusable: not a directory")
         problem = _unsafe(info)
         if problem:
-            log.warning("plan store %s refused: %s (serialized plans carry native code)", self.path, problem)
-            return False
+            raise UnsafeStoreError(f"plan store {self.path} refused: {problem} (serialized plans carry native code)")
         return True
 
     # ---- read / write ---------------------------------------------------------------------
 
     def file_for(self, key: str) -> Path:
+        """The file of ``key``; ValueError unless ``key`` is a SHA-256 hex digest (what ``entry_key`` makes)."""
+        if not isinstance(key, str) or not _KEY.fullmatch(key):
+            raise ValueError(f"plan store key {key!r}: not a key made by entry_key (64 lowercase hex digits)")
         return self.path / f"{key}{SUFFIX}"
 
     def load(self, key: str, platform: dict[str, Any]) -> Entry | None:
-        """The entry for ``key``, or None if absent, unsafe, damaged or from another platform."""
+        """The entry for ``key``, or None if absent, unsafe, damaged or from another platform.
+
+        Raises ValueError for a key ``entry_key`` did not make; never raises for what is on disk.
+        """
+        file = self.file_for(key)
         if not self.usable():
             return None
-        file = self.file_for(key)
         try:
-            fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            data = _read_private(file)
         except FileNotFoundError:
             return None
-        except OSError as error:
-            log.warning("plan store: cannot open %s (%s); ignoring it", file.name, error)
+        except _RefusedFileError as error:
+            log.warning("plan store: refusing %s: %s", file.name, error)
             return None
-        with os.fdopen(fd, "rb") as f:
-            problem = _unsafe(os.fstat(f.fileno()))
-            if problem:
-                log.warning("plan store: refusing %s: %s", file.name, problem)
-                return None
-            data = f.read()
+        except OSError as error:
+            log.warning("plan store: cannot read %s (%s); ignoring it", file.name, error)
+            return None
         entry = _decode(data)
         if entry is None:
             log.warning("plan store: %s is truncated, corrupted or not a plan file; ignoring it", file.name)
@@ -140,19 +193,27 @@ class PlanStore:
         return entry
 
     def save(self, key: str, header: dict[str, Any], blob: bytes) -> bool:
-        """Write atomically; returns False (with a warning) if the store cannot be written."""
+        """Write atomically; returns False (with a warning) if the store cannot be written.
+
+        Raises ValueError for a key ``entry_key`` did not make.
+        """
+        file = self.file_for(key)
         if not self.usable():
             return False
-        header = {**header, "key": key, "written": time.time()}
-        data = _encode(header, blob)
+        data = _encode({**header, "key": key, "written": time.time()}, blob)
+        if len(data) > MAX_FILE_BYTES:  # load would refuse it
+            log.warning(
+                "plan store: not storing %s: %d bytes, over the %d byte limit", file.name, len(data), MAX_FILE_BYTES
+            )
+            return False
         try:
-            fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".tmp-", suffix=SUFFIX)
+            fd, tmp = tempfile.mkstemp(dir=self.path, prefix=TMP_PREFIX, suffix=SUFFIX)
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
-                os.replace(tmp, self.file_for(key))
+                os.replace(tmp, file)
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)
                 raise
@@ -161,27 +222,71 @@ class PlanStore:
             return False
         return True
 
-    def entries(self) -> Iterator[tuple[Path, Entry | None]]:
-        """Every plan file and its decoded entry (None where damaged)."""
-        if not self.path.is_dir():
-            return
-        for file in sorted(self.path.glob(f"*{SUFFIX}")):
+    # ---- listing / clearing ---------------------------------------------------------------
+
+    def entries(self) -> Iterator[Listed]:
+        """Every plan file, by name, with its decoded entry (None where damaged or refused).
+
+        Temporary files of saves in progress are skipped, and so are files that vanish meanwhile
+        (other processes save and clear beside us). Raises UnsafeStoreError for an unsafe directory.
+        """
+        if not self._check_directory(create=False):
+            return iter(())
+        return self._listing()
+
+    def _listing(self) -> Iterator[Listed]:
+        for name in self._names():
+            if name.startswith(TMP_PREFIX):
+                continue
+            file = self.path / name
             try:
-                yield file, _decode(file.read_bytes())
-            except OSError:
-                yield file, None
+                data = _read_private(file)
+            except FileNotFoundError:
+                continue  # removed since the directory was read
+            except (_RefusedFileError, OSError) as error:
+                yield Listed(file, None, None, str(error))
+                continue
+            entry = _decode(data)
+            yield Listed(file, len(data), entry, None if entry else "truncated, corrupted or not a plan file")
 
     def clear(self) -> int:
-        """Remove every plan file (and stray temporary files); returns how many plans went."""
-        removed = 0
-        if not self.path.is_dir():
+        """Remove every plan file, and temporary files abandoned by crashed writers; returns how many plans went.
+
+        Only regular files are removed: links, directories and the like are left (with a warning).
+        Temporary files younger than ``STALE_TMP_SECONDS`` belong to saves still running and are kept.
+        Raises UnsafeStoreError for an unsafe directory.
+        """
+        if not self._check_directory(create=False):
             return 0
-        for file in self.path.glob(f"*{SUFFIX}"):
-            file.unlink(missing_ok=True)
-            removed += not file.name.startswith(".tmp-")
-        for file in self.path.glob(f".tmp-*{SUFFIX}"):
-            file.unlink(missing_ok=True)
+        now = time.time()
+        removed = 0
+        for name in self._names():
+            if self._remove(name, now):
+                removed += not name.startswith(TMP_PREFIX)
         return removed
+
+    def _remove(self, name: str, now: float) -> bool:
+        file = self.path / name
+        try:
+            info = os.lstat(file)  # lstat: judge the link itself, never where it points
+            if not stat.S_ISREG(info.st_mode):
+                log.warning("plan store: leaving %s: not a regular file", name)
+                return False
+            if name.startswith(TMP_PREFIX) and now - info.st_mtime < STALE_TMP_SECONDS:
+                return False  # a save in progress: it renames this file into place soon
+            file.unlink()
+        except FileNotFoundError:
+            return False  # removed or renamed by another process meanwhile
+        except OSError as error:
+            log.warning("plan store: cannot remove %s: %s", name, error)
+            return False
+        return True
+
+    def _names(self) -> list[str]:
+        try:
+            return sorted(name for name in os.listdir(self.path) if name.endswith(SUFFIX))
+        except FileNotFoundError:
+            return []
 
 
 def _unsafe(info: os.stat_result) -> str | None:
@@ -192,24 +297,56 @@ def _unsafe(info: os.stat_result) -> str | None:
     return None
 
 
+def _read_private(file: Path) -> bytes:
+    """The bytes of ``file``: a regular file (not a link), ours, private and at most MAX_FILE_BYTES long.
+
+    Raises FileNotFoundError when absent, _RefusedFileError when refused, OSError when unreadable.
+    """
+    try:
+        fd = os.open(file, _OPEN_FLAGS)
+    except OSError as error:
+        if error.errno == errno.ELOOP:  # what O_NOFOLLOW gives for a link
+            raise _RefusedFileError("a symbolic link, not a regular file") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise _RefusedFileError(f"not a regular file (mode {info.st_mode:o})")
+        problem = _unsafe(info)
+        if problem:
+            raise _RefusedFileError(problem)
+        if info.st_size > MAX_FILE_BYTES:
+            raise _RefusedFileError(f"{info.st_size} bytes, over the {MAX_FILE_BYTES} byte limit")
+        data = f.read(MAX_FILE_BYTES + 1)  # bounded: the file may have grown since fstat
+    if len(data) > MAX_FILE_BYTES:
+        raise _RefusedFileError(f"over the {MAX_FILE_BYTES} byte limit")
+    return data
+
+
+# A file: MAGIC, the SHA-256 (64 hex digits) of everything after it, then the header length
+# (8 bytes, little endian), the JSON header and the plan. The checksum covers the length too:
+# a damaged length would otherwise move bytes between the header and the plan unnoticed.
+_DIGEST = 64
+_LENGTH = 8
+
+
 def _encode(header: dict[str, Any], blob: bytes) -> bytes:
     head = json.dumps(header, sort_keys=True).encode()
-    digest = hashlib.sha256(head + blob).hexdigest().encode()
-    return MAGIC + len(head).to_bytes(8, "little") + digest + head + blob
+    body = len(head).to_bytes(_LENGTH, "little") + head + blob
+    return MAGIC + hashlib.sha256(body).hexdigest().encode() + body
 
 
 def _decode(data: bytes) -> Entry | None:
     if not data.startswith(MAGIC):
         return None
-    rest = data[len(MAGIC) :]
-    if len(rest) < 8 + 64:
+    digest, body = data[len(MAGIC) : len(MAGIC) + _DIGEST], data[len(MAGIC) + _DIGEST :]
+    if len(body) < _LENGTH or hashlib.sha256(body).hexdigest().encode() != digest:
         return None
-    size = int.from_bytes(rest[:8], "little")
-    digest, body = rest[8:72], rest[72:]
-    if size > len(body) or hashlib.sha256(body).hexdigest().encode() != digest:
+    size = int.from_bytes(body[:_LENGTH], "little")
+    if size > len(body) - _LENGTH:
         return None
     try:
-        header = json.loads(body[:size])
-    except ValueError:
+        header = json.loads(body[_LENGTH : _LENGTH + size])
+    except (ValueError, RecursionError):  # RecursionError: absurdly nested JSON
         return None
-    return Entry(header if isinstance(header, dict) else {}, body[size:])
+    return Entry(header, body[_LENGTH + size :]) if isinstance(header, dict) else None

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import os
-import subprocess
-import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -20,7 +22,8 @@ PLATFORM = {"gpu": "NVIDIA H200", "arch": [9, 0], "cudnn": 91900, "frontend": "1
 
 def problem(**kw):
     q = TensorSpec.contiguous((2, 8, 128, 64), torch.bfloat16, "cuda:0")
-    return AttentionProblem(op=Op.FORWARD, q=q, k=q, v=q, o=q, **{"attn_scale": 0.125, **kw})
+    # replace() routes option fields (attn_scale, causal) into the problem's nested options
+    return AttentionProblem(op=Op.FORWARD, q=q, k=q, v=q, o=q).replace(**{"attn_scale": 0.125, **kw})
 
 
 @pytest.fixture
@@ -48,7 +51,7 @@ def test_keys_differ_for_every_built_value_and_platform():
         entry_key(problem(), PLATFORM, "heuristic"),
     ]
     assert len({base, *others}) == 6
-    assert json.loads(json.dumps(signature(problem())))["attn_scale"] == 0.125
+    assert json.loads(json.dumps(signature(problem())))["options"]["attn_scale"] == 0.125  # nested, canonical
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "foreign", "empty"])
@@ -94,22 +97,28 @@ def test_group_writable_directory_and_foreign_files_are_refused(tmp_path, caplog
 
 
 def test_concurrent_writers_leave_a_whole_file(tmp_path):
-    """Several processes writing one key: every read sees a complete, valid entry."""
-    script = (
-        "import sys; from cudnn_attn.plan_store import PlanStore\n"
-        "s = PlanStore(sys.argv[1])\n"
-        "for i in range(40): s.save('k' * 64, {'platform': {'p': 1}, 'writer': sys.argv[2]}, bytes([int(sys.argv[2])]) * 50000)\n"
-    )
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path), str(n)]) for n in range(4)]
+    """Several writers on one key: every read sees a complete, valid entry.
+
+    Threads, not processes (a process would spend seconds importing torch): each save has its own
+    temporary file and rename either way, which is what is under test.
+    """
+    key = "a" * 64
+
+    def write(n):
+        for _ in range(40):
+            assert PlanStore(tmp_path).save(key, {"platform": {"p": 1}, "writer": n}, bytes([n]) * 50000)
+
+    writers = [threading.Thread(target=write, args=(n,)) for n in range(4)]
+    for w in writers:
+        w.start()
     store = PlanStore(tmp_path)
-    seen = set()
-    while any(p.poll() is None for p in procs):
-        entry = store.load("k" * 64, {"p": 1})
+    while any(w.is_alive() for w in writers):
+        entry = store.load(key, {"p": 1})
         if entry is not None:
             assert len(set(entry.blob)) == 1 and len(entry.blob) == 50000
-            seen.add(entry.blob[0])
-    assert all(p.returncode == 0 for p in procs)
-    assert store.load("k" * 64, {"p": 1}) is not None
+    for w in writers:
+        w.join()
+    assert store.load(key, {"p": 1}) is not None
 
 
 def test_default_path_follows_the_environment(monkeypatch, tmp_path):
@@ -165,3 +174,241 @@ def test_autotune_setting_and_environment(monkeypatch):
         cudnn_attn.set_autotune(None)
     monkeypatch.delenv("CUDNN_ATTN_AUTOTUNE")
     assert not autotune.enabled_by_default()
+
+
+# ---- hardening: every byte on disk is hostile ---------------------------------------------
+
+
+@pytest.fixture
+def cli_store(monkeypatch, tmp_path):
+    """The store the ``cudnn-attn cache`` commands use, in a private directory of its own."""
+    import cudnn_attn.cache as cache_module
+
+    cache = cache_module.PlanCache(path=tmp_path / "cli")
+    monkeypatch.setattr(cache_module, "_default", cache)
+    return cache.store
+
+
+def listing(capsys) -> list[dict]:
+    assert cli.main(["cache", "ls", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["plans"]
+
+
+def save_plan(store, variant="heuristic", blob=b"plan"):
+    key = entry_key(problem(), PLATFORM, variant)
+    assert store.save(key, {"platform": PLATFORM, "variant": variant}, blob)
+    return key
+
+
+def finishes_quickly(fn, fifo, seconds=2.0):
+    """``fn()``'s result, failing (not hanging) if it is stuck opening ``fifo``."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():  # release the reader: a writer that opens and closes at once gives it EOF
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(seconds)
+        pytest.fail(f"blocked on the FIFO {fifo.name}")
+    return result[0]
+
+
+def test_every_byte_after_the_magic_is_checksummed(store):
+    """The header length too: a changed length must not move a byte from the plan to the header unnoticed."""
+    key = save_plan(store, blob=b"\n plan")  # whitespace first: JSON that takes one more byte still parses
+    file = store.file_for(key)
+    data = file.read_bytes()
+    for at in range(len(plan_store.MAGIC), len(data)):
+        file.write_bytes(data[:at] + bytes([(data[at] + 1) % 256]) + data[at + 1 :])
+        assert store.load(key, PLATFORM) is None, f"byte {at} changed by one was accepted"
+    file.write_bytes(data)
+    assert store.load(key, PLATFORM).blob == b"\n plan"
+
+
+def test_files_of_format_v1_are_ignored_as_foreign(store, caplog):
+    key = entry_key(problem(), PLATFORM, "heuristic")
+    head = json.dumps({"platform": PLATFORM, "key": key}).encode()
+    digest = hashlib.sha256(head + b"plan").hexdigest().encode()
+    store.usable()
+    store.file_for(key).write_bytes(b"CUDNN_ATTN_PLAN v1\n" + len(head).to_bytes(8, "little") + digest + head + b"plan")
+    with caplog.at_level(logging.WARNING, logger="cudnn_attn.plan_store"):
+        assert store.load(key, PLATFORM) is None
+    assert "not a plan file" in caplog.text
+
+
+def test_a_fifo_neither_blocks_load_nor_cache_ls(cli_store, capsys, caplog):
+    key = entry_key(problem(), PLATFORM, "heuristic")
+    cli_store.usable()
+    fifo = cli_store.file_for(key)
+    os.mkfifo(fifo, 0o600)
+    with caplog.at_level(logging.WARNING, logger="cudnn_attn.plan_store"):
+        assert finishes_quickly(lambda: cli_store.load(key, PLATFORM), fifo) is None
+    assert "not a regular file" in caplog.text
+    (row,) = finishes_quickly(lambda: listing(capsys), fifo)
+    assert not row["ok"] and "not a regular file" in row["problem"]
+
+
+def test_links_are_never_followed(cli_store, tmp_path, capsys):
+    """A dangling link, a link to a valid plan elsewhere and a link to /dev/zero: all refused, unread."""
+    elsewhere = PlanStore(tmp_path / "elsewhere")
+    key = save_plan(elsewhere)
+    cli_store.usable()
+    # Named so that the dangling link comes first: the old code crashed there, before reading /dev/zero forever.
+    os.symlink(tmp_path / "nowhere", cli_store.path / ("0" * 64 + ".plan"))
+    os.symlink(elsewhere.file_for(key), cli_store.file_for(key))
+    os.symlink("/dev/zero", cli_store.path / ("f" * 64 + ".plan"))
+    rows = listing(capsys)
+    assert len(rows) == 3 and all(not r["ok"] and "symbolic link" in r["problem"] for r in rows)
+    assert cli_store.load(key, PLATFORM) is None and cli_store.load("f" * 64, PLATFORM) is None
+    assert elsewhere.load(key, PLATFORM) is not None
+
+
+def test_files_over_the_size_limit_are_refused_unread(store, monkeypatch, caplog):
+    key = save_plan(store, blob=b"p" * 8000)
+    file = store.file_for(key)
+    data = file.read_bytes()
+    os.truncate(file, plan_store.MAX_FILE_BYTES + 1)  # sparse: nothing is written, and nothing must be read
+    with caplog.at_level(logging.WARNING, logger="cudnn_attn.plan_store"):
+        assert store.load(key, PLATFORM) is None
+    assert "byte limit" in caplog.text
+    file.write_bytes(data)
+    monkeypatch.setattr(plan_store, "MAX_FILE_BYTES", 4096)
+    assert store.load(key, PLATFORM) is None
+    assert not store.save(key, {"platform": PLATFORM}, b"p" * 8000)  # load would refuse it
+
+
+def test_cache_ls_skips_temporary_files_and_files_that_vanish(cli_store, monkeypatch, capsys):
+    keys = sorted(save_plan(cli_store, variant) for variant in ("a", "b", "c"))
+    (cli_store.path / ".tmp-abc123.plan").write_bytes(b"half written")  # a save in progress
+    assert [r["file"] for r in listing(capsys)] == [f"{k}.plan" for k in keys]
+
+    decode = plan_store._decode
+
+    def decode_then_clear_the_rest(data):  # another process clears while we list
+        for key in keys[1:]:
+            cli_store.file_for(key).unlink(missing_ok=True)
+        return decode(data)
+
+    monkeypatch.setattr(plan_store, "_decode", decode_then_clear_the_rest)
+    assert [r["file"] for r in listing(capsys)] == [f"{keys[0]}.plan"]
+
+
+def test_cache_ls_and_clear_beside_concurrent_writers(cli_store, capsys):
+    """Listing and clearing while 4 writers save: no crash, and no save loses its temporary file."""
+    failures = []
+
+    def write(n):
+        for i in range(30):
+            key = hashlib.sha256(f"{n}-{i}".encode()).hexdigest()
+            if not PlanStore(cli_store.path).save(key, {"platform": PLATFORM}, b"x" * 20000):
+                failures.append(key)
+
+    cli_store.usable()
+    writers = [threading.Thread(target=write, args=(n,)) for n in range(4)]
+    for w in writers:
+        w.start()
+    start = time.monotonic()
+    while any(w.is_alive() for w in writers) and time.monotonic() - start < 1.5:
+        assert all(r["ok"] for r in listing(capsys))
+        cli_store.clear()
+    for w in writers:
+        w.join()
+    assert not failures
+
+
+def test_clear_removes_only_plan_files_and_abandoned_temporary_files(store, tmp_path):
+    key = save_plan(store)
+    directory = store.path / ("d" * 64 + ".plan")
+    directory.mkdir()
+    target = tmp_path / "not-a-plan"
+    target.write_bytes(b"keep me")
+    link = store.path / ("e" * 64 + ".plan")
+    os.symlink(target, link)
+    live, stale = store.path / ".tmp-live.plan", store.path / ".tmp-stale.plan"
+    live.write_bytes(b"a save in progress")
+    stale.write_bytes(b"left by a crashed writer")
+    an_hour_ago = time.time() - 3600
+    os.utime(stale, (an_hour_ago, an_hour_ago))
+    assert store.clear() == 1
+    assert not store.file_for(key).exists() and not stale.exists()
+    assert directory.is_dir() and link.is_symlink() and live.exists() and target.read_bytes() == b"keep me"
+
+
+def test_directory_is_checked_on_every_call(cli_store, capsys, caplog):
+    key = save_plan(cli_store)
+    cli_store.path.chmod(0o777)  # made unsafe after the first use
+    with caplog.at_level(logging.WARNING, logger="cudnn_attn.plan_store"):
+        assert cli_store.load(key, PLATFORM) is None
+        assert not cli_store.save(key, {"platform": PLATFORM}, b"evil")
+    assert "writable by group or others" in caplog.text
+    for action in ("ls", "clear"):
+        assert cli.main(["cache", action]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "writable by group or others" in err and "Traceback" not in err
+    assert cli_store.file_for(key).exists()  # clear refused
+    cli_store.path.chmod(0o700)
+    assert cli_store.load(key, PLATFORM).blob == b"plan"
+    if os.getuid() == 0:  # as root we can hand the directory to someone else
+        os.chown(cli_store.path, 12345, -1)
+        assert cli_store.load(key, PLATFORM) is None and cli.main(["cache", "ls"]) == 2
+        assert "owned by uid 12345" in capsys.readouterr().err
+
+
+def test_cache_ls_and_clear_refuse_a_path_that_is_not_a_directory(cli_store, capsys):
+    cli_store.path.write_bytes(b"a file")
+    for action in ("ls", "clear"):
+        assert cli.main(["cache", action]) == 2
+        assert "not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", ["../x", "/tmp/x", "A" * 64, "a" * 63, "a" * 65, "a" * 64 + "\n", "g" * 64, ""])
+def test_keys_not_made_by_entry_key_are_refused(store, tmp_path, key):
+    with pytest.raises(ValueError, match="not a key made by entry_key"):
+        store.file_for(key)
+    with pytest.raises(ValueError):
+        store.save(key, {"platform": PLATFORM}, b"plan")
+    with pytest.raises(ValueError):
+        store.load(key, PLATFORM)
+    assert not list(tmp_path.rglob("x*"))  # nothing written anywhere
+
+
+def test_nested_frozen_dataclasses_are_canonicalised():
+    """A problem whose fields are grouped into nested frozen dataclasses keys and serialises like a flat one."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        causal: Causal
+        window: tuple[int, int]
+        accumulate: torch.dtype
+
+    @dataclasses.dataclass(frozen=True)
+    class Grouped:
+        op: Op
+        q: TensorSpec
+        options: Options
+
+    q = problem().q
+    grouped = Grouped(Op.FORWARD, q, Options(Causal.TOP_LEFT, (64, 0), torch.float32))
+    sig = signature(grouped)
+    assert json.loads(json.dumps(sig)) == sig
+    assert sig["options"] == {"causal": "top_left", "window": [64, 0], "accumulate": "torch.float32"}
+    assert sig["q"] == {
+        "shape": [2, 8, 128, 64],
+        "stride": [65536, 8192, 64, 1],
+        "dtype": "torch.bfloat16",
+        "device": "cuda:0",
+    }
+    other = dataclasses.replace(grouped, options=Options(Causal.BOTTOM_RIGHT, (64, 0), torch.float32))
+    assert entry_key(grouped, PLATFORM, "v") != entry_key(other, PLATFORM, "v")
+    assert entry_key(grouped, PLATFORM, "v") == entry_key(
+        Grouped(Op.FORWARD, q, Options(Causal.TOP_LEFT, (64, 0), torch.float32)), PLATFORM, "v"
+    )
+
+
+def test_cache_warm_with_an_unreadable_file_says_so(cli_store, tmp_path, capsys):
+    assert cli.main(["cache", "warm", "--file", str(tmp_path / "missing.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read --file" in err and "No such file" in err
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00")
+    assert cli.main(["cache", "warm", "--file", str(tmp_path / "binary.txt")]) == 2
+    assert "cannot read --file" in capsys.readouterr().err
