@@ -67,7 +67,9 @@ def _frontend_direct(shape: Shape, t: dict, ordered: bool = False) -> Callable:
     node = graph.nodes[0]
     plan: Any = node.plan
     inputs = {
-        role: t[role] for role in ("q", "k", "v", "o", "grad_o", "stats") if role in t and (role in ("q", "k", "v") or bwd)
+        role: t[role]
+        for role in ("q", "k", "v", "o", "grad_o", "stats")
+        if role in t and (role in ("q", "k", "v") or bwd)
     }
     outputs = {role: synthetic.empty(h.spec) for role, h in node.outputs.items() if h.spec is not None}
     pack = plan.variant_pack(inputs, outputs)

@@ -17,13 +17,16 @@ from concurrent.futures import Future
 from typing import Any
 
 from . import lifecycle
+from .errors import ValidationError
 from .plan_store import PlanStore, default_path
 
 DEFAULT_MAXSIZE = 1024
+DEFAULT_MAX_BYTES = 4 << 30  # device memory plans may hold in workspaces and prepared buffers
 
 
 class PlanCache:
-    """LRU cache of built plans.
+    """LRU cache of built plans, bounded in entries and in the bytes the plans hold
+    (``plan.nbytes``: workspaces and prepared buffers).
 
     Example::
 
@@ -33,10 +36,18 @@ class PlanCache:
         cache.stats()  # {'hits': 0, 'misses': 1, 'builds': 1, 'evictions': 0, ...}
     """
 
-    def __init__(self, maxsize: int = DEFAULT_MAXSIZE, path: str | os.PathLike | None = None):
-        if maxsize < 1:
-            raise ValueError(f"maxsize: {maxsize}; must be >= 1")
+    def __init__(
+        self, maxsize: int = DEFAULT_MAXSIZE, path: str | os.PathLike | None = None, max_bytes: int = DEFAULT_MAX_BYTES
+    ):
+        problems = [
+            f"{name}: {value!r}; must be an int >= 1"
+            for name, value in (("maxsize", maxsize), ("max_bytes", max_bytes))
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ]
+        if problems:
+            raise ValidationError(problems, context="PlanCache")
         self.maxsize = maxsize
+        self.max_bytes = max_bytes
         self.path = path
         # Built plans persist here across processes (cuDNN plans; see plan_store.py).
         self.store = PlanStore(path) if path is not None else None
@@ -79,11 +90,23 @@ class PlanCache:
             self._build_seconds += elapsed
             self._entries[key] = plan
             del self._building[key]
-            while len(self._entries) > self.maxsize:
-                self._entries.popitem(last=False)
-                self._counts["evictions"] += 1
+            self._evict()
         pending.set_result(plan)
         return plan
+
+    def _evict(self) -> None:
+        """Drop least recently used plans while over either bound (the newest always stays).
+        Bytes are summed afresh: a plan's workspace appears on its first run."""
+        held = sum(getattr(plan, "nbytes", 0) for plan in self._entries.values())
+        while len(self._entries) > 1 and (len(self._entries) > self.maxsize or held > self.max_bytes):
+            _, plan = self._entries.popitem(last=False)
+            held -= getattr(plan, "nbytes", 0)
+            self._counts["evictions"] += 1
+
+    def nbytes(self) -> int:
+        """Bytes the cached plans hold now."""
+        with self._lock:
+            return sum(getattr(plan, "nbytes", 0) for plan in self._entries.values())
 
     def stats(self) -> dict[str, float]:
         with self._lock:

@@ -19,31 +19,18 @@ def main(argv: list[str] | None = None) -> int:
     show = commands.add_parser("info", help="GPU, cuDNN and frontend versions, and which features run here")
     show.add_argument("--json", action="store_true", help="print the report as JSON")
 
-    bench = commands.add_parser(
-        "bench", help="time cudnn_attn against torch SDPA and the bare frontend", add_help=False
+    commands.add_parser(
+        "bench",
+        parents=[_bench_parser()],
+        add_help=False,
+        help="time cudnn_attn against torch SDPA and the bare frontend",
+        description="Time cudnn_attn against torch SDPA and the bare frontend (needs a CUDA GPU).",
     )
-    bench.add_argument("--help", action="help", help="show this help and exit")
-    bench.add_argument(
-        "shapes", nargs="*", help='shapes like "b=2,h=16,s=4096,d=128,causal" (default: the flags below)'
-    )
-    bench.add_argument("-b", "--batch", type=int, default=4)
-    bench.add_argument("-h", "--heads", type=int, default=16)
-    bench.add_argument("--kv-heads", type=int, default=0, help="K/V heads for GQA/MQA (default: --heads)")
-    bench.add_argument("-s", "--seq", type=int, default=4096)
-    bench.add_argument("-d", "--head-dim", type=int, default=128)
-    bench.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    bench.add_argument("--causal", action="store_true")
-    bench.add_argument("--bwd", action="store_true", help="time the backward")
-    bench.add_argument("--grid", action="store_true", help="run the standard grid of shapes")
-    bench.add_argument("--json", metavar="PATH", help="write every figure to PATH")
-    bench.add_argument("--plot", metavar="PATH", help="write a PNG bar chart to PATH")
-    bench.add_argument("--overhead", action="store_true", help="host time per call on a tiny shape")
-    bench.add_argument("--cold-start", action="store_true", help="time to first result in fresh processes")
 
     cache = commands.add_parser("cache", help="the persistent plan store")
     actions = cache.add_subparsers(dest="action", required=True)
     ls = actions.add_parser("ls", help="list stored plans")
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--json", action="store_true", help="print the list as JSON")
     actions.add_parser("clear", help="remove every stored plan")
     warm = actions.add_parser("warm", help="build (and tune) plans ahead of time, e.g. at a server's start")
     warm.add_argument("shapes", nargs="*", help='shapes like "b=1,h=32,hkv=8,s=8192,d=128,causal,bwd"')
@@ -64,6 +51,49 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+class _HeadsOrHelp(argparse.Action):
+    """FMHA_v2's convention: ``-h N`` sets the number of heads, a bare ``-h`` prints help."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values is None:  # the const of nargs="?": -h given without a number
+            parser.print_help()
+            parser.exit()
+        setattr(namespace, self.dest, values)
+
+
+def _bench_parser() -> argparse.ArgumentParser:
+    """The ``bench`` arguments, as a parser of their own; ``main`` mounts it as the subcommand."""
+    bench = argparse.ArgumentParser(prog="cudnn-attn bench", add_help=False)
+    bench.add_argument("--help", action="help", help="show this help and exit (so does a bare -h)")
+    bench.add_argument(
+        "shapes", nargs="*", help='shapes like "b=2,h=16,s=4096,d=128,causal" (default: the flags below)'
+    )
+    bench.add_argument("-b", "--batch", type=int, default=4, metavar="N", help="batch size (default: 4)")
+    bench.add_argument(
+        "-h",
+        "--heads",
+        type=int,
+        nargs="?",
+        const=None,
+        default=16,
+        action=_HeadsOrHelp,
+        metavar="N",
+        help="query heads (default: 16); a bare -h, without N, prints this help",
+    )
+    bench.add_argument("--kv-heads", type=int, default=0, metavar="N", help="K/V heads for GQA/MQA (default: --heads)")
+    bench.add_argument("-s", "--seq", type=int, default=4096, metavar="N", help="sequence length (default: 4096)")
+    bench.add_argument("-d", "--head-dim", type=int, default=128, metavar="N", help="head dimension (default: 128)")
+    bench.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="data type of Q, K, V (default: bf16)")
+    bench.add_argument("--causal", action="store_true", help="causal (top-left) mask")
+    bench.add_argument("--bwd", action="store_true", help="time the backward")
+    bench.add_argument("--grid", action="store_true", help="run the standard grid of shapes")
+    bench.add_argument("--json", metavar="PATH", help="write every figure to PATH")
+    bench.add_argument("--plot", metavar="PATH", help="write a PNG bar chart to PATH (needs the plot extra)")
+    bench.add_argument("--overhead", action="store_true", help="host time per call on a tiny shape")
+    bench.add_argument("--cold-start", action="store_true", help="time to first result in fresh processes")
+    return bench
+
+
 def _needs_gpu(what: str) -> bool:
     import torch
 
@@ -77,6 +107,11 @@ def _needs_gpu(what: str) -> bool:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print('cudnn-attn bench: --plot needs matplotlib: pip install "cudnn-attn[plot]"', file=sys.stderr)
+        return 2
     if not _needs_gpu("bench"):
         return 2
     from . import bench
@@ -94,42 +129,53 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _cache(args: argparse.Namespace) -> int:
     from .cache import default_cache
+    from .plan_store import UnsafeStoreError
 
     store = default_cache().store
     if store is None:
         print("cudnn-attn cache: the persistent store is off (CUDNN_ATTN_CACHE_DIR is empty)", file=sys.stderr)
         return 2
-    if args.action == "ls":
+    if args.action == "warm":
+        return _warm(args)
+    try:  # an unsafe or unreadable directory is refused with one line, never a traceback
+        if args.action == "clear":
+            print(f"removed {store.clear()} plan(s) from {store.path}")
+            return 0
         rows = []
-        for file, entry in store.entries():
-            header = entry.header if entry else {}
+        for listed in store.entries():
+            header = listed.entry.header if listed.entry else {}
             rows.append({
-                "file": file.name, "ok": entry is not None, "bytes": file.stat().st_size,
+                "file": listed.path.name, "ok": listed.entry is not None, "bytes": listed.size, "problem": listed.problem,
                 "plan": header.get("describe", "?"), "variant": header.get("variant", "?"),
                 "engine": (header.get("choice") or {}).get("name", "?"),
                 "gpu": (header.get("platform") or {}).get("gpu", "?"), "cudnn": (header.get("platform") or {}).get("cudnn", "?"),
             })  # fmt: skip
-        if args.json:
-            print(json.dumps({"path": str(store.path), "plans": rows}, indent=2))
-        else:
-            print(f"{store.path}: {len(rows)} plan(s)")
-            for r in rows:
-                status = "" if r["ok"] else "  DAMAGED (ignored; rewritten on next build)"
-                print(
-                    f"  {r['file'][:12]}  {r['plan']:<52} {r['variant']:<9} {r['gpu']} cuDNN {r['cudnn']}  {r['bytes']} B{status}"
-                )
-        return 0
-    if args.action == "clear":
-        print(f"removed {store.clear()} plan(s) from {store.path}")
-        return 0
-    return _warm(args)
+    except (UnsafeStoreError, OSError) as error:
+        print(f"cudnn-attn cache {args.action}: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"path": str(store.path), "plans": rows}, indent=2))
+    else:
+        print(f"{store.path}: {len(rows)} plan(s)")
+        for r in rows:
+            status = "" if r["ok"] else f"  DAMAGED ({r['problem']}; ignored, rewritten on next build)"
+            size = "?" if r["bytes"] is None else r["bytes"]
+            print(
+                f"  {r['file'][:12]}  {r['plan']:<52} {r['variant']:<9} {r['gpu']} cuDNN {r['cudnn']}  {size} B{status}"
+            )
+    return 0
 
 
 def _warm(args: argparse.Namespace) -> int:
     texts = list(args.shapes)
     if args.file:
-        with open(args.file) as f:
-            texts += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+        try:
+            with open(args.file) as f:
+                texts += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+        except (OSError, UnicodeDecodeError) as error:  # missing, unreadable or not text
+            reason = getattr(error, "strerror", None) or error
+            print(f"cudnn-attn cache warm: cannot read --file {args.file}: {reason}", file=sys.stderr)
+            return 2
     if not texts:
         print("cudnn-attn cache warm: give shapes or --file", file=sys.stderr)
         return 2
@@ -146,7 +192,7 @@ def _warm(args: argparse.Namespace) -> int:
         if shape.bwd:
             o, stats = g(t["q"], t["k"], t["v"])
             with Graph(autotune=not args.no_autotune) as gb:
-                gb.sdpa_backward(t["q"], t["k"], t["v"], o, t["d_o"], stats, use_causal_mask=shape.causal)
+                gb.sdpa_backward(t["q"], t["k"], t["v"], o, t["grad_o"], stats, use_causal_mask=shape.causal)
         sources = [getattr(n.plan, "source", "?") for n in g.nodes]
         print(f"{shape.label():<44} {time.perf_counter() - start:7.2f} s  ({', '.join(sources)})")
     return 0

@@ -203,9 +203,7 @@ def sdpa(
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
         offset = torch.zeros(1, dtype=torch.int64)
     try:
-        out, _ = _sdpa_forward(
-            query, key, value, bias, scale, bool(is_causal), float(dropout_p), seed, offset, train
-        )
+        out, _ = _sdpa_forward(query, key, value, bias, scale, bool(is_causal), float(dropout_p), seed, offset, train)
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
         raise error.renamed(_ARGUMENTS, context="sdpa") from None
     return out.squeeze(0) if squeeze else out

@@ -104,9 +104,7 @@ def collect_keywords(given: dict[str, Any], op: str, hints: dict[str, str] | Non
     unknown = [name for name in given if name not in KEYWORDS]
     if unknown:
         hints = hints or {}
-        return [
-            f"{name}: not a keyword of {op}" + (f"; {hints[name]}" if name in hints else "") for name in unknown
-        ]
+        return [f"{name}: not a keyword of {op}" + (f"; {hints[name]}" if name in hints else "") for name in unknown]
     return MaskKeywords(**given)
 
 
@@ -225,7 +223,9 @@ def _causal(given: MaskKeywords, errors: list[str]) -> Causal:
 def _window(given: MaskKeywords, errors: list[str]) -> int | None:
     window, left = given.sliding_window_length, given.diagonal_band_left_bound
     if window is not None and left is not None and window != left:
-        errors.append(f"sliding_window_length: {shown(window)} disagrees with diagonal_band_left_bound={shown(left)}; give one")
+        errors.append(
+            f"sliding_window_length: {shown(window)} disagrees with diagonal_band_left_bound={shown(left)}; give one"
+        )
     value = window if window is not None else left
     if value is None:
         return None

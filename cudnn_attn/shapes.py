@@ -6,13 +6,13 @@ sq, skv, d (both head dims), dv, dtype (fp16|bf16), layout (BHSD|BSHD), causal, 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 
 from .errors import ValidationError
+from .options import default_scale
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -69,11 +69,11 @@ class Shape:
             "k": make(self.h_kv, self.skv, self.d),
             "v": make(self.h_kv, self.skv, self.d_v),
         }
-        out["d_o"] = make(self.h, self.sq, self.d_v)
+        out["grad_o"] = make(self.h, self.sq, self.d_v)
         return out
 
     def scale(self) -> float:
-        return 1.0 / math.sqrt(self.d)
+        return default_scale(self.d)
 
 
 def parse(text: str) -> Shape:

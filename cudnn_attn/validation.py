@@ -215,9 +215,11 @@ def _check_geometry(p: AttentionProblem, found: list[str]) -> None:
             )
     if p.k.shape[-1] != p.d_qk:
         found.append(f"k: head dim d_qk={p.k.shape[-1]} differs from q's {p.d_qk}; q and k must share d_qk")
-    for name, d in (("d_qk (q)", p.d_qk), ("d_v (v)", p.d_v)):
+    for role, name, d in (("q", "d_qk", p.d_qk), ("v", "d_v", p.d_v)):
         if d % HEAD_DIM_MULTIPLE or d > MAX_HEAD_DIM:
-            found.append(f"{name}: head dim {d}; allowed: a multiple of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}")
+            found.append(
+                f"{role}: head dim {name}={d}; allowed: a multiple of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}"
+            )
     if not p.is_thd and not p.is_paged:
         b = p.q.shape[0]
         for role in ("k", "v"):
@@ -280,7 +282,11 @@ def _check_masks(p: AttentionProblem, found: list[str]) -> None:
                 f"use_causal_mask_bottom_right: S_q={s_q} > S_kv={s_kv}; bottom-right causal needs S_q <= S_kv "
                 "(or a padding mask with per-batch lengths)"
             )
-        for flag, name in ((p.bias is not None, "attn_bias"), (p.options.alibi, "use_alibi_mask"), (p.has_dropout, "dropout")):
+        for flag, name in (
+            (p.bias is not None, "attn_bias"),
+            (p.options.alibi, "use_alibi_mask"),
+            (p.has_dropout, "dropout"),
+        ):
             if flag:
                 found.append(f"use_causal_mask_bottom_right: cannot be combined with {name}; use top-left causal")
     if p.options.sliding_window is not None:
@@ -421,6 +427,7 @@ def value_problems(p: AttentionProblem, data: Mapping[str, torch.Tensor]) -> lis
 
 
 # ---- naming helpers --------------------------------------------------------------------------
+
 
 def _name(role: str) -> str:
     return user_name(role)

@@ -25,11 +25,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float = 2e-2) -> None:
+    """Print the relative error and exit non-zero unless the result is finite and within ``tol``."""
+    finite = bool(torch.isfinite(actual).all())
     err = rel_err(actual, expected)
-    status = "ok" if err < tol else "MISMATCH"
-    print(f"  {name:<34} rel_err={err:.2e}  {status}")
-    if err >= tol:
-        raise SystemExit(f"{name}: relative error {err:.2e} over {tol}")
+    ok = finite and err < tol  # written so that NaN fails: NaN < tol is False
+    print(f"  {name:<34} rel_err={err:.2e}  {'ok' if ok else 'MISMATCH'}")
+    if not ok:
+        why = "non-finite values in the result" if not finite else f"relative error {err:.2e} over {tol}"
+        raise SystemExit(f"{name}: {why}")
 
 
 def torch_attention(q, k, v, **kwargs):
@@ -77,7 +80,7 @@ lengths = torch.tensor([s, s - 37], device=device, dtype=torch.int32)
 q_new = torch.randn(b, h, 1, d, device=device, dtype=dtype)
 with cudnn.Graph() as g:
     g.sdpa_with_paged_cache(q_new, k_cache, v_cache, table, seq_len_kv=lengths)
-decoded = g(q_new, k_cache, v_cache, lengths, table)
+decoded = g(q_new, k_cache, v_cache, table, lengths)
 for i in range(b):  # the dense equivalent: gather this sequence's pages, keep its valid tokens
     n = int(lengths[i])
     k_seq = k_cache[table[i].long()].reshape(-1, 2, d)[:n].transpose(0, 1)[None]

@@ -30,7 +30,20 @@ def test_equal_requests_hit_and_build_once(cache):
     stats = cache.stats()
     assert (stats["builds"], stats["misses"], stats["hits"]) == (1, 1, 1)
     assert g1.nodes[0].plan is g2.nodes[0].plan and len(cache) == 1
-    assert stats["build_seconds"] >= 0
+    assert stats["build_seconds"] > 0  # the one build was timed
+
+
+def test_build_seconds_adds_up_the_time_spent_building():
+    cache = PlanCache()
+
+    def slow(seconds):
+        time.sleep(seconds)
+        return object()
+
+    cache.get_or_build("a", lambda: slow(0.05))
+    cache.get_or_build("a", lambda: slow(0.05))  # a hit: nothing built
+    cache.get_or_build("b", lambda: slow(0.03))
+    assert 0.08 <= cache.stats()["build_seconds"] < 5  # the sum of both builds, in seconds
 
 
 @pytest.mark.parametrize(

@@ -116,8 +116,8 @@ def test_dropout_matches_the_reference_given_cudnns_mask():
     ref_b = get_backend("reference").build(rb.problems[0])
     expected = [torch.empty_like(x) for x in (q, k, v)]
     ref_b(
-        {"q": q, "k": k, "v": v, "o": o_ref, "d_o": d_o, "stats": s_ref},
-        dict(zip(("d_q", "d_k", "d_v"), expected)),
+        {"q": q, "k": k, "v": v, "o": o_ref, "grad_o": d_o, "stats": s_ref},
+        dict(zip(("grad_q", "grad_k", "grad_v"), expected)),
         dropout_keep=keep,
     )
     for a, e in zip(got, expected):

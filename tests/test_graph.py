@@ -90,7 +90,7 @@ def test_mismatched_inputs_raise_shape_mismatch_naming_each_input(qkv):
     assert "q: shape [2, 4, 17, 32]" in text and "v: dtype torch.bfloat16" in text
     with pytest.raises(ShapeMismatchError, match="k: strides"):
         g(q, randn(2, 16, 4, 32, dtype=torch.float16).transpose(1, 2), v)
-    with pytest.raises(ShapeMismatchError, match="3 given; this graph takes 3|2 given"):
+    with pytest.raises(ShapeMismatchError, match=r"^inputs: 2 given; this graph takes 3: q, k, v$"):
         g(q, k)
     with pytest.raises(ShapeMismatchError, match="not an input"):
         g({"q": q, "k": k, "value": v})

@@ -112,7 +112,7 @@ def test_paged_caches_lower_to_frontend_containers(layout):
     assert k["stride"] == expected_stride
     assert tensors[lowering.UID["page_table_k"]]["dim"] == [2, 1, 4, 1]
     assert node(info)["params"]["paged_attention_max_seq_len_kv"] == 64
-    assert result.full_seq_len_q  # no seq_len_q given: the plan binds S_q per batch
+    assert result.constant_lengths == {"seq_len_q": 1}  # no seq_len_q given: the plan binds S_q per batch
 
 
 def test_dropout_with_int_seed_is_passed_by_value():
@@ -124,3 +124,26 @@ def test_dropout_with_int_seed_is_passed_by_value():
     tensors = info["tensors"]
     assert tensors["dropout_seed"]["uid"] == lowering.UID["dropout_seed"]
     assert lowering.UID["rng_dump"] in by_uid(info)
+
+
+@pytest.mark.parametrize(
+    "s_q, s_kv, causal, padded",
+    [(192, 192, False, True), (64, 320, False, True), (1, 256, False, True), (1, 256, True, True),
+     (256, 256, False, False), (192, 192, True, False), (128, 100, False, False)],
+    ids=["s192", "skv320", "sq1", "sq1-causal", "s256", "s192-causal", "skv100"],
+)  # fmt: skip
+def test_backward_known_nan_shapes_lower_with_full_length_padding(s_q, s_kv, causal, padded):
+    """cuDNN 9.19 returns NaN gradients at S_kv % 128 == 64 (no causal) and at S_q = 1 for rows
+    with a low log-sum-exp; a padding mask with full lengths avoids both (ops/workarounds.py)."""
+    q, kv = torch.randn(1, 2, s_q, 64).half(), torch.randn(1, 2, s_kv, 64).half()
+    stats = torch.randn(1, 2, s_q, 1)
+
+    def record(g):
+        o, _ = g.sdpa(q, kv, kv, generate_stats=True, use_causal_mask_bottom_right=causal)
+        g.sdpa_backward(q, kv, kv, q, q, stats, use_causal_mask_bottom_right=causal)
+
+    with cudnn_attn.Graph(backend="reference") as g:
+        record(g)
+    result, info = lowered(g.problems[1])
+    assert bool(node(info)["params"].get("use_padding_mask")) == padded
+    assert result.constant_lengths == ({"seq_len_q": s_q, "seq_len_kv": s_kv} if padded else {})

@@ -74,7 +74,9 @@ def test_paged_cache_matches_dense(layout, s_q):
                                        kv_cache_layout=layout, use_causal_mask_bottom_right=s_q > 1)  # fmt: skip
     problem = g.problems[0]
     assert problem.is_paged and problem.page_size == page and problem.s_kv == 24
-    out = g(q, k_cache, v_cache, table_k, seq_kv, table_v)  # the method's order: q, k, v, page_table, lengths, page_table_v
+    out = g(
+        q, k_cache, v_cache, table_k, seq_kv, table_v
+    )  # the method's order: q, k, v, page_table, lengths, page_table_v
     k_pad = torch.cat([k_dense, torch.zeros(b, h_kv, 4, d, dtype=k_dense.dtype)], 2)
     v_pad = torch.cat([v_dense, torch.zeros(b, h_kv, 4, d, dtype=v_dense.dtype)], 2)
     expected, _ = oracle.attention(

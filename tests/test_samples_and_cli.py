@@ -3,28 +3,93 @@
 from __future__ import annotations
 
 import json
-import runpy
+import math
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from cudnn_attn import cli
+import cudnn_attn
+from cudnn_attn import cli, info, validation
 
 SAMPLES = sorted((Path(__file__).parent.parent / "samples").glob("*.py"))
+# The relative error each sample's results must stay under (what the samples check themselves).
+SAMPLE_TOLERANCE = {"01_quickstart": 2e-2, "02_inference_server": 2e-2, "03_training": 3e-2}
+REL_ERR = re.compile(r"rel_err=(\S+)")
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=[s.stem for s in SAMPLES])
-def test_sample_runs_and_checks_its_results(sample, capsys, monkeypatch):
-    monkeypatch.setattr(sys, "argv", [str(sample)])
-    runpy.run_path(str(sample), run_name="__main__")
-    assert "all results match" in capsys.readouterr().out
+def test_sample_runs_and_checks_its_results(sample, tmp_path):
+    # A fresh process, as a user runs it, importing this cudnn_attn, with a private plan store.
+    package_root = str(Path(cudnn_attn.__file__).parent.parent)
+    python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": python_path, "CUDNN_ATTN_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, str(sample)], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    errors = [float(text) for text in REL_ERR.findall(run.stdout)]
+    assert len(errors) >= 3, run.stdout
+    tol = SAMPLE_TOLERANCE[sample.stem]
+    for err in errors:
+        assert math.isfinite(err) and err < tol, run.stdout
+    assert "all results match" in run.stdout
 
 
 def test_info_reports_versions_and_features(capsys):
     assert cli.main(["info", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["cudnn_attn"] and report["torch"]
+    assert report["cudnn_attn"] == cudnn_attn.__version__ and report["torch"] == torch.__version__
+    assert report["backend"] == ("cudnn" if torch.cuda.is_available() else "reference")
     assert set(report["features"]) >= {"causal", "paged KV cache", "backward"}
-    if report["backend"] == "reference":
-        assert all(status == "yes" for status in report["features"].values())
+    assert all(status == "yes" or status.startswith("no: ") for status in report["features"].values())
+
+
+def test_info_features_are_the_backends_answers_for_well_formed_problems(monkeypatch):
+    # A "yes" means something only if the problem asked about is well formed ...
+    for feature, problem in info._sample_problems("cpu").items():
+        assert validation.problems(problem) == [], feature
+
+    # ... and if the status is the backend's answer, not a fixed string.
+    class NoPagedCaches:
+        def not_supported_reasons(self, problem):
+            return ["no paged caches here"] if problem.is_paged else []
+
+    monkeypatch.setattr(info, "get_backend", lambda name: NoPagedCaches())
+    features = info.collect()["features"]
+    assert features.pop("paged KV cache") == "no: no paged caches here"
+    assert set(features.values()) == {"yes"}
+
+
+def test_bench_bare_h_prints_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "-h"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: cudnn-attn bench")
+    for flag in ("--batch", "--heads", "--kv-heads", "--seq", "--head-dim", "--dtype", "--causal", "--plot"):
+        assert flag in out
+
+
+def test_bench_h_with_a_number_sets_the_heads(monkeypatch):
+    args = cli._bench_parser().parse_args(["-h", "8", "-s", "1024"])
+    assert (args.heads, args.seq, args.batch) == (8, 1024, 4)
+    assert cli._bench_parser().parse_args([]).heads == 16
+    seen = []  # the same through the subcommand that main mounts
+    monkeypatch.setattr(cli, "_bench", lambda args: seen.append(args) or 0)
+    assert cli.main(["bench", "-h", "8", "--causal"]) == 0
+    assert seen[0].heads == 8 and seen[0].causal
+
+
+def test_every_bench_flag_has_help():
+    for action in cli._bench_parser()._actions:
+        assert action.help, action.option_strings or action.dest
+
+
+def test_bench_plot_without_matplotlib_names_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails, as when it is missing
+    assert cli.main(["bench", "--plot", "bench.png"]) == 2
+    err = capsys.readouterr().err
+    assert "matplotlib" in err and 'pip install "cudnn-attn[plot]"' in err

@@ -214,8 +214,16 @@ def test_malformed_request_names_its_argument(call, argument, phrase):
     assert hit, f"no line names {argument!r} with {phrase!r}: {lines}"
 
 
-def test_there_are_at_least_40_distinct_malformed_requests():
-    assert len({m[0] for m in MALFORMED}) >= 40
+def test_at_least_40_distinct_malformed_requests_are_each_caught():
+    # Run the table: every request raises, and at least 40 different lines name what was wrong.
+    caught = set()
+    for name, call, argument, phrase in MALFORMED:
+        with pytest.raises(ValidationError) as info:
+            call()
+        lines = {line for line in info.value.problems if argument in line and phrase in line}
+        assert lines, f"{name}: no line names {argument!r} with {phrase!r}: {info.value.problems}"
+        caught |= lines
+    assert len(caught) >= 40, sorted(caught)
 
 
 def test_every_problem_is_reported_together():
@@ -239,12 +247,19 @@ def test_validation_is_a_pure_function_of_the_problem():
     from cudnn_attn import validation
     from cudnn_attn.problem import AttentionProblem, Op, TensorSpec
 
-    q = TensorSpec.of(Q)
-    good = AttentionProblem(op=Op.FORWARD, q=q, k=q, v=q, o=q, attn_scale=0.125)
-    assert validation.problems(good) == []
-    bad = good.replace(k=TensorSpec.of(t(B, H, S, 32)))
-    assert validation.problems(bad) == validation.problems(bad)
-    assert any("k:" in line for line in validation.problems(bad))
+    def problem(k_head_dim):  # built afresh on each call, from fresh tensors
+        q = TensorSpec.of(t(B, H, S, D))
+        k = TensorSpec.of(t(B, H, S, k_head_dim))
+        return AttentionProblem(op=Op.FORWARD, q=q, k=k, v=q, o=q).replace(attn_scale=0.125)
+
+    bad, bad_again = problem(32), problem(32)
+    assert bad is not bad_again and bad == bad_again
+    found = validation.problems(bad)
+    assert any(line.startswith("k:") and "d_qk=32" in line for line in found), found
+    assert validation.problems(bad_again) == found  # equal problems, equal answers
+    found.append("a caller's own line")  # what a caller does with the answer ...
+    assert validation.problems(bad) == validation.problems(bad_again) == found[:-1]  # ... stays its own
+    assert validation.problems(problem(D)) == []  # bad's answer is not reused for a problem that differs
 
 
 def test_validation_error_is_a_value_error_and_unsupported_is_not_implemented():

@@ -37,11 +37,10 @@ class CudnnPlan:
         import cudnn
 
         self._cudnn = cudnn
-        self._full_seq_len_q = (
-            torch.full((problem.batch, 1, 1, 1), problem.s_q, dtype=torch.int32, device=self.device)
-            if lowered.full_seq_len_q
-            else None
-        )
+        self._constants = {
+            UID[role]: torch.full((problem.batch, 1, 1, 1), length, dtype=torch.int32, device=self.device)
+            for role, length in lowered.constant_lengths.items()
+        }
 
     def __call__(
         self,
@@ -59,7 +58,7 @@ class CudnnPlan:
     def direct_uids(self, input_roles: tuple[str, ...], output_roles: tuple[str, ...]) -> tuple[int, ...] | None:
         """The uids of these roles when the caller's tensors are all the plan binds (no ragged
         offsets or constant lengths to add): then a runner can hand over buffers directly."""
-        if self.lowered.ragged or self._full_seq_len_q is not None or self.problem.has_dropout or self._bounds:
+        if self.lowered.ragged or self._constants or self.problem.has_dropout or self._bounds:
             return None
         return tuple(UID[role] for role in (*input_roles, *output_roles))
 
@@ -93,8 +92,8 @@ class CudnnPlan:
     @property
     def nbytes(self) -> int:
         """Device memory this plan holds (its workspaces and constant inputs), for cache bounds."""
-        held = [*self._workspaces.values(), self._full_seq_len_q]
-        return sum(t.numel() * t.element_size() for t in held if t is not None)
+        held = [*self._workspaces.values(), *self._constants.values()]
+        return sum(t.numel() * t.element_size() for t in held)
 
     def _workspace(self, stream_ptr: int) -> torch.Tensor:
         """One workspace per stream, reused: calls on one stream are ordered, so they can share it."""
@@ -118,8 +117,7 @@ class CudnnPlan:
             pack[UID[role]] = value
         for role, tensor in outputs.items():
             pack[UID[role]] = tensor
-        if self._full_seq_len_q is not None:
-            pack[UID["seq_len_q"]] = self._full_seq_len_q
+        pack.update(self._constants)
         if self.lowered.ragged:
             self._bind_ragged_offsets(inputs, pack)
         if rng_dump is not None:

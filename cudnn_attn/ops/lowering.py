@@ -19,6 +19,7 @@ import torch
 from ..options import Causal
 from ..problem import AttentionProblem, KVCacheLayout, TensorSpec
 from ..roles import ROLES, UID
+from .workarounds import full_lengths_reason
 
 
 @dataclass
@@ -27,7 +28,8 @@ class Lowered:
 
     graph: Any
     ragged: dict[int, tuple[str, int]] = field(default_factory=dict)  # uid -> (lengths role, token stride)
-    full_seq_len_q: bool = False  # paged without seq_len_q: bind a constant S_q per batch
+    # Sequence lengths the plan binds itself, as constants: role -> length of every batch.
+    constant_lengths: dict[str, int] = field(default_factory=dict)
     rng_dump: bool = False
 
 
@@ -151,15 +153,18 @@ def _mask_options(p: AttentionProblem, graph: Any, tensor: Any, lowered: Lowered
         options["bias"] = tensor("bias", p.bias)
     if p.options.alibi:
         options["use_alibi_mask"] = True
-    if p.options.padding:
+    constants = {"seq_len_q": p.s_q, "seq_len_kv": p.s_kv} if full_lengths_reason(p) else {}
+    if p.options.padding or constants:
         options["use_padding_mask"] = True
-        if p.seq_len_q is not None:
-            options["seq_len_q"] = tensor("seq_len_q", p.seq_len_q)
-        else:  # paged without per-sequence query lengths: the plan binds S_q for every batch
-            lowered.full_seq_len_q = True
-            options["seq_len_q"] = graph.tensor(name="seq_len_q", dim=[p.batch, 1, 1, 1], stride=[1, 1, 1, 1],
-                                                data_type=cudnn.data_type.INT32, uid=UID["seq_len_q"])  # fmt: skip
-        options["seq_len_kv"] = tensor("seq_len_kv", p.seq_len_kv)
+        for role in ("seq_len_q", "seq_len_kv"):
+            spec = getattr(p, role)
+            if spec is not None:
+                options[role] = tensor(role, spec)
+                continue
+            # Paged without per-sequence query lengths, or a workaround: the plan binds full lengths.
+            lowered.constant_lengths[role] = constants.get(role, p.s_q)
+            options[role] = graph.tensor(name=role, dim=[p.batch, 1, 1, 1], stride=[1, 1, 1, 1],
+                                         data_type=cudnn.data_type.INT32, uid=UID[role])  # fmt: skip
     if p.has_dropout:
         rng = []
         for role in ("dropout_seed", "dropout_offset"):
