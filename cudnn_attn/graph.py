@@ -13,8 +13,6 @@ the plan cache and built on a miss. Calling the graph runs the plans (``runner.p
 
 from __future__ import annotations
 
-import math
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,11 +24,11 @@ from .cache import PlanCache, default_cache
 from .data_type import to_torch_dtype
 from .errors import GraphStateError, ValidationError
 from .frontend_compat import FrontendSteps
-from .graph_tensors import InputHandle, OutputHandle, TensorHandle
+from .graph_tensors import InputHandle, OutputHandle, TensorHandle, int_tuple
 from .node import Node
 from .ops import BACKEND_NAMES
 from .ops.autotune import enabled_by_default as autotune_default
-from .options import MaskKeywords, collect_keywords, parse_keywords, publishes_mask_keywords
+from .options import MaskKeywords, collect_keywords, parse_keywords, publishes_mask_keywords, stats_requested
 from .problem import AttentionProblem, Op, TensorSpec, device_name
 from .roles import BACKWARD_INPUTS, PAGED_INPUTS, ROLES, SDPA_INPUTS
 from .runner import Runner
@@ -122,8 +120,7 @@ class Graph(FrontendSteps):
         """
         self._check_recording("tensor")
         problems: list[str] = []
-        shape = _ints(dim, "dim", problems)
-        strides = _ints(stride, "stride", problems)
+        shape, strides = (_ints_or_problem(value, arg, problems) for value, arg in ((dim, "dim"), (stride, "stride")))
         if shape is not None and strides is not None and len(shape) != len(strides):
             problems.append(f"stride: {len(strides)} strides for {len(shape)} dims; give one stride per dim")
         try:
@@ -227,7 +224,7 @@ class Graph(FrontendSteps):
         The mask keywords are those of ``cudnn_attn.options.MaskKeywords``.
         """
         node = self._record(Op.FORWARD, name, SDPA_INPUTS, {"q": q, "k": k, "v": v}, mask, "sdpa")
-        stats = _resolve_stats(is_inference, generate_stats, node.errors)
+        stats = stats_requested(is_inference, generate_stats, node.errors)
         self._check_compute_dtype(compute_data_type, node)
         if paged_attention_k_table is not None or paged_attention_v_table is not None:
             v_table = paged_attention_v_table if paged_attention_v_table is not None else paged_attention_k_table
@@ -432,30 +429,9 @@ class Graph(FrontendSteps):
         return f"<cudnn_attn.Graph {self.name} ({state}): {nodes}>"
 
 
-def _ints(values: Any, argument: str, problems: list[str]) -> tuple[int, ...] | None:
-    """``values`` as a tuple of ints (a line in ``problems`` for anything else: None, NaN, 8.5, True)."""
+def _ints_or_problem(values: Any, argument: str, problems: list[str]) -> tuple[int, ...] | None:
     try:
-        items = list(values)
-        ints = tuple(operator.index(v) for v in items if not isinstance(v, bool))
-    except TypeError:
-        ints, items = (), [None]
-    if len(ints) != len(items):
-        shown = values if not isinstance(values, float) or math.isfinite(values) else str(values)
-        problems.append(f"{argument}: {shown!r}; expected a sequence of ints")
+        return int_tuple(values, argument)
+    except ValidationError as error:
+        problems += error.problems
         return None
-    return ints
-
-
-def _resolve_stats(is_inference: Any, generate_stats: Any, errors: list[str]) -> bool:
-    for name, value in (("is_inference", is_inference), ("generate_stats", generate_stats)):
-        if value is not None and (not isinstance(value, (bool, int)) or value not in (0, 1)):
-            errors.append(f"{name}: {value!r}; expected True or False")
-            return False
-    if is_inference is not None and generate_stats is not None and bool(is_inference) == bool(generate_stats):
-        errors.append(
-            f"generate_stats: {generate_stats} contradicts is_inference={is_inference}; "
-            "stats are generated exactly when not in inference (give one of the two)"
-        )
-    if generate_stats is not None:
-        return bool(generate_stats)
-    return not is_inference if is_inference is not None else False

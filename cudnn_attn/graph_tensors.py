@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .data_type import to_torch_dtype
-from .errors import GraphStateError, ValidationError
+from .errors import GraphStateError, ValidationError, shown
 from .problem import TensorSpec
 
 if TYPE_CHECKING:
@@ -106,12 +106,12 @@ class OutputHandle(TensorHandle):
 
     def set_dim(self, dim: Any) -> OutputHandle:
         self._check_open("set_dim")
-        self.dim = _int_tuple(dim, f"{self._name}.set_dim")
+        self.dim = int_tuple(dim, f"{self._name}.set_dim")
         return self
 
     def set_stride(self, stride: Any) -> OutputHandle:
         self._check_open("set_stride")
-        self.stride = _int_tuple(stride, f"{self._name}.set_stride")
+        self.stride = int_tuple(stride, f"{self._name}.set_stride")
         return self
 
     def set_data_type(self, data_type: Any) -> OutputHandle:
@@ -127,13 +127,14 @@ class OutputHandle(TensorHandle):
         return self
 
 
-def _int_tuple(value: Any, argument: str) -> tuple[int, ...]:
-    """``value`` as a tuple of ints; ints, integral tensors and numpy ints pass, floats and bools do not."""
+def int_tuple(value: Any, argument: str) -> tuple[int, ...]:
+    """``value`` as a tuple of ints; ints, integral tensors and numpy ints pass; floats (NaN,
+    8.5), bools, strings and non-sequences raise ``ValidationError`` naming ``argument``."""
     try:
         items = list(value)
-        ints = tuple(operator.index(v) for v in items)
+        ints = tuple(operator.index(v) for v in items if not isinstance(v, bool))
     except TypeError:
-        raise ValidationError([f"{argument}: {value!r}; expected a sequence of ints"]) from None
-    if any(isinstance(v, bool) for v in items):
-        raise ValidationError([f"{argument}: {value!r}; expected a sequence of ints, not bools"])
+        items, ints = [None], ()
+    if len(ints) != len(items):
+        raise ValidationError([f"{argument}: {shown(value)}; expected a sequence of ints"])
     return ints

@@ -141,6 +141,22 @@ def parse_keywords(given: MaskKeywords, *, ragged: bool) -> Parsed:
     )
 
 
+def stats_requested(is_inference: Any, generate_stats: Any, errors: list[str]) -> bool:
+    """Whether stats are generated: the frontend's two spellings, which must agree."""
+    for name, value in (("is_inference", is_inference), ("generate_stats", generate_stats)):
+        if value is not None and (not isinstance(value, (bool, int)) or value not in (0, 1)):
+            errors.append(f"{name}: {value!r}; expected True or False")
+            return False
+    if is_inference is not None and generate_stats is not None and bool(is_inference) == bool(generate_stats):
+        errors.append(
+            f"generate_stats: {generate_stats} contradicts is_inference={is_inference}; "
+            "stats are generated exactly when not in inference (give one of the two)"
+        )
+    if generate_stats is not None:
+        return bool(generate_stats)
+    return not is_inference if is_inference is not None else False
+
+
 # ---- one keyword each -------------------------------------------------------------------
 
 
