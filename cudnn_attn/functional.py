@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .data_type import FLOATING_IO, dtype_name
 from .errors import GraphStateError, ShapeMismatchError, UnsupportedError, ValidationError, shown
 from .graph_cache import GraphCache
 from .options import default_scale
@@ -216,6 +217,8 @@ def _check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, 
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             problems.append(f"{name}: {type(t).__name__}; expected a torch tensor")
+        elif t.dtype not in FLOATING_IO:
+            problems.append(f"{name}: dtype {dtype_name(t.dtype)}; expected float16 or bfloat16")
         elif t.dim() not in (3, 4):
             problems.append(f"{name}: {t.dim()}-D (shape {list(t.shape)}); expected [B, H, L, E] or [H, L, E]")
     if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
@@ -265,7 +268,9 @@ def _as_float(value: Any) -> float:
 
 
 def _materialised(t: torch.Tensor) -> torch.Tensor:
-    if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+    """``t`` in a layout cuDNN reads: torch's SDPA takes any strides, the kernels need a
+    contiguous head dim and no broadcast (stride-0) dims."""
+    if t.stride(-1) != 1 and t.shape[-1] != 1 or any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
         return t.contiguous()
     return t
 

@@ -21,9 +21,8 @@ from .problem import TensorSpec
 
 def _device_index(device: str) -> int:
     """What ``Tensor.get_device()`` returns for tensors on ``device`` (-2: never matches, so
-    such tensors always take the exact, slower check)."""
-    if device == "cpu":
-        return -1
+    such tensors always take the exact, slower check). CPU graphs take the exact check too:
+    ``get_device()`` is -1 for meta and other non-CUDA devices alike."""
     d = torch.device(device)
     return d.index if d.type == "cuda" and d.index is not None else -2
 

@@ -115,6 +115,13 @@ class ReferencePlan:
                 dense[role] = unpack_thd(t.to(dt), _as_tensor(inputs[lengths]), s_max)
             else:
                 dense[role] = t.to(dt)
+            if p.options.padding and isinstance(inputs.get(lengths), torch.Tensor):
+                # What lies past a sequence's length is never read: whatever it holds (NaN
+                # included) must not reach the results, as on cuDNN.
+                valid = torch.arange(s_max, device=t.device).view(1, 1, -1, 1) < _as_tensor(inputs[lengths]).view(
+                    -1, 1, 1, 1
+                ).to(t.device)
+                dense[role] = dense[role].masked_fill(~valid, 0.0)
         if "stats" in inputs and not p.is_forward:
             dense["stats"] = _as_tensor(inputs["stats"]).to(dt)
         return dense
