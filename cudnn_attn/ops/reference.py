@@ -16,6 +16,7 @@ from .. import dropout, masks, validation
 from ..bounds import clamped, upper_bounds
 from ..errors import ValidationError
 from ..problem import AttentionProblem, KVCacheLayout
+from ..roles import ROLES
 from . import reference_math
 from .base import RunInputs
 
@@ -98,16 +99,13 @@ class ReferencePlan:
     def _dense_inputs(self, inputs: RunInputs) -> dict[str, torch.Tensor]:
         p, dt = self.problem, self.compute_dtype
         dense: dict[str, torch.Tensor] = {}
-        for role, lengths, s_max in (
-            ("q", "seq_len_q", p.s_q),
-            ("o", "seq_len_q", p.s_q),
-            ("grad_o", "seq_len_q", p.s_q),
-            ("k", "seq_len_kv", p.s_kv),
-            ("v", "seq_len_kv", p.s_kv),
-        ):
+        for role in ("q", "k", "v", "o", "grad_o"):
             t = inputs.get(role)
             if not isinstance(t, torch.Tensor):
                 continue
+            lengths = ROLES[role].lengths
+            assert lengths is not None, "the role table gives every sequence tensor its lengths"
+            s_max = p.s_q if lengths == "seq_len_q" else p.s_kv
             if p.is_paged and role in ("k", "v"):
                 table = inputs["page_table_k" if role == "k" else "page_table_v"]
                 dense[role] = gather_pages(t, table, p.kv_cache_layout, p.s_kv).to(dt)
