@@ -130,7 +130,9 @@ def infer_cache_layout(k: TensorSpec, q: TensorSpec, explicit: Any, errors: list
             f"is a K/V head count dividing q's {h_q} heads"
         )
         return KVCacheLayout.NPHD
-    # Both readings fit (page_size == H_kv included, where they still gather differently).
+    if k.shape[1] == k.shape[2] == 1:
+        return KVCacheLayout.NPHD  # one token of one head per page: both readings are the same
+    # Both readings fit (page_size == H_kv > 1 included: the two still gather differently).
     errors.append(
         f"k: paged cache shape {list(k.shape)} reads as [num_pages, page_size={k.shape[1]}, H_kv={k.shape[2]}, D] "
         f"or as [num_pages, H_kv={k.shape[1]}, page_size={k.shape[2]}, D]; pass kv_cache_layout='NPHD' or 'NHPD'"

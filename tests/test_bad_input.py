@@ -274,3 +274,17 @@ def test_bucketed_attention_keeps_a_bounded_number_of_graphs():
         x = randn(1, 1, s, 16)
         attend(x, x, x)
     assert attend.plan_count == 2
+
+
+def test_a_square_paged_cache_asks_for_its_layout_unless_both_readings_coincide():
+    q = randn(1, 4, 1, 16)
+    table = torch.arange(4, dtype=torch.int32).view(1, 4)
+    lengths = torch.tensor([6], dtype=torch.int32)
+    square = randn(4, 2, 2, 16)  # page_size == H_kv == 2: [N, P, H, D] and [N, H, P, D] gather differently
+    with pytest.raises(ValidationError, match="kv_cache_layout"):
+        with cudnn_attn.Graph() as g:
+            g.sdpa_with_paged_cache(q, square, square, table, seq_len_kv=lengths)
+    single = randn(8, 1, 1, 16)  # one token of one head per page: the readings coincide
+    with cudnn_attn.Graph() as g:
+        g.sdpa_with_paged_cache(q, single, single, torch.arange(8, dtype=torch.int32).view(1, 8), seq_len_kv=lengths)
+    assert g.problems[0].h_k == 1 and g.problems[0].page_size == 1
