@@ -1,0 +1,94 @@
+"""The functional form as torch custom ops, for ``torch.compile``: one opaque node each (no
+graph break, ``fullgraph=True`` works), autograd through ``register_autograd``, fake tensors
+with the right strides. Eager calls take the lighter path of ``sdpa_eager.py`` instead."""
+
+from __future__ import annotations
+
+import torch
+
+from . import sdpa_graphs
+from .errors import GraphStateError
+from .problem import strides_like
+
+
+@torch.library.custom_op("cudnn_attn::sdpa_forward", mutates_args=())
+def sdpa_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    is_causal: bool,
+    dropout_p: float,
+    seed: torch.Tensor | None,
+    offset: torch.Tensor | None,
+    train: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    graph = sdpa_graphs.forward_graph(q, k, v, bias, scale, is_causal, dropout_p, seed, offset, train)
+    result = graph(*sdpa_graphs.distinct(sdpa_graphs.forward_inputs(q, k, v, bias, dropout_p, seed, offset)))
+    if train:
+        return result
+    return result, q.new_empty(0, dtype=torch.float32)
+
+
+@sdpa_forward.register_fake
+def _(q, k, v, bias, scale, is_causal, dropout_p, seed, offset, train):
+    shape = (*q.shape[:-1], v.shape[-1])
+    out = q.new_empty_strided(shape, strides_like(shape, q.stride()))
+    stats = q.new_empty((*q.shape[:-1], 1), dtype=torch.float32) if train else q.new_empty(0, dtype=torch.float32)
+    return out, stats
+
+
+@torch.library.custom_op("cudnn_attn::sdpa_backward", mutates_args=())
+def sdpa_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    d_out: torch.Tensor,
+    stats: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    is_causal: bool,
+    dropout_p: float,
+    seed: torch.Tensor | None,
+    offset: torch.Tensor | None,
+    bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    d_out = sdpa_graphs.like(d_out, out)
+    graph = sdpa_graphs.backward_graph(
+        q, k, v, out, d_out, stats, bias, scale, is_causal, dropout_p, seed, offset, bias_grad
+    )
+    inputs = sdpa_graphs.backward_inputs(q, k, v, out, d_out, stats, bias, dropout_p, seed, offset)
+    grads = graph(*sdpa_graphs.distinct(inputs))
+    return (*grads[:3], grads[3] if bias_grad else q.new_empty(0))
+
+
+@sdpa_backward.register_fake
+def _(q, k, v, out, d_out, stats, bias, scale, is_causal, dropout_p, seed, offset, bias_grad):
+    grads = [t.new_empty_strided(t.shape, strides_like(tuple(t.shape), t.stride())) for t in (q, k, v)]
+    d_bias = (
+        bias.new_empty_strided(bias.shape, strides_like(tuple(bias.shape), bias.stride()))
+        if bias_grad
+        else q.new_empty(0)
+    )
+    return (*grads, d_bias)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, bias, scale, is_causal, dropout_p, seed, offset, train = inputs
+    out, stats = output
+    ctx.save_for_backward(q, k, v, bias, out, stats, seed, offset)
+    ctx.scalars = (scale, is_causal, dropout_p)
+
+
+def _backward(ctx, d_out, _d_stats):
+    q, k, v, bias, out, stats, seed, offset = ctx.saved_tensors
+    if stats.numel() == 0:
+        raise GraphStateError("cudnn_attn.sdpa: backward of a call made without gradients enabled")
+    bias_grad = bias is not None and ctx.needs_input_grad[3]
+    d_q, d_k, d_v, d_bias = sdpa_backward(q, k, v, out, d_out, stats, bias, *ctx.scalars, seed, offset, bias_grad)
+    return d_q, d_k, d_v, (d_bias if bias_grad else None), None, None, None, None, None, None
+
+
+torch.library.register_autograd("cudnn_attn::sdpa_forward", _backward, setup_context=_setup_context)

@@ -1,0 +1,157 @@
+"""The eager path of ``cudnn_attn.sdpa``: a flat key straight to a prepared run.
+
+The first call of a signature is checked in full and builds its graphs (``sdpa_graphs.py``).
+Its key (shapes, strides, dtypes, devices, flags, aliasing) then proves the geometry of every
+later call with that key, so those pay a tuple, a lock-free dict lookup and the plans' own
+launches: no re-validation, no placeholder tensors, no custom-op dispatch. Training runs
+through a plain ``torch.autograd.Function``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from . import sdpa_graphs
+from .errors import ShapeMismatchError, UnsupportedError, ValidationError
+from .options import default_scale
+from .runner import Runner
+from .sdpa_arguments import ARGUMENT_NAMES, check_arguments, mask_as_bias, materialised
+
+MAX_ENTRIES = 512
+_prepared: dict[tuple, Prepared] = {}
+_lock = threading.Lock()
+_SCALARS = (float, int, type(None))
+
+
+def run(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_causal: Any, scale: Any,
+        enable_gqa: Any) -> torch.Tensor | None:  # fmt: skip
+    """The call's output, or None where this path does not apply (not plain 4-D tensors)."""
+    if type(query) is not torch.Tensor or type(key) is not torch.Tensor or type(value) is not torch.Tensor:
+        return None
+    if type(scale) not in _SCALARS or type(dropout_p) not in _SCALARS or query.dim() != 4:
+        return None  # the full path checks (and refuses) anything else
+    if type(is_causal) is not bool or type(enable_gqa) is not bool:
+        return None
+    if attn_mask is not None and type(attn_mask) is not torch.Tensor:
+        return None
+    train = torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad
+        or (attn_mask is not None and attn_mask.requires_grad)
+    )  # fmt: skip
+    mask = None if attn_mask is None else (attn_mask.shape, attn_mask.stride(), attn_mask.dtype, attn_mask.device)
+    flat = (query.shape, query.stride(), query.dtype, query.device, key.shape, key.stride(), key.dtype, key.device,
+            value.shape, value.stride(), value.dtype, value.device, mask, dropout_p, is_causal, scale, enable_gqa,
+            query is key, key is value, query is value, train)  # fmt: skip
+    entry = _prepared.get(flat)
+    if entry is None:
+        entry = _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, train)
+        with _lock:
+            if len(_prepared) >= MAX_ENTRIES:
+                _prepared.pop(next(iter(_prepared)))  # the oldest signature
+            _prepared[flat] = entry
+    return entry(query, key, value, attn_mask)
+
+
+def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, train) -> Prepared:
+    """Check the call in full and build its forward graph (the backward's comes with the first backward)."""
+    check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    entry = Prepared(
+        scale=float(scale) if scale is not None else default_scale(query.shape[-1]),
+        is_causal=bool(is_causal),
+        dropout_p=float(dropout_p),
+        train=train,
+        materialise=tuple(materialised(t) is not t for t in (query, key, value)),
+    )
+    q, k, v = entry.layouts(query, key, value)
+    bias = None if attn_mask is None else mask_as_bias(attn_mask, q, k.shape[-2])
+    # Templates of the seed's geometry: drawing a seed here would shift torch's generator.
+    seed, offset = (torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)) if dropout_p else (None, None)
+    try:
+        graph = sdpa_graphs.forward_graph(q, k, v, bias, entry.scale, entry.is_causal, entry.dropout_p, seed, offset,
+                                          train)  # fmt: skip
+    except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
+        raise error.renamed(ARGUMENT_NAMES, context="sdpa") from None
+    inputs = sdpa_graphs.forward_inputs(q, k, v, bias, entry.dropout_p, seed, offset)
+    entry.forward_runner = graph._runner
+    entry.forward_keep = _distinct_positions(inputs)
+    return entry
+
+
+def _distinct_positions(tensors: list[Any]) -> tuple[int, ...]:
+    """The positions of first occurrences: which of a call's inputs the graph takes."""
+    pattern = sdpa_graphs.aliasing(tensors)
+    return tuple(i for i, first in enumerate(pattern) if first == i)
+
+
+class Prepared:
+    """One call signature: its forward run, and its backward runs as they are needed."""
+
+    def __init__(self, scale: float, is_causal: bool, dropout_p: float, train: bool, materialise: tuple):
+        self.scale, self.is_causal, self.dropout_p, self.train = scale, is_causal, dropout_p, train
+        self.materialise = materialise if any(materialise) else None
+        self.forward_runner: Runner | None = None
+        self.forward_keep: tuple[int, ...] = ()
+        self.backward_runs: dict[tuple, tuple[Runner, tuple[int, ...]]] = {}
+
+    def layouts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.materialise is None:
+            return q, k, v
+        return tuple(t.contiguous() if m else t for t, m in zip((q, k, v), self.materialise))
+
+    def rng(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A fresh dropout seed from torch's default generator (so torch.manual_seed repeats it)."""
+        if not self.dropout_p:
+            return None, None
+        return torch.randint(0, 2**62, (1,), dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+
+    def __call__(self, query, key, value, attn_mask) -> torch.Tensor:
+        q, k, v = self.layouts(query, key, value)
+        bias = None if attn_mask is None else mask_as_bias(attn_mask, q, k.shape[-2])
+        seed, offset = self.rng()
+        if self.train:
+            return _Attention.apply(q, k, v, bias, self, seed, offset)
+        return self.forward(q, k, v, bias, seed, offset)[0]
+
+    def forward(self, q, k, v, bias, seed, offset) -> list[torch.Tensor]:
+        inputs = [t for t in (q, k, v, bias, seed, offset) if t is not None]
+        assert self.forward_runner is not None
+        return self.forward_runner.run_trusted([inputs[i] for i in self.forward_keep])
+
+    def backward(self, q, k, v, out, d_out, stats, bias, seed, offset, bias_grad: bool) -> list[torch.Tensor]:
+        d_out = sdpa_graphs.like(d_out, out)
+        inputs = sdpa_graphs.backward_inputs(q, k, v, out, d_out, stats, bias, self.dropout_p, seed, offset)
+        key = (bias_grad, sdpa_graphs.aliasing(inputs))
+        found = self.backward_runs.get(key)
+        if found is None:
+            graph = sdpa_graphs.backward_graph(q, k, v, out, d_out, stats, bias, self.scale, self.is_causal,
+                                               self.dropout_p, seed, offset, bias_grad)  # fmt: skip
+            assert graph._runner is not None
+            found = self.backward_runs[key] = (graph._runner, _distinct_positions(inputs))
+        runner, keep = found
+        return runner.run_trusted([inputs[i] for i in keep])
+
+
+class _Attention(torch.autograd.Function):
+    """Eager training: the forward graph with stats, the backward graph on demand."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, entry: Prepared, seed, offset):  # type: ignore[override]
+        out, stats = entry.forward(q, k, v, bias, seed, offset)
+        ctx.save_for_backward(q, k, v, bias, out, stats, seed, offset)
+        ctx.entry = entry
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):  # type: ignore[override]
+        q, k, v, bias, out, stats, seed, offset = ctx.saved_tensors
+        bias_grad = bias is not None and ctx.needs_input_grad[3]
+        grads = ctx.entry.backward(q, k, v, out, d_out, stats, bias, seed, offset, bias_grad)
+        return grads[0], grads[1], grads[2], (grads[3] if bias_grad else None), None, None, None
+
+
+def clear() -> None:
+    with _lock:
+        _prepared.clear()
