@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -154,56 +153,6 @@ def bench_shape(shape: Shape, warmup: int = 5, repeats: int = 40, rounds: int = 
     return row
 
 
-def host_overhead(calls: int = 3000) -> dict[str, float]:
-    """Host microseconds per call of a cache-hit ``g(...)`` and of the frontend's ``execute``."""
-    shape = Shape(b=1, h=1, sq=64, skv=64, d=64, layout="BHSD")
-    t = shape.tensors("cuda")
-    fwd, _ = _graphs(shape, t, False)
-    out = torch.empty_like(t["q"])
-    direct = _frontend_direct(shape, t)
-
-    def per_call(fn: Callable) -> float:
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        elapsed = (time.perf_counter() - start) / calls * 1e6
-        torch.cuda.synchronize()
-        return elapsed
-
-    runs = {
-        "ours": lambda: fwd(t["q"], t["k"], t["v"], out=out),
-        "frontend": direct,
-        "ordered": _frontend_direct(shape, t, ordered=True),
-    }
-    for fn in runs.values():  # warm up every path first
-        for _ in range(200):
-            fn()
-    torch.cuda.synchronize()
-    best = dict.fromkeys(runs, float("inf"))
-    for _ in range(7):  # interleaved rounds, best of each: host noise hits every path alike
-        for name, fn in runs.items():
-            best[name] = min(best[name], per_call(fn))
-    ours, frontend, ordered = best["ours"], best["frontend"], best["ordered"]
-    cache = fwd.cache
-
-    def rebuild() -> None:
-        with Graph(cache=cache) as g:
-            g.sdpa(t["q"], t["k"], t["v"])
-
-    rebuild()
-    start = time.perf_counter()
-    for _ in range(500):
-        rebuild()
-    build_hit_us = (time.perf_counter() - start) / 500 * 1e6
-    return {
-        "graph_build_on_cache_hit_us": build_hit_us,
-        "cudnn_attn_us": ours,
-        "frontend_execute_us": frontend,
-        "frontend_ordered_execute_us": ordered,
-        "overhead_pct": 100.0 * (ours / frontend - 1.0),
-    }
-
-
 _COLD_START = """
 import time, torch
 torch.cuda.init(); torch.empty(1, device="cuda")
@@ -278,11 +227,14 @@ def run(
         print(format_table(report["rows"][-1:]).splitlines()[1], flush=True)
     print(format_table(report["rows"]))
     if overhead:
-        report["host_overhead"] = host_overhead()
-        print(
-            "host time per call (tiny shape): "
-            + json.dumps({k: round(v, 2) for k, v in report["host_overhead"].items()})
-        )
+        from . import bench_host
+
+        report["host_time"] = bench_host.host_paths()
+        print(bench_host.format_host(report["host_time"], "host time per call, b1 h8 s128 d64 bf16:"))
+        for batch, seq in ((2, 512), (8, 2048)):
+            steps = bench_host.layer_steps(batch, seq)
+            report[f"layer_step_b{batch}_s{seq}"] = steps
+            print(bench_host.format_host(steps, f"nn.Attention training step, B{batch} S{seq}, hidden 2048, 16 heads:"))
     if cold:
         report["cold_start"] = cold_start()
         print(

@@ -1,0 +1,125 @@
+"""Host time per call, every path beside torch's and the frontend's own (``bench --overhead``).
+
+On a tiny shape (b1 h8 s128 d64 bf16) the GPU finishes each kernel before the host issues
+the next, so time per call is host time. Paths are timed in short interleaved rounds, each
+round a block of calls of every path in turn after equal warm-up; the table gives each
+path's median over rounds and the spread (lowest to highest round). A difference inside the
+spread is "same".
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import Graph, sdpa, synthetic
+from .nn import Attention
+from .shapes import Shape
+
+ROUNDS = 15
+CALLS = 200
+
+
+def _per_call_us(fn: Callable[[], object], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def interleaved(paths: dict[str, Callable[[], object]], rounds: int = ROUNDS, calls: int = CALLS) -> dict[str, dict]:
+    """Median and spread of per-call microseconds of each path, rounds interleaved."""
+    for fn in paths.values():
+        _per_call_us(fn, 50)  # warm-up: builds, handles, workspaces, allocator
+    torch.cuda.synchronize()
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    names = list(paths)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
+            samples[name].append(_per_call_us(paths[name], calls))
+            torch.cuda.synchronize()
+    return {
+        name: {"median_us": statistics.median(v), "low_us": min(v), "high_us": max(v)} for name, v in samples.items()
+    }
+
+
+def _frontend_runs(graph: Graph, t: dict) -> dict[str, Callable[[], object]]:
+    """The same plan through the frontend's execute: a prepared dict, and its ordered form."""
+    node = graph.nodes[0]
+    plan: Any = node.plan
+    outputs = {role: synthetic.empty(graph.problems[0].o) for role in node.outputs}
+    pack = plan.variant_pack({role: t[role] for role in ("q", "k", "v")}, outputs)
+    workspace = torch.empty(max(plan.workspace_size, 1), dtype=torch.uint8, device="cuda")
+    from .ops.cudnn_platform import cudnn_handle
+
+    handle = cudnn_handle(torch.cuda.current_device())
+    buffers, uids = tuple(pack.values()), tuple(pack)
+    return {
+        "frontend execute (dict)": lambda: plan.graph.execute(pack, workspace, handle=handle),
+        "frontend execute (ordered)": lambda: plan.graph.execute(buffers, workspace, handle=handle, tensor_uids=uids),
+    }
+
+
+def host_paths() -> dict[str, dict]:
+    shape = Shape(b=1, h=8, sq=128, skv=128, d=64, layout="BHSD")
+    t = shape.tensors("cuda")
+    q, k, v, d_o = t["q"], t["k"], t["v"], t["grad_o"]
+    lq, lk, lv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    with Graph() as g:
+        g.sdpa(q, k, v)
+    out = torch.empty_like(q)
+    torch_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def rebuild() -> None:
+        with Graph() as h:
+            h.sdpa(q, k, v)
+
+    def fwd_bwd(attend: Callable[..., torch.Tensor]) -> Callable[[], object]:
+        return lambda: torch.autograd.grad(attend(lq, lk, lv), [lq, lk, lv], d_o)
+
+    paths: dict[str, Callable[[], object]] = {
+        "torch sdpa": lambda: torch_sdpa(q, k, v),
+        "cudnn_attn.sdpa": lambda: sdpa(q, k, v),
+        "torch sdpa, requires_grad": lambda: torch_sdpa(lq, lk, lv),
+        "cudnn_attn.sdpa, requires_grad": lambda: sdpa(lq, lk, lv),
+        "torch sdpa fwd+bwd": fwd_bwd(torch_sdpa),
+        "cudnn_attn.sdpa fwd+bwd": fwd_bwd(sdpa),
+        "g(q, k, v, out=o)": lambda: g(q, k, v, out=out),
+        **_frontend_runs(g, t),
+        "with Graph() on a cache hit": rebuild,
+    }
+    return interleaved(paths)
+
+
+def layer_steps(batch: int, seq: int) -> dict[str, dict]:
+    """One nn.Attention training step (hidden 2048, 16 heads, causal, bf16) on each SDPA."""
+    torch.manual_seed(0)
+    ours = Attention(2048, 16, causal=True, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(batch, seq, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step(use_torch: bool) -> Callable[[], object]:
+        def run() -> object:
+            if use_torch:
+                b, s, _ = x.shape
+                qkv = ours.qkv(x).view(b, s, 48, 128)
+                q_, k_, v_ = (z.transpose(1, 2) for z in qkv.split([16, 16, 16], dim=2))
+                o = torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, is_causal=True)
+                y = ours.out(o.transpose(1, 2).reshape(b, s, 2048))
+            else:
+                y = ours(x)
+            return torch.autograd.grad(y.float().sum(), [x, *ours.parameters()])
+
+        return run
+
+    return interleaved({"torch sdpa layer": step(True), "cudnn_attn layer": step(False)}, rounds=9, calls=20)
+
+
+def format_host(results: dict[str, dict], title: str) -> str:
+    lines = [title, f"  {'path':<34}{'median us':>11}{'spread us':>20}"]
+    for name, r in results.items():
+        lines.append(f"  {name:<34}{r['median_us']:>11.1f}{r['low_us']:>10.1f} - {r['high_us']:<8.1f}")
+    return "\n".join(lines)
