@@ -1,0 +1,3021 @@
+"""A seeded fuzz campaign over every public attention op: valid and malformed requests.
+
+``make_case(op, seed)`` turns (op, seed) into one reproducible request: a valid one (which must
+match the independent float64 oracle within the dtype's tolerance), a malformed one (which must
+raise a library error: ``ValidationError``, ``UnsupportedError``, ``ShapeMismatchError``, or
+``GraphStateError`` for misuse), or, where the contract leaves the choice open, an ``either`` one
+(a library error, or a correct result). ``run_case`` runs it under a per-case time limit and
+returns its findings: any other exception, a hang, NaN, or a wrong or unwritten result.
+
+Replay from the command line (prints the request and its findings)::
+
+    python tests/fuzz_requests.py sdpa 123             # one case
+    python tests/fuzz_requests.py sdpa 100-199         # a test item's cases, in order (they share plan caches)
+    python tests/fuzz_requests.py --summary            # every op: counts, open requests, findings by class
+
+Ops: ``sdpa`` (dense layouts, GQA/MQA, causal, windows, bias, ALiBi, padding, dropout),
+``sdpa_thd`` (ragged), ``sdpa_backward``, ``paged`` (``sdpa_with_paged_cache``), ``functional``
+(``cudnn_attn.sdpa``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import re
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import oracle  # noqa: E402
+from conftest import REFERENCE_TOL, TOLERANCE, rel_err  # noqa: E402
+
+import cudnn_attn  # noqa: E402
+
+VALID, MALFORMED, EITHER = "valid", "malformed", "either"
+REQUEST_ERRORS = (cudnn_attn.ValidationError, cudnn_attn.UnsupportedError, cudnn_attn.ShapeMismatchError)
+MISUSE_ERRORS = REQUEST_ERRORS + (cudnn_attn.GraphStateError,)
+LIBRARY_ERRORS = MISUSE_ERRORS
+CASE_TIMEOUT_S = 10
+HALF = (torch.float16, torch.bfloat16)
+# Gradients are checked against the float64 formula given the o that was passed (as fused kernels
+# compute them), at the output tolerance; the formula is itself checked against autograd of the oracle.
+
+OPS = {"sdpa": 8, "sdpa_thd": 3, "sdpa_backward": 6, "paged": 5, "functional": 8}
+CHUNK = 100
+
+
+# ---- running a case ------------------------------------------------------------------------------
+
+
+class CaseTimeout(BaseException):  # noqa: N818 - BaseException: a library ``except Exception`` cannot swallow it
+    """A case ran past its time limit."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise ``CaseTimeout`` in the main thread after ``seconds`` (SIGALRM; no limit off the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _fire(signum, frame):
+        raise CaseTimeout(f"no answer within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, _fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@dataclass
+class Case:
+    op: str
+    seed: int
+    expect: str  # VALID | MALFORMED | EITHER
+    label: str  # the request's class: what a finding is grouped by
+    desc: str  # the full request, for the failure message
+    call: Callable[[Case], Any]  # makes the request (build and run); returns the results
+    check: Callable[[Any], None] | None = None  # judges a result against the oracle (AssertionError)
+    errors: tuple = REQUEST_ERRORS  # what a malformed request may raise
+    notes: list[Finding] = field(default_factory=list)  # findings recorded by ``call`` itself
+    outcome: str = ""  # "ran" or "refused: <error class>", once run
+    names: tuple = ()  # arguments a refusal must name (section 4: "the argument, what was given, ...")
+
+    def note(self, kind: str, detail: str, label: str | None = None) -> None:
+        self.notes.append(Finding(self.op, self.seed, label or self.label, kind, detail, self.desc))
+
+
+@dataclass
+class Finding:
+    op: str
+    seed: int
+    label: str
+    kind: str
+    detail: str
+    desc: str
+
+    @property
+    def key(self) -> str:
+        """The class a finding is grouped in: valid requests by what went wrong (numbers blanked),
+        malformed ones by their mutation."""
+        detail = re.sub(r"-?\d+(\.\d+)?(e-?\d+)?", "N", self.detail)
+        detail = re.sub(r"^(graph|sdpa[^:]*): (N problems: \| - )?", "", detail)[:90]
+        if "/valid" in self.label and self.kind == "wrong result":
+            return f"{self.op} | {self.label} | {self.kind} | {detail}"
+        if "/valid" in self.label:
+            return f"{self.op} | {self.label.split('/valid')[0]}/valid | {self.kind} | {detail}"
+        return f"{self.op} | {self.label} | {self.kind}"
+
+    def line(self) -> str:
+        return f"seed {self.seed} [{self.label}]: {self.kind}: {self.detail}\n      request: {self.desc}"
+
+
+def _where(error: BaseException) -> str:
+    frames = traceback.extract_tb(error.__traceback__)
+    lib = [f for f in frames if "cudnn_attn" in f.filename and "tests" not in f.filename]
+    frame = (lib or frames or [None])[-1]
+    return "" if frame is None else f" (at {Path(frame.filename).name}:{frame.lineno})"
+
+
+def _first_line(error: BaseException) -> str:
+    text = " | ".join(line.strip() for line in str(error).strip().splitlines())
+    return text[:300]
+
+
+def run_case(case: Case) -> list[Finding]:
+    """Run ``case`` under the time limit; every way it deviates from its expectation is a finding."""
+
+    def found(kind: str, detail: str) -> list[Finding]:
+        return case.notes + [Finding(case.op, case.seed, case.label, kind, detail, case.desc)]
+
+    try:
+        with time_limit(CASE_TIMEOUT_S):
+            try:
+                result = case.call(case)
+                case.outcome = "ran"
+            except LIBRARY_ERRORS as error:
+                case.outcome = f"refused: {type(error).__name__}"
+                if case.expect == VALID:
+                    return found(f"valid request refused ({type(error).__name__})", _first_line(error))
+                if not isinstance(error, case.errors):
+                    return found(f"wrong error class {type(error).__name__}", _first_line(error))
+                if not str(error).strip():
+                    return found("library error with an empty message", repr(error))
+                if case.names and not isinstance(error, cudnn_attn.GraphStateError) and not _names_any(str(error), case.names):  # fmt: skip
+                    return found(f"{type(error).__name__} does not name the argument", f"expected one of {list(case.names)} in: {_first_line(error)}")  # fmt: skip
+                return case.notes
+            except (CaseTimeout, KeyboardInterrupt):
+                raise
+            except Exception as error:  # noqa: BLE001 - any other exception is the finding
+                case.outcome = f"raised: {type(error).__name__}"
+                return found(f"raised {type(error).__name__}", _first_line(error) + _where(error))
+            if case.expect == MALFORMED:
+                return found("malformed request accepted", f"returned {_describe_result(result)}")
+            if case.check is not None:
+                try:
+                    case.check(result)
+                except AssertionError as error:
+                    return found("wrong result", _first_line(error))
+                except (CaseTimeout, KeyboardInterrupt):
+                    raise
+                except Exception as error:  # noqa: BLE001
+                    return found(f"unusable result ({type(error).__name__})", _first_line(error) + _where(error))
+    except CaseTimeout as error:
+        return found("timeout", str(error))
+    return case.notes
+
+
+def _names_any(message: str, names) -> bool:
+    return any(re.search(rf"(?<![\w.]){re.escape(n)}(?![\w])", message) for n in names)
+
+
+# What a refusal of each malformed request must name (any one of them), by the mutation's label.
+GRAPH_ARGUMENTS = {
+    "q-": ("q",), "k-": ("k",), "v-": ("v",), "kv-heads": ("k", "v"), "k-batch": ("k", "v"),
+    "headdim-": ("q", "k", "v", "d_qk", "d_v"), "b-0": ("q", "k", "v"), "sq-0": ("q",), "skv-0": ("k", "v"),
+    "h-0": ("q", "k", "v"), "bias-": ("attn_bias", "bias"), "both-causal": ("use_causal_mask", "use_causal_mask_bottom_right"),
+    "window-": ("sliding_window_length",), "causal-str": ("use_causal_mask",), "alibi-str": ("use_alibi_mask",),
+    "padding-no-lengths": ("seq_len_q", "seq_len_kv", "use_padding_mask"),
+    "lengths-no-padding": ("seq_len_q", "seq_len_kv", "use_padding_mask"), "seq-len-": ("seq_len_q", "seq_len_kv"),
+    "dropout": ("dropout", "dropout_seed", "dropout_offset"), "attn_scale=": ("attn_scale",),
+    "stats-contradiction": ("generate_stats", "is_inference"), "stats-flag-str": ("generate_stats",),
+    "io-dtype": ("io_data_type",), "backend-garbage": ("backend",),
+    "paged-max-without-tables": ("paged_attention_max_seq_len_kv",), "dO-": ("dO",), "o-": ("o",),
+    "stats-": ("stats",),
+}  # fmt: skip
+FUNCTIONAL_ARGUMENTS = {
+    "q-": ("query",), "k-": ("key",), "v-": ("value",), "mask-and-causal": ("attn_mask", "is_causal"),
+    "mask-": ("attn_mask",), "scale=": ("scale",), "is_causal=": ("is_causal",), "dropout_p=": ("dropout_p",),
+    "enable_gqa=": ("enable_gqa",), "e-mismatch": ("query", "key"), "s-mismatch": ("key", "value"),
+    "batch-mismatch": ("query", "key", "value"), "rank-mismatch": ("query", "key", "value"),
+    "gqa-not-dividing": ("query", "key", "value", "enable_gqa"), "heads-without-gqa": ("query", "key", "value", "enable_gqa"),
+    "headdim-0": ("query", "key"),
+}  # fmt: skip
+PAGED_ARGUMENTS = {
+    "cache-": ("k",), "kv-heads": ("k", "v"), "v-cache-shape": ("v",), "table-": ("page_table", "page_table_k", "paged_attention_k_table"),
+    "seq-len-kv-": ("seq_len_kv",), "no-seq-len-kv": ("seq_len_kv",), "seq-len-q-": ("seq_len_q",),
+    "layout-name": ("kv_cache_layout",), "max-": ("max_seq_len_kv", "paged_attention_max_seq_len_kv"), "q-thd": ("q",),
+    "table-None": ("page_table", "paged_attention_k_table", "k", "v"),  # g.sdpa without a table: k, v read as dense
+}  # fmt: skip
+THD_ARGUMENTS = {
+    "sum-over-T": ("seq_len_q", "seq_len_kv"), "len-over-max": ("seq_len_q", "max_seq_len_q"), "len-negative": ("seq_len_kv",),
+    "k-rank4": ("k",), "no-seq-len-kv": ("seq_len_kv",), "no-seq-len-q": ("seq_len_q",),
+    "len-shapes-differ": ("seq_len_q", "seq_len_kv"), "tk-ne-tv": ("k", "v"), "max-": ("max_seq_len_q", "max_seq_len_kv"),
+}  # fmt: skip
+
+
+def arguments_for(label: str, table: dict) -> tuple:
+    """The names for the longest key of ``table`` that ``label`` starts with."""
+    keys = [key for key in table if label.startswith(key)]
+    return table[max(keys, key=len)] if keys else ()
+
+
+def name_run_inputs(case: Case, g, inputs: list, args: list, label: str) -> None:
+    """A wrong run input must be named in the ShapeMismatchError (section 2) by its name in ``g.inputs``."""
+    if label.startswith("run:out-"):
+        case.names = ("out",) + tuple(h.name for h in getattr(g, "outputs", []))
+    elif len(args) == len(inputs) and len(args) == len(g.inputs):
+        changed = [j for j, (x, y) in enumerate(zip(inputs, args)) if x is not y]
+        case.names = tuple(g.inputs[j].name for j in changed)
+
+
+def _describe_result(result: Any) -> str:
+    if isinstance(result, torch.Tensor):
+        return f"tensor {list(result.shape)} {result.dtype} on {result.device}"
+    if isinstance(result, (tuple, list)):
+        return "(" + ", ".join(_describe_result(r) for r in result) + ")"
+    if isinstance(result, np.ndarray):
+        return f"ndarray {list(result.shape)} {result.dtype}"
+    return type(result).__name__
+
+
+def run_seed(op: str, seed: int) -> tuple[Case, list[Finding]]:
+    case = make_case(op, seed)
+    return case, run_case(case)
+
+
+def make_case(op: str, seed: int) -> Case:
+    rng = random.Random(f"{op}:{seed}")
+    gen = torch.Generator().manual_seed(rng.getrandbits(48))
+    maker = {
+        "sdpa": _sdpa_case,
+        "sdpa_thd": _thd_case,
+        "sdpa_backward": _backward_case,
+        "paged": _paged_case,
+        "functional": _functional_case,
+    }[op]
+    case = maker(rng, gen)
+    case.op, case.seed = op, seed
+    return case
+
+
+def _new_case(expect: str, label: str, desc: str, call, check=None, errors=REQUEST_ERRORS) -> Case:
+    return Case("", 0, expect, label, desc, call, check, errors)
+
+
+# ---- tensors --------------------------------------------------------------------------------------
+
+
+def randn(gen: torch.Generator, *shape: int, dtype=torch.float16) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+DENSE_LAYOUTS = ("BHSD", "BSHD", "SBHD", "HBSD", "padded", "offset")
+
+
+def to_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """The values of logical ``x`` (rank 3 or 4) in another memory layout; unit last stride.
+
+    ``padded`` lives in a wider buffer whose extra columns hold NaN: reading past the view shows.
+    """
+    if layout == "padded":
+        buf = torch.full((*x.shape[:-1], x.shape[-1] + 8), float("nan"), dtype=x.dtype)
+        buf[..., : x.shape[-1]] = x
+        return buf[..., : x.shape[-1]]
+    if layout == "offset":  # a view that starts inside a bigger buffer
+        buf = torch.full((x.shape[0] + 1, *x.shape[1:]), float("nan"), dtype=x.dtype)
+        buf[1:] = x
+        return buf[1:]
+    if x.dim() == 3:  # THD
+        if layout in ("BSHD", "SBHD", "HBSD"):  # [T, H, D] stored head-major
+            return x.transpose(0, 1).contiguous().transpose(0, 1)
+        return x.contiguous()
+    orders = {"BHSD": (0, 1, 2, 3), "BSHD": (0, 2, 1, 3), "SBHD": (2, 0, 1, 3), "HBSD": (1, 0, 2, 3)}
+    order = orders[layout]
+    inverse = [order.index(i) for i in range(4)]
+    return x.permute(*order).contiguous().permute(*inverse)
+
+
+def strides_like(shape, template_stride):
+    order = sorted(range(len(shape)), key=lambda i: (template_stride[i], -i))
+    strides, running = [0] * len(shape), 1
+    for i in order:
+        strides[i] = running
+        running *= max(shape[i], 1)
+    return tuple(strides)
+
+
+def contiguous_stride(shape) -> tuple[int, ...]:
+    strides, running = [], 1
+    for n in reversed(shape):
+        strides.append(running)
+        running *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def poisoned(shape, stride, dtype) -> torch.Tensor:
+    return torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype).fill_(float("nan"))
+
+
+def same_memory_order(a: torch.Tensor, b_stride, shape) -> bool:
+    return all(n == 1 or s == t for n, s, t in zip(shape, a.stride(), b_stride))
+
+
+def orthonormal_rows(gen: torch.Generator, b: int, h: int, s: int, d: int, dtype) -> torch.Tensor:
+    """[B, H, S, D] whose S rows are orthonormal per (b, h) (S <= D): dropout keep-masks can then be
+    read back from an output exactly (o = sum_j w_j v_j). Gram-Schmidt on random rows."""
+    rows = torch.randn(b, h, s, d, generator=gen, dtype=torch.float64)
+    for i in range(s):
+        r = rows[:, :, i]
+        for j in range(i):
+            r = r - (r * rows[:, :, j]).sum(-1, keepdim=True) * rows[:, :, j]
+        rows[:, :, i] = r / r.norm(dim=-1, keepdim=True)
+    return rows.to(dtype)
+
+
+def _int32(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+# ---- independent float64 math (dense [B, H, S, D]) ------------------------------------------------
+
+
+def scores_mask(b, h, s_q, s_kv, *, causal=None, window=None, lq=None, lkv=None) -> torch.Tensor | None:
+    if causal is None and window is None and lq is None and lkv is None:
+        return None
+    return oracle.allowed_matrix(b, s_q, s_kv, causal=causal, window=window, seq_q=lq, seq_kv=lkv)
+
+
+def alibi_bias64(h: int, s_q: int, s_kv: int) -> torch.Tensor:
+    dist = torch.arange(s_kv, dtype=torch.float64).view(1, -1) - torch.arange(s_q, dtype=torch.float64).view(-1, 1)
+    return oracle.alibi_slopes(h).view(1, h, 1, 1) * dist
+
+
+def probs64(q, k, *, scale, allowed=None, bias=None) -> torch.Tensor:
+    """Softmax probabilities [B, H, S_q, S_kv] in float64; rows with nothing allowed are 0."""
+    q, k = q.double(), k.double()
+    k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias.double()
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    empty = torch.isneginf(m)
+    e = torch.exp(s - torch.where(empty, torch.zeros_like(m), m))
+    z = e.sum(-1, keepdim=True)
+    return e / torch.where(z == 0, torch.ones_like(z), z)
+
+
+def _group_sum(x: torch.Tensor, heads: int) -> torch.Tensor:
+    *lead, h, s, d = x.shape
+    return x if h == heads else x.reshape(*lead, heads, h // heads, s, d).sum(-3)
+
+
+def grads64(q, k, v, o, d_o, *, scale, allowed=None, bias=None, keep=None, p=0.0):
+    """(dQ, dK, dV, dS) of attention in float64, from the formula, given the ``o`` passed in."""
+    q, k, v, o, d_o = (t.double() for t in (q, k, v, o, d_o))
+    h_q, h_k, h_v = q.shape[-3], k.shape[-3], v.shape[-3]
+    probs = probs64(q, k, scale=scale, allowed=allowed, bias=bias)
+    k_full = k.repeat_interleave(h_q // h_k, dim=-3)
+    v_full = v.repeat_interleave(h_q // h_v, dim=-3)
+    factor = keep.double() / (1 - p) if keep is not None and p > 0 else None
+    dropped = probs * factor if factor is not None else probs
+    d_v = dropped.transpose(-1, -2) @ d_o
+    d_p = d_o @ v_full.transpose(-1, -2)
+    if factor is not None:
+        d_p = d_p * factor
+    delta = (d_o * o).sum(-1, keepdim=True)
+    d_s = probs * (d_p - delta)
+    d_q = (d_s @ k_full) * scale
+    d_k = (d_s.transpose(-1, -2) @ q) * scale
+    return d_q, _group_sum(d_k, h_k), _group_sum(d_v, h_v), d_s
+
+
+def infer_keep(o, v, probs, p):
+    """Which (row, key) pairs dropout kept, read back from the output: with orthonormal V rows,
+    o[i] = sum_j w_ij v_j exactly, and w_ij is P_ij / (1 - p) where kept, 0 where dropped.
+
+    Returns (keep, weights); ``keep`` is only meaningful where P_ij is not tiny."""
+    o, v = o.double(), v.double()
+    v = v.repeat_interleave(o.shape[-3] // v.shape[-3], dim=-3)
+    w = o @ v.transpose(-1, -2)  # rows of v orthonormal: the projection is the solution
+    return (w * (1 - p)) > probs / 2, w
+
+
+def check_documented_keep(keep, probs, seed: int, offset: int, p: float) -> None:
+    """semantics.md: the reference backend's keep-mask is a pure function of (seed, offset, shape).
+    Where the library still exposes that function (``cudnn_attn.dropout.keep_mask``), the mask read
+    back from O must be it (a mask that ignores the offset, say, looks random too)."""
+    try:
+        from cudnn_attn.dropout import keep_mask
+    except ImportError:
+        return
+    expected = keep_mask(seed, offset, tuple(probs.shape), p, "cpu")
+    sure = probs > 0.02
+    bad = int((expected.expand_as(keep) != keep)[sure].sum())
+    assert bad == 0, (
+        f"dropout: {bad} of {int(sure.sum())} weights kept/dropped unlike keep_mask(seed={seed}, offset={offset})"
+    )
+
+
+def check_dropout_rate(keep, probs, p) -> None:
+    """Dropout must drop about a fraction p of the identifiable weights (P_ij > 0.02)."""
+    sure = probs > 0.02
+    n = int(sure.sum())
+    if n < 12:
+        return
+    dropped = int((~keep & sure).sum())
+    sigma = math.sqrt(n * p * (1 - p))
+    assert abs(dropped - n * p) <= 6 * sigma + 1, (
+        f"dropout p={p}: dropped {dropped} of {n} weights (expected ~{n * p:.1f})"
+    )
+
+
+# ---- checks -----------------------------------------------------------------------------------------
+
+
+def tol(dtype: torch.dtype) -> float:
+    return max(TOLERANCE.get(dtype, REFERENCE_TOL), REFERENCE_TOL)  # the library computes in float32
+
+
+def as_tensor(x: Any) -> torch.Tensor:
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x)
+    assert isinstance(x, torch.Tensor), f"expected a tensor, got {type(x).__name__}"
+    return x
+
+
+def assert_close(
+    name: str, actual: Any, expected: torch.Tensor, tolerance: float, dtype=None, rows_zero=None, floor=0.0
+):
+    actual = as_tensor(actual)
+    assert tuple(actual.shape) == tuple(expected.shape), (
+        f"{name}: shape {list(actual.shape)}, expected {list(expected.shape)}"
+    )
+    if dtype is not None:
+        assert actual.dtype == dtype, f"{name}: dtype {actual.dtype}, expected {dtype}"
+    assert actual.device.type == "cpu", f"{name}: on {actual.device}, expected cpu"
+    a = actual.detach().double()
+    if torch.isnan(a).any():
+        where = torch.isnan(a).nonzero()[0].tolist()
+        raise AssertionError(f"{name}: NaN in result (first at {where}; unwritten or poisoned)")
+    err = rel_err(a, expected)
+    if floor and err >= tolerance:  # a result that cancels to ~0: measure against the terms summed
+        err = float((a.masked_fill(torch.isinf(a), 0) - expected.masked_fill(torch.isinf(expected), 0)).norm()) / max(
+            float(expected.norm()), floor
+        )
+    assert err < tolerance, f"{name}: rel_err {err:.3g} >= {tolerance:g}"
+    if rows_zero is not None and rows_zero.any():
+        bad = a[rows_zero.expand_as(a)]
+        assert bad.abs().max() == 0, f"{name}: fully masked rows are not 0 (max {bad.abs().max():.3g})"
+
+
+def empty_rows(allowed: torch.Tensor | None, shape) -> torch.Tensor | None:
+    """Bool [B, 1|H, S_q, 1]: rows where every key is masked (their O must be exactly 0)."""
+    if allowed is None:
+        return None
+    return ~allowed.any(-1, keepdim=True)
+
+
+def unpack_outputs(result, count: int) -> list:
+    if count == 1:
+        assert not isinstance(result, (tuple, list)), f"expected one output, got {_describe_result(result)}"
+        return [result]
+    assert isinstance(result, (tuple, list)) and len(result) == count, (
+        f"expected {count} outputs, got {_describe_result(result)}"
+    )
+    return list(result)
+
+
+def check_out_buffers(results: list, outs: list | None) -> None:
+    if outs is None:
+        return
+    for r, o in zip(results, outs):
+        if o is None:
+            continue
+        r = as_tensor(r)
+        assert r.data_ptr() == o.data_ptr() and r.stride() == o.stride(), "result is not the out= buffer"
+
+
+# ---- scalar and argument catalogues -----------------------------------------------------------------
+
+BAD_SCALES = [
+    ("nan", float("nan")),
+    ("inf", float("inf")),
+    ("-inf", float("-inf")),
+    ("1j", 1j),
+    ("10**400", 10**400),
+    ("str", "0.5"),
+    ("bool", True),
+    ("list", [0.5]),
+    ("tensor2", torch.ones(2)),
+    ("None-object", object()),
+]
+BAD_PROBS = [
+    ("1.0", 1.0),
+    ("1.5", 1.5),
+    ("-0.1", -0.1),
+    ("nan", float("nan")),
+    ("inf", float("inf")),
+    ("1j", 1j),
+    ("str", "0.1"),
+    ("bool", True),
+    ("10**400", 10**400),
+]
+NON_TENSORS = [("None", None), ("list", [[1.0, 2.0]]), ("str", "q"), ("int", 3), ("float", 1.5)]
+
+
+def pick(rng: random.Random, items):
+    return items[rng.randrange(len(items))]
+
+
+# ---- dense attention requests (Graph.sdpa / sdpa_backward) --------------------------------------------
+
+
+@dataclass
+class Attn:
+    """One attention request in logical terms, plus the tensors that carry it."""
+
+    dtype: torch.dtype
+    b: int
+    h_q: int
+    h_kv: int
+    s_q: int
+    s_kv: int
+    d_qk: int
+    d_v: int
+    layouts: tuple[str, str, str] = ("BHSD", "BHSD", "BHSD")
+    causal: str | None = None
+    window: int | None = None
+    alibi: bool = False
+    bias_shape: tuple | None = None
+    bias_dtype: torch.dtype | None = None
+    lq: list | None = None
+    lkv: list | None = None
+    len_shape: str = "B"
+    p: float = 0.0
+    rng_form: str = "int"  # int | tensor | tuple
+    drop_seed: int = 0
+    drop_offset: int = 0
+    scale: float | None = None
+    scale_form: str = "float"
+    nan_beyond_len: bool = False
+    packed_qkv: bool = False
+    tensors: dict = field(default_factory=dict)
+
+    @property
+    def scale_value(self) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(self.d_qk)
+
+    def describe(self) -> str:
+        parts = [
+            str(self.dtype).removeprefix("torch."),
+            f"b{self.b}h{self.h_q}/{self.h_kv}s{self.s_q}x{self.s_kv}d{self.d_qk}/{self.d_v}",
+            "layouts=" + ",".join(self.layouts) + ("(packed-qkv)" if self.packed_qkv else ""),
+        ]
+        if self.causal:
+            parts.append(f"causal={self.causal}")
+        if self.window is not None:
+            parts.append(f"window={self.window}")
+        if self.alibi:
+            parts.append("alibi")
+        if self.bias_shape:
+            parts.append(f"bias{list(self.bias_shape)}:{str(self.bias_dtype).removeprefix('torch.')}")
+        if self.lq is not None:
+            parts.append(f"seq_len_q={self.lq} seq_len_kv={self.lkv} ({self.len_shape})")
+        if self.p:
+            parts.append(f"dropout={self.p} seed={self.drop_seed} offset={self.drop_offset} ({self.rng_form})")
+        if self.scale is not None:
+            parts.append(f"scale={self.scale}({self.scale_form})")
+        if self.nan_beyond_len:
+            parts.append("NaN-beyond-lengths")
+        return " ".join(parts)
+
+    # logical references
+    def allowed(self):
+        return scores_mask(
+            self.b, self.h_q, self.s_q, self.s_kv, causal=self.causal, window=self.window, lq=self.lq, lkv=self.lkv
+        )
+
+    def bias64(self):
+        bias = None
+        if self.bias_shape is not None:
+            bias = self.tensors["bias"].double().expand(self.b, self.h_q, self.s_q, self.s_kv)
+        if self.alibi:
+            a = alibi_bias64(self.h_q, self.s_q, self.s_kv)
+            bias = a if bias is None else bias + a
+        return bias
+
+
+def draw_attn(rng: random.Random, gen: torch.Generator, *, backward: bool = False) -> Attn:
+    """A random, valid dense request (the validity model: the contract plus the cuDNN frontend's rules)."""
+    dtype = pick(rng, HALF)
+    b = rng.choice([1, 1, 2])
+    h_q = rng.choice([1, 2, 3, 4, 4])  # 3: ALiBi's slopes for head counts that are not powers of two
+    h_kv = rng.choice([d for d in (1, 2, 3, 4) if h_q % d == 0])
+    s_q, s_kv = rng.randint(1, 16), rng.randint(1, 16)
+    d_qk = rng.choice([8, 16])
+    d_v = d_qk if rng.random() < 0.8 else rng.choice([8, 16])
+    a = Attn(dtype, b, h_q, h_kv, s_q, s_kv, d_qk, d_v)
+    a.layouts = tuple(rng.choice(DENSE_LAYOUTS) if rng.random() < 0.5 else "BHSD" for _ in range(3))
+    r = rng.random()
+    if r < 0.25:
+        a.causal = "top_left"
+    elif r < 0.4:
+        a.causal = "bottom_right"
+    if rng.random() < 0.35:
+        a.lq = [rng.randint(0, s_q) if rng.random() < 0.5 else s_q for _ in range(b)]
+        a.lkv = [rng.randint(0, s_kv) if rng.random() < 0.6 else s_kv for _ in range(b)]
+        a.len_shape = rng.choice(["B", "B", "B111"])
+        a.nan_beyond_len = rng.random() < 0.1
+    padded = a.lq is not None
+    if a.causal == "bottom_right" and s_q > s_kv and not padded:
+        a.s_q, a.s_kv = s_kv, s_q  # bottom-right needs S_q <= S_kv without per-batch lengths
+    if rng.random() < 0.2:
+        if a.s_q > a.s_kv and not padded:
+            a.s_q, a.s_kv = a.s_kv, a.s_q
+        a.window = rng.randint(1, a.s_kv + 1)
+    if a.causal != "bottom_right":
+        if a.causal == "top_left" and rng.random() < 0.25:
+            a.alibi = True
+        if rng.random() < 0.25:
+            a.bias_shape = (
+                rng.choice([1, b]),
+                rng.choice([1, h_q]),
+                rng.choice([1, a.s_q]),
+                a.s_kv,
+            )
+            a.bias_dtype = dtype if rng.random() < 0.7 else torch.float32
+        if rng.random() < 0.2:
+            a.p = rng.choice([0.1, 0.25, 0.5])
+            a.rng_form = rng.choice(["int", "tensor", "tuple"])
+            a.drop_seed, a.drop_offset = rng.randint(0, 2**31), rng.choice([0, 0, rng.randint(1, 1000)])
+            a.s_kv = min(a.s_kv, a.d_v)  # orthonormal V rows: the keep-mask is read back from O
+            if a.s_q > a.s_kv and not padded:
+                a.window = None
+            if padded:
+                a.lkv = [min(n, a.s_kv) for n in a.lkv]
+            if a.bias_shape:
+                a.bias_shape = a.bias_shape[:3] + (a.s_kv,)
+    if rng.random() < 0.3:
+        a.scale = rng.choice([0.05, 0.3, 1.0, -0.5, 0.0, 2.0])
+        a.scale_form = rng.choice(["float", "float", "int"]) if float(a.scale).is_integer() else "float"
+    if backward and a.s_q == 1 and a.s_kv == 1:
+        a.s_kv = 2
+        if a.bias_shape:
+            a.bias_shape = a.bias_shape[:3] + (2,)
+        if a.lkv:
+            a.lkv = [min(n, 2) for n in a.lkv]
+    make_tensors(a, rng, gen)
+    return a
+
+
+def make_tensors(a: Attn, rng: random.Random, gen: torch.Generator) -> None:
+    t = a.tensors
+    if (
+        not a.p
+        and a.h_q == a.h_kv
+        and a.s_q == a.s_kv
+        and a.d_qk == a.d_v
+        and rng.random() < 0.08
+        and not a.nan_beyond_len
+    ):
+        a.packed_qkv = True
+        qkv = randn(gen, a.b, a.s_q, 3, a.h_q, a.d_qk, dtype=a.dtype)
+        t["q"], t["k"], t["v"] = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+        a.layouts = ("BS3HD",) * 3
+    else:
+        q = randn(gen, a.b, a.h_q, a.s_q, a.d_qk, dtype=a.dtype)
+        k = randn(gen, a.b, a.h_kv, a.s_kv, a.d_qk, dtype=a.dtype)
+        if a.p:
+            v = orthonormal_rows(gen, a.b, a.h_kv, a.s_kv, a.d_v, a.dtype)
+        else:
+            v = randn(gen, a.b, a.h_kv, a.s_kv, a.d_v, dtype=a.dtype)
+        t["clean"] = (q, k, v)  # what the oracle sees
+        if a.nan_beyond_len:
+            q, k, v = q.clone(), k.clone(), v.clone()
+            for bi in range(a.b):
+                q[bi, :, a.lq[bi] :] = float("nan")
+                k[bi, :, a.lkv[bi] :] = float("nan")
+                v[bi, :, a.lkv[bi] :] = float("nan")
+        t["q"], t["k"], t["v"] = (to_layout(x, lay) for x, lay in zip((q, k, v), a.layouts))
+    t.setdefault("clean", (t["q"], t["k"], t["v"]))
+    if a.bias_shape is not None:
+        t["bias"] = randn(gen, *a.bias_shape, dtype=a.bias_dtype)
+    if a.lq is not None:
+        shape = (a.b,) if a.len_shape == "B" else (a.b, 1, 1, 1)
+        t["seq_len_q"] = _int32(a.lq).view(shape)
+        t["seq_len_kv"] = _int32(a.lkv).view(shape)
+    if a.p and a.rng_form != "int":
+        t["seed"] = torch.tensor([a.drop_seed], dtype=torch.int64)
+        t["offset"] = torch.tensor([a.drop_offset], dtype=rng.choice([torch.int64, torch.int32]))
+        if rng.random() < 0.3:
+            t["seed"] = t["seed"].view(1, 1, 1, 1)
+
+
+def sdpa_keywords(a: Attn) -> dict:
+    t, kw = a.tensors, {}
+    if a.scale is not None:
+        kw["attn_scale"] = int(a.scale) if a.scale_form == "int" else a.scale
+    if a.causal == "top_left":
+        kw["use_causal_mask"] = True
+    elif a.causal == "bottom_right":
+        kw["use_causal_mask_bottom_right"] = True
+    if a.window is not None:
+        kw["sliding_window_length"] = a.window
+    if a.alibi:
+        kw["use_alibi_mask"] = True
+    if "bias" in t:
+        kw["attn_bias"] = t["bias"]
+    if a.lq is not None:
+        kw.update(use_padding_mask=True, seq_len_q=t["seq_len_q"], seq_len_kv=t["seq_len_kv"])
+    if a.p:
+        if a.rng_form == "int":
+            kw.update(dropout=a.p, dropout_seed=a.drop_seed, dropout_offset=a.drop_offset)
+        elif a.rng_form == "tensor":
+            kw.update(dropout=a.p, dropout_seed=t["seed"], dropout_offset=t["offset"])
+        else:
+            kw["dropout"] = (a.p, t["seed"], t["offset"])
+    return kw
+
+
+def distinct(tensors: list) -> list:
+    seen, out = set(), []
+    for x in tensors:
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        out.append(x)
+    return out
+
+
+def forward_run_inputs(a: Attn) -> list:
+    """The positional inputs of a one-node sdpa graph (API section 2: q, k, v, attn_bias, seq_len_q,
+    seq_len_kv, dropout seed, dropout offset), distinct tensors in order of first use."""
+    t = a.tensors
+    return distinct(
+        [t["q"], t["k"], t["v"], t.get("bias"), t.get("seq_len_q"), t.get("seq_len_kv"), t.get("seed"), t.get("offset")]
+    )
+
+
+def expected_forward(a: Attn, o_actual: torch.Tensor | None = None):
+    """Oracle (O, LSE, empty-row mask, keep) for ``a``; with dropout the keep-mask is read from O."""
+    q, k, v = a.tensors["clean"]
+    allowed = a.allowed()
+    bias = a.bias64()
+    keep = None
+    if a.p:
+        probs = probs64(q, k, scale=a.scale_value, allowed=allowed, bias=bias)
+        assert not torch.isnan(as_tensor(o_actual)).any(), "O: NaN in result"
+        keep, _ = infer_keep(as_tensor(o_actual).detach(), v, probs, a.p)
+        check_dropout_rate(keep, probs, a.p)
+        check_documented_keep(keep, probs, a.drop_seed, a.drop_offset, a.p)
+    o, lse = oracle.attention(
+        q,
+        k,
+        v,
+        scale=a.scale_value,
+        causal=a.causal,
+        window=a.window,
+        seq_q=a.lq,
+        seq_kv=a.lkv,
+        bias=a.tensors.get("bias"),
+        alibi=a.alibi,
+        keep=keep,
+        p=a.p,
+    )
+    return o, lse, empty_rows(allowed, o.shape), keep
+
+
+# ---- mutations shared by the graph ops -----------------------------------------------------------------
+
+
+def mutate_request(rng: random.Random, gen: torch.Generator, a: Attn, kw: dict, roles: dict, backward=False):
+    """Make a valid graph request malformed in one way: returns (label, expect) and edits roles/kw in place."""
+    t = a.tensors
+    dt, other = a.dtype, (torch.bfloat16 if a.dtype == torch.float16 else torch.float16)
+    B, H, SQ, SK, D = a.b, a.h_q, a.s_q, a.s_kv, a.d_qk  # noqa: N806
+    choices = [
+        "q-rank2",
+        "q-rank5",
+        "k-rank3",
+        "q-0d",
+        "seq-len-0d",
+        "q-nontensor",
+        "k-nontensor",
+        "v-nontensor",
+        "q-float32",
+        "q-float64",
+        "q-int32",
+        "q-bool",
+        "q-complex",
+        "k-dtype",
+        "v-dtype",
+        "k-batch",
+        "v-seq",
+        "k-headdim",
+        "kv-heads",
+        "headdim-12",
+        "headdim-0",
+        "headdim-264",
+        "b-0",
+        "sq-0",
+        "skv-0",
+        "h-0",
+        "q-last-stride",
+        "k-last-stride0",
+        "k-meta",
+        "v-meta",
+        "q-meta-only",
+        "bias-rank3",
+        "bias-heads3",
+        "bias-sq",
+        "bias-skv-1",
+        "bias-int64",
+        "bias-float64",
+        "bias-nontensor",
+        "bias-meta",
+        "bias-alias-twice",
+        "both-causal",
+        "window-0",
+        "window-neg",
+        "window-float",
+        "window-bool",
+        "causal-str",
+        "alibi-str",
+        "padding-no-lengths",
+        "lengths-no-padding",
+        "seq-len-int64",
+        "seq-len-float",
+        "seq-len-shape",
+        "seq-len-too-big",
+        "seq-len-negative",
+        "seq-len-list",
+        "seq-len-meta",
+        "dropout-bad",
+        "dropout-tuple2",
+        "dropout-tuple-and-seed",
+        "dropout-seed-shape",
+        "dropout-seed-float",
+        "dropout-seed-bool",
+        "dropout-seed-floatval",
+        "dropout-seed-str",
+        "scale-bad",
+        "stats-contradiction",
+        "stats-flag-str",
+        "io-dtype",
+        "io-dtype-garbage",
+        "backend-garbage",
+        "backend-cudnn-on-cpu",
+        "paged-max-without-tables",
+    ]
+    if backward:
+        choices += [
+            "dO-None",
+            "o-None",
+            "stats-None",
+            "stats-fp16",
+            "stats-rank3",
+            "stats-rows",
+            "dO-shape",
+            "dO-dtype",
+            "o-dtype",
+            "o-headdim",
+            "q-fp8",
+            "stats-meta",
+            "dO-nontensor",
+        ]
+        drop = ("stats-contradiction", "stats-flag-str", "paged-max-without-tables")  # not sdpa_backward keywords
+        choices = [c for c in choices if c not in drop]
+    m = rng.choice(choices)
+    expect = MALFORMED
+
+    def fresh(*shape, dtype=dt):
+        return randn(gen, *shape, dtype=dtype)
+
+    if m == "q-rank2":
+        roles["q"] = fresh(SQ, D)
+    elif m == "q-rank5":
+        roles["q"] = fresh(1, B, H, SQ, D)
+    elif m == "k-rank3":
+        roles["k"] = fresh(a.h_kv, SK, D)
+    elif m == "q-0d":
+        roles["q"] = torch.tensor(1.0, dtype=dt)
+    elif m == "seq-len-0d":
+        kw.update(use_padding_mask=True, seq_len_q=torch.tensor(SQ, dtype=torch.int32), seq_len_kv=_int32([SK] * B))
+    elif m in ("q-nontensor", "k-nontensor", "v-nontensor", "dO-nontensor"):
+        name, value = pick(rng, NON_TENSORS)
+        roles[m.split("-")[0]] = value
+        m = f"{m}={name}"
+    elif m in ("q-float32", "q-float64", "q-int32", "q-bool", "q-complex"):
+        dtype = {
+            "q-float32": torch.float32,
+            "q-float64": torch.float64,
+            "q-int32": torch.int32,
+            "q-bool": torch.bool,
+            "q-complex": torch.complex64,
+        }[m]
+        roles["q"] = t["q"].to(dtype)
+        if rng.random() < 0.5 and dtype.is_floating_point:  # all three in that dtype
+            roles["k"], roles["v"] = t["k"].to(dtype), t["v"].to(dtype)
+            m += "-qkv"
+    elif m in ("k-dtype", "v-dtype"):
+        roles[m[0]] = t[m[0]].to(other)
+    elif m == "k-batch":
+        roles["k"], roles["v"] = fresh(B + 1, a.h_kv, SK, D), fresh(B + 1, a.h_kv, SK, a.d_v)
+    elif m == "v-seq":
+        roles["v"] = fresh(B, a.h_kv, SK + 1, a.d_v)
+    elif m == "k-headdim":
+        roles["k"] = fresh(B, a.h_kv, SK, 24 - D)
+    elif m == "kv-heads":
+        hk = 2 if H == 3 else 3
+        roles["k"], roles["v"] = fresh(B, hk, SK, D), fresh(B, hk, SK, a.d_v)
+    elif m in ("headdim-12", "headdim-0", "headdim-264"):
+        d = {"headdim-12": 12, "headdim-0": 0, "headdim-264": 264}[m]
+        roles["q"], roles["k"], roles["v"] = fresh(B, H, SQ, d), fresh(B, a.h_kv, SK, d), fresh(B, a.h_kv, SK, d)
+        if backward:
+            roles["o"], roles["dO"] = fresh(B, H, SQ, d), fresh(B, H, SQ, d)
+    elif m in ("b-0", "sq-0", "skv-0", "h-0"):
+        b0 = 0 if m == "b-0" else B
+        sq0, sk0 = (0 if m == "sq-0" else SQ), (0 if m == "skv-0" else SK)
+        h0, hk0 = (0, 0) if m == "h-0" else (H, a.h_kv)
+        roles["q"], roles["k"], roles["v"] = fresh(b0, h0, sq0, D), fresh(b0, hk0, sk0, D), fresh(b0, hk0, sk0, a.d_v)
+        kw.pop("attn_bias", None)
+        if "seq_len_q" in kw:
+            kw.update(seq_len_q=_int32([0] * b0), seq_len_kv=_int32([0] * b0))
+        if backward:
+            roles["o"], roles["dO"] = fresh(b0, h0, sq0, a.d_v), fresh(b0, h0, sq0, a.d_v)
+            roles["stats"] = torch.randn(b0, h0, sq0, 1, generator=gen)
+    elif m == "q-last-stride":
+        roles["q"] = fresh(B, H, D, max(SQ, 2)).transpose(-1, -2)
+        if SQ == 1:
+            roles["q"] = roles["q"][:, :, :1]
+    elif m == "k-last-stride0":
+        roles["k"] = fresh(B, a.h_kv, SK, 1).expand(B, a.h_kv, SK, D)
+    elif m in ("k-meta", "v-meta"):
+        roles[m[0]] = t[m[0]].to("meta")
+    elif m == "q-meta-only":
+        roles["q"] = t["q"].to("meta")
+    elif m.startswith("bias-"):
+        kw.pop("bias", None)
+        if m == "bias-rank3":
+            kw["attn_bias"] = fresh(H, SQ, SK)
+        elif m == "bias-heads3":
+            kw["attn_bias"] = fresh(1, 2 if H == 3 else 3, SQ, SK)
+        elif m == "bias-sq":
+            kw["attn_bias"] = fresh(1, 1, SQ + 1, SK)
+        elif m == "bias-skv-1":
+            kw["attn_bias"] = fresh(1, 1, SQ, 1)
+            if SK == 1:
+                kw["attn_bias"] = fresh(1, 1, SQ, 3)
+            else:
+                expect = EITHER  # keys broadcast: cuDNN does not take it; a correct result is fine too
+        elif m == "bias-int64":
+            kw["attn_bias"] = torch.randint(-3, 3, (1, 1, SQ, SK), generator=gen)
+        elif m == "bias-float64":
+            kw["attn_bias"] = fresh(1, 1, SQ, SK, dtype=torch.float64)
+        elif m == "bias-nontensor":
+            name, value = pick(rng, NON_TENSORS[1:])
+            kw["attn_bias"] = value
+            m = f"bias-nontensor={name}"
+        elif m == "bias-meta":
+            kw["attn_bias"] = fresh(1, 1, SQ, SK).to("meta")
+        elif m == "bias-alias-twice":
+            kw["attn_bias"], kw["bias"] = fresh(1, 1, SQ, SK), fresh(1, 1, SQ, SK)
+        if a.causal == "bottom_right":
+            kw.pop("use_causal_mask_bottom_right", None)
+    elif m == "both-causal":
+        kw.update(use_causal_mask=True, use_causal_mask_bottom_right=True)
+    elif m in ("window-0", "window-neg", "window-float", "window-bool"):
+        kw["sliding_window_length"] = {"window-0": 0, "window-neg": -2, "window-float": 2.5, "window-bool": True}[m]
+    elif m == "causal-str":
+        kw.pop("use_causal_mask_bottom_right", None)
+        kw["use_causal_mask"] = "yes"
+    elif m == "alibi-str":
+        kw["use_alibi_mask"] = "yes"
+    elif m == "padding-no-lengths":
+        kw.pop("seq_len_q", None), kw.pop("seq_len_kv", None)
+        kw["use_padding_mask"] = True
+    elif m == "lengths-no-padding":
+        kw.update(use_padding_mask=False, seq_len_q=_int32([SQ] * B), seq_len_kv=_int32([SK] * B))
+    elif m.startswith("seq-len-"):
+        kw["use_padding_mask"] = True
+        lq, lk = _int32([SQ] * B), _int32([SK] * B)
+        if m == "seq-len-int64":
+            lq = lq.long()
+        elif m == "seq-len-float":
+            lk = lk.float()
+        elif m == "seq-len-shape":
+            lq = _int32([SQ] * (B + 1))
+        elif m == "seq-len-too-big":
+            lk = _int32([SK + rng.choice([1, 7, 2**31 - 1 - SK])] + [SK] * (B - 1))
+        elif m == "seq-len-negative":
+            lq = _int32([-1] + [SQ] * (B - 1))
+        elif m == "seq-len-list":
+            lq = [SQ] * B
+        elif m == "seq-len-meta":
+            lk = lk.to("meta")
+        kw.update(seq_len_q=lq, seq_len_kv=lk)
+    elif m.startswith("dropout-"):
+        for key in ("dropout", "dropout_seed", "dropout_offset"):
+            kw.pop(key, None)
+        kw.pop("use_causal_mask_bottom_right", None)
+        if m == "dropout-bad":
+            name, value = pick(rng, BAD_PROBS)
+            kw["dropout"] = value
+            m = f"dropout={name}"
+        elif m == "dropout-tuple2":
+            kw["dropout"] = (0.1, torch.tensor([1]))
+        elif m == "dropout-tuple-and-seed":
+            kw.update(dropout=(0.1, torch.tensor([1]), torch.tensor([0])), dropout_seed=3)
+        elif m == "dropout-seed-shape":
+            kw.update(dropout=0.1, dropout_seed=torch.tensor([1, 2]))
+        elif m == "dropout-seed-float":
+            kw.update(dropout=0.1, dropout_seed=torch.tensor([1.0]))
+        elif m == "dropout-seed-bool":
+            kw.update(dropout=0.1, dropout_seed=True)
+        elif m == "dropout-seed-floatval":
+            kw.update(dropout=0.1, dropout_seed=1.5)
+        elif m == "dropout-seed-str":
+            kw.update(dropout=0.1, dropout_offset="0")
+    elif m == "scale-bad":
+        name, value = pick(rng, BAD_SCALES)
+        kw["attn_scale"] = value
+        m = f"attn_scale={name}"
+    elif m == "stats-contradiction":
+        kw.update(is_inference=True, generate_stats=True)
+    elif m == "stats-flag-str":
+        kw["generate_stats"] = "no"
+    elif m in ("io-dtype", "io-dtype-garbage", "backend-garbage", "backend-cudnn-on-cpu"):
+        roles["__graph__"] = {
+            "io-dtype": {"io_data_type": other},
+            "io-dtype-garbage": {"io_data_type": "complex"},
+            "backend-garbage": {"backend": "tensorrt"},
+            "backend-cudnn-on-cpu": {"backend": "cudnn"},
+        }[m]
+    elif m == "paged-max-without-tables":
+        kw["paged_attention_max_seq_len_kv"] = SK
+    elif m == "dO-None":
+        roles["dO"] = None
+    elif m == "o-None":
+        roles["o"] = None
+    elif m == "stats-None":
+        roles["stats"] = None
+    elif m == "stats-fp16":
+        roles["stats"] = roles["stats"].half()
+    elif m == "stats-rank3":
+        roles["stats"] = roles["stats"][..., 0]
+    elif m == "stats-rows":
+        roles["stats"] = torch.randn(B, H, SQ + 1, 1, generator=gen)
+    elif m == "stats-meta":
+        roles["stats"] = roles["stats"].to("meta")
+    elif m == "dO-shape":
+        roles["dO"] = fresh(B, H, SQ + 1, a.d_v)
+    elif m == "dO-dtype":
+        roles["dO"] = roles["dO"].to(other)
+    elif m == "o-dtype":
+        roles["o"] = roles["o"].to(other)
+    elif m == "o-headdim":
+        roles["o"] = fresh(B, H, SQ, 24 - a.d_v)
+    elif m == "q-fp8":
+        roles["q"], roles["k"], roles["v"] = (t[r].to(torch.float8_e4m3fn) for r in "qkv")
+        roles["o"], roles["dO"] = (roles[r].to(torch.float8_e4m3fn) for r in ("o", "dO"))
+    return m, expect
+
+
+def runtime_mutation(
+    rng: random.Random, gen: torch.Generator, inputs: list, outs_spec: list | None, lengths=None, no_swap=()
+):
+    """A wrong run of a well-built graph: returns (label, args, kwargs) for g(*args, **kwargs)."""
+    args = list(inputs)
+    floats = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    choices = ["missing", "extra", "nontensor", "0d", "shape", "dtype", "meta", "strides", "numpy-dtype", "swap"]
+    if outs_spec:
+        choices += ["out-shape", "out-dtype", "out-stride", "out-count", "out-nontensor", "out-meta"]
+    if lengths:
+        choices += ["lengths-range"]
+    m = rng.choice(choices)
+    i = rng.randrange(len(args))
+    kwargs = {}
+    if m == "missing":
+        args.pop(rng.randrange(len(args)))
+    elif m == "extra":
+        args.append(args[0])
+    elif m == "nontensor":
+        name, value = pick(rng, NON_TENSORS)
+        args[i] = value
+        m = f"nontensor={name}"
+    elif m == "0d":
+        args[i] = torch.tensor(1, dtype=args[i].dtype)
+    elif m == "shape":
+        x = args[i]
+        shape = list(x.shape)
+        shape[rng.randrange(len(shape))] += 1
+        args[i] = (
+            (torch.randn(*shape, generator=gen) * 3).to(x.dtype)
+            if x.is_floating_point()
+            else torch.ones(shape, dtype=x.dtype)
+        )
+    elif m == "dtype":
+        x = args[i]
+        swap = {
+            torch.float16: torch.bfloat16,
+            torch.bfloat16: torch.float16,
+            torch.float32: torch.float16,
+            torch.int32: torch.int64,
+            torch.int64: torch.float32,
+        }
+        args[i] = x.to(swap.get(x.dtype, torch.float64))
+    elif m == "meta":
+        args[i] = args[i].to("meta")
+    elif m == "strides":
+        candidates = [j for j in floats if args[j].dim() >= 3 and sum(n > 1 for n in args[j].shape[:-1]) >= 2]
+        if not candidates:
+            return runtime_mutation(rng, gen, inputs, outs_spec, lengths, no_swap)
+        j = rng.choice(candidates)
+        x = args[j]
+        for layout in ("BSHD", "SBHD", "HBSD", "BHSD"):
+            y = to_layout(x, layout)
+            if not same_memory_order(y, x.stride(), x.shape):
+                args[j] = y
+                break
+        else:
+            return runtime_mutation(rng, gen, inputs, outs_spec, lengths, no_swap)
+    elif m == "numpy-dtype":
+        j = rng.choice(floats)
+        args[j] = args[j].float().numpy()
+    elif m == "swap":
+        pairs = [
+            (x, y)
+            for x in range(len(args))
+            for y in range(x + 1, len(args))
+            if _geometry(args[x]) != _geometry(args[y]) and {x, y} not in no_swap
+        ]
+        if not pairs:
+            return runtime_mutation(rng, gen, inputs, outs_spec, lengths, no_swap)
+        x, y = rng.choice(pairs)
+        args[x], args[y] = args[y], args[x]
+    elif m.startswith("out-"):
+        outs = [poisoned(s, st, d) for s, st, d in outs_spec]
+        j = rng.randrange(len(outs))
+        s, st, d = outs_spec[j]
+        if m == "out-shape":
+            shape = list(s)
+            shape[rng.randrange(len(shape))] += 1
+            outs[j] = poisoned(shape, contiguous_stride(shape), d)
+        elif m == "out-dtype":
+            outs[j] = poisoned(s, st, torch.float64 if d == torch.float32 else torch.float32)
+        elif m == "out-stride":
+            alt = contiguous_stride(s)
+            if all(n == 1 or x == y for n, x, y in zip(s, alt, st)):
+                alt = strides_like(s, tuple(reversed(range(len(s)))))  # reversed order
+                if all(n == 1 or x == y for n, x, y in zip(s, alt, st)):
+                    return runtime_mutation(rng, gen, inputs, None, lengths, no_swap)
+            outs[j] = poisoned(s, alt, d)
+        elif m == "out-count":
+            outs = outs[:-1] if len(outs) > 1 else outs + outs
+        elif m == "out-nontensor":
+            outs[j] = "out"
+        elif m == "out-meta":
+            outs[j] = outs[j].to("meta")
+        kwargs["out"] = outs[0] if len(outs) == 1 and m != "out-count" else tuple(outs)
+        if m == "out-count" and len(outs) == 1:
+            kwargs["out"] = tuple(outs)
+    elif m == "lengths-range":
+        j, limit = rng.choice(lengths)
+        bad = args[j].clone()
+        bad.view(-1)[rng.randrange(bad.numel())] = rng.choice([-1, limit + 1, 2**31 - 1])
+        args[j] = bad
+    return "run:" + m, args, kwargs
+
+
+def _geometry(x):
+    if not isinstance(x, torch.Tensor):
+        return None
+    return (tuple(x.shape), x.dtype, tuple(s for s, n in zip(x.stride(), x.shape) if n > 1))
+
+
+def _graph(kwargs: dict | None = None, rng: random.Random | None = None, **extra) -> cudnn_attn.Graph:
+    kw = dict(extra)
+    if kwargs:
+        kw.update(kwargs)
+    if rng is not None and "cache" not in kw and rng.random() < 0.3:
+        kw["cache"] = cudnn_attn.PlanCache()
+    return cudnn_attn.Graph(**kw)
+
+
+# ---- op: Graph.sdpa (dense) --------------------------------------------------------------------------
+
+
+def _sdpa_case(rng: random.Random, gen: torch.Generator) -> Case:
+    a = draw_attn(rng, gen)
+    r = rng.random()
+    if r < 0.5:
+        return _sdpa_valid(rng, gen, a)
+    if r < 0.56:
+        return _sdpa_either(rng, gen, a)
+    if r < 0.62:
+        return _sdpa_misuse(rng, gen, a)
+    if r < 0.78:
+        return _sdpa_runtime_malformed(rng, gen, a)
+    return _sdpa_build_malformed(rng, gen, a)
+
+
+def _stats_flags(rng: random.Random) -> tuple[dict, bool | None]:
+    form = rng.choice(["gen", "inf", "both", "none", "gen-false"])
+    return {
+        "gen": ({"generate_stats": True}, True),
+        "inf": ({"is_inference": False}, True),
+        "both": ({"is_inference": False, "generate_stats": True}, True),
+        "none": ({}, None),
+        "gen-false": ({"generate_stats": False}, False),
+    }[form]
+
+
+def _output_geometry(rng: random.Random, a: Attn, q_like: torch.Tensor):
+    """(shape, stride) chosen for O: q's layout, contiguous BHSD, or BSHD."""
+    shape = (*q_like.shape[:-1], a.d_v)
+    form = rng.choice(["q", "bhsd", "bshd"])
+    if form == "bhsd" or q_like.dim() != 4:
+        return shape, contiguous_stride(shape)
+    if form == "bshd":
+        return shape, strides_like(shape, (4, 2, 3, 1))
+    return shape, strides_like(shape, q_like.stride())
+
+
+def _sdpa_valid(rng, gen, a: Attn) -> Case:
+    kw = sdpa_keywords(a)
+    flags, want_stats = _stats_flags(rng)
+    kw.update(flags)
+    if "attn_bias" in kw and rng.random() < 0.3:
+        kw["bias"] = kw.pop("attn_bias")
+    use_out = rng.random() < 0.4
+    set_geometry = use_out or rng.random() < 0.2
+    o_geom = _output_geometry(rng, a, a.tensors["q"])
+    stats_geom = ((a.b, a.h_q, a.s_q, 1), contiguous_stride((a.b, a.h_q, a.s_q, 1)))
+    o2_geom = ((a.b, a.h_q, a.s_q, a.d_v), contiguous_stride((a.b, a.h_q, a.s_q, a.d_v)))
+    two_nodes = rng.random() < 0.06 and not a.nan_beyond_len  # node 2 has no lengths: garbage would count
+    graph_kw = {}
+    if rng.random() < 0.2:
+        graph_kw["io_data_type"] = rng.choice([a.dtype, cudnn_attn.data_type.from_torch(a.dtype)])
+    if rng.random() < 0.5:
+        graph_kw["backend"] = "reference"
+    use_handle = rng.random() < 0.1
+    as_numpy = a.dtype == torch.float16 and rng.random() < 0.06  # DLPack arrays in, the same kind out
+    as_dict = rng.random() < 0.06
+    inputs = forward_run_inputs(a)
+    decoy = _decoy_keywords(rng, a, kw) if rng.random() < 0.25 else None
+    if decoy is not None:  # the plan cache's signature must tell the two graphs apart
+        graph_kw["cache"] = cudnn_attn.PlanCache()
+    extra_kv = None
+    if two_nodes:
+        extra_kv = (
+            randn(gen, a.b, a.h_kv, a.s_kv, a.d_qk, dtype=a.dtype),
+            randn(gen, a.b, a.h_kv, a.s_kv, a.d_v, dtype=a.dtype),
+        )
+    shown = {x: ("PlanCache()" if x == "cache" else y) for x, y in graph_kw.items()}
+    desc = f"g.sdpa({a.describe()}) flags={flags} graph={shown} out={use_out} set_dim/stride={set_geometry} two_nodes={two_nodes} numpy={as_numpy} dict={as_dict} after_decoy={decoy and decoy[0]}"
+    state: dict = {}
+
+    def call(case):
+        t = a.tensors
+        if decoy is not None:  # the same tensors, one option changed, built first into the same cache
+            with _graph(graph_kw) as g0:
+                g0.sdpa(t["q"], t["k"], t["v"], **decoy[1])
+            g0(
+                *distinct(
+                    [
+                        t["q"],
+                        t["k"],
+                        t["v"],
+                        decoy[1].get("attn_bias"),
+                        decoy[1].get("bias"),
+                        t.get("seq_len_q"),
+                        t.get("seq_len_kv"),
+                        t.get("seed"),
+                        t.get("offset"),
+                    ]
+                )
+            )
+        with _graph(graph_kw, rng) as g:
+            o, stats = g.sdpa(t["q"], t["k"], t["v"], **kw)
+            if set_geometry:
+                o.set_output(True).set_dim(o_geom[0]).set_stride(o_geom[1])
+                if stats is not None:
+                    stats.set_output(True).set_dim(stats_geom[0]).set_stride(stats_geom[1])
+            handles = [("O", o)] + ([("Stats", stats)] if stats is not None else [])
+            if two_nodes:
+                o2, s2 = g.sdpa(t["q"], extra_kv[0], extra_kv[1], attn_scale=0.25, generate_stats=True)
+                o2.set_dim(o2_geom[0]).set_stride(o2_geom[1])
+                s2.set_dim(stats_geom[0]).set_stride(stats_geom[1])
+                handles += [("O2", o2), ("Stats2", s2)]
+        if want_stats is not None:
+            assert (stats is not None) == want_stats, f"stats handle {stats!r} with flags {flags}"
+        state["kinds"] = [name for name, _ in handles]
+        args = inputs + (list(extra_kv) if two_nodes else [])
+        run_kw = {}
+        outs = None
+        if use_out:
+            outs = [poisoned(*o_geom, a.dtype)] + ([poisoned(*stats_geom, torch.float32)] if stats is not None else [])
+            if two_nodes:  # every output, in node order
+                outs += [poisoned(*o2_geom, a.dtype), poisoned(*stats_geom, torch.float32)]
+            run_kw["out"] = outs[0] if len(outs) == 1 else tuple(outs)
+        state["outs"] = outs
+        if use_handle:
+            run_kw["handle"] = cudnn_attn.create_handle()
+        if as_numpy:
+            args = [x.numpy() for x in args]
+        if as_dict:
+            return g({h.name: x for h, x in zip(g.inputs, args)}, **run_kw)
+        return g(*args, **run_kw)
+
+    def check(result):
+        kinds = state["kinds"]
+        results = dict(zip(kinds, unpack_outputs(result, len(kinds))))
+        if as_numpy:
+            assert all(isinstance(r, np.ndarray) for r in results.values()), "numpy inputs must give numpy outputs"
+        o_exp, lse, empty, _ = expected_forward(a, results["O"])
+        assert_close("O", results["O"], o_exp, tol(a.dtype), a.dtype, empty)
+        if set_geometry:
+            assert as_tensor(results["O"]).stride() == tuple(o_geom[1]), "O ignores set_stride"
+        if "Stats" in results:
+            assert_close("Stats", results["Stats"], lse, REFERENCE_TOL, torch.float32)
+        if two_nodes:
+            q, _, _ = a.tensors["clean"]
+            o2, lse2 = oracle.attention(q, extra_kv[0], extra_kv[1], scale=0.25)
+            assert_close("O (node 2)", results["O2"], o2, tol(a.dtype), a.dtype)
+            assert_close("Stats (node 2)", results["Stats2"], lse2, REFERENCE_TOL, torch.float32)
+        check_out_buffers(list(results.values()), state["outs"])
+
+    return _new_case(VALID, "sdpa/valid/" + _features(a), desc, call, check)
+
+
+def _decoy_keywords(rng: random.Random, a: Attn, kw: dict):
+    """(what changed, keywords): a valid neighbour of ``kw`` differing in one plan-changing option."""
+    options = ["scale", "stats"]
+    if a.causal is None and not a.alibi and (a.window is None or a.s_q <= a.s_kv or a.lq is not None):
+        options.append("causal")
+    if a.causal == "top_left" and not a.alibi:
+        options.append("no-causal")
+    if a.window is not None:
+        options.append("window")
+    if a.p:
+        options.append("dropout")
+    if a.bias_shape is not None:
+        options.append("no-bias")
+    what = rng.choice(options)
+    new = dict(kw)
+    if what == "scale":
+        new["attn_scale"] = a.scale_value * 0.5 + 0.3  # never a.scale_value itself
+    elif what == "stats":
+        stats = kw.get("generate_stats", not kw["is_inference"] if kw.get("is_inference") is not None else False)
+        new.pop("is_inference", None)
+        new["generate_stats"] = not stats
+    elif what == "causal":
+        new["use_causal_mask"] = True
+    elif what == "no-causal":
+        new.pop("use_causal_mask")
+    elif what == "window":
+        new["sliding_window_length"] = a.window + 1
+    elif what == "dropout":
+        new["dropout"] = (a.p + 0.2, *kw["dropout"][1:]) if isinstance(kw["dropout"], tuple) else a.p + 0.2
+    elif what == "no-bias":
+        new.pop("attn_bias", None), new.pop("bias", None)
+    return what, new
+
+
+def _features(a: Attn) -> str:
+    parts = []
+    if a.causal:
+        parts.append(a.causal)
+    if a.window is not None:
+        parts.append("window")
+    if a.alibi:
+        parts.append("alibi")
+    if a.bias_shape:
+        parts.append("bias")
+    if a.lq is not None:
+        parts.append("padding")
+    if a.p:
+        parts.append("dropout")
+    if a.nan_beyond_len:
+        parts.append("nan-beyond-len")
+    if a.h_kv != a.h_q:
+        parts.append("gqa")
+    return "+".join(parts) or "plain"
+
+
+def _sdpa_either(rng, gen, a: Attn) -> Case:
+    """Requests the contract leaves open: a library error, or a correct result."""
+    q, k, v = a.tensors["clean"]
+    m = rng.choice(
+        [
+            "expanded-kv",
+            "expanded-batch",
+            "br-sq-gt-skv",
+            "window-sq-gt-skv",
+            "alibi-no-causal",
+            "br-with-bias",
+            "causal-int-flag",
+            "seed-negative",
+            "all-meta",
+        ]
+    )
+    ref = {"causal": None, "window": None, "alibi": False, "bias": None, "lq": None, "lkv": None}
+    kw: dict = {"generate_stats": True}
+    if m == "expanded-kv":  # stride 0 over K/V heads (cuDNN refuses zero strides)
+        k = randn(gen, a.b, 1, a.s_kv, a.d_qk, dtype=a.dtype).expand(a.b, a.h_kv, -1, -1)
+        v = randn(gen, a.b, 1, a.s_kv, a.d_v, dtype=a.dtype).expand(a.b, a.h_kv, -1, -1)
+    elif m == "expanded-batch":
+        q = randn(gen, 1, a.h_q, a.s_q, a.d_qk, dtype=a.dtype).expand(a.b, -1, -1, -1)
+    elif m == "br-sq-gt-skv":  # bottom-right with S_q > S_kv and no lengths: the first rows see nothing
+        q = randn(gen, a.b, a.h_q, a.s_kv + rng.randint(1, 4), a.d_qk, dtype=a.dtype)
+        kw["use_causal_mask_bottom_right"], ref["causal"] = True, "bottom_right"
+    elif m == "window-sq-gt-skv":
+        q = randn(gen, a.b, a.h_q, a.s_kv + rng.randint(1, 4), a.d_qk, dtype=a.dtype)
+        kw["sliding_window_length"] = ref["window"] = rng.randint(1, 4)
+    elif m == "alibi-no-causal":
+        kw["use_alibi_mask"], ref["alibi"] = True, True
+    elif m == "br-with-bias":
+        if a.s_q > a.s_kv:
+            q = randn(gen, a.b, a.h_q, a.s_kv, a.d_qk, dtype=a.dtype)
+        kw["attn_bias"] = ref["bias"] = randn(gen, 1, 1, q.shape[2], a.s_kv, dtype=a.dtype)
+        kw["use_causal_mask_bottom_right"], ref["causal"] = True, "bottom_right"
+    elif m == "causal-int-flag":
+        kw["use_causal_mask"], ref["causal"] = 1, "top_left"
+    elif m == "seed-negative":
+        kw.update(dropout=0.0, dropout_seed=-5, dropout_offset=-1)
+    if m in ("expanded-kv", "expanded-batch") and a.lq is not None and not a.nan_beyond_len:
+        kw.update(use_padding_mask=True, seq_len_q=a.tensors["seq_len_q"], seq_len_kv=a.tensors["seq_len_kv"])
+        ref["lq"], ref["lkv"] = a.lq, a.lkv
+    if a.scale is not None:
+        kw["attn_scale"] = a.scale
+    if m == "all-meta":
+        q, k, v = (x.to("meta") for x in (q, k, v))
+    desc = f"g.sdpa either:{m} q={list(q.shape)}{list(q.stride())} k={list(k.shape)}{list(k.stride())} v={list(v.shape)} {str(a.dtype).removeprefix('torch.')} kwargs={_kwdesc(kw)}"
+
+    def call(case):
+        with _graph(rng=rng, backend="reference") as g:
+            g.sdpa(q, k, v, **kw)
+        return g(*distinct([q, k, v, kw.get("attn_bias"), kw.get("seq_len_q"), kw.get("seq_len_kv")]))
+
+    def check(result):
+        o, stats = unpack_outputs(result, 2)
+        if m == "all-meta":
+            assert o.shape == (*q.shape[:-1], a.d_v), f"meta O shape {list(o.shape)}"
+            return
+        o_exp, lse = oracle.attention(
+            q,
+            k,
+            v,
+            scale=a.scale_value,
+            causal=ref["causal"],
+            window=ref["window"],
+            seq_q=ref["lq"],
+            seq_kv=ref["lkv"],
+            bias=ref["bias"],
+            alibi=ref["alibi"],
+        )
+        allowed = scores_mask(
+            a.b, a.h_q, q.shape[2], k.shape[2], causal=ref["causal"], window=ref["window"], lq=ref["lq"], lkv=ref["lkv"]
+        )
+        assert_close("O", o, o_exp, tol(a.dtype), a.dtype, empty_rows(allowed, o_exp.shape))
+        assert_close("Stats", stats, lse, REFERENCE_TOL, torch.float32)
+
+    return _new_case(EITHER, f"sdpa/either/{m}", desc, call, check)
+
+
+def _kwdesc(kw: dict) -> str:
+    def short(v):
+        if isinstance(v, np.ndarray):
+            return f"ndarray{list(v.shape)}:{v.dtype}"
+        if isinstance(v, torch.Tensor):
+            return f"tensor{list(v.shape)}:{str(v.dtype).removeprefix('torch.')}@{v.device.type}"
+        if isinstance(v, (tuple, list)):
+            return "(" + ", ".join(short(x) for x in v) + ")"
+        return repr(v) if not isinstance(v, int) or abs(v) < 10**12 else f"<int {len(str(v))} digits>"
+
+    return "{" + ", ".join(f"{k}={short(v)}" for k, v in kw.items()) + "}"
+
+
+def _sdpa_build_malformed(rng, gen, a: Attn) -> Case:
+    t = a.tensors
+    kw = sdpa_keywords(a)
+    kw["generate_stats"] = rng.random() < 0.5
+    roles = {"q": t["q"], "k": t["k"], "v": t["v"]}
+    label, expect = mutate_request(rng, gen, a, kw, roles)
+    graph_kw = roles.pop("__graph__", {})
+    desc = (
+        f"g.sdpa malformed:{label} base=({a.describe()}) q/k/v={_kwdesc(roles)} kwargs={_kwdesc(kw)} graph={graph_kw}"
+    )
+
+    def call(case):
+        with _graph(graph_kw, rng) as g:
+            g.sdpa(roles["q"], roles["k"], roles["v"], **kw)
+        args = distinct(
+            [
+                roles["q"],
+                roles["k"],
+                roles["v"],
+                kw.get("attn_bias"),
+                kw.get("bias"),
+                kw.get("seq_len_q"),
+                kw.get("seq_len_kv"),
+            ]
+            + [x for x in (kw.get("dropout_seed"), kw.get("dropout_offset")) if isinstance(x, torch.Tensor)]
+        )
+        args = [x for x in args if isinstance(x, (torch.Tensor, np.ndarray))]
+        return g(*args)
+
+    def check(result):  # only for EITHER outcomes (keys broadcast in the bias)
+        o_exp, _ = oracle.attention(
+            *t["clean"],
+            scale=a.scale_value,
+            causal=a.causal if a.causal != "bottom_right" else None,
+            window=a.window,
+            seq_q=a.lq,
+            seq_kv=a.lkv,
+            bias=kw.get("attn_bias"),
+            alibi=a.alibi,
+        )
+        results = unpack_outputs(result, 2 if kw["generate_stats"] else 1)
+        if a.p:
+            return
+        assert_close("O", results[0], o_exp, tol(a.dtype), a.dtype)
+
+    case = _new_case(expect, f"sdpa/malformed/{label}", desc, call, check if expect == EITHER else None)
+    case.names = arguments_for(label, GRAPH_ARGUMENTS)
+    return case
+
+
+def _sdpa_runtime_malformed(rng, gen, a: Attn) -> Case:
+    t = a.tensors
+    kw = sdpa_keywords(a)
+    kw["generate_stats"] = rng.random() < 0.5
+    o_geom = _output_geometry(rng, a, t["q"])
+    stats_geom = ((a.b, a.h_q, a.s_q, 1), contiguous_stride((a.b, a.h_q, a.s_q, 1)), torch.float32)
+    outs_spec = [(*o_geom, a.dtype)] + ([stats_geom] if kw["generate_stats"] else [])
+    inputs = forward_run_inputs(a)
+    lengths = [
+        (i, a.s_q if x is t.get("seq_len_q") else a.s_kv)
+        for i, x in enumerate(inputs)
+        if x is t.get("seq_len_q") or x is t.get("seq_len_kv")
+    ]
+    label, args, run_kw = runtime_mutation(rng, gen, inputs, outs_spec, lengths)
+    desc = f"g(...) {label} on g.sdpa({a.describe()}) args={_kwdesc(dict(enumerate(args)))} {_kwdesc(run_kw)}"
+
+    def call(case):
+        with _graph(rng=rng) as g:
+            o, stats = g.sdpa(t["q"], t["k"], t["v"], **kw)
+            o.set_output(True).set_dim(o_geom[0]).set_stride(o_geom[1])
+        name_run_inputs(case, g, inputs, args, label)
+        return g(*args, **run_kw)
+
+    return _new_case(MALFORMED, f"sdpa/{label}", desc, call)
+
+
+def _sdpa_misuse(rng, gen, a: Attn) -> Case:
+    t = a.tensors
+    m = rng.choice(
+        [
+            "record-after-build",
+            "setter-after-build",
+            "empty-graph",
+            "foreign-handle",
+            "handle-as-run-input",
+            "set-dim-wrong",
+            "set-data-type-garbage",
+            "set-data-type-float32",
+            "set-stride-rank",
+        ]
+    )
+    errors = MISUSE_ERRORS
+
+    def call(case):
+        q, k, v = t["q"], t["k"], t["v"]
+        if m == "empty-graph":
+            with cudnn_attn.Graph() as g:
+                pass
+            return g
+        if m == "foreign-handle":
+            with cudnn_attn.Graph() as g1:
+                o1, _ = g1.sdpa(q, k, v)
+            with cudnn_attn.Graph() as g2:
+                g2.sdpa(o1, k, v)
+            return g2(k, v)
+        with cudnn_attn.Graph() as g:
+            o, _ = g.sdpa(q, k, v)
+            if m == "set-dim-wrong":
+                o.set_dim([a.b, a.h_q, a.s_q + 1, a.d_v])
+            elif m == "set-data-type-garbage":
+                o.set_data_type("complex")
+            elif m == "set-data-type-float32":
+                o.set_data_type(torch.float32)
+            elif m == "set-stride-rank":
+                o.set_stride([1, 1])
+        if m == "record-after-build":
+            g.sdpa(q, k, v)
+        elif m == "setter-after-build":
+            o.set_dim([a.b, a.h_q, a.s_q, a.d_v])
+        elif m == "handle-as-run-input":
+            return g(o, k, v)
+        return g(q, k, v)
+
+    desc = f"misuse:{m} on g.sdpa({a.describe()})"
+    return _new_case(MALFORMED, f"sdpa/misuse/{m}", desc, call, errors=errors)
+
+
+# ---- op: Graph.sdpa with ragged (THD) inputs -----------------------------------------------------------
+
+
+def _pack(dense: torch.Tensor, lengths: list, total: int) -> torch.Tensor:
+    """[B, H, S, D] -> [total, H, D]: each sequence's first lengths[b] rows back to back."""
+    parts = [dense[b, :, :n].transpose(0, 1) for b, n in enumerate(lengths)]
+    out = torch.cat(parts) if parts else dense.new_zeros(0, dense.shape[1], dense.shape[3])
+    return (
+        out[:total] if out.shape[0] >= total else torch.cat([out, out.new_zeros(total - out.shape[0], *out.shape[1:])])
+    )
+
+
+def _thd_case(rng: random.Random, gen: torch.Generator) -> Case:
+    dtype = pick(rng, HALF)
+    b = rng.choice([1, 2, 2, 3])
+    h_q = rng.choice([1, 2, 3, 4])
+    h_kv = rng.choice([d for d in (1, 2, 3, 4) if h_q % d == 0])
+    d, d_v = rng.choice([8, 16]), rng.choice([8, 16])
+    lq = [rng.randint(0 if rng.random() < 0.15 else 1, 8) for _ in range(b)]
+    lkv = [rng.randint(0 if rng.random() < 0.15 else 1, 8) for _ in range(b)]
+    extra_q, extra_kv = rng.choice([0, 0, 0, 2]), rng.choice([0, 0, 0, 3])
+    t_q, t_kv = max(sum(lq) + extra_q, 1), max(sum(lkv) + extra_kv, 1)
+    max_q = rng.choice([None, None, max(max(lq), 1) + rng.randint(0, 2)])
+    max_kv = rng.choice([None, None, max(max(lkv), 1) + rng.randint(0, 2)])
+    max_q = None if max_q is not None and max_q > t_q else max_q
+    max_kv = None if max_kv is not None and max_kv > t_kv else max_kv
+    s_q, s_kv = max_q or t_q, max_kv or t_kv  # the padded lengths the lengths are measured against
+    causal = rng.choice([None, None, "top_left", "bottom_right"])
+    window = rng.randint(1, 6) if rng.random() < 0.2 else None
+    scale = rng.choice([None, None, 0.2, 1.0])
+    layouts = [rng.choice(["THD", "THD", "padded", "HBSD", "offset"]) for _ in range(3)]
+    q_dense = randn(gen, b, h_q, s_q, d, dtype=dtype)
+    k_dense = randn(gen, b, h_kv, s_kv, d, dtype=dtype)
+    v_dense = randn(gen, b, h_kv, s_kv, d_v, dtype=dtype)
+    packed = []  # the sequences back to back, then random tokens that belong to no sequence
+    for dense, lengths, total in ((q_dense, lq, t_q), (k_dense, lkv, t_kv), (v_dense, lkv, t_kv)):
+        x = randn(gen, total, dense.shape[1], dense.shape[3], dtype=dtype)
+        n = sum(lengths)
+        x[:n] = _pack(dense, lengths, n)
+        packed.append(x)
+    q, k, v = (to_layout(x, lay) for x, lay in zip(packed, layouts))
+    seq_q, seq_kv = _int32(lq), _int32(lkv)
+    kw = {"seq_len_q": seq_q, "seq_len_kv": seq_kv}
+    if rng.random() < 0.7:
+        kw["use_padding_mask"] = True
+    if max_q is not None:
+        kw["max_seq_len_q"] = max_q
+    if max_kv is not None:
+        kw["max_seq_len_kv"] = max_kv
+    if causal == "top_left":
+        kw["use_causal_mask"] = True
+    elif causal == "bottom_right":
+        kw["use_causal_mask_bottom_right"] = True
+    if window is not None:
+        kw["sliding_window_length"] = window
+    if scale is not None:
+        kw["attn_scale"] = scale
+    want_stats = rng.random() < 0.5
+    kw["generate_stats"] = want_stats
+    base = f"THD {str(dtype).removeprefix('torch.')} b{b} h{h_q}/{h_kv} d{d}/{d_v} seq_len_q={lq} seq_len_kv={lkv} T={t_q}/{t_kv} layouts={layouts} kwargs={_kwdesc(kw)}"
+    r = rng.random()
+    if r < 0.5:
+        use_out = rng.random() < 0.4
+
+        def call(case):
+            with _graph(rng=rng) as g:
+                o, stats = g.sdpa(q, k, v, **kw)
+                if use_out:
+                    o.set_dim([t_q, h_q, d_v]).set_stride(contiguous_stride((t_q, h_q, d_v)))
+            run_kw = {}
+            if use_out:
+                outs = [poisoned((t_q, h_q, d_v), contiguous_stride((t_q, h_q, d_v)), dtype)]
+                if want_stats:
+                    shape = tuple(stats.shape)
+                    outs.append(poisoned(shape, contiguous_stride(shape), torch.float32))
+                run_kw["out"] = outs[0] if len(outs) == 1 else tuple(outs)
+            return g(q, k, v, seq_q, seq_kv, **run_kw)
+
+        def check(result):
+            results = unpack_outputs(result, 2 if want_stats else 1)
+            o_exp, lse = oracle.attention(
+                q_dense,
+                k_dense,
+                v_dense,
+                scale=scale if scale is not None else d**-0.5,
+                causal=causal,
+                window=window,
+                seq_q=lq,
+                seq_kv=lkv,
+            )
+            n = sum(lq)
+            o = as_tensor(results[0])
+            assert tuple(o.shape) == (t_q, h_q, d_v), f"O: shape {list(o.shape)}, expected {[t_q, h_q, d_v]}"
+            assert_close("O (tokens of the sequences)", o[:n], _pack(o_exp, lq, n), tol(dtype), dtype)
+            if want_stats:  # [B, H, S_max, 1]: rows past each sequence's length are fully masked (-inf)
+                stats = as_tensor(results[1])
+                assert (
+                    stats.dim() == 4
+                    and tuple(stats.shape[:2]) == (b, h_q)
+                    and stats.shape[3] == 1
+                    and stats.shape[2] >= max(lq)
+                ), f"Stats: shape {list(stats.shape)}"
+                rows = stats.shape[2]
+                if rows > s_q:
+                    lse = torch.cat([lse, lse.new_full((b, h_q, rows - s_q, 1), float("-inf"))], 2)
+                assert_close("Stats", stats, lse[:, :, :rows], REFERENCE_TOL, torch.float32)
+
+        label = (
+            "+".join(
+                x
+                for x in (
+                    causal,
+                    "window" if window else "",
+                    "gqa" if h_kv != h_q else "",
+                    "max_seq_len" if (max_q or max_kv) else "",
+                    "extra-tokens" if (extra_q or extra_kv) else "",
+                )
+                if x
+            )
+            or "plain"
+        )
+        return _new_case(VALID, f"sdpa_thd/valid/{label}", "g.sdpa " + base, call, check)
+    if r < 0.65:
+        inputs = [q, k, v, seq_q, seq_kv]
+        label, args, run_kw = runtime_mutation(rng, gen, inputs, None, [(3, s_q), (4, s_kv)])
+
+        def call(case):
+            with _graph(rng=rng) as g:
+                g.sdpa(q, k, v, **kw)
+            name_run_inputs(case, g, inputs, args, label)
+            return g(*args, **run_kw)
+
+        return _new_case(MALFORMED, f"sdpa_thd/{label}", f"g(...) {label} on " + base, call)
+    # build-time malformations specific to ragged inputs
+    m = rng.choice(
+        [
+            "sum-over-T",
+            "len-over-max",
+            "len-negative",
+            "k-rank4",
+            "no-seq-len-kv",
+            "len-shapes-differ",
+            "tk-ne-tv",
+            "max-zero",
+            "max-over-T",
+            "max-float",
+            "max-bool",
+            "no-seq-len-q",
+            "padding-false",
+        ]
+    )
+    kw2 = dict(kw)
+    q2, k2, v2 = q, k, v
+    expect = MALFORMED
+    if m == "sum-over-T":
+        kw2["seq_len_q"] = _int32([t_q] * max(b, 2)) if b > 1 else _int32([t_q + 1])
+        kw2["seq_len_kv"] = _int32(lkv + [1] * (max(b, 2) - b)) if b == 1 else seq_kv
+        kw2.pop("max_seq_len_q", None)
+    elif m == "len-over-max":
+        kw2["max_seq_len_q"] = max(max(lq), 2) - 1
+        if max(lq) <= 1:
+            kw2["seq_len_q"] = _int32([2] + lq[1:])
+    elif m == "len-negative":
+        kw2["seq_len_kv"] = _int32([-1] + lkv[1:])
+    elif m == "k-rank4":
+        k2 = randn(gen, b, h_kv, s_kv, d, dtype=dtype)
+    elif m == "no-seq-len-kv":
+        kw2.pop("seq_len_kv")
+    elif m == "no-seq-len-q":
+        kw2.pop("seq_len_q")
+    elif m == "len-shapes-differ":
+        kw2["seq_len_kv"] = _int32(lkv + [1])
+    elif m == "tk-ne-tv":
+        v2 = randn(gen, t_kv + 1, h_kv, d_v, dtype=dtype)
+    elif m == "max-zero":
+        kw2["max_seq_len_q"] = 0
+    elif m == "max-over-T":
+        kw2["max_seq_len_kv"] = t_kv + 1
+    elif m == "max-float":
+        kw2["max_seq_len_q"] = float(max(max(lq), 1))
+    elif m == "max-bool":
+        kw2["max_seq_len_kv"] = True
+    elif m == "padding-false":
+        kw2["use_padding_mask"] = False  # ragged inputs need the padding mask: either refused, or run with it
+        expect = EITHER
+    desc = f"g.sdpa THD malformed:{m} base=({base}) kwargs={_kwdesc(kw2)} k={_kwdesc({'k': k2, 'v': v2})}"
+
+    def call(case):
+        with _graph(rng=rng) as g:
+            g.sdpa(q2, k2, v2, **kw2)
+        return g(*distinct([q2, k2, v2, kw2.get("seq_len_q"), kw2.get("seq_len_kv")]))
+
+    def check(result):
+        results = unpack_outputs(result, 2 if want_stats else 1)
+        o_exp, _ = oracle.attention(
+            q_dense,
+            k_dense,
+            v_dense,
+            scale=scale if scale is not None else d**-0.5,
+            causal=causal,
+            window=window,
+            seq_q=lq,
+            seq_kv=lkv,
+        )
+        n = sum(lq)
+        assert_close("O (tokens of the sequences)", as_tensor(results[0])[:n], _pack(o_exp, lq, n), tol(dtype), dtype)
+
+    case = _new_case(expect, f"sdpa_thd/malformed/{m}", desc, call, check if expect == EITHER else None)
+    case.names = arguments_for(m, THD_ARGUMENTS)
+    return case
+
+
+# ---- op: Graph.sdpa_backward -------------------------------------------------------------------------------
+
+
+def _backward_case(rng: random.Random, gen: torch.Generator) -> Case:
+    if rng.random() < 0.15:
+        return _thd_backward_case(rng, gen)
+    a = draw_attn(rng, gen, backward=True)
+    t = a.tensors
+    q, k, v = t["clean"]
+    allowed, bias = a.allowed(), a.bias64()
+    o_layout = rng.choice(DENSE_LAYOUTS) if rng.random() < 0.4 else a.layouts[0].replace("BS3HD", "BSHD")
+    d_o = to_layout(randn(gen, a.b, a.h_q, a.s_q, a.d_v, dtype=a.dtype), rng.choice(DENSE_LAYOUTS))
+    probs = probs64(q, k, scale=a.scale_value, allowed=allowed, bias=bias)
+    vv = v.double().repeat_interleave(a.h_q // a.h_kv, 1)
+    o64 = probs @ vv
+    s = (q.double() @ k.double().repeat_interleave(a.h_q // a.h_kv, 1).transpose(-1, -2)) * a.scale_value
+    if bias is not None:
+        s = s + bias
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, -1, keepdim=True)
+    o = to_layout(o64.to(a.dtype), o_layout)
+    stats = lse.float()
+    kw = sdpa_keywords(a)
+    kw["use_deterministic_algorithm"] = rng.random() < 0.3
+    r = rng.random()
+    combined = bool(a.p) or rng.random() < 0.25  # dropout: the forward of the same graph gives O (and the mask)
+    base = f"{a.describe()} combined={combined} o_layout={o_layout} deterministic={kw['use_deterministic_algorithm']}"
+    if r < 0.5:
+        use_out = not combined and rng.random() < 0.5
+        state = {}
+
+        def call(case):
+            with _graph(rng=rng) as g:
+                if combined:
+                    fkw = {x: y for x, y in kw.items() if x != "use_deterministic_algorithm"}
+                    o_h, s_h = g.sdpa(t["q"], t["k"], t["v"], generate_stats=True, **fkw)
+                    grads = g.sdpa_backward(t["q"], t["k"], t["v"], o_h, d_o, s_h, **kw)
+                else:
+                    grads = g.sdpa_backward(t["q"], t["k"], t["v"], o, d_o, stats, **kw)
+                geoms = []
+                for h, x in zip(grads, (t["q"], t["k"], t["v"])):
+                    geom = (tuple(x.shape), strides_like(tuple(x.shape), x.stride()))
+                    geoms.append(geom)
+                    if use_out:
+                        h.set_dim(geom[0]).set_stride(geom[1])
+            run_kw = {}
+            if combined:
+                args = forward_run_inputs(a) + [d_o]
+            else:
+                args = distinct(
+                    [
+                        t["q"],
+                        t["k"],
+                        t["v"],
+                        o,
+                        d_o,
+                        stats,
+                        t.get("bias"),
+                        t.get("seq_len_q"),
+                        t.get("seq_len_kv"),
+                        t.get("seed"),
+                        t.get("offset"),
+                    ]
+                )
+            outs = [poisoned(s_, st, a.dtype) for s_, st in geoms] if use_out else None
+            if outs:
+                run_kw["out"] = tuple(outs)
+            state["outs"] = outs
+            return g(*args, **run_kw)
+
+        def check(result):
+            results = unpack_outputs(result, 5 if combined else 3)
+            keep = None
+            o_given = o
+            if combined:
+                o_f = as_tensor(results[0])
+                o_exp, lse_exp, empty, keep = expected_forward(a, o_f)
+                assert_close("O (forward node)", o_f, o_exp, tol(a.dtype), a.dtype, empty)
+                assert_close("Stats (forward node)", results[1], lse_exp, REFERENCE_TOL, torch.float32)
+                o_given = o_f
+                results = results[2:]
+            _check_grads(results, a, q, k, v, o_given, d_o, allowed, bias, keep)
+            check_out_buffers(results, state["outs"])
+
+        return _new_case(
+            VALID,
+            "sdpa_backward/valid/" + _features(a) + ("+fused" if combined else ""),
+            "g.sdpa_backward " + base,
+            call,
+            check,
+        )
+    if r < 0.68:
+        inputs = distinct(
+            [
+                t["q"],
+                t["k"],
+                t["v"],
+                o,
+                d_o,
+                stats,
+                t.get("bias"),
+                t.get("seq_len_q"),
+                t.get("seq_len_kv"),
+                t.get("seed"),
+                t.get("offset"),
+            ]
+        )
+        outs_spec = [
+            (tuple(x.shape), strides_like(tuple(x.shape), x.stride()), a.dtype) for x in (t["q"], t["k"], t["v"])
+        ]
+        lengths = [
+            (i, a.s_q if x is t.get("seq_len_q") else a.s_kv)
+            for i, x in enumerate(inputs)
+            if x is t.get("seq_len_q") or x is t.get("seq_len_kv")
+        ]
+        label, args, run_kw = runtime_mutation(rng, gen, inputs, outs_spec, lengths)
+
+        def call(case):
+            with _graph(rng=rng) as g:
+                grads = g.sdpa_backward(t["q"], t["k"], t["v"], o, d_o, stats, **kw)
+                for h, (s_, st, _) in zip(grads, outs_spec):
+                    h.set_dim(s_).set_stride(st)
+            name_run_inputs(case, g, inputs, args, label)
+            return g(*args, **run_kw)
+
+        return _new_case(
+            MALFORMED,
+            f"sdpa_backward/{label}",
+            f"g(...) {label} on g.sdpa_backward({base}) args={_kwdesc(dict(enumerate(args)))} {_kwdesc(run_kw)}",
+            call,
+        )
+    roles = {"q": t["q"], "k": t["k"], "v": t["v"], "o": o, "dO": d_o, "stats": stats}
+    label, expect = mutate_request(rng, gen, a, kw, roles, backward=True)
+    graph_kw = roles.pop("__graph__", {})
+    desc = f"g.sdpa_backward malformed:{label} base=({base}) tensors={_kwdesc(roles)} kwargs={_kwdesc(kw)} graph={graph_kw}"
+
+    def call(case):
+        with _graph(graph_kw, rng) as g:
+            g.sdpa_backward(roles["q"], roles["k"], roles["v"], roles["o"], roles["dO"], roles["stats"], **kw)
+        args = distinct(
+            [roles[r] for r in ("q", "k", "v", "o", "dO", "stats")]
+            + [kw.get("attn_bias"), kw.get("bias"), kw.get("seq_len_q"), kw.get("seq_len_kv")]
+            + [x for x in (kw.get("dropout_seed"), kw.get("dropout_offset")) if isinstance(x, torch.Tensor)]
+        )
+        args = [x for x in args if isinstance(x, (torch.Tensor, np.ndarray))]
+        return g(*args)
+
+    def check(result):  # EITHER (bias broadcast over keys): its gradients, given the o that was passed
+        results = unpack_outputs(result, 3)
+        if a.p:
+            return
+        causal = a.causal if a.causal != "bottom_right" else None
+        a2 = Attn(
+            a.dtype,
+            a.b,
+            a.h_q,
+            a.h_kv,
+            a.s_q,
+            a.s_kv,
+            a.d_qk,
+            a.d_v,
+            causal=causal,
+            window=a.window,
+            alibi=a.alibi,
+            lq=a.lq,
+            lkv=a.lkv,
+            scale=a.scale,
+        )
+        bias2 = kw["attn_bias"].double().expand(a.b, a.h_q, a.s_q, a.s_kv)
+        if a.alibi:
+            bias2 = bias2 + alibi_bias64(a.h_q, a.s_q, a.s_kv)
+        _check_grads(results, a2, q, k, v, roles["o"], roles["dO"], a2.allowed(), bias2, None)
+
+    case = _new_case(expect, f"sdpa_backward/malformed/{label}", desc, call, check if expect == EITHER else None)
+    case.names = arguments_for(label, GRAPH_ARGUMENTS)
+    return case
+
+
+def _check_grads(results, a: Attn, q, k, v, o_given, d_o, allowed, bias, keep, names=("dQ", "dK", "dV")):
+    d_q, d_k, d_v, _ = grads64(
+        q, k, v, as_tensor(o_given), d_o, scale=a.scale_value, allowed=allowed, bias=bias, keep=keep, p=a.p
+    )
+    for name, actual, expected in zip(names, results, (d_q, d_k, d_v)):
+        assert_close(name, actual, expected, tol(a.dtype), a.dtype)
+    # the formula itself, against autograd of the oracle: both with the exact float64 O
+    leaves = [x.double().detach().requires_grad_() for x in (q, k, v)]
+    out = oracle.attention_autograd(*leaves, scale=a.scale_value, allowed=allowed, bias=bias, keep=keep, p=a.p)
+    out.backward(d_o.double())
+    exact = grads64(q, k, v, out.detach(), d_o, scale=a.scale_value, allowed=allowed, bias=bias, keep=keep, p=a.p)
+    for name, expected, leaf in zip(names, exact, leaves):
+        err = rel_err(expected, leaf.grad)
+        assert err < 1e-7, f"{name}: the float64 formula and autograd disagree ({err:.3g}): a bug of this fuzz file"
+
+
+def _thd_backward_case(rng: random.Random, gen: torch.Generator) -> Case:
+    dtype = pick(rng, HALF)
+    b = rng.choice([1, 2, 3])
+    h_q = rng.choice([1, 2, 4])
+    h_kv = rng.choice([x for x in (1, 2, 4) if h_q % x == 0])
+    d = rng.choice([8, 16])
+    lq = [rng.randint(1, 6) for _ in range(b)]
+    lkv = [rng.randint(1, 6) for _ in range(b)]
+    s_q, s_kv = max(lq), max(lkv)
+    causal = rng.choice([None, "top_left", "bottom_right"])
+    qd = randn(gen, b, h_q, s_q, d, dtype=dtype)
+    kd, vd = randn(gen, b, h_kv, s_kv, d, dtype=dtype), randn(gen, b, h_kv, s_kv, d, dtype=dtype)
+    t_q, t_kv = sum(lq), sum(lkv)
+    q, k, v = _pack(qd, lq, t_q), _pack(kd, lkv, t_kv), _pack(vd, lkv, t_kv)
+    seq_q, seq_kv = _int32(lq), _int32(lkv)
+    allowed = scores_mask(b, h_q, s_q, s_kv, causal=causal, lq=lq, lkv=lkv)
+    probs = probs64(qd, kd, scale=d**-0.5, allowed=allowed)
+    o_dense = (probs @ vd.double().repeat_interleave(h_q // h_kv, 1)).to(dtype)
+    o = _pack(o_dense, lq, t_q)
+    d_o_dense = randn(gen, b, h_q, s_q, d, dtype=dtype)
+    valid_rows = torch.arange(s_q).view(1, 1, -1, 1) < torch.tensor(lq).view(-1, 1, 1, 1)
+    d_o_dense = torch.where(valid_rows, d_o_dense, torch.zeros_like(d_o_dense))
+    d_o = _pack(d_o_dense, lq, t_q)
+    sc = (qd.double() @ kd.double().repeat_interleave(h_q // h_kv, 1).transpose(-1, -2)) * d**-0.5
+    sc = sc.masked_fill(~allowed, float("-inf"))
+    stats = torch.logsumexp(sc, -1, keepdim=True).float()
+    kw = {
+        "seq_len_q": seq_q,
+        "seq_len_kv": seq_kv,
+        "max_seq_len_q": s_q,
+        "max_seq_len_kv": s_kv,
+        "use_causal_mask": causal == "top_left",
+        "use_causal_mask_bottom_right": causal == "bottom_right",
+    }
+    desc = f"g.sdpa_backward THD {str(dtype).removeprefix('torch.')} b{b} h{h_q}/{h_kv} d{d} seq_len_q={lq} seq_len_kv={lkv} causal={causal}"
+
+    def call(case):
+        with _graph(rng=rng) as g:
+            g.sdpa_backward(q, k, v, o, d_o, stats, **kw)
+        return g(q, k, v, o, d_o, stats, seq_q, seq_kv)
+
+    def check(result):
+        d_q, d_k, d_v = unpack_outputs(result, 3)
+        e_q, e_k, e_v, _ = grads64(qd, kd, vd, o_dense, d_o_dense, scale=d**-0.5, allowed=allowed)
+        assert_close("dQ", d_q, _pack(e_q, lq, t_q), tol(dtype), dtype)
+        assert_close("dK", d_k, _pack(e_k, lkv, t_kv), tol(dtype), dtype)
+        assert_close("dV", d_v, _pack(e_v, lkv, t_kv), tol(dtype), dtype)
+
+    return _new_case(VALID, "sdpa_backward/valid/thd" + (f"+{causal}" if causal else ""), desc, call, check)
+
+
+# ---- op: Graph.sdpa_with_paged_cache -------------------------------------------------------------------------
+
+
+def _paged_square_probe(rng: random.Random, gen: torch.Generator) -> Case:
+    """An [N, H_kv, P, D] cache with P == H_kv and no way given to tell the readings apart (the contract's
+    sdpa has no layout keyword): a library error asking which, or the right result; never the other reading."""
+    dtype = pick(rng, HALF)
+    h_q = rng.choice([2, 4])
+    h_kv = rng.choice([x for x in (2, 4) if h_q % x == 0])
+    b, d, s_q, per_seq = rng.choice([1, 2]), rng.choice([8, 16]), rng.choice([1, 2]), rng.randint(1, 3)
+    num_pages = b * per_seq + 1
+    q = randn(gen, b, h_q, s_q, d, dtype=dtype)
+    k, v = randn(gen, num_pages, h_kv, h_kv, d, dtype=dtype), randn(gen, num_pages, h_kv, h_kv, d, dtype=dtype)
+    table = torch.randperm(num_pages, generator=gen)[: b * per_seq].view(b, per_seq).to(torch.int32)
+    lkv = [rng.randint(1, per_seq * h_kv) for _ in range(b)]
+    seq_kv = _int32(lkv)
+    desc = f"g.sdpa(q{list(q.shape)}, NHPD cache {list(k.shape)} (page_size == H_kv == {h_kv}), paged_attention_k_table={table.tolist()}, seq_len_kv={lkv}) {str(dtype).removeprefix('torch.')}"
+
+    def call(case):
+        with _graph(rng=rng) as g:
+            g.sdpa(q, k, v, use_padding_mask=True, seq_len_kv=seq_kv, paged_attention_k_table=table)
+        return g(q, k, v, seq_kv, table)
+
+    def check(result):
+        k_dense, v_dense = _gather(k, table, "NHPD", per_seq * h_kv), _gather(v, table, "NHPD", per_seq * h_kv)
+        o_exp, _ = oracle.attention(q, k_dense, v_dense, scale=d**-0.5, seq_kv=lkv)
+        assert_close("O (the cache read as NHPD)", unpack_outputs(result, 1)[0], o_exp, tol(dtype), dtype)
+
+    return _new_case(EITHER, "paged/either/square-cache-NHPD-implicit", desc, call, check)
+
+
+def _paged_case(rng: random.Random, gen: torch.Generator) -> Case:
+    if rng.random() < 0.04:
+        return _paged_square_probe(rng, gen)
+    dtype = pick(rng, HALF)
+    b = rng.choice([1, 2, 3])
+    h_q = rng.choice([1, 2, 4, 4])
+    h_kv = rng.choice([x for x in (1, 2, 4) if h_q % x == 0])
+    d = rng.choice([8, 16])
+    s_q = rng.choice([1, 1, 1, 2, 3, 5])
+    page = rng.choice([1, 2, 3, 4, 5, 6, 8])
+    per_seq = rng.randint(1, max(1, 16 // page))
+    num_pages = b * per_seq + rng.randint(0, 3)
+    layout = rng.choice(["NPHD", "NHPD"])
+    # The other reading ([N, H, P, D] for [N, P, H, D]) is also a valid cache when P divides H_q: then
+    # only kv_cache_layout says which it is (page_size == H_kv included: the readings are transposes).
+    ambiguous = h_q % page == 0 and not (page == 1 and h_kv == 1)
+    explicit_layout = ambiguous or rng.random() < 0.15
+    capacity = per_seq * page
+    max_kv = rng.choice([None, None, None, rng.randint(1, capacity)])
+    s_kv = max_kv or capacity
+    lkv = [rng.randint(0 if rng.random() < 0.1 else 1, s_kv) for _ in range(b)]
+    give_lq = rng.random() < 0.3
+    lq = [rng.randint(0, s_q) for _ in range(b)] if give_lq else [s_q] * b
+    causal = rng.choice([None, None, "top_left", "bottom_right", "bottom_right"])
+    window = rng.randint(1, 6) if rng.random() < 0.15 else None
+    scale = rng.choice([None, None, 0.25, 1.0])
+    table_form = rng.choice(["B,n", "B,n", "B,1,n,1"])
+    separate_v = rng.random() < 0.3
+    q_layout = rng.choice(DENSE_LAYOUTS) if rng.random() < 0.4 else "BHSD"
+    q_dense = randn(gen, b, h_q, s_q, d, dtype=dtype)
+    q = to_layout(q_dense, q_layout)
+    shape = (num_pages, page, h_kv, d) if layout == "NPHD" else (num_pages, h_kv, page, d)
+    k_cache, v_cache = randn(gen, *shape, dtype=dtype), randn(gen, *shape, dtype=dtype)
+    if rng.random() < 0.2:
+        v_cache = k_cache  # one cache for both
+    table_k = torch.randint(0, num_pages, (b, per_seq), generator=gen, dtype=torch.int32)
+    if rng.random() < 0.6 and num_pages >= b * per_seq:
+        table_k = torch.randperm(num_pages, generator=gen)[: b * per_seq].view(b, per_seq).to(torch.int32)
+    table_v = torch.randint(0, num_pages, (b, per_seq), generator=gen, dtype=torch.int32) if separate_v else table_k
+
+    def shaped(table):
+        return table.view(b, 1, per_seq, 1) if table_form == "B,1,n,1" else table
+
+    pt_k, pt_v = shaped(table_k), shaped(table_v) if separate_v else None
+    len_shape = rng.choice(["B", "B", "B111"])
+    seq_kv = _int32(lkv).view((b,) if len_shape == "B" else (b, 1, 1, 1))
+    seq_q = _int32(lq).view((b,) if len_shape == "B" else (b, 1, 1, 1)) if give_lq else None
+    mask_kw = {}
+    if causal == "top_left":
+        mask_kw["use_causal_mask"] = True
+    elif causal == "bottom_right":
+        mask_kw["use_causal_mask_bottom_right"] = True
+    if window is not None:
+        mask_kw["sliding_window_length"] = window
+    if scale is not None:
+        mask_kw["attn_scale"] = scale
+    sdpa_form = rng.random() < 0.25 and not ambiguous and not explicit_layout
+    base = (
+        f"{'g.sdpa(paged_attention_*)' if sdpa_form else 'g.sdpa_with_paged_cache'} {str(dtype).removeprefix('torch.')} "
+        f"b{b} h{h_q}/{h_kv} d{d} s_q={s_q} q_layout={q_layout} cache={layout}{list(shape)} page={page} pages/seq={per_seq} "
+        f"table={table_form}{' +separate v table' if separate_v else ''} max_seq_len_kv={max_kv} seq_len_kv={lkv} "
+        f"seq_len_q={lq if give_lq else None} ({len_shape}) kv_cache_layout={'explicit' if explicit_layout else 'inferred'} "
+        f"masks={_kwdesc(mask_kw)} same_cache={v_cache is k_cache}"
+    )
+
+    def record(g, q_=q, k_=k_cache, v_=v_cache, ptk=pt_k, ptv=pt_v, skv=seq_kv, sq=seq_q, extra=None):
+        extra = dict(extra or {})
+        if sdpa_form:
+            kw = dict(mask_kw, use_padding_mask=True, seq_len_kv=skv, paged_attention_k_table=ptk)
+            if sq is not None:
+                kw["seq_len_q"] = sq
+            if ptv is not None:
+                kw["paged_attention_v_table"] = ptv
+            if max_kv is not None:
+                kw["paged_attention_max_seq_len_kv"] = max_kv
+            kw.update(extra)
+            return g.sdpa(q_, k_, v_, **kw)
+        kw = dict(mask_kw, seq_len_kv=skv)
+        if sq is not None:
+            kw["seq_len_q"] = sq
+        if ptv is not None:
+            kw["page_table_v"] = ptv
+        if max_kv is not None:
+            kw["max_seq_len_kv"] = max_kv
+        if explicit_layout:
+            kw["kv_cache_layout"] = layout
+        kw.update(extra)
+        return g.sdpa_with_paged_cache(q_, k_, v_, ptk, **kw)
+
+    def contract_inputs(q_=q, k_=k_cache, v_=v_cache, ptk=pt_k, ptv=pt_v, skv=seq_kv, sq=seq_q):
+        if sdpa_form:  # sdpa's order: q, k, v, (bias), seq_len_q, seq_len_kv, ..., paged tables
+            return distinct([q_, k_, v_, sq, skv, ptk, ptv])
+        return distinct([q_, k_, v_, ptk, sq, skv, ptv])  # sdpa_with_paged_cache's own parameter order
+
+    r = rng.random()
+    if r < 0.5:
+        use_out = rng.random() < 0.4
+        out_geom = ((b, h_q, s_q, d), strides_like((b, h_q, s_q, d), q.stride()))
+
+        def call(case):
+            with _graph(rng=rng) as g:
+                o, second = record(g)
+                if use_out:
+                    o.set_dim(out_geom[0]).set_stride(out_geom[1])
+            assert second is None, "sdpa_with_paged_cache must return (O, None)"
+            run_kw = {"out": poisoned(*out_geom, dtype)} if use_out else {}
+            by_name = _paged_by_name(g, q, k_cache, v_cache, pt_k, pt_v, seq_q, seq_kv)
+            order = "q, k, v, page_table, seq_len_q, seq_len_kv, page_table_v"
+            try:
+                result = g(*contract_inputs(), **run_kw)
+            except LIBRARY_ERRORS as error:
+                if sdpa_form or by_name is None:
+                    raise
+                case.note(
+                    f"valid request refused ({type(error).__name__}) in the contract's positional order {order}",
+                    _first_line(error),
+                    label="paged/positional-order",
+                )
+                run_kw = {"out": poisoned(*out_geom, dtype)} if use_out else {}
+                result = g(by_name, **run_kw)
+            else:
+                if not sdpa_form and by_name is not None:  # inputs of equal shapes may have been swapped silently
+                    again = g(by_name)
+                    if not torch.equal(as_tensor(again).nan_to_num(), as_tensor(result).nan_to_num()):
+                        case.note(
+                            f"wrong result: the contract's positional order {order} is read in another order "
+                            "(page table and lengths of equal shape swapped silently)",
+                            "results differ from the by-name run",
+                            label="paged/positional-order",
+                        )
+                        result, run_kw = again, {}
+            if use_out and "out" in run_kw:
+                assert as_tensor(result).data_ptr() == run_kw["out"].data_ptr(), "result is not the out= buffer"
+            return result
+
+        def check(result):
+            k_dense = _gather(k_cache, table_k, layout, s_kv)
+            v_dense = _gather(v_cache, table_v, layout, s_kv)
+            o_exp, _ = oracle.attention(
+                q_dense,
+                k_dense,
+                v_dense,
+                scale=scale if scale is not None else d**-0.5,
+                causal=causal,
+                window=window,
+                seq_q=lq,
+                seq_kv=lkv,
+            )
+            allowed = scores_mask(b, h_q, s_q, s_kv, causal=causal, window=window, lq=lq, lkv=lkv)
+            assert_close("O", unpack_outputs(result, 1)[0], o_exp, tol(dtype), dtype, empty_rows(allowed, o_exp.shape))
+
+        label = "+".join(
+            x
+            for x in (
+                causal or "",
+                "window" if window else "",
+                "gqa" if h_kv != h_q else "",
+                "decode" if s_q == 1 else "prefill",
+                layout,
+                "sdpa-form" if sdpa_form else "",
+            )
+            if x
+        )
+        return _new_case(VALID, f"paged/valid/{label}", base, call, check)
+    if r < 0.65:
+        inputs = contract_inputs()
+        lengths = [(i, s_kv) for i, x in enumerate(inputs) if x is seq_kv]
+        # swapping a page table with a length tensor is the library's own order (see the valid cases)
+        tables = [i for i, x in enumerate(inputs) if x is pt_k or x is pt_v]
+        lens = [i for i, x in enumerate(inputs) if x is seq_kv or x is seq_q]
+        no_swap = [{x, y} for x in tables for y in lens]
+        out_spec = [((b, h_q, s_q, d), strides_like((b, h_q, s_q, d), q.stride()), dtype)]
+        label, args, run_kw = runtime_mutation(rng, gen, inputs, out_spec, lengths, no_swap)
+
+        def call(case):
+            with _graph(rng=rng) as g:
+                o, _ = record(g)
+                o.set_dim((b, h_q, s_q, d)).set_stride(strides_like((b, h_q, s_q, d), q.stride()))
+            name_run_inputs(case, g, inputs, args, label)
+            return g(*args, **run_kw)
+
+        return _new_case(MALFORMED, f"paged/{label}", f"g(...) {label} on {base}", call)
+    m = rng.choice(
+        [
+            "cache-rank3",
+            "table-int64",
+            "table-rows",
+            "table-rank3",
+            "table-index-high",
+            "table-index-neg",
+            "no-seq-len-kv",
+            "seq-len-kv-over",
+            "seq-len-kv-neg",
+            "seq-len-kv-int64",
+            "v-cache-shape",
+            "cache-dtype",
+            "layout-name",
+            "max-over",
+            "max-zero",
+            "max-bool",
+            "table-None",
+            "kv-heads",
+            "table-float",
+            "q-thd",
+            "table-meta",
+            "seq-len-q-over",
+            "table-nontensor",
+            "cache-last-stride",
+        ]
+    )
+    q2, k2, v2, ptk, ptv, skv, sq, extra = q, k_cache, v_cache, pt_k, pt_v, seq_kv, seq_q, {}
+    expect = MALFORMED
+    used = [(bi, j) for bi in range(b) for j in range(per_seq) if j * page < lkv[bi]] or [(0, 0)]
+    if m == "cache-rank3":
+        k2 = k_cache[0]
+    elif m == "table-int64":
+        ptk = pt_k.long()
+    elif m == "table-rows":
+        ptk = torch.zeros(b + 1, per_seq, dtype=torch.int32)
+    elif m == "table-rank3":
+        ptk = table_k.view(b, per_seq, 1)
+    elif m in ("table-index-high", "table-index-neg"):
+        bad = table_k.clone()
+        bi, j = rng.choice(used)
+        bad[bi, j] = num_pages + rng.randint(0, 5) if m == "table-index-high" else -1
+        ptk = shaped(bad)
+    elif m == "no-seq-len-kv":
+        skv = None
+    elif m == "seq-len-kv-over":
+        skv = _int32([s_kv + 1] + lkv[1:])
+    elif m == "seq-len-kv-neg":
+        skv = _int32([-1] + lkv[1:])
+    elif m == "seq-len-kv-int64":
+        skv = _int32(lkv).long()
+    elif m == "seq-len-q-over":
+        sq = _int32([s_q + 1] + lq[1:])
+    elif m == "v-cache-shape":
+        v2 = randn(gen, num_pages + 1, *shape[1:], dtype=dtype)
+    elif m == "cache-dtype":
+        k2 = k_cache.to(torch.bfloat16 if dtype == torch.float16 else torch.float16)
+    elif m == "layout-name":
+        extra["kv_cache_layout"] = "HND"
+    elif m in ("max-over", "max-zero", "max-bool"):
+        value = {"max-over": capacity + 1, "max-zero": 0, "max-bool": True}[m]
+        extra["paged_attention_max_seq_len_kv" if sdpa_form else "max_seq_len_kv"] = value
+    elif m == "table-None":
+        ptk = None
+    elif m == "kv-heads":  # 3 heads whichever way the cache is read: never divides H_q in {1, 2, 4}
+        k2 = v2 = randn(gen, num_pages, 3, 3, d, dtype=dtype)
+    elif m == "table-float":
+        ptk = pt_k.float()
+    elif m == "q-thd":
+        q2 = randn(gen, b * s_q, h_q, d, dtype=dtype)
+    elif m == "table-meta":
+        ptk = pt_k.to("meta")
+    elif m == "table-nontensor":
+        ptk = table_k.tolist()
+    elif m == "cache-last-stride":
+        k2 = randn(gen, *shape[:-1], 1, dtype=dtype).expand(*shape)
+    if sdpa_form and "kv_cache_layout" in extra:
+        extra.pop("kv_cache_layout")
+        if m == "layout-name":
+            extra["paged_attention_max_seq_len_kv"] = 0
+            m = "max-zero"
+    if page == 1 and h_kv == 1 and not sdpa_form and "kv_cache_layout" not in extra and k2 is k_cache:
+        extra["kv_cache_layout"] = layout  # [N, 1, 1, D] caches are refused without it: keep that finding apart
+    desc = f"paged malformed:{m} base=({base}) q={_kwdesc({'q': q2, 'k': k2, 'v': v2, 'table': ptk, 'seq_len_kv': skv, 'seq_len_q': sq})} extra={_kwdesc(extra)}"
+
+    def call(case):
+        with _graph(rng=rng) as g:
+            record(g, q2, k2, v2, ptk, ptv, skv, sq, extra)
+        args = [x for x in contract_inputs(q2, k2, v2, ptk, ptv, skv, sq) if isinstance(x, torch.Tensor)]
+        return g(*args)
+
+    case = _new_case(expect, f"paged/malformed/{m}", desc, call)
+    case.names = arguments_for(m, PAGED_ARGUMENTS)
+    return case
+
+
+def _paged_by_name(g, q, k, v, pt_k, pt_v, seq_q, seq_kv) -> dict | None:
+    """The run's inputs keyed by the names in g.inputs, where each name is recognisable."""
+    roles = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "seq_len_q": seq_q,
+        "seq_len_kv": seq_kv,
+        "page_table": pt_k,
+        "page_table_k": pt_k,
+        "paged_attention_k_table": pt_k,
+        "page_table_v": pt_v if pt_v is not None else pt_k,
+        "paged_attention_v_table": pt_v if pt_v is not None else pt_k,
+    }
+    out = {}
+    for h in g.inputs:
+        if h.name not in roles or roles[h.name] is None:
+            return None
+        out[h.name] = roles[h.name]
+    return out
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor, layout: str, s_kv: int) -> torch.Tensor:
+    """Paged cache -> dense [B, H_kv, S_kv, D], written independently of the library."""
+    b, n = table.shape
+    seqs = []
+    for bi in range(b):
+        pages = []
+        for j in range(n):
+            page = cache[int(table[bi, j])]
+            pages.append(page if layout == "NPHD" else page.transpose(0, 1))  # -> [P, H, D]
+        tokens = torch.cat(pages)[:s_kv]  # [S, H, D]
+        seqs.append(tokens.transpose(0, 1))
+    return torch.stack(seqs)
+
+
+# ---- op: cudnn_attn.sdpa (torch's signature) ----------------------------------------------------------
+
+
+@dataclass
+class FunctionalRequest:
+    dtype: torch.dtype
+    shape_q: tuple
+    shape_k: tuple
+    shape_v: tuple
+    mask_kind: str | None = None  # bool | float | float-inf
+    mask_shape: tuple | None = None
+    is_causal: bool = False
+    scale: float | None = None
+    enable_gqa: bool = False
+    p: float = 0.0
+    grad: str = "none"  # none | qkv | qkv+mask | no_grad | inference_mode
+    layouts: tuple = ("BHSD", "BHSD", "BHSD")
+    mask_dtype: torch.dtype | None = None
+
+    def describe(self) -> str:
+        parts = [
+            str(self.dtype).removeprefix("torch."),
+            f"q{list(self.shape_q)} k{list(self.shape_k)} v{list(self.shape_v)}",
+            "layouts=" + ",".join(self.layouts),
+        ]
+        if self.mask_kind:
+            parts.append(
+                f"attn_mask={self.mask_kind}{list(self.mask_shape)}:{str(self.mask_dtype).removeprefix('torch.')}"
+            )
+        if self.is_causal:
+            parts.append("is_causal")
+        if self.scale is not None:
+            parts.append(f"scale={self.scale}")
+        if self.enable_gqa:
+            parts.append("enable_gqa")
+        if self.p:
+            parts.append(f"dropout_p={self.p}")
+        parts.append(f"grad={self.grad}")
+        return " ".join(parts)
+
+
+FUNCTIONAL_LAYOUTS = ("BHSD", "BHSD", "BSHD", "SBHD", "padded", "expanded", "last-stride")
+
+
+def _functional_layout(x: torch.Tensor, layout: str, gen) -> torch.Tensor:
+    if layout == "expanded":  # stride 0 on the head dim (any size-1 axis would do)
+        if x.dim() == 4 and x.shape[1] > 1:
+            return x[:, :1].expand_as(x)
+        if x.dim() == 3 and x.shape[0] > 1:
+            return x[:1].expand_as(x)
+        return x
+    if layout == "last-stride":  # the head dim not contiguous: torch's SDPA takes any strides
+        return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if layout in ("BSHD", "SBHD") and x.dim() == 3:
+        return to_layout(x, "BSHD")
+    return to_layout(x, layout)
+
+
+def _draw_functional(rng: random.Random) -> FunctionalRequest:
+    dtype = pick(rng, HALF)
+    rank = rng.choice([4, 4, 4, 3])
+    b = rng.choice([1, 2])
+    h = rng.choice([1, 2, 3, 4])
+    gqa = h > 1 and rng.random() < 0.3
+    h_kv = rng.choice([x for x in (1, 2) if h % x == 0 and x < h]) if gqa else h
+    ell, s = rng.randint(1, 12), rng.randint(1, 12)
+    e = rng.choice([8, 16])
+    ev = e if rng.random() < 0.8 else rng.choice([8, 16])
+    req = FunctionalRequest(dtype, (b, h, ell, e), (b, h_kv, s, e), (b, h_kv, s, ev))
+    req.enable_gqa = gqa or rng.random() < 0.1
+    if rng.random() < 0.3:
+        req.p = rng.choice([0.1, 0.3, 0.5])
+        s = min(s, ev)
+        req.shape_k, req.shape_v = (b, h_kv, s, e), (b, h_kv, s, ev)
+        req.scale = 0.1
+    r = rng.random()
+    if r < 0.2:
+        req.is_causal = True
+    elif r < 0.6:
+        req.mask_kind = rng.choice(["bool", "bool", "float", "float-inf"])
+        req.mask_shape = rng.choice(
+            [
+                (ell, s),
+                (s,),
+                (1, s),
+                (ell, 1),
+                (b, 1, 1, s),
+                (1, h, ell, s),
+                (b, h, ell, s),
+                (h, ell, s),
+                (b, 1, ell, s),
+                (1, 1, ell, s),
+            ]
+        )
+        req.mask_dtype = torch.bool if req.mask_kind == "bool" else rng.choice([dtype, dtype, torch.float32])
+    if req.scale is None and rng.random() < 0.3:
+        req.scale = rng.choice([0.05, 0.3, 1.0, -0.5, 0.0])
+    req.grad = rng.choice(["none", "qkv", "qkv", "qkv+mask", "no_grad", "inference_mode"])
+    if req.grad == "qkv+mask" and req.mask_kind != "float":
+        req.grad = "qkv"
+    req.layouts = tuple(rng.choice(FUNCTIONAL_LAYOUTS) if rng.random() < 0.4 else "BHSD" for _ in range(3))
+    if rank == 3:
+        req.shape_q, req.shape_k, req.shape_v = req.shape_q[1:], req.shape_k[1:], req.shape_v[1:]
+        if req.mask_shape is not None and len(req.mask_shape) == 4:
+            req.mask_shape = req.mask_shape[1:]
+    return req
+
+
+def _functional_tensors(req: FunctionalRequest, gen):
+    q = randn(gen, *req.shape_q, dtype=req.dtype)
+    k = randn(gen, *req.shape_k, dtype=req.dtype)
+    if req.p:
+        lead = req.shape_v[:-2]
+        v = orthonormal_rows(gen, math.prod(lead), 1, req.shape_v[-2], req.shape_v[-1], req.dtype).reshape(req.shape_v)
+    else:
+        v = randn(gen, *req.shape_v, dtype=req.dtype)
+    q, k, v = (_functional_layout(x, lay, gen) for x, lay in zip((q, k, v), req.layouts))
+    mask = None
+    if req.mask_kind == "bool":
+        mask = torch.rand(*req.mask_shape, generator=gen) > 0.3
+    elif req.mask_kind:
+        mask = torch.randn(*req.mask_shape, generator=gen).to(req.mask_dtype)
+        if req.mask_kind == "float-inf":
+            mask = mask.masked_fill(torch.rand(*req.mask_shape, generator=gen) < 0.3, float("-inf"))
+    return q, k, v, mask
+
+
+def sdpa64(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, keep=None, p=0.0):
+    """torch's scaled_dot_product_attention, as documented, in float64 for any rank >= 2 (batch dims
+    broadcast, bool masks select, float masks add, fully masked rows give 0). Returns (O, probs, allowed, bias)."""
+    q, k, v = (x.double() for x in (q, k, v))
+    if enable_gqa and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scale = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
+    s = (q @ k.transpose(-1, -2)) * float(scale)
+    allowed = torch.ones(s.shape, dtype=torch.bool)
+    bias = None
+    if is_causal:
+        allowed &= torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+    if attn_mask is not None:
+        m = attn_mask.expand(s.shape) if attn_mask.dim() <= s.dim() else attn_mask
+        if m.dtype == torch.bool:
+            allowed &= m
+        else:
+            allowed &= torch.isfinite(m) | (m > 0)
+            bias = torch.where(torch.isfinite(m), m.double(), torch.zeros((), dtype=torch.float64))
+    s = s + bias if bias is not None else s
+    s = s.masked_fill(~allowed, float("-inf"))
+    mx = s.amax(-1, keepdim=True)
+    e = torch.exp(s - torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx))
+    z = e.sum(-1, keepdim=True)
+    probs = e / torch.where(z == 0, torch.ones_like(z), z)
+    dropped = probs * keep / (1 - p) if keep is not None and p > 0 else probs
+    return dropped @ v, probs, allowed, bias
+
+
+def _functional_expected(req, q, k, v, mask, o_actual=None):
+    """(O, allowed, bias, keep, scale, squeezed) in float64; with dropout the keep-mask is read from O."""
+    squeeze = q.dim() == 3
+    q4, k4, v4 = (x.unsqueeze(0) if squeeze else x for x in (q, k, v))
+    scale = req.scale if req.scale is not None else 1 / math.sqrt(q4.shape[-1])
+    o, probs, allowed, bias = sdpa64(q4, k4, v4, mask, req.is_causal, scale, enable_gqa=True)
+    keep = None
+    if req.p:
+        o_act = as_tensor(o_actual).detach().double()
+        o_act = o_act.unsqueeze(0) if squeeze else o_act
+        assert not torch.isnan(o_act).any(), "O: NaN in result"
+        keep, _ = infer_keep(o_act, v4, probs, req.p)
+        check_dropout_rate(keep, probs, req.p)
+        o, *_ = sdpa64(q4, k4, v4, mask, req.is_causal, scale, enable_gqa=True, keep=keep, p=req.p)
+    return o, allowed, bias, keep, scale, squeeze
+
+
+def _functional_probs(req, q, k, v, mask) -> torch.Tensor:
+    q4, k4, v4 = (x.unsqueeze(0) if q.dim() == 3 else x for x in (q, k, v))
+    scale = req.scale if req.scale is not None else 1 / math.sqrt(q4.shape[-1])
+    return sdpa64(q4, k4, v4, mask, req.is_causal, scale, enable_gqa=True)[1]
+
+
+def _reduce_to(x: torch.Tensor, shape) -> torch.Tensor:
+    lead = x.dim() - len(shape)
+    x = x.sum(dim=tuple(range(lead))) if lead > 0 else x
+    dims = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    return x.sum(dim=dims, keepdim=True) if dims else x
+
+
+def _functional_case(rng: random.Random, gen: torch.Generator) -> Case:
+    req = _draw_functional(rng)
+    r = rng.random()
+    if r < 0.5:
+        return _functional_valid(rng, gen, req)
+    return _functional_malformed(rng, gen, req)
+
+
+def _functional_kwargs(req: FunctionalRequest, mask) -> dict:
+    kw = {}
+    if mask is not None:
+        kw["attn_mask"] = mask
+    if req.is_causal:
+        kw["is_causal"] = True
+    if req.scale is not None:
+        kw["scale"] = req.scale
+    if req.enable_gqa:
+        kw["enable_gqa"] = True
+    if req.p:
+        kw["dropout_p"] = req.p
+    return kw
+
+
+def _functional_valid(rng, gen, req: FunctionalRequest) -> Case:
+    q, k, v, mask = _functional_tensors(req, gen)
+    kw = _functional_kwargs(req, mask)
+    d_o = randn(gen, *req.shape_q[:-1], req.shape_v[-1], dtype=req.dtype)
+    state = {"fresh": None}
+    repeat = req.p and rng.random() < 0.3
+    global_seed = rng.getrandbits(32)
+
+    def call(case):
+        with torch.random.fork_rng(devices=[]):  # dropout seeds come from torch's generator: fixed per case
+            torch.default_generator.manual_seed(global_seed)
+            return _call(case)
+
+    def _call(case):
+        leaves = [x.detach().requires_grad_() if req.grad.startswith("qkv") else x for x in (q, k, v)]
+        m = kw.get("attn_mask")
+        if req.grad == "qkv+mask":
+            m = m.detach().requires_grad_()
+        args = dict(kw, attn_mask=m) if m is not None else kw
+        if repeat:
+            torch.default_generator.manual_seed(1234)
+        if req.grad == "no_grad":
+            with torch.no_grad():
+                out = cudnn_attn.sdpa(*leaves, **args)
+        elif req.grad == "inference_mode":
+            with torch.inference_mode():
+                out = cudnn_attn.sdpa(*leaves, **args)
+        else:
+            out = cudnn_attn.sdpa(*leaves, **args)
+        state["out"] = out
+        if repeat:
+            torch.default_generator.manual_seed(1234)
+            with torch.no_grad():
+                detached = {x: (y.detach() if isinstance(y, torch.Tensor) else y) for x, y in args.items()}
+                state["again"] = cudnn_attn.sdpa(*[x.detach() for x in leaves], **detached)
+                state["fresh"] = cudnn_attn.sdpa(*[x.detach() for x in leaves], **detached)
+        if req.grad.startswith("qkv"):
+            assert isinstance(out, torch.Tensor) and out.requires_grad, "output does not require grad"
+            out.backward(d_o)
+            state["grads"] = [x.grad for x in leaves] + ([m.grad] if req.grad == "qkv+mask" else [])
+        return out
+
+    def check(out):
+        o_exp, allowed, bias, keep, scale, squeeze = _functional_expected(req, q, k, v, mask, out)
+        expected = o_exp.squeeze(0) if squeeze else o_exp
+        empty = empty_rows(allowed, o_exp.shape)
+        assert_close(
+            "O", out, expected, tol(req.dtype), req.dtype, empty.squeeze(0) if squeeze and empty is not None else empty
+        )
+        if repeat:
+            assert torch.equal(state["again"], out.detach()), "same torch.manual_seed, different dropout"
+            if state["fresh"] is not None and int((_functional_probs(req, q, k, v, mask) > 0.02).sum()) >= 80:
+                assert not torch.equal(state["fresh"], out.detach()), (
+                    "two calls without reseeding drew the same dropout mask"
+                )
+        if req.grad.startswith("qkv"):
+            grads = state["grads"]
+            q4, k4, v4 = (x.unsqueeze(0) if squeeze else x for x in (q, k, v))
+            o4 = out.detach().unsqueeze(0) if squeeze else out.detach()
+            do4 = d_o.unsqueeze(0) if squeeze else d_o
+            e_q, e_k, e_v, d_s = grads64(
+                q4, k4, v4, o4, do4, scale=scale, allowed=allowed, bias=bias, keep=keep, p=req.p
+            )
+            for name, actual, e in zip(("dQ", "dK", "dV"), grads[:3], (e_q, e_k, e_v)):
+                assert actual is not None, f"{name}: no gradient"
+                assert_close(name, actual, e.squeeze(0) if squeeze else e, tol(req.dtype), req.dtype)
+            if req.grad == "qkv+mask":  # the additive mask's gradient is dS, summed over its broadcast dims
+                d_mask, scale_terms = _reduce_to(d_s, mask.shape), _reduce_to(d_s.abs(), mask.shape)
+                assert grads[3] is not None, "attn_mask: no gradient"
+                assert_close(
+                    "d(attn_mask)", grads[3], d_mask, tol(req.dtype), mask.dtype, floor=float(scale_terms.norm())
+                )
+
+    label = (
+        "+".join(
+            x
+            for x in (
+                req.mask_kind and f"mask-{req.mask_kind}",
+                "causal" if req.is_causal else "",
+                "gqa" if req.shape_k[-3] != req.shape_q[-3] else "",
+                "dropout" if req.p else "",
+                f"rank{len(req.shape_q)}" if len(req.shape_q) != 4 else "",
+                req.grad if req.grad != "none" else "",
+                "expanded" if "expanded" in req.layouts else "",
+                "last-stride" if "last-stride" in req.layouts else "",
+            )
+            if x
+        )
+        or "plain"
+    )
+    return _new_case(VALID, f"functional/valid/{label}", f"cudnn_attn.sdpa({req.describe()})", call, check)
+
+
+def _functional_malformed(rng, gen, req: FunctionalRequest) -> Case:
+    q, k, v, mask = _functional_tensors(req, gen)
+    kw = _functional_kwargs(req, mask)
+    args = [q, k, v]
+    expect = MALFORMED
+    dt = req.dtype
+    other = torch.bfloat16 if dt == torch.float16 else torch.float16
+    m = rng.choice(
+        [
+            "q-numpy",
+            "k-numpy",
+            "q-nontensor",
+            "k-nontensor",
+            "v-nontensor",
+            "q-0d",
+            "q-rank1",
+            "k-meta",
+            "v-meta",
+            "mask-meta",
+            "q-int",
+            "q-bool",
+            "q-complex",
+            "k-dtype",
+            "v-dtype",
+            "e-mismatch",
+            "s-mismatch",
+            "batch-mismatch",
+            "gqa-not-dividing",
+            "heads-without-gqa",
+            "headdim-0",
+            "mask-shape",
+            "mask-int",
+            "mask-rank5",
+            "mask-numpy",
+            "mask-list",
+            "mask-and-causal",
+            "scale-bad",
+            "causal-bad",
+            "dropout-bad",
+            "gqa-flag-bad",
+            "float32",
+            "float64",
+            "rank2",
+            "rank5",
+            "zero-size",
+            "all-meta",
+            "scale-bool",
+            "dropout-bool",
+            "causal-int",
+            "batch-broadcast",
+            "scale-tensor",
+        ]
+    )
+    either = {
+        "float32",
+        "float64",
+        "rank2",
+        "rank5",
+        "zero-size",
+        "all-meta",
+        "scale-bool",
+        "dropout-bool",
+        "causal-int",
+        "batch-broadcast",
+        "scale-tensor",
+    }
+    label = m
+    if m in ("q-numpy", "k-numpy"):
+        i = 0 if m == "q-numpy" else 1
+        x = args[i].detach().contiguous()
+        args[i] = x.numpy() if x.dtype == torch.float16 and rng.random() < 0.5 else x.float().numpy()
+    elif m in ("q-nontensor", "k-nontensor", "v-nontensor"):
+        name, value = pick(rng, NON_TENSORS)
+        args["qkv".index(m[0])] = value
+        label = f"{m}={name}"
+    elif m == "q-0d":
+        args[0] = torch.tensor(1.0, dtype=dt)
+    elif m == "q-rank1":
+        args[0] = randn(gen, req.shape_q[-1], dtype=dt)
+    elif m in ("k-meta", "v-meta"):
+        args["qkv".index(m[0])] = args["qkv".index(m[0])].to("meta")
+    elif m == "mask-meta":
+        kw.pop("is_causal", None)
+        kw["attn_mask"] = torch.ones(req.shape_q[-2], req.shape_k[-2], dtype=torch.bool, device="meta")
+    elif m in ("q-int", "q-bool", "q-complex"):
+        dtype = {"q-int": torch.int32, "q-bool": torch.bool, "q-complex": torch.complex64}[m]
+        args = [x.to(dtype) for x in args] if rng.random() < 0.5 else [args[0].to(dtype), k, v]
+    elif m in ("k-dtype", "v-dtype"):
+        args["qkv".index(m[0])] = args["qkv".index(m[0])].to(other)
+    elif m == "e-mismatch":
+        args[1] = randn(gen, *req.shape_k[:-1], 24 - req.shape_k[-1], dtype=dt)
+    elif m == "s-mismatch":
+        args[2] = randn(gen, *req.shape_v[:-2], req.shape_v[-2] + 1, req.shape_v[-1], dtype=dt)
+    elif m == "batch-mismatch":
+        if len(req.shape_q) == 3:
+            args[1] = randn(gen, 2, *req.shape_k, dtype=dt)
+            args[2] = randn(gen, 2, *req.shape_v, dtype=dt)
+            label = "rank-mismatch"
+        else:
+            nb = req.shape_q[0] + 1
+            args[1], args[2] = randn(gen, nb, *req.shape_k[1:], dtype=dt), randn(gen, nb, *req.shape_v[1:], dtype=dt)
+    elif m == "gqa-not-dividing":
+        hq = req.shape_q[-3]
+        hk = 3 if hq % 3 else 5
+        args[1] = randn(gen, *req.shape_k[:-3], hk, *req.shape_k[-2:], dtype=dt)
+        args[2] = randn(gen, *req.shape_v[:-3], hk, *req.shape_v[-2:], dtype=dt)
+        kw["enable_gqa"] = True
+    elif m == "heads-without-gqa":
+        hq = req.shape_q[-3]
+        hk = 1 if hq > 1 else 2
+        args[1] = randn(gen, *req.shape_k[:-3], hk, *req.shape_k[-2:], dtype=dt)
+        args[2] = randn(gen, *req.shape_v[:-3], hk, *req.shape_v[-2:], dtype=dt)
+        kw.pop("enable_gqa", None)
+        kw.pop("attn_mask", None)
+    elif m == "headdim-0":
+        args = [randn(gen, *req.shape_q[:-1], 0, dtype=dt), randn(gen, *req.shape_k[:-1], 0, dtype=dt), v]
+    elif m.startswith("mask-"):
+        kw.pop("is_causal", None)
+        ell, s = req.shape_q[-2], req.shape_k[-2]
+        if m == "mask-shape":
+            kw["attn_mask"] = torch.ones(ell + 1, s + 1, dtype=torch.bool)
+        elif m == "mask-int":
+            kw["attn_mask"] = torch.ones(ell, s, dtype=rng.choice([torch.int64, torch.int8, torch.uint8]))
+        elif m == "mask-rank5":
+            kw["attn_mask"] = torch.ones(2, 3, 1, ell, s, dtype=torch.bool)
+        elif m == "mask-numpy":
+            kw["attn_mask"] = np.ones((ell, s), dtype=bool)
+        elif m == "mask-list":
+            kw["attn_mask"] = [[True] * s] * ell
+        elif m == "mask-and-causal":
+            kw["attn_mask"], kw["is_causal"] = torch.ones(ell, s, dtype=torch.bool), True
+    elif m == "scale-bad":
+        name, value = pick(rng, [x for x in BAD_SCALES if x[0] != "bool"])  # scale=True: an ``either`` case
+        kw["scale"] = value
+        label = f"scale={name}"
+    elif m == "causal-bad":
+        kw.pop("attn_mask", None)
+        name, value = pick(rng, [("str", "yes"), ("list", [True]), ("float", 0.5), ("tensor2", torch.ones(2))])
+        kw["is_causal"] = value
+        label = f"is_causal={name}"
+    elif m == "dropout-bad":
+        name, value = pick(rng, BAD_PROBS[:-2] + [("10**400", 10**400), ("tensor2", torch.ones(2))])
+        if name == "bool":
+            name, value = "-1", -1
+        kw["dropout_p"] = value
+        label = f"dropout_p={name}"
+    elif m == "gqa-flag-bad":
+        kw["enable_gqa"] = rng.choice(["yes", [1]])
+        label = "enable_gqa=non-bool"
+    elif m in ("float32", "float64"):
+        dtype = torch.float32 if m == "float32" else torch.float64
+        args = [x.to(dtype) for x in args]
+        if "attn_mask" in kw and kw["attn_mask"].dtype not in (torch.bool, torch.float32):
+            kw["attn_mask"] = kw["attn_mask"].to(dtype)
+    elif m == "rank2":
+        args = [x.reshape(-1, x.shape[-2], x.shape[-1])[0] for x in args]
+        kw.pop("attn_mask", None), kw.pop("enable_gqa", None)
+    elif m == "rank5":
+        args = [x.reshape(*([1] * (5 - x.dim())), *x.shape).expand(2, *([-1] * 4)).contiguous() for x in args]
+        kw.pop("attn_mask", None)
+    elif m == "zero-size":
+        dim = rng.randrange(len(req.shape_q) - 1)
+        shapes = [list(req.shape_q), list(req.shape_k), list(req.shape_v)]
+        for sh in shapes:
+            if dim != len(sh) - 2 or rng.random() < 0.5:
+                sh[dim] = 0
+        args = [randn(gen, *sh, dtype=dt) for sh in shapes]
+        kw.pop("attn_mask", None)
+        label = f"zero-size-dim{dim}"
+    elif m == "all-meta":
+        args = [x.to("meta") for x in args]
+        kw.pop("attn_mask", None)
+    elif m == "scale-bool":
+        kw["scale"] = True
+    elif m == "dropout-bool":
+        kw["dropout_p"] = False
+    elif m == "causal-int":
+        kw.pop("attn_mask", None)
+        kw["is_causal"] = 1
+    elif m == "batch-broadcast":
+        if len(req.shape_q) == 4 and req.shape_q[0] == 2:
+            args[1], args[2] = args[1][:1], args[2][:1]
+        else:
+            args[0] = randn(gen, 2, *req.shape_q[-3:], dtype=dt)
+            args[1], args[2] = args[1].reshape(-1, *req.shape_k[-3:])[:1], args[2].reshape(-1, *req.shape_v[-3:])[:1]
+        kw.pop("attn_mask", None)
+    elif m == "scale-tensor":
+        kw["scale"] = torch.tensor(0.3)
+    if m in either:
+        expect = EITHER
+    desc = f"cudnn_attn.sdpa {expect}:{label} base=({req.describe()}) args={_kwdesc(dict(enumerate(args)))} kwargs={_kwdesc(kw)}"
+
+    global_seed = rng.getrandbits(32)
+
+    def call(case):
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(global_seed)
+            return cudnn_attn.sdpa(*args, **kw)
+
+    def check(out):
+        qa, ka, va = args
+        if m == "all-meta":
+            assert out.shape == (*qa.shape[:-1], va.shape[-1]), f"meta O shape {list(out.shape)}"
+            return
+        if m.startswith("zero-size") or label.startswith("zero-size"):
+            assert tuple(out.shape) == (*qa.shape[:-1], va.shape[-1]), f"shape {list(out.shape)}"
+            assert not torch.isnan(out).any(), "NaN"
+            return
+        if kw.get("dropout_p"):
+            return
+        ref, *_ = sdpa64(
+            qa,
+            ka,
+            va,
+            kw.get("attn_mask"),
+            bool(kw.get("is_causal", False)),
+            float(kw["scale"]) if kw.get("scale") is not None else None,
+            bool(kw.get("enable_gqa", False)),
+        )
+        assert_close("O", out, ref, tol(qa.dtype), qa.dtype)
+
+    case = _new_case(expect, f"functional/{expect}/{label}", desc, call, check if expect == EITHER else None)
+    case.names = arguments_for(label, FUNCTIONAL_ARGUMENTS) if expect == MALFORMED else ()
+    return case
+
+
+# ---- command line ----------------------------------------------------------------------------------------
+
+
+def summarize(findings: list[Finding]) -> str:
+    by_key: dict[str, list[Finding]] = {}
+    for f in findings:
+        by_key.setdefault(f.key, []).append(f)
+    lines = []
+    for key, group in sorted(by_key.items()):
+        seeds = [f.seed for f in group]
+        lines.append(f"[{len(group)}x] {key}: seeds {seeds[:12]}{' ...' if len(seeds) > 12 else ''}")
+        lines.append("    " + group[0].line())
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    import collections
+    import time
+
+    if argv and argv[0] == "--summary":
+        counts: dict = collections.Counter()
+        either: dict = collections.defaultdict(collections.Counter)
+        findings: list[Finding] = []
+        start = time.perf_counter()
+        for op, chunks in OPS.items():
+            for seed in range(chunks * CHUNK):
+                case, found = run_seed(op, seed)
+                counts[(op, case.expect)] += 1
+                if case.expect == EITHER:
+                    either[case.label][case.outcome if not found else "finding"] += 1
+                findings += found
+        print(f"{sum(counts.values())} cases in {time.perf_counter() - start:.1f} s")
+        for (op, expect), n in sorted(counts.items()):
+            print(f"  {op:14s} {expect:10s} {n}")
+        print("requests the contract leaves open (either), and what the library did:")
+        for label, outcomes in sorted(either.items()):
+            print(f"  {label}: {dict(outcomes)}")
+        print(f"{len(findings)} findings in {len({f.key for f in findings})} classes")
+        print(summarize(findings))
+        return 0
+    op, seeds = argv[0], argv[1]  # one seed, or a range "first-last" (cases share the plan caches)
+    first, _, last = seeds.partition("-")
+    for seed in range(int(first), int(last or first) + 1):
+        case, found = run_seed(op, seed)
+        if found or not last:
+            print(f"{op} seed {seed}: {case.expect} [{case.label}] {case.outcome}\n  {case.desc}")
+        for f in found:
+            print("  FINDING " + f.kind + ": " + f.detail)
+        if not found and not last:
+            print("  ok")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
