@@ -24,23 +24,28 @@ ROUNDS = 15
 CALLS = 200
 
 
-def _per_call_us(fn: Callable[[], object], calls: int) -> float:
+def _per_call_us(fn: Callable[[], object], calls: int, sync: bool) -> float:
+    """Microseconds per call: host time, or with ``sync`` the whole step, GPU work included."""
     start = time.perf_counter()
     for _ in range(calls):
         fn()
+        if sync:
+            torch.cuda.synchronize()
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def interleaved(paths: dict[str, Callable[[], object]], rounds: int = ROUNDS, calls: int = CALLS) -> dict[str, dict]:
+def interleaved(
+    paths: dict[str, Callable[[], object]], rounds: int = ROUNDS, calls: int = CALLS, sync: bool = False
+) -> dict[str, dict]:
     """Median and spread of per-call microseconds of each path, rounds interleaved."""
     for fn in paths.values():
-        _per_call_us(fn, 50)  # warm-up: builds, handles, workspaces, allocator
+        _per_call_us(fn, 50, sync)  # warm-up: builds, handles, workspaces, allocator
     torch.cuda.synchronize()
     samples: dict[str, list[float]] = {name: [] for name in paths}
     names = list(paths)
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
-            samples[name].append(_per_call_us(paths[name], calls))
+            samples[name].append(_per_call_us(paths[name], calls, sync))
             torch.cuda.synchronize()
     return {
         name: {"median_us": statistics.median(v), "low_us": min(v), "high_us": max(v)} for name, v in samples.items()
@@ -96,7 +101,8 @@ def host_paths() -> dict[str, dict]:
 
 
 def layer_steps(batch: int, seq: int) -> dict[str, dict]:
-    """One nn.Attention training step (hidden 2048, 16 heads, causal, bf16) on each SDPA."""
+    """Wall time of one nn.Attention training step (hidden 2048, 16 heads, causal, bf16),
+    synchronised per step, on torch's SDPA and on ours (same weights, same input)."""
     torch.manual_seed(0)
     ours = Attention(2048, 16, causal=True, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(batch, seq, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -115,7 +121,8 @@ def layer_steps(batch: int, seq: int) -> dict[str, dict]:
 
         return run
 
-    return interleaved({"torch sdpa layer": step(True), "cudnn_attn layer": step(False)}, rounds=9, calls=20)
+    steps = {"torch sdpa layer": step(True), "cudnn_attn layer": step(False)}
+    return interleaved(steps, rounds=9, calls=20, sync=True)  # a step's time is the GPU's too
 
 
 def format_host(results: dict[str, dict], title: str) -> str:
