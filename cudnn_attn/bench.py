@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -132,7 +133,7 @@ def bench_shape(shape: Shape, warmup: int = 5, repeats: int = 40, rounds: int = 
         except Exception as failure:  # a backend that cannot run this shape: reported, not fatal
             text = str(failure).strip()
             row["columns"][name] = {"error": text.splitlines()[0][:120] if text else type(failure).__name__}
-    # Columns are timed in interleaved rounds and keep their best median, so clock and
+    # Columns are timed in interleaved rounds and report the median of their round medians, so clock and
     # thermal drift during the run favour no column.
     medians: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
@@ -140,17 +141,44 @@ def bench_shape(shape: Shape, warmup: int = 5, repeats: int = 40, rounds: int = 
         for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
             medians[name].append(autotune.time_plan(runs[name], device, warmup, repeats))
     for name, run in runs.items():
-        ms = min(medians[name])
-        error = _reference_error(shape, t, run()) if name in ("cudnn_attn", "cudnn_attn tuned", "torch flash") else None
+        ms = statistics.median(medians[name])
+        error = _reference_error(shape, t, run()) if name in CHECKED else None
         row["columns"][name] = {
             "ms": ms,
             "tflops": shape.flops() / (ms * 1e-3) / 1e12,
             "gbps": _bytes(shape) / (ms * 1e-3) / 1e9,
             # How far one column's round medians spread: differences below it are noise.
-            "spread_pct": 100.0 * (sorted(medians[name])[len(medians[name]) // 2] / ms - 1.0),
+            "spread_pct": 100.0 * (max(medians[name]) - min(medians[name])) / ms,
             **({"rel_err": error} if error is not None else {}),
         }
     return row
+
+
+CHECKED = ("cudnn_attn", "cudnn_attn tuned", "torch flash")  # columns checked against the reference
+TOLERANCE = {"bf16": 1.6e-2, "fp16": 4e-3}
+
+
+def fmha_lines(row: dict[str, Any], dtype: str) -> str:
+    """One shape's columns as FMHA_v2 prints them: a check line and an elapsed line each."""
+    lines = [f"{row['shape']}:"]
+    for name, cell in row["columns"].items():
+        lines.append(f"  {name}:")
+        if "error" in cell:
+            lines.append(f"    not run: {cell['error']}")
+            continue
+        error = cell.get("rel_err")
+        if error is None:
+            lines.append("    Checks: not checked (backward, or not a checked column)")
+        else:
+            verdict = "SUCCESS" if error < TOLERANCE[dtype] else "FAILED"
+            lines.append(
+                f"    Checks: {verdict} (relative error {error:.2e} vs the reference, tolerance {TOLERANCE[dtype]:g})"
+            )
+        lines.append(
+            f"    Elapsed: {cell['ms'] * 1e3:.1f} us, {cell['tflops']:.1f} TFLOP/s, {cell['gbps']:.1f} GB/s"
+            f" (median of rounds; spread {cell['spread_pct']:.1f}%)"
+        )
+    return "\n".join(lines)
 
 
 _COLD_START = """
@@ -224,8 +252,9 @@ def run(
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "rows": []}
     for shape in shapes:
         report["rows"].append(bench_shape(shape))
-        print(format_table(report["rows"][-1:]).splitlines()[1], flush=True)
-    print(format_table(report["rows"]))
+        print(fmha_lines(report["rows"][-1], shape.dtype), flush=True)
+    if len(shapes) > 1:
+        print(format_table(report["rows"]))
     if overhead:
         from . import bench_host
 
