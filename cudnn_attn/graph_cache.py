@@ -29,29 +29,31 @@ class GraphCache:
         self.maxsize = maxsize
         self.max_bytes = max_bytes
         self.graph_options = graph_options
-        self._graphs: OrderedDict[Hashable, tuple[Graph, int]] = OrderedDict()
-        self._bytes = 0
+        self._graphs: OrderedDict[Hashable, Graph] = OrderedDict()
         self._lock = threading.Lock()
         _instances.add(self)
 
     def get_or_build(self, key: Hashable, record: Callable[[Graph], Any]) -> Graph:
         with self._lock:
-            entry = self._graphs.get(key)
-            if entry is not None:
+            graph = self._graphs.get(key)
+            if graph is not None:
                 self._graphs.move_to_end(key)
-                return entry[0]
+                return graph
         graph = Graph(**self.graph_options)
         record(graph)
         graph.build()
-        size = graph.nbytes()
         with self._lock:
-            if key not in self._graphs:
-                self._graphs[key] = (graph, size)
-                self._bytes += size
-            while self._graphs and (len(self._graphs) > self.maxsize or self._bytes > self.max_bytes):
-                _, (_, dropped) = self._graphs.popitem(last=False)
-                self._bytes -= dropped
+            self._graphs.setdefault(key, graph)
+            self._evict()
         return graph
+
+    def _evict(self) -> None:
+        """Drop least recently used graphs while over either bound (the newest always stays).
+        Bytes are summed afresh: a cuDNN plan's workspace appears on its first run."""
+        held = sum(graph.nbytes() for graph in self._graphs.values())
+        while len(self._graphs) > 1 and (len(self._graphs) > self.maxsize or held > self.max_bytes):
+            _, dropped = self._graphs.popitem(last=False)
+            held -= dropped.nbytes()
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -59,16 +61,16 @@ class GraphCache:
     def graphs(self) -> list[Graph]:
         """The held graphs, least recently used first."""
         with self._lock:
-            return [graph for graph, _ in self._graphs.values()]
+            return list(self._graphs.values())
 
-    @property
     def nbytes(self) -> int:
-        return self._bytes
+        """Bytes the held graphs' plans hold now."""
+        with self._lock:
+            return sum(graph.nbytes() for graph in self._graphs.values())
 
     def clear(self) -> None:
         with self._lock:
             self._graphs.clear()
-            self._bytes = 0
 
 
 @lifecycle.at_exit

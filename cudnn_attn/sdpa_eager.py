@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import sdpa_graphs
+from . import lifecycle, sdpa_graphs
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
 from .options import default_scale
 from .runner import Runner
@@ -152,6 +152,7 @@ class _Attention(torch.autograd.Function):
         return grads[0], grads[1], grads[2], (grads[3] if bias_grad else None), None, None, None
 
 
+@lifecycle.at_exit  # prepared runs hold native plans: release them while the frontend is whole
 def clear() -> None:
     with _lock:
         _prepared.clear()

@@ -288,3 +288,23 @@ def test_a_square_paged_cache_asks_for_its_layout_unless_both_readings_coincide(
     with cudnn_attn.Graph() as g:
         g.sdpa_with_paged_cache(q, single, single, torch.arange(8, dtype=torch.int32).view(1, 8), seq_len_kv=lengths)
     assert g.problems[0].h_k == 1 and g.problems[0].page_size == 1
+
+
+def test_graph_cache_is_bounded_in_bytes_counted_when_it_evicts(monkeypatch):
+    from cudnn_attn.graph_cache import GraphCache
+
+    held = {"bytes": 0}  # what every graph's plans hold: workspaces appear after a first run
+    monkeypatch.setattr(cudnn_attn.Graph, "nbytes", lambda self: held["bytes"])
+    cache = GraphCache(maxsize=100, max_bytes=1000)
+    for i in range(3):
+        cache.get_or_build(i, lambda g, s=4 + 4 * i: g.sdpa(*(randn(1, 1, s, 16) for _ in range(3))))
+    assert len(cache) == 3
+    held["bytes"] = 400  # the plans have run since: 1200 bytes held now
+    cache.get_or_build(3, lambda g: g.sdpa(*(randn(1, 1, 20, 16) for _ in range(3))))
+    assert len(cache) == 2 and cache.nbytes() == 800
+
+
+def test_prepared_eager_runs_are_released_at_exit():
+    from cudnn_attn import lifecycle, sdpa_eager
+
+    assert sdpa_eager.clear in lifecycle._hooks
