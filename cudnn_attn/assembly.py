@@ -38,6 +38,7 @@ def assemble_problem(node: Node, dtypes: dict[str, torch.dtype | None]) -> Atten
         return None
     q = specs["q"]
     parsed = node.parsed
+    assert parsed is not None, "assembled after the node's keywords are parsed"
     options = parsed.options
     if not parsed.scale_given:
         options = dataclasses.replace(options, attn_scale=default_scale(q.shape[-1] if q.shape else 1))
@@ -81,7 +82,7 @@ def _thd_stats_shape(specs: dict[str, TensorSpec], node: Node) -> tuple[int, ...
     lengths = specs.get("seq_len_q")
     batch = lengths.shape[0] if lengths is not None and lengths.shape else 1
     heads = q.shape[1] if q.rank == 3 else 1
-    s_max = node.parsed.max_seq_len_q or (q.shape[0] if q.shape else 1)
+    s_max = (node.parsed.max_seq_len_q if node.parsed else None) or (q.shape[0] if q.shape else 1)
     return (batch, heads, s_max, 1)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from . import lifecycle
 from .errors import ValidationError
 from .plan_store import PlanStore, default_path
+from .recorded_builds import RecordedBuilds
 
 DEFAULT_MAXSIZE = 1024
 DEFAULT_MAX_BYTES = 4 << 30  # device memory plans may hold in workspaces and prepared buffers
@@ -57,6 +58,8 @@ class PlanCache:
         self._lock = threading.Lock()
         self._counts = {"hits": 0, "misses": 0, "builds": 0, "evictions": 0, "build_errors": 0}
         self._build_seconds = 0.0
+        # Whole graph builds by what was recorded (recorded_builds.py); forgotten whenever a plan goes.
+        self.recorded = RecordedBuilds()
 
     def get_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """The plan for ``key``, calling ``build()`` on a miss (once, however many threads ask)."""
@@ -102,6 +105,19 @@ class PlanCache:
             _, plan = self._entries.popitem(last=False)
             held -= getattr(plan, "nbytes", 0)
             self._counts["evictions"] += 1
+            self.recorded.clear()
+
+    def touch(self, keys: tuple[Hashable, ...]) -> bool:
+        """Count a hit on each of ``keys`` and mark them recently used; False (nothing counted)
+        when one of them is no longer cached."""
+        with self._lock:
+            entries = self._entries
+            if any(key not in entries for key in keys):
+                return False
+            for key in keys:
+                entries.move_to_end(key)
+            self._counts["hits"] += len(keys)
+        return True
 
     def nbytes(self) -> int:
         """Bytes the cached plans hold now."""
@@ -116,6 +132,7 @@ class PlanCache:
         """Drop every plan and zero the counters."""
         with self._lock:
             self._entries.clear()
+            self.recorded.clear()
             self._counts = dict.fromkeys(self._counts, 0)
             self._build_seconds = 0.0
 

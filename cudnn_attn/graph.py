@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import interop, lifecycle
+from . import interop, lifecycle, validation
 from .build import plan_nodes, positional_inputs, validate_nodes
 from .cache import PlanCache, default_cache
 from .data_type import to_torch_dtype
@@ -30,8 +30,16 @@ from .ops import BACKEND_NAMES
 from .ops.autotune import enabled_by_default as autotune_default
 from .options import MaskKeywords, collect_keywords, parse_keywords, publishes_mask_keywords, stats_requested
 from .problem import AttentionProblem, Op, TensorSpec, device_name
+from .recorded_builds import BuiltNode, InputSource, RecordedBuild
+from .recording_key import RecordingKey
 from .roles import BACKWARD_INPUTS, PAGED_INPUTS, ROLES, SDPA_INPUTS
 from .runner import Runner
+
+# The Node fields a build sets, which a later identical recording adopts.
+_BUILT_FIELDS = ("parsed", "spelling", "paged", "kv_cache_layout", "deterministic", "problem", "plan", "backend",
+                 "cache_key")  # fmt: skip
+# Integer inputs whose values a build checks where they are given as tensors.
+_VALUE_ROLES = frozenset({"seq_len_q", "seq_len_kv", "page_table_k", "page_table_v"})
 
 # Why a keyword is refused where users might expect it.
 _PAGED_HINTS = {
@@ -95,6 +103,12 @@ class Graph(FrontendSteps):
         self._names: set[str] = set()
         self._built = False
         self._runner: Runner | None = None
+        # Ops record their calls; building interprets them (or adopts an earlier identical build).
+        self._calls: list[tuple[Any, Node, tuple, dict[str, Any]]] = []
+        self._interpreted = False
+        self._made: list[InputHandle] = []  # handles made with tensor()/tensor_like(), in order
+        self._recording = RecordingKey((self.backend, self.autotune, *self._dtypes.values()))
+        self._output_count = 0
 
     # ---- context manager ------------------------------------------------------------------
 
@@ -139,7 +153,7 @@ class Graph(FrontendSteps):
         if problems:
             raise ValidationError(problems, context="Graph.tensor")
         assert shape is not None and strides is not None and dtype is not None
-        return self._new_input(TensorSpec(shape, strides, dtype, device_str), name or "tensor", None)
+        return self._made_input(TensorSpec(shape, strides, dtype, device_str), name or "tensor", None)
 
     def tensor_like(self, template: Any, name: str = "") -> InputHandle:
         """An input with ``template``'s geometry (the frontend's ``graph.tensor_like``)."""
@@ -147,8 +161,14 @@ class Graph(FrontendSteps):
         tensor = interop.as_torch(template)
         if tensor is None:
             raise ValidationError([f"template: {type(template).__name__}; expected a torch tensor or a DLPack array"])
-        handle = self._new_input(TensorSpec.of(tensor), name or "tensor", tensor)
+        handle = self._made_input(TensorSpec.of(tensor), name or "tensor", tensor)
         self._by_identity[id(template)] = handle
+        return handle
+
+    def _made_input(self, spec: TensorSpec, name: str, template: torch.Tensor | None) -> InputHandle:
+        handle = self._new_input(spec, name, template)
+        handle.made_index = len(self._made)
+        self._made.append(handle)
         return handle
 
     def _new_input(self, spec: TensorSpec, name: str, template: torch.Tensor | None, role: str = "") -> InputHandle:
@@ -197,6 +217,9 @@ class Graph(FrontendSteps):
         node.inputs[role] = handle
 
     # ---- ops -----------------------------------------------------------------------------------
+    # Each op records its call and returns its output handles; the call is interpreted (keywords
+    # parsed, tensors bound) when the graph is built, and only where no earlier build of the same
+    # recording can be adopted (recorded_builds.py).
 
     @publishes_mask_keywords
     def sdpa(
@@ -223,17 +246,23 @@ class Graph(FrontendSteps):
         ``attn_scale`` defaults to ``1/sqrt(d_qk)``. ``generate_stats`` defaults to False.
         The mask keywords are those of ``cudnn_attn.options.MaskKeywords``.
         """
-        node = self._record(Op.FORWARD, name, SDPA_INPUTS, {"q": q, "k": k, "v": v}, mask, "sdpa")
-        stats = stats_requested(is_inference, generate_stats, node.errors)
+        args = (q, k, v, is_inference, generate_stats, paged_attention_k_table, paged_attention_v_table,
+                paged_attention_max_seq_len_kv, kv_cache_layout, compute_data_type)  # fmt: skip
+        stats = stats_requested(is_inference, generate_stats, [])  # its errors are reported at build
+        node = self._record_call(Op.FORWARD, name, SDPA_INPUTS, "sdpa", self._interpret_sdpa, args, mask,
+                                 ("o", "stats") if stats else ("o",))  # fmt: skip
+        return node.outputs["o"], node.outputs.get("stats")
+
+    def _interpret_sdpa(self, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, is_inference: Any,
+                        generate_stats: Any, table_k: Any, table_v: Any, max_seq_len_kv: Any, layout: Any,
+                        compute_data_type: Any) -> None:  # fmt: skip
+        self._bind_call(node, {"q": q, "k": k, "v": v}, mask, "sdpa")
+        stats_requested(is_inference, generate_stats, node.errors)
         self._check_compute_dtype(compute_data_type, node)
-        if paged_attention_k_table is not None or paged_attention_v_table is not None:
-            v_table = paged_attention_v_table if paged_attention_v_table is not None else paged_attention_k_table
-            self._paged(node, paged_attention_k_table, v_table, paged_attention_max_seq_len_kv, kv_cache_layout)
-        elif paged_attention_max_seq_len_kv is not None:
+        if table_k is not None or table_v is not None:
+            self._paged(node, table_k, table_v if table_v is not None else table_k, max_seq_len_kv, layout)
+        elif max_seq_len_kv is not None:
             node.errors.append("paged_attention_max_seq_len_kv: given without paged caches (paged_attention_k_table)")
-        o = self._new_output(node, "o")
-        s = self._new_output(node, "stats") if stats else None
-        return o, s
 
     @publishes_mask_keywords
     def sdpa_with_paged_cache(
@@ -259,19 +288,26 @@ class Graph(FrontendSteps):
         int32 gives each sequence's valid cache length, ``seq_len_q`` defaults to S_q.
         Runs as ``g(q, k, v, page_table, seq_len_q, seq_len_kv, page_table_v)`` (those given).
         """
+        args = (q, k, v, page_table, seq_len_q, seq_len_kv, page_table_v, max_seq_len_kv, kv_cache_layout)
+        node = self._record_call(
+            Op.FORWARD, name, PAGED_INPUTS, "sdpa_with_paged_cache", self._interpret_paged, args, mask, ("o",)
+        )
+        return node.outputs["o"], None
+
+    def _interpret_paged(self, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, page_table: Any,
+                         seq_len_q: Any, seq_len_kv: Any, page_table_v: Any, max_seq_len_kv: Any,
+                         layout: Any) -> None:  # fmt: skip
+        mask = dict(mask)
         padding = mask.pop("use_padding_mask", True)
         mask.update(seq_len_q=seq_len_q, seq_len_kv=seq_len_kv)
-        node = self._record(
-            Op.FORWARD, name, PAGED_INPUTS, {"q": q, "k": k, "v": v}, mask, "sdpa_with_paged_cache", _PAGED_HINTS
-        )
+        self._bind_call(node, {"q": q, "k": k, "v": v}, mask, "sdpa_with_paged_cache", _PAGED_HINTS)
         node.spelling.update(page_table_k="page_table", page_table_v="page_table_v")
         if padding is not True:
             node.errors.append(f"use_padding_mask: {padding!r}; paged caches are always read through seq_len_kv")
         if page_table is None:
             node.errors.append("page_table: missing; give the [B, pages_per_seq] int32 page table of the caches")
         table_v = page_table_v if page_table_v is not None else page_table
-        self._paged(node, page_table, table_v, max_seq_len_kv, kv_cache_layout)
-        return self._new_output(node, "o"), None
+        self._paged(node, page_table, table_v, max_seq_len_kv, layout)
 
     @publishes_mask_keywords
     def sdpa_backward(
@@ -294,53 +330,76 @@ class Graph(FrontendSteps):
         Give the same mask, bias, scale and dropout (seed and offset included) as the
         forward whose ``o`` and ``stats`` are passed.
         """
-        tensors = {"q": q, "k": k, "v": v, "o": o, "grad_o": dO, "stats": stats}
-        node = self._record(Op.BACKWARD, name, BACKWARD_INPUTS, tensors, mask, "sdpa_backward")
+        args = (q, k, v, o, dO, stats, use_deterministic_algorithm, bias_grad, compute_data_type)
+        roles = ("grad_q", "grad_k", "grad_v", "grad_bias") if _true(bias_grad) else ("grad_q", "grad_k", "grad_v")
+        node = self._record_call(
+            Op.BACKWARD, name, BACKWARD_INPUTS, "sdpa_backward", self._interpret_backward, args, mask, roles
+        )
+        return tuple(node.outputs.values())
+
+    def _interpret_backward(self, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, o: Any, d_o: Any,
+                            stats: Any, deterministic: Any, bias_grad: Any, compute_data_type: Any) -> None:  # fmt: skip
+        tensors = {"q": q, "k": k, "v": v, "o": o, "grad_o": d_o, "stats": stats}
+        self._bind_call(node, tensors, mask, "sdpa_backward")
         self._check_compute_dtype(compute_data_type, node)
-        for flag, value in (("use_deterministic_algorithm", use_deterministic_algorithm), ("bias_grad", bias_grad)):
+        for flag, value in (("use_deterministic_algorithm", deterministic), ("bias_grad", bias_grad)):
             if not isinstance(value, (bool, int)) or value not in (0, 1):
                 node.errors.append(f"{flag}: {value!r}; expected True or False")
-        node.deterministic = use_deterministic_algorithm is True or use_deterministic_algorithm == 1
-        outputs = [self._new_output(node, role) for role in ("grad_q", "grad_k", "grad_v")]
-        if bias_grad is True or bias_grad == 1:
-            outputs.append(self._new_output(node, "grad_bias"))
-        return tuple(outputs)
+        node.deterministic = _true(deterministic)
 
-    def _record(
+    def _record_call(
         self,
         op: Op,
         name: str | None,
         positional: tuple[str, ...],
+        method: str,
+        interpret: Any,
+        args: tuple,
+        mask: dict[str, Any],
+        outputs: tuple[str, ...],
+    ) -> Node:
+        """A new node with its output handles; its call kept for the build to interpret."""
+        self._check_recording(method)
+        self._recording.add(self, method, name, args, mask)
+        count = sum(1 for n in self.nodes if n.op is op)
+        node = Node(op=op, name=op.value if count == 0 else f"{op.value}_{count}", positional=positional)
+        if name is not None:
+            if isinstance(name, str):
+                node.name = name
+            else:
+                node.errors.append(f"name: {name!r}; expected a string")
+        self.nodes.append(node)
+        for role in outputs:
+            self._new_output(node, role)
+        self._calls.append((interpret, node, args, mask))
+        return node
+
+    def _bind_call(
+        self,
+        node: Node,
         tensors: dict[str, Any],
         mask: dict[str, Any],
         method: str,
         hints: dict[str, str] | None = None,
-    ) -> Node:
-        """A new node with its tensors bound and its mask keywords parsed."""
-        self._check_recording(method)
+    ) -> None:
+        """Parse ``node``'s mask keywords and bind its tensors."""
         keywords = collect_keywords(mask, method, hints)
         errors = keywords if isinstance(keywords, list) else []
         q = interop.as_torch(tensors["q"]) if not isinstance(tensors["q"], TensorHandle) else None
         q_spec = tensors["q"].spec if isinstance(tensors["q"], TensorHandle) else None
         ragged = (q is not None and q.dim() == 3) or (q_spec is not None and q_spec.rank == 3)
         parsed = parse_keywords(keywords if isinstance(keywords, MaskKeywords) else MaskKeywords(), ragged=ragged)
-        count = sum(1 for n in self.nodes if n.op is op)
-        default_name = op.value if count == 0 else f"{op.value}_{count}"
-        if name is not None and not isinstance(name, str):
-            errors.append(f"name: {name!r}; expected a string")
-            name = None
-        node = Node(op=op, name=name or default_name, positional=positional, parsed=parsed)
+        node.parsed = parsed
         node.errors += errors + parsed.errors
         for role, value in [*tensors.items(), *parsed.tensors.items()]:
             self._bind(node, role, value)
-        self.nodes.append(node)
-        return node
 
     def _paged(self, node: Node, table_k: Any, table_v: Any, max_seq_len_kv: Any, layout: Any) -> None:
         node.paged = True
         self._bind(node, "page_table_k", table_k)
         self._bind(node, "page_table_v", table_v)
         node.kv_cache_layout = layout
+        assert node.parsed is not None, "bound after the keywords are parsed"
         if max_seq_len_kv is not None:
             if isinstance(max_seq_len_kv, bool) or not isinstance(max_seq_len_kv, int) or max_seq_len_kv < 1:
                 node.errors.append(f"max_seq_len_kv: {max_seq_len_kv!r}; expected an int >= 1")
@@ -350,7 +409,8 @@ class Graph(FrontendSteps):
     def _new_output(self, node: Node, role: str) -> OutputHandle:
         base = ROLES[role].output or role
         unique = self._unique_name(base if len(self.nodes) == 1 else f"{node.name}::{base}")
-        handle = OutputHandle(self, unique, node, role)
+        handle = OutputHandle(self, unique, node, role, self._output_count)
+        self._output_count += 1
         node.outputs[role] = handle
         return handle
 
@@ -372,24 +432,95 @@ class Graph(FrontendSteps):
     def build(self) -> Graph:
         """Validate every node, then get each node's plan from the cache (building on a miss).
 
-        Called on leaving the ``with`` block; calling it again does nothing.
+        Called on leaving the ``with`` block; calling it again does nothing. A recording that
+        repeats an earlier one (same ops, arguments, geometry, options) adopts that build.
         """
         if self._built:
             return self
-        validate_nodes(self.nodes, self._dtypes, self.name)
-        plan_nodes(self.nodes, self.backend, self.autotune, self.cache, self.name)
-        self.inputs = positional_inputs(self.nodes)
-        self._runner = Runner(self.name, self.inputs, self.nodes, self.handle)
+        # A build that failed validation has interpreted its calls already: it is built in full again.
+        key = None if self._interpreted else self._recording.key(self)
+        earlier = self.cache.recorded.get(key) if key is not None else None
+        if earlier is not None and self.cache.touch(earlier.cache_keys):
+            self._adopt(earlier)
+        else:
+            self._interpret()
+            validate_nodes(self.nodes, self._dtypes, self.name)
+            plan_nodes(self.nodes, self.backend, self.autotune, self.cache, self.name)
+            self.inputs = positional_inputs(self.nodes)
+            self._runner = Runner(self.name, self.inputs, self.nodes, self.handle)
+            recorded = self._as_recorded() if key is not None else None
+            if recorded is not None:
+                self.cache.recorded.put(key, recorded)
         self._built = True
         lifecycle.track_graph(self)
         # Templates only served the build-time checks: holding them would keep the first
         # call's tensors alive for as long as the graph is cached.
-        for node in self.nodes:
-            for handle in node.inputs.values():
-                if isinstance(handle, InputHandle):
-                    handle.template = None
+        for handle in [*self.inputs, *self._made]:
+            handle.template = None
         self._by_identity.clear()
+        self._recording.forget()
         return self
+
+    def _interpret(self) -> None:
+        """Parse and bind every recorded call (once: a build that failed validation keeps them)."""
+        calls, self._calls, self._interpreted = self._calls, [], True
+        for interpret, node, args, mask in calls:
+            interpret(node, mask, *args)
+
+    def _as_recorded(self) -> RecordedBuild | None:
+        """This build, for later recordings of the same calls to adopt."""
+        inputs = list(self.inputs)
+        position = {h: i for i, h in enumerate(inputs)}
+        outputs = {h: i for i, h in enumerate(h for node in self.nodes for h in node.outputs.values())}
+        sources = []
+        for handle in inputs:
+            slot = self._recording.slot(handle.template) if handle.made_index is None else handle.made_index
+            if slot is None:
+                return None
+            sources.append(InputSource(handle.name, handle.spec, handle.role, handle.made_index is not None, slot))
+        nodes = []
+        for node in self.nodes:
+            bound: list[tuple[str, str, int]] = []
+            for role, source in node.inputs.items():
+                if source in position:
+                    bound.append((role, "input", position[source]))  # type: ignore[index]
+                elif source in outputs:
+                    bound.append((role, "output", outputs[source]))  # type: ignore[index]
+                else:
+                    return None  # an input outside the positional order: not worth keeping
+            fields = {name: getattr(node, name) for name in _BUILT_FIELDS}
+            value_roles = tuple((role, i) for role, kind, i in bound if kind == "input" and role in _VALUE_ROLES)
+            specs = tuple(h.spec for h in node.outputs.values())
+            nodes.append(BuiltNode(fields, tuple(bound), specs, value_roles))
+        return RecordedBuild(tuple(nodes), tuple(sources), self._runner, tuple(n.cache_key for n in self.nodes))
+
+    def _adopt(self, earlier: RecordedBuild) -> None:
+        """Take ``earlier``'s build: its key proved this recording makes the same one."""
+        made, tensors = self._made, self._recording.tensors
+        inputs: list[InputHandle] = []
+        for source in earlier.inputs:
+            if source.made:
+                inputs.append(made[source.index])
+            else:
+                inputs.append(InputHandle(self, source.name, source.spec, source.role, tensors[source.index]))
+                self._names.add(source.name)
+        outputs = [h for node in self.nodes for h in node.outputs.values()]
+        found = []
+        for node, built in zip(self.nodes, earlier.nodes):
+            node.__dict__.update(built.fields)
+            node.inputs = {role: inputs[i] if kind == "input" else outputs[i] for role, kind, i in built.inputs}
+            for output, spec in zip(node.outputs.values(), built.output_specs):
+                output._spec = spec
+            if built.value_roles:  # the values of integer inputs are this recording's own
+                data = {role: t for role, i in built.value_roles if (t := inputs[i].template) is not None}
+                assert node.problem is not None
+                lines = validation.value_problems(node.problem, data)
+                found += [f"{node.name}: {line}" if len(self.nodes) > 1 else line for line in lines]
+        self.inputs = inputs
+        self._calls, self._interpreted = [], True
+        if found:
+            raise ValidationError(found, context=self.name)
+        self._runner = earlier.runner.rebound(self.name, inputs, outputs, self.handle)
 
     def __call__(
         self, *args: Any, handle: Any = None, stream: Any = None, out: Any = None, workspace: Any = None
@@ -427,6 +558,10 @@ class Graph(FrontendSteps):
         state = "built" if self._built else "recording"
         nodes = ", ".join(n.problem.describe() if n.problem else n.name for n in self.nodes)
         return f"<cudnn_attn.Graph {self.name} ({state}): {nodes}>"
+
+
+def _true(flag: Any) -> bool:
+    return flag is True or (type(flag) is int and flag == 1)
 
 
 def _ints_or_problem(values: Any, argument: str, problems: list[str]) -> tuple[int, ...] | None:

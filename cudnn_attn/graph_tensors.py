@@ -72,6 +72,7 @@ class InputHandle(TensorHandle):
         self._spec = spec
         self.role = role
         self.template = template  # the data of a template tensor, for build-time value checks
+        self.made_index: int | None = None  # its place among handles made with tensor()/tensor_like()
 
     @property
     def spec(self) -> TensorSpec:
@@ -81,9 +82,10 @@ class InputHandle(TensorHandle):
 class OutputHandle(TensorHandle):
     """An op's output. Setters may be called until the graph is built; each returns self."""
 
-    def __init__(self, graph: Graph, name: str, node: Any, port: str):
+    def __init__(self, graph: Graph, name: str, node: Any, port: str, index: int = 0):
         super().__init__(graph, name)
         self.node = node
+        self.index = index  # its place among the graph's outputs, in creation order
         self.port = port  # the role in the problem: "o", "stats", "d_q", ...
         self.is_output = True
         self.dim: tuple[int, ...] | None = None

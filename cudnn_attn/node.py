@@ -23,7 +23,7 @@ class Node:
     op: Op
     name: str
     positional: tuple[str, ...]  # the recording method's input roles, in its parameter order
-    parsed: Parsed  # the mask/scale/length/dropout keywords
+    parsed: Parsed | None = None  # the mask/scale/length/dropout keywords, parsed when the graph is built
     spelling: dict[str, str] = field(default_factory=dict)  # role -> this method's argument name
     inputs: dict[str, InputHandle | OutputHandle] = field(default_factory=dict)
     outputs: dict[str, OutputHandle] = field(default_factory=dict)
@@ -34,11 +34,12 @@ class Node:
     problem: AttentionProblem | None = None
     plan: Plan | None = None
     backend: str | None = None
+    cache_key: Any = None  # the plan's key in the plan cache
 
     @property
     def runtime(self) -> dict[str, int]:
         """Inputs passed by value on every run (int dropout seeds and offsets)."""
-        return self.parsed.runtime
+        return self.parsed.runtime if self.parsed is not None else {}
 
     def argument(self, role: str) -> str:
         """The name this node's method gives ``role`` (what errors should say)."""

@@ -137,6 +137,14 @@ class AttentionProblem:
     max_seq_len_kv: int | None = None  # THD and paged
     deterministic: bool = False
 
+    def __hash__(self) -> int:
+        # Problems key every plan-cache lookup: their fields are hashed once, not per lookup.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     # ---- derived geometry (valid once validation passed) ------------------------------
 
     @property

@@ -70,6 +70,19 @@ class Runner:
         self._returned = [slot[h] for h in self.outputs]
         self._slot = slot
 
+    def rebound(self, name: str, inputs: list[InputHandle], node_outputs: list[OutputHandle], handle: Any) -> Runner:
+        """This runner for another graph that recorded the same: its handles (inputs in positional
+        order, every node's outputs in node order), its name and default handle."""
+        runner = object.__new__(Runner)
+        runner.__dict__.update(self.__dict__)
+        runner.name, runner.inputs, runner.default_handle = name, inputs, handle
+        slot: dict[Any, int] = {h: i for i, h in enumerate(inputs)}
+        for i, h in enumerate(node_outputs, len(inputs)):
+            slot[h] = i
+        runner._slot = slot
+        runner.outputs = [h for h in node_outputs if h.is_output]
+        return runner
+
     # ---- binding ---------------------------------------------------------------------------
 
     def bind(self, args: Sequence[Any]) -> tuple[list[Any], Any]:

@@ -1,0 +1,93 @@
+"""What a graph recorded, as a hashable key (see ``recorded_builds.py`` for its use).
+
+Tensors enter the key by geometry (shape, strides, dtype, device) and by which earlier
+argument they are (aliasing), never by value or identity, so the next call's fresh tensors
+of the same geometry give the same key. Scalars enter with their type (``True``, ``1`` and
+``1.0`` are equal in Python but not to validation). Anything else (arrays of other
+libraries, tensor subclasses, handles of other graphs) makes the recording unkeyed: it is
+built in full, as always.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .graph_tensors import InputHandle, OutputHandle
+
+if TYPE_CHECKING:
+    from .graph import Graph
+
+_SCALARS = (bool, int, float, str)
+
+
+class _UnkeyedError(Exception):
+    pass
+
+
+class RecordingKey:
+    """Grows by one part per recorded op; ``tensors`` are the distinct tensors seen, in order."""
+
+    def __init__(self, options: tuple):
+        self.parts: list[Hashable] = [options]
+        self.keyed = True
+        self.tensors: list[torch.Tensor] = []
+        self._slots: dict[int, int] = {}  # id(tensor) -> index in tensors
+
+    def add(self, graph: Graph, method: str, name: Any, args: tuple, mask: dict[str, Any]) -> None:
+        if not self.keyed:
+            return
+        try:
+            of = self._of
+            part = (method, of(name, graph), tuple([a if a is None else of(a, graph) for a in args]),
+                    tuple([(k, of(v, graph)) for k, v in mask.items()]))  # fmt: skip
+        except _UnkeyedError:
+            self.keyed = False
+            return
+        self.parts.append(part)
+
+    def slot(self, tensor: Any) -> int | None:
+        """Which distinct tensor of the recording ``tensor`` is (None: not an argument)."""
+        return self._slots.get(id(tensor))
+
+    def key(self, graph: Graph) -> tuple | None:
+        """The whole recording's key, with the handles' settings as they are now; None if unkeyed."""
+        if not self.keyed:
+            return None
+        made = tuple([(h.name, h.spec, self.slot(h.template) if h.template is not None else None) for h in graph._made])
+        outputs = tuple(
+            [(h.name, h.is_output, h.dim, h.stride, h.dtype) for node in graph.nodes for h in node.outputs.values()]
+        )
+        return (*self.parts, made, outputs)
+
+    def forget(self) -> None:
+        """Drop the tensors (the graph is built: it must not keep its first call's tensors alive)."""
+        self.tensors = []
+        self._slots = {}
+
+    def _of(self, value: Any, graph: Graph) -> Hashable:
+        kind = type(value)
+        if kind is torch.Tensor:
+            made = graph._by_identity.get(id(value))
+            if made is not None:
+                return ("made", made.made_index)
+            slot = self._slots.get(id(value))
+            if slot is not None:
+                return ("tensor", slot)
+            self._slots[id(value)] = len(self.tensors)
+            self.tensors.append(value)
+            return ("tensor", len(self.tensors) - 1, value.shape, value.stride(), value.dtype, value.device)
+        if value is None:
+            return None
+        if kind in _SCALARS:
+            return (kind, value)
+        if kind is tuple:
+            return ("tuple", *[self._of(v, graph) for v in value])
+        if isinstance(value, (InputHandle, OutputHandle)) and value._graph is graph:
+            return ("made", value.made_index) if isinstance(value, InputHandle) else ("output", value.index)
+        if isinstance(value, (torch.dtype, enum.Enum)):
+            return (kind, value)
+        raise _UnkeyedError
