@@ -254,7 +254,15 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
 
 def run(
-    shapes: list[Shape], *, json_path: str | None, plot_path: str | None, overhead: bool, cold: bool
+    shapes: list[Shape],
+    *,
+    json_path: str | None,
+    plot_path: str | None,
+    overhead: bool,
+    cold: bool,
+    stack: bool = False,
+    paged_decode: bool = False,
+    naive: bool = False,
 ) -> dict[str, Any]:
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "rows": []}
     for shape in shapes:
@@ -271,6 +279,18 @@ def run(
             steps = bench_host.layer_steps(batch, seq)
             report[f"layer_step_b{batch}_s{seq}"] = steps
             print(bench_host.format_host(steps, f"nn.Attention training step, B{batch} S{seq}, hidden 2048, 16 heads:"))
+    if stack or paged_decode or naive:
+        from . import bench_targets as targets
+
+        sections: list[tuple[str, bool, Callable[[], dict[str, Any]], Callable[[dict[str, Any]], str]]] = [
+            ("stack", stack, targets.stack_steps, targets.format_stack),
+            ("paged_decode", paged_decode, targets.paged_decode, targets.format_paged_decode),
+            ("naive", naive, targets.naive_vs_fused, targets.format_naive),
+        ]
+        for key, wanted, measure, format_section in sections:
+            if wanted:
+                report[key] = measure()
+                print(format_section(report[key]), flush=True)
     if cold:
         report["cold_start"] = cold_start()
         print(

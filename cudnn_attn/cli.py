@@ -91,6 +91,26 @@ def _bench_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", metavar="PATH", help="write a PNG bar chart to PATH (needs the plot extra)")
     bench.add_argument("--overhead", action="store_true", help="host time per call on a tiny shape")
     bench.add_argument("--cold-start", action="store_true", help="time to first result in fresh processes")
+    sections = bench.add_argument_group(
+        "fixed-shape sections",
+        "Each runs its own shapes; given any of them, the attention table runs only for shapes given as "
+        "arguments or --grid.",
+    )
+    sections.add_argument(
+        "--stack",
+        action="store_true",
+        help="4-layer decoder training step (hidden 2048, 16 heads, causal, bf16), torch SDPA vs cudnn_attn.sdpa",
+    )
+    sections.add_argument(
+        "--paged-decode",
+        action="store_true",
+        help="paged K/V decode bandwidth (B64 Hq32/Hkv8 d128 S_kv 4096, page 64): graph vs frontend vs a copy",
+    )
+    sections.add_argument(
+        "--naive",
+        action="store_true",
+        help="fused attention vs naive softmax(q k^T) v in torch (B4 H16 d64 fp16, S 512/2048/8192)",
+    )
     return bench
 
 
@@ -116,14 +136,19 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     from . import bench
 
+    sections = {"stack": args.stack, "paged_decode": args.paged_decode, "naive": args.naive}
     if args.grid:
         shapes = [parse(s) for s in STANDARD_GRID]
     elif args.shapes:
         shapes = [parse(s) for s in args.shapes]
+    elif any(sections.values()):
+        shapes = []  # the sections bring their own shapes
     else:
         shapes = [Shape(b=args.batch, h=args.heads, hkv=args.kv_heads, sq=args.seq, skv=args.seq, d=args.head_dim,
                         dtype=args.dtype, causal=args.causal, bwd=args.bwd)]  # fmt: skip
-    bench.run(shapes, json_path=args.json, plot_path=args.plot, overhead=args.overhead, cold=args.cold_start)
+    bench.run(
+        shapes, json_path=args.json, plot_path=args.plot, overhead=args.overhead, cold=args.cold_start, **sections
+    )
     return 0
 
 
