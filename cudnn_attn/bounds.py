@@ -4,6 +4,8 @@ Checking their values would read them to the host: a sync per call. Instead they
 clamped into range on the device (no sync, capturable), so whatever values arrive no kernel
 reads or writes outside the tensors. Rows with out-of-range values get meaningless results;
 where values are on the host anyway, ``validation.value_problems`` raises for them instead.
+The clamped tensors are derived once per content of each input (``derived_inputs``), not
+once per layer.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .derived_inputs import derived
 from .problem import AttentionProblem
 
 
@@ -29,16 +32,28 @@ def upper_bounds(p: AttentionProblem) -> dict[str, int]:
 
 def clamped(p: AttentionProblem, inputs: Mapping[str, Any], bounds: Mapping[str, int]) -> dict[str, Any]:
     """``inputs`` with every bounded tensor clamped into range, and packed (THD) sequences cut
-    so that they end inside the packed tensors."""
+    so that they end inside the packed tensors. Derived once per content of each input tensor
+    (``derived_inputs``): decode passes the same lengths and page tables to every layer."""
     safe: dict[str, Any] = dict(inputs)
+    packed_tokens = {"seq_len_q": p.q.shape[0], "seq_len_kv": p.k.shape[0]} if p.is_thd else {}
     for role, high in bounds.items():
         value = safe.get(role)
-        if isinstance(value, torch.Tensor):
-            safe[role] = value.clamp(0, high)
-    if p.is_thd:
-        for role, tokens in (("seq_len_q", p.q.shape[0]), ("seq_len_kv", p.k.shape[0])):
-            lengths = safe[role].reshape(-1).to(torch.int64)
-            ends = torch.cumsum(lengths, 0).clamp(max=tokens)
-            starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-            safe[role] = (ends - starts).to(torch.int32).view(safe[role].shape)
+        if isinstance(value, torch.Tensor) and role not in packed_tokens:
+            safe[role] = derived(value, clamp_into, high)
+    for role, tokens in packed_tokens.items():
+        safe[role] = derived(safe[role], packed_lengths, bounds.get(role), tokens)
     return safe
+
+
+def clamp_into(value: torch.Tensor, high: int) -> torch.Tensor:
+    return value.clamp(0, high)
+
+
+def packed_lengths(lengths: torch.Tensor, high: int | None, tokens: int) -> torch.Tensor:
+    """THD lengths clamped into ``[0, high]`` (where bounded), then cut so that the packed
+    sequences end within ``tokens``: a sequence past the end is shortened, later ones emptied."""
+    if high is not None:
+        lengths = lengths.clamp(0, high)
+    ends = torch.cumsum(lengths.reshape(-1).to(torch.int64), 0).clamp(max=tokens)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    return (ends - starts).to(torch.int32).view(lengths.shape)

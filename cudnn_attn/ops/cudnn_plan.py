@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..bounds import clamped, upper_bounds
+from ..derived_inputs import derived
 from ..problem import AttentionProblem
 from ..roles import UID
 from . import autotune as autotune_
@@ -125,14 +126,25 @@ class CudnnPlan:
         return pack
 
     def _bind_ragged_offsets(self, inputs: RunInputs, pack: dict[int, Any]) -> None:
-        """THD: each tensor's element offset of every sequence, from the sequence lengths."""
-        starts: dict[str, torch.Tensor] = {}
+        """THD: each tensor's element offset of every sequence, from the sequence lengths;
+        derived once per content of the lengths (``derived_inputs``), not once per layer."""
+        starts: dict[str, torch.Tensor] = {}  # one prefix sum per lengths tensor, even uncached
         for uid, (lengths_role, token_stride) in self.lowered.ragged.items():
             start = starts.get(lengths_role)
             if start is None:
                 lengths = inputs[lengths_role]
                 assert isinstance(lengths, torch.Tensor)
-                start = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
-                torch.cumsum(lengths.reshape(-1), 0, out=start[1:])
-                starts[lengths_role] = start
-            pack[uid] = (start * token_stride).view(-1, 1, 1, 1)
+                start = starts[lengths_role] = derived(lengths, sequence_starts)
+            pack[uid] = derived(start, element_offsets, token_stride)
+
+
+def sequence_starts(lengths: torch.Tensor) -> torch.Tensor:
+    """Exclusive prefix sum with the total appended: [0, l0, l0 + l1, ..., sum]."""
+    start = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths.reshape(-1), 0, out=start[1:])
+    return start
+
+
+def element_offsets(start: torch.Tensor, token_stride: int) -> torch.Tensor:
+    """Sequence starts in tokens -> in elements of one packed tensor, shaped as cuDNN binds them."""
+    return (start * token_stride).view(-1, 1, 1, 1)
