@@ -128,6 +128,26 @@ class AttentionProblem:
     page_table_v: TensorSpec | None = None
     dropout_seed: TensorSpec | None = None  # a tensor seed/offset is a run input
     dropout_offset: TensorSpec | None = None
+    # FP8 nodes only (see roles.FP8_SCALES): float32 [1, 1, 1, 1] scale inputs and amax outputs.
+    descale_q: TensorSpec | None = None
+    descale_k: TensorSpec | None = None
+    descale_v: TensorSpec | None = None
+    descale_s: TensorSpec | None = None
+    scale_s: TensorSpec | None = None
+    scale_o: TensorSpec | None = None
+    amax_s: TensorSpec | None = None
+    amax_o: TensorSpec | None = None
+    descale_o: TensorSpec | None = None
+    descale_grad_o: TensorSpec | None = None
+    descale_grad_p: TensorSpec | None = None
+    scale_grad_q: TensorSpec | None = None
+    scale_grad_k: TensorSpec | None = None
+    scale_grad_v: TensorSpec | None = None
+    scale_grad_p: TensorSpec | None = None
+    amax_grad_q: TensorSpec | None = None
+    amax_grad_k: TensorSpec | None = None
+    amax_grad_v: TensorSpec | None = None
+    amax_grad_p: TensorSpec | None = None
     io_dtype: torch.dtype | None = None
     intermediate_dtype: torch.dtype = torch.float32
     compute_dtype: torch.dtype = torch.float32
@@ -154,6 +174,11 @@ class AttentionProblem:
     @property
     def generates_stats(self) -> bool:
         return self.is_forward and self.stats is not None
+
+    @property
+    def is_fp8(self) -> bool:
+        """An sdpa_fp8 / sdpa_fp8_backward node: FP8 data with per-tensor scales."""
+        return self.descale_q is not None
 
     @property
     def is_thd(self) -> bool:

@@ -42,6 +42,26 @@ ROLES: dict[str, Role] = {
         Role("dropout_seed", 16, "dropout_seed"),
         Role("dropout_offset", 17, "dropout_offset"),
         Role("rng_dump", 18, "rng_dump"),
+        # FP8 (sdpa_fp8, sdpa_fp8_backward): per-tensor scales in, amaxes out, float32 [1, 1, 1, 1].
+        Role("descale_q", 50, "descale_q"),
+        Role("descale_k", 51, "descale_k"),
+        Role("descale_v", 52, "descale_v"),
+        Role("descale_s", 53, "descale_s"),
+        Role("scale_s", 54, "scale_s"),
+        Role("scale_o", 55, "scale_o"),
+        Role("amax_s", 56, "Amax_S", output="Amax_S"),
+        Role("amax_o", 57, "Amax_O", output="Amax_O"),
+        Role("descale_o", 58, "descale_o"),
+        Role("descale_grad_o", 59, "descale_dO"),
+        Role("descale_grad_p", 60, "descale_dP"),
+        Role("scale_grad_q", 61, "scale_dQ"),
+        Role("scale_grad_k", 62, "scale_dK"),
+        Role("scale_grad_v", 63, "scale_dV"),
+        Role("scale_grad_p", 64, "scale_dP"),
+        Role("amax_grad_q", 65, "Amax_dQ", output="Amax_dQ"),
+        Role("amax_grad_k", 66, "Amax_dK", output="Amax_dK"),
+        Role("amax_grad_v", 67, "Amax_dV", output="Amax_dV"),
+        Role("amax_grad_p", 68, "Amax_dP", output="Amax_dP"),
     )
 }
 
@@ -55,8 +75,17 @@ PAGED_INPUTS = ("q", "k", "v", "page_table_k", "seq_len_q", "seq_len_kv", "page_
                 "dropout_seed", "dropout_offset")  # fmt: skip
 BACKWARD_INPUTS = ("q", "k", "v", "o", "grad_o", "stats", *MASK_INPUTS)
 
+FP8_SCALES = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+FP8_BACKWARD_SCALES = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_grad_o", "descale_s",
+                       "descale_grad_p", "scale_s", "scale_grad_q", "scale_grad_k", "scale_grad_v",
+                       "scale_grad_p")  # fmt: skip
+FP8_INPUTS = ("q", "k", "v", *FP8_SCALES, *MASK_INPUTS)
+FP8_BACKWARD_INPUTS = ("q", "k", "v", "o", "grad_o", "stats", *FP8_BACKWARD_SCALES, *MASK_INPUTS)
+
 FORWARD_OUTPUTS = ("o", "stats")
 BACKWARD_OUTPUTS = ("grad_q", "grad_k", "grad_v", "grad_bias")
+FP8_AMAXES = ("amax_s", "amax_o")
+FP8_BACKWARD_AMAXES = ("amax_grad_q", "amax_grad_k", "amax_grad_v", "amax_grad_p")
 
 
 def user_name(role: str) -> str:
