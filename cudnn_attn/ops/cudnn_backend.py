@@ -2,6 +2,8 @@
 
 Build: lower, validate, build the operation graph, create plans from the heuristics, check
 support, build; or load the plan from the persistent store, and save what was built there.
+One handle serves all of it: the library's own for the thread (the frontend would make a
+default handle of its own beside it for any graph given none).
 cuDNN's own failures are re-raised as ``UnsupportedError`` naming the problem, the GPU and
 the versions. Running a plan is ``cudnn_plan.py``'s business; where cuDNN runs,
 ``cudnn_platform.py``'s.
@@ -15,7 +17,6 @@ from typing import Any
 
 import torch
 
-from .. import synthetic
 from ..errors import UnsupportedError
 from ..plan_store import PlanStore, entry_key, signature
 from ..problem import AttentionProblem
@@ -63,11 +64,12 @@ class CudnnBackend:
         variant = "autotuned" if autotune else "heuristic"
         key = entry_key(problem, record, variant) if store is not None and not rng_dump else None
         try:
-            lowered = lowering.lower(problem, rng_dump=rng_dump)
             if key is not None and store is not None:
-                plan = self._load(problem, lowered, store, key, record, device_index)
+                plan = self._load(problem, store, key, record, device_index)
                 if plan is not None:
                     return plan
+            # One handle for lowering, planning and tuning: the library's own for this thread.
+            lowered = lowering.lower(problem, rng_dump=rng_dump, handle=cudnn_handle(device_index))
             plan = self._build(problem, lowered, autotune, device_index)
         except UnsupportedError:
             raise
@@ -86,6 +88,8 @@ class CudnnBackend:
         graph = _planned(lowered.graph)
         with torch.cuda.device(device_index):
             if autotune:
+                from .. import synthetic  # tuning only: not imported on the way to a stored plan
+
                 probe = CudnnPlan(problem, lowered, 0, device_index)
                 inputs, outputs = synthetic.run_tensors(problem)
                 handle = cudnn_handle(device_index)
@@ -95,7 +99,7 @@ class CudnnBackend:
                 )
                 # The tuned graph holds every candidate it built: run the winner from a fresh
                 # graph that builds it alone, as the heuristic path would.
-                lowered = lowering.lower(problem, rng_dump=lowered.rng_dump)
+                lowered = lowering.lower(problem, rng_dump=lowered.rng_dump, handle=handle)
                 graph = _planned(lowered.graph)
                 graph.select_plan(choice.index)
                 graph.build_plans()
@@ -112,15 +116,19 @@ class CudnnBackend:
 
         return cudnn
 
-    def _load(self, problem, lowered, store, key, record, device_index) -> CudnnPlan | None:
+    def _load(self, problem, store, key, record, device_index) -> CudnnPlan | None:
+        """The stored plan, deserialized into an empty graph: nothing is validated, lowered to
+        cuDNN or planned (the lowering below only records what running the plan binds)."""
         entry = store.load(key, record)
         if entry is None:
             return None
+        lowered = lowering.lower(problem)
         import cudnn
 
         try:
-            graph = cudnn.pygraph()
-            graph.deserialize(cudnn_handle(device_index), entry.blob)
+            handle = cudnn_handle(device_index)
+            graph = cudnn.pygraph(handle=handle)  # the frontend would otherwise make a default handle of its own
+            graph.deserialize(handle, entry.blob)
             workspace_size = int(graph.get_workspace_size())
         except Exception as error:  # a plan this cuDNN cannot load: rebuild and overwrite it
             log.warning(

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from . import capabilities
+from .frontend_internals import new_handle
 
 
 @functools.cache
@@ -48,12 +49,12 @@ def cudnn_handle(device_index: int, user_handle: Any = None) -> Any:
         native = getattr(user_handle, "native", None)
         if native is None:
             with torch.cuda.device(device_index):
-                native = user_handle.native = cudnn.create_handle()
+                native = user_handle.native = new_handle(device_index)
         return native
     handle = _handles.by_device.get(device_index)
     if handle is None:
         with torch.cuda.device(device_index):
-            handle = _handles.by_device[device_index] = cudnn.create_handle()
+            handle = _handles.by_device[device_index] = new_handle(device_index)
     return handle
 
 

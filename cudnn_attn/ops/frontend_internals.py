@@ -1,9 +1,10 @@
 """Every use of the cuDNN frontend's private internals, in one adapter.
 
-The library binds buffers through the frontend's native ordered executor and reads which
-plan the heuristics selected; both live behind underscore names that may change between
-frontend versions (the version is part of every plan's key). A frontend upgrade touches
-this file alone; when anything is not as expected, callers fall back to public calls.
+The library binds buffers through the frontend's native ordered executor, reads which
+plan the heuristics selected and makes handles without the frontend's device probe; all
+live behind underscore names that may change between frontend versions (the version is
+part of every plan's key). A frontend upgrade touches this file alone; when anything is
+not as expected, callers fall back to public calls.
 """
 
 from __future__ import annotations
@@ -12,6 +13,33 @@ import logging
 from typing import Any
 
 log = logging.getLogger("cudnn_attn.cudnn")
+
+
+def new_handle(device_index: int) -> Any:
+    """A new ``cudnn.Handle`` on the current device (the caller makes ``device_index``
+    current), as ``cudnn.create_handle()`` makes it but without its device probe.
+
+    ``create_handle`` asks the frontend's driver layer which device is current, and the first
+    such question in a process imports the CUDA driver's Python bindings and initialises them
+    (about 20 ms on an H100 host where torch has not imported them: the largest part of a cold
+    start with a warm plan store). The caller knows the device.
+    """
+    import cudnn
+
+    native = getattr(cudnn, "_pybind_module", None)
+    create, stream_of, wrap = (getattr(native, "create_handle", None), getattr(native, "get_stream", None),
+                               getattr(cudnn, "Handle", None))  # fmt: skip
+    if create is None or stream_of is None or not isinstance(wrap, type):
+        return cudnn.create_handle()
+    raw = create()
+    try:
+        return wrap(raw, device_index, stream_of(raw))
+    except (TypeError, ValueError, AttributeError) as error:  # another Handle: give this one back, ask publicly
+        log.debug("handle wrapping unavailable (%s); using cudnn.create_handle", error)
+        destroy = getattr(native, "_raw_destroy_handle", None)
+        if destroy is not None:
+            destroy(raw)
+        return cudnn.create_handle()
 
 
 def selected_plan_name(graph: Any) -> str:

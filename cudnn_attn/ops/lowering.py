@@ -64,14 +64,19 @@ def dims_and_strides(role: str, spec: TensorSpec, p: AttentionProblem) -> tuple[
     return shape, stride
 
 
-def lower(p: AttentionProblem, *, rng_dump: bool = False) -> Lowered:
-    """Build (but do not plan) the frontend graph for ``p``."""
+def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) -> Lowered:
+    """Build (but do not plan) the frontend graph for ``p``.
+
+    ``handle``: the ``cudnn.Handle`` the frontend lowers and plans with; without one it makes
+    (on a GPU, when the graph is planned) a default handle of its own beside the library's.
+    """
     import cudnn
 
     graph = cudnn.pygraph(
         io_data_type=cudnn_dtype(p.q.dtype),
         intermediate_data_type=cudnn.data_type.FLOAT,
         compute_data_type=cudnn.data_type.FLOAT,
+        **({"handle": handle} if handle is not None else {}),
     )
     lowered = Lowered(graph=graph, rng_dump=rng_dump)
 
