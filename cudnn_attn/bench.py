@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from . import Graph, PlanCache, synthetic
+from .bench_host import round_order
 from .ops import autotune
 from .shapes import Shape
 
@@ -119,7 +120,7 @@ def _relative_error(result: Any, expected: torch.Tensor | None) -> float | None:
     return float((actual.float() - expected).norm() / expected.norm())
 
 
-def bench_shape(shape: Shape, warmup: int = 5, repeats: int = 40, rounds: int = 10) -> dict[str, Any]:
+def bench_shape(shape: Shape, warmup: int = 5, repeats: int = 15, rounds: int = 30) -> dict[str, Any]:
     t = shape.tensors("cuda")
     device = torch.device("cuda", torch.cuda.current_device())
     row: dict[str, Any] = {"shape": shape.label(), "flops": shape.flops(), "columns": {}, "plans": {}}
@@ -144,8 +145,8 @@ def bench_shape(shape: Shape, warmup: int = 5, repeats: int = 40, rounds: int = 
     # thermal drift during the run favour no column.
     medians: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
-    for round_ in range(rounds):  # each round starts at another column: no column always runs first
-        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+    for round_ in range(rounds):  # columns in a fresh order each round: none always follows a light one
+        for name in round_order(names, round_):
             medians[name].append(autotune.time_plan(runs[name], device, warmup, repeats))
     expected = _reference_output(shape, t)
     for name, run in runs.items():

@@ -2,13 +2,14 @@
 
 On a tiny shape (b1 h8 s128 d64 bf16) the GPU finishes each kernel before the host issues
 the next, so time per call is host time. Paths are timed in short interleaved rounds, each
-round a block of calls of every path in turn after equal warm-up; the table gives each
+round a block of calls of every path in a freshly shuffled order after equal warm-up; the table gives each
 path's median over rounds and the spread (lowest to highest round). A difference inside the
 spread is "same".
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +23,13 @@ from .shapes import Shape
 
 ROUNDS = 15
 CALLS = 200
+
+
+def round_order(names: list[str], round_: int) -> list[str]:
+    """The order of one round: shuffled afresh each round (seeded, so runs repeat). A fixed
+    cyclic order, even rotated, has each path always follow the same one, and a path after a
+    light one (a pause, a low-power kernel) reads fast while the GPU's clocks are still up."""
+    return random.Random(round_).sample(names, len(names))
 
 
 def _per_call_us(fn: Callable[[], object], calls: int, sync: bool) -> float:
@@ -44,7 +52,7 @@ def interleaved(
     samples: dict[str, list[float]] = {name: [] for name in paths}
     names = list(paths)
     for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
+        for name in round_order(names, r):
             samples[name].append(_per_call_us(paths[name], calls, sync))
             torch.cuda.synchronize()
     return {

@@ -51,13 +51,13 @@ def interleaved_events(
     paths: Mapping[str, Callable[[], object]], rounds: int = 12, calls: int = 50, warmup_calls: int = 50
 ) -> Timings:
     """``bench_host.interleaved`` with CUDA-event timing: each round times a block of ``calls``
-    of every path in turn, starting at another path each round, after equal warm-up."""
+    of every path in a freshly shuffled order (``bench_host.round_order``), after equal warm-up."""
     for fn in paths.values():
         _event_us_per_call(fn, warmup_calls)
     samples: dict[str, list[float]] = {name: [] for name in paths}
     names = list(paths)
     for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in bench_host.round_order(names, r):
             samples[name].append(_event_us_per_call(paths[name], calls))
     return {
         name: {"median_us": statistics.median(v), "low_us": min(v), "high_us": max(v)} for name, v in samples.items()

@@ -162,3 +162,15 @@ def test_run_reports_and_prints_each_section(monkeypatch, tmp_path, capsys):
     assert report["naive"] == {"seqs": {}} and "stack" not in report and "paged_decode" not in report
     assert "naive section printed" in capsys.readouterr().out
     assert json.loads(path.read_text())["naive"] == {"seqs": {}}
+
+
+def test_rounds_shuffle_the_order_of_columns():
+    """No column always follows the same one (a light predecessor leaves the GPU's clocks up)."""
+    from cudnn_attn.bench_host import round_order
+
+    names = ["a", "b", "c", "d", "e", "f"]
+    orders = [round_order(names, r) for r in range(30)]
+    assert all(sorted(order) == names for order in orders)
+    predecessors = {order[order.index("a") - 1] for order in orders if order[0] != "a"}
+    assert len(predecessors) >= 3
+    assert orders == [round_order(names, r) for r in range(30)]  # seeded: a rerun times the same orders
