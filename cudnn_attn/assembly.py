@@ -11,19 +11,47 @@ import torch
 from .node import Node
 from .options import default_scale
 from .problem import AttentionProblem, KVCacheLayout, Op, TensorSpec, contiguous_strides, strides_like
-from .roles import BACKWARD_INPUTS, SDPA_INPUTS
+from .roles import (
+    BACKWARD_INPUTS,
+    FP8_AMAXES,
+    FP8_BACKWARD_AMAXES,
+    FP8_BACKWARD_INPUTS,
+    FP8_BACKWARD_SCALES,
+    FP8_INPUTS,
+    FP8_SCALES,
+    SDPA_INPUTS,
+)
 
 # What each op cannot run without (anything else missing is optional or reported by validation).
-REQUIRED = {Op.FORWARD: ("q", "k", "v"), Op.BACKWARD: ("q", "k", "v", "o", "grad_o", "stats")}
+REQUIRED = {
+    (Op.FORWARD, False): ("q", "k", "v"),
+    (Op.BACKWARD, False): ("q", "k", "v", "o", "grad_o", "stats"),
+    (Op.FORWARD, True): ("q", "k", "v", *FP8_SCALES),
+    (Op.BACKWARD, True): ("q", "k", "v", "o", "grad_o", "stats", *FP8_BACKWARD_SCALES),
+}
+# Each op's inputs as problem fields.
+INPUTS = {
+    (Op.FORWARD, False): SDPA_INPUTS,
+    (Op.BACKWARD, False): BACKWARD_INPUTS,
+    (Op.FORWARD, True): FP8_INPUTS,
+    (Op.BACKWARD, True): FP8_BACKWARD_INPUTS,
+}
+_SCALAR = (1, 1, 1, 1)  # FP8 amaxes (and scales): float32 [1, 1, 1, 1]
 
 
 def missing_inputs(node: Node) -> list[str]:
     """One line per required input the node was not given."""
+    method = node.op.value.replace("sdpa", "sdpa_fp8", 1) if node.fp8 else node.op.value
     return [
-        f"{node.argument(role)}: missing; {node.op.value} needs it (a tensor, not None)"
-        for role in REQUIRED[node.op]
+        f"{node.argument(role)}: missing; {method} needs it (a tensor, not None)"
+        for role in REQUIRED[node.op, node.fp8]
         if role not in node.inputs
     ]
+
+
+def _amaxes(node: Node, roles: tuple[str, ...], device: str) -> dict[str, Any]:
+    default = TensorSpec.contiguous(_SCALAR, torch.float32, device)
+    return {role: output_spec(node.outputs[role], default) for role in roles if role in node.outputs}
 
 
 def assemble_problem(node: Node, dtypes: dict[str, torch.dtype | None]) -> AttentionProblem | None:
@@ -62,8 +90,9 @@ def assemble_problem(node: Node, dtypes: dict[str, torch.dtype | None]) -> Atten
         if "stats" in node.outputs:
             shape = (*q.shape[:3], 1) if q.rank == 4 else _thd_stats_shape(specs, node)
             stats = output_spec(node.outputs["stats"], TensorSpec.contiguous(shape, torch.float32, q.device))
-        inputs: dict[str, Any] = {role: spec for role, spec in specs.items() if role in SDPA_INPUTS}
-        return AttentionProblem(op=Op.FORWARD, o=o, stats=stats, **inputs, **common)
+        inputs: dict[str, Any] = {role: spec for role, spec in specs.items() if role in INPUTS[Op.FORWARD, node.fp8]}
+        amaxes = _amaxes(node, FP8_AMAXES, q.device)
+        return AttentionProblem(op=Op.FORWARD, o=o, stats=stats, **inputs, **amaxes, **common)
     outs: dict[str, Any] = {
         role: output_spec(node.outputs[role], like(specs[source]))
         for role, source in (("grad_q", "q"), ("grad_k", "k"), ("grad_v", "v"))
@@ -72,7 +101,8 @@ def assemble_problem(node: Node, dtypes: dict[str, torch.dtype | None]) -> Atten
         bias = specs.get("bias")
         default = like(bias) if bias is not None else TensorSpec.contiguous((1, 1, 1, 1), torch.float32, q.device)
         outs["grad_bias"] = output_spec(node.outputs["grad_bias"], default)
-    inputs = {role: spec for role, spec in specs.items() if role in BACKWARD_INPUTS}
+    outs.update(_amaxes(node, FP8_BACKWARD_AMAXES, q.device))
+    inputs = {role: spec for role, spec in specs.items() if role in INPUTS[Op.BACKWARD, node.fp8]}
     return AttentionProblem(op=Op.BACKWARD, **inputs, **outs, **common, deterministic=node.deterministic)
 
 

@@ -24,6 +24,7 @@ from .cache import PlanCache, default_cache
 from .data_type import to_torch_dtype
 from .errors import GraphStateError, ValidationError
 from .frontend_compat import FrontendSteps
+from .graph_fp8 import Fp8Ops
 from .graph_tensors import InputHandle, OutputHandle, TensorHandle, int_tuple
 from .node import Node
 from .ops import BACKEND_NAMES
@@ -50,7 +51,7 @@ _PAGED_HINTS = {
 }
 
 
-class Graph(FrontendSteps):
+class Graph(Fp8Ops, FrontendSteps):
     """A graph of attention nodes, built once and run many times.
 
     Args:

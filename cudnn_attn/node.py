@@ -31,6 +31,7 @@ class Node:
     paged: bool = False  # k and v are paged caches
     kv_cache_layout: Any = None  # as given; inferred from the cache's shape when None
     deterministic: bool = False
+    fp8: bool = False  # recorded by sdpa_fp8 / sdpa_fp8_backward: FP8 data with per-tensor scales
     problem: AttentionProblem | None = None
     plan: Plan | None = None
     backend: str | None = None

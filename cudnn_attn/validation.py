@@ -21,10 +21,18 @@ import torch
 from .data_type import FLOATING_IO, FP8, dtype_name
 from .options import Causal
 from .problem import AttentionProblem, KVCacheLayout, Op, TensorSpec
-from .roles import BACKWARD_OUTPUTS, FORWARD_OUTPUTS, user_name
+from .roles import (
+    BACKWARD_OUTPUTS,
+    FORWARD_OUTPUTS,
+    FP8_AMAXES,
+    FP8_BACKWARD_AMAXES,
+    FP8_BACKWARD_SCALES,
+    FP8_SCALES,
+    user_name,
+)
 
 MAX_HEAD_DIM = 256
-OUTPUT_ROLES = {Op.FORWARD: FORWARD_OUTPUTS, Op.BACKWARD: BACKWARD_OUTPUTS}
+OUTPUT_ROLES = {Op.FORWARD: FORWARD_OUTPUTS + FP8_AMAXES, Op.BACKWARD: BACKWARD_OUTPUTS + FP8_BACKWARD_AMAXES}
 HEAD_DIM_MULTIPLE = 8
 SEQ_LEN_DTYPES = (torch.int32,)
 PAGE_TABLE_DTYPES = (torch.int32,)
@@ -146,11 +154,15 @@ def overlaps(spec: TensorSpec) -> bool:
 
 def _check_dtypes(p: AttentionProblem, found: list[str]) -> None:
     q_dt = p.q.dtype
-    allowed_q = FLOATING_IO + (FP8 if p.is_forward and not p.is_paged else ())
-    if q_dt not in allowed_q:
-        allowed = ", ".join(dtype_name(d) for d in allowed_q)
-        extra = "" if p.is_forward else " (fp8 is forward-only)"
-        found.append(f"q: dtype {_dt(p.q)} is not supported; allowed: {allowed}{extra}")
+    if p.is_fp8:
+        _check_fp8(p, found)
+        return
+    if q_dt in FP8:
+        op = "sdpa_fp8" if p.is_forward else "sdpa_fp8_backward"
+        found.append(f"q: dtype {_dt(p.q)}: FP8 attention needs its scale and descale tensors; use g.{op}(...)")
+    elif q_dt not in FLOATING_IO:
+        allowed = ", ".join(dtype_name(d) for d in FLOATING_IO + FP8)
+        found.append(f"q: dtype {_dt(p.q)} is not supported; allowed: {allowed} (FP8 through g.sdpa_fp8)")
     if p.io_dtype is not None and p.io_dtype != q_dt:
         found.append(
             f"io_data_type: {dtype_name(p.io_dtype)} but q is {_dt(p.q)}; they must agree (or leave io_data_type=None)"
@@ -183,6 +195,39 @@ def _check_dtypes(p: AttentionProblem, found: list[str]) -> None:
         spec = getattr(p, role)
         if spec is not None and spec.dtype not in int_dtypes:
             found.append(f"{role}: dtype {_dt(spec)}; must be {' or '.join(dtype_name(d) for d in int_dtypes)}")
+    for name, dtype in (("intermediate_data_type", p.intermediate_dtype), ("compute_data_type", p.compute_dtype)):
+        if dtype != torch.float32:
+            found.append(f"{name}: {dtype_name(dtype)}; attention accumulates in float32 (data_type.FLOAT)")
+
+
+def _check_fp8(p: AttentionProblem, found: list[str]) -> None:
+    """FP8 nodes: FP8 data, float32 [1, 1, 1, 1] scales and amaxes; outputs FP8 or 16-bit."""
+    op = "sdpa_fp8" if p.is_forward else "sdpa_fp8_backward"
+    fp8 = " or ".join(dtype_name(d) for d in FP8)
+    wide = FP8 + (torch.float16, torch.bfloat16)
+    if p.q.dtype not in FP8:
+        found.append(f"q: dtype {_dt(p.q)}; {op} takes {fp8} (use sdpa for {_dt(p.q)})")
+    for role in ("k", "v"):
+        spec = getattr(p, role)
+        if spec.dtype != p.q.dtype:
+            found.append(f"{role}: dtype {_dt(spec)} differs from q's {_dt(p.q)}; q, k and v must share one dtype")
+    for role, allowed in (("o", FP8 if not p.is_forward else wide), ("grad_o", FP8)):
+        spec = getattr(p, role)
+        if spec is not None and spec.dtype not in allowed:
+            found.append(f"{_name(role)}: dtype {_dt(spec)}; must be {', '.join(dtype_name(d) for d in allowed)}")
+    for role in ("grad_q", "grad_k", "grad_v"):
+        spec = getattr(p, role)
+        if spec is not None and spec.dtype not in wide:
+            found.append(f"{_name(role)}: dtype {_dt(spec)}; must be {', '.join(dtype_name(d) for d in wide)}")
+    if p.stats is not None and p.stats.dtype != torch.float32:
+        found.append(f"stats: dtype {_dt(p.stats)}; stats are float32")
+    for role in (*FP8_SCALES, *FP8_BACKWARD_SCALES, *FP8_AMAXES, *FP8_BACKWARD_AMAXES):
+        spec = getattr(p, role)
+        if spec is not None and (spec.dtype != torch.float32 or spec.shape != (1, 1, 1, 1)):
+            found.append(
+                f"{_name(role)}: dtype {_dt(spec)}, shape {list(spec.shape)}; FP8 scales and amaxes are "
+                "float32 [1, 1, 1, 1] tensors"
+            )
     for name, dtype in (("intermediate_data_type", p.intermediate_dtype), ("compute_data_type", p.compute_dtype)):
         if dtype != torch.float32:
             found.append(f"{name}: {dtype_name(dtype)}; attention accumulates in float32 (data_type.FLOAT)")

@@ -189,7 +189,7 @@ MALFORMED = [
         "paged_attention_max_seq_len_kv",
         "without paged",
     ),
-    ("fp8-backward", lambda: bwd(q=t(B, H, S, D, dtype=torch.float8_e4m3fn)), "q:", "forward-only"),
+    ("fp8-backward", lambda: bwd(q=t(B, H, S, D, dtype=torch.float8_e4m3fn)), "q:", "sdpa_fp8_backward"),
     ("bwd-stats-dtype", lambda: bwd(stats=STATS.half()), "stats", "float16"),
     ("bwd-stats-shape", lambda: bwd(stats=torch.randn(B, H, S)), "stats", "rank 3"),
     ("bwd-do-shape", lambda: bwd(dO=t(B, H, S, 32)), "dO", "[2, 4, 16, 32]"),

@@ -16,8 +16,8 @@ from .. import dropout, masks, validation
 from ..bounds import clamped, upper_bounds
 from ..errors import ValidationError
 from ..problem import AttentionProblem, KVCacheLayout
-from ..roles import ROLES
-from . import reference_math
+from ..roles import FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES, ROLES
+from . import reference_fp8, reference_math
 from .base import RunInputs
 
 
@@ -66,7 +66,9 @@ class ReferencePlan:
         inputs = self._checked(inputs)
         dense = self._dense_inputs(inputs)
         terms = self._terms(inputs, dropout_keep)
-        if p.is_forward:
+        if p.is_fp8:
+            self._fp8(inputs, dense, terms, outputs)
+        elif p.is_forward:
             o, stats = reference_math.forward(dense["q"], dense["k"], dense["v"], terms)
             self._write(outputs["o"], o, inputs, "seq_len_q")
             if "stats" in outputs:
@@ -82,6 +84,34 @@ class ReferencePlan:
             self._write(outputs["grad_v"], d_v, inputs, "seq_len_kv")
             if d_bias is not None and d_b is not None:
                 d_bias.copy_(d_b)
+
+    def _fp8(self, inputs: RunInputs, dense: dict, terms: reference_math.ScoreTerms, outputs: Mapping) -> None:
+        """FP8 nodes, emulated as cuDNN computes them (``reference_fp8``): dense holds the FP8
+        values widened to the compute dtype; scales, casts and amaxes follow the op."""
+        p, dt = self.problem, self.compute_dtype
+        scales = {role: _as_tensor(inputs[role]) for role in (*FP8_SCALES, *FP8_BACKWARD_SCALES) if role in inputs}
+        if p.is_forward:
+            o, stats, amax_s, amax_o = reference_fp8.forward_fp8(
+                dense["q"], dense["k"], dense["v"], *(scales[role] for role in FP8_SCALES),
+                terms=terms, out_dtype=p.o.dtype, p_dtype=p.q.dtype, compute_dtype=dt,
+            )  # fmt: skip
+            self._write(outputs["o"], o, inputs, "seq_len_q")
+            if "stats" in outputs:
+                outputs["stats"].copy_(stats)
+            outputs["amax_s"].copy_(amax_s)
+            outputs["amax_o"].copy_(amax_o)
+            return
+        assert p.grad_q is not None and p.grad_o is not None
+        d_q, d_k, d_v, *amaxes = reference_fp8.backward_fp8(
+            dense["q"], dense["k"], dense["v"], dense["o"], dense["grad_o"], dense["stats"],
+            *(scales[role] for role in FP8_BACKWARD_SCALES),
+            terms=terms, grad_dtype=p.grad_q.dtype, p_dtype=p.q.dtype, ds_dtype=p.grad_o.dtype, compute_dtype=dt,
+        )  # fmt: skip
+        self._write(outputs["grad_q"], d_q, inputs, "seq_len_q")
+        self._write(outputs["grad_k"], d_k, inputs, "seq_len_kv")
+        self._write(outputs["grad_v"], d_v, inputs, "seq_len_kv")
+        for role, amax in zip(FP8_BACKWARD_AMAXES, amaxes):
+            outputs[role].copy_(amax)
 
     def _checked(self, inputs: RunInputs) -> RunInputs:
         """Integer inputs checked where they live on the host (an error names bad values);

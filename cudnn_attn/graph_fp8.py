@@ -1,0 +1,125 @@
+"""The FP8 ops of ``Graph``: ``sdpa_fp8`` and ``sdpa_fp8_backward``, with the frontend's names,
+positional parameters and outputs.
+
+Q, K, V (and O, dO in the backward) are FP8 (``torch.float8_e4m3fn`` or ``float8_e5m2``);
+every scale and descale is a float32 ``[1, 1, 1, 1]`` tensor; the amax outputs are float32
+``[1, 1, 1, 1]``. What the ops compute, exactly, is in ``ops/reference_fp8.py``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .graph_tensors import OutputHandle
+from .options import publishes_mask_keywords, stats_requested
+from .problem import Op
+from .roles import FP8_AMAXES, FP8_BACKWARD_AMAXES, FP8_BACKWARD_INPUTS, FP8_BACKWARD_SCALES, FP8_INPUTS, FP8_SCALES
+
+if TYPE_CHECKING:
+    from .node import Node
+
+
+class Fp8Ops:
+    """Mixed into ``Graph`` (whose recording machinery the methods use)."""
+
+    _record_call: Any
+    _bind_call: Any
+    _check_compute_dtype: Any
+
+    @publishes_mask_keywords
+    def sdpa_fp8(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        descale_q: Any,
+        descale_k: Any,
+        descale_v: Any,
+        descale_s: Any,
+        scale_s: Any,
+        scale_o: Any,
+        *,
+        is_inference: bool | None = None,
+        generate_stats: bool | None = None,
+        compute_data_type: Any = None,
+        name: str | None = None,
+        **mask: Any,
+    ) -> tuple[OutputHandle, OutputHandle | None, OutputHandle, OutputHandle]:
+        """FP8 attention forward: ``(O, Stats or None, Amax_S, Amax_O)``.
+
+        S = q k^T * attn_scale * descale_q * descale_k; P = softmax(S) (Amax_S = max|P|) is
+        quantised with ``scale_s``; O = (P v) * descale_s * descale_v (Amax_O = max|O|) is
+        written as ``O * scale_o`` in O's dtype (q's by default). Mask keywords as ``sdpa``'s.
+        """
+        scales = (descale_q, descale_k, descale_v, descale_s, scale_s, scale_o)
+        args = (q, k, v, scales, is_inference, generate_stats, compute_data_type)
+        stats = stats_requested(is_inference, generate_stats, [])  # its errors are reported at build
+        outputs = ("o", "stats", *FP8_AMAXES) if stats else ("o", *FP8_AMAXES)
+        node = self._record_call(Op.FORWARD, name, FP8_INPUTS, "sdpa_fp8", self._interpret_fp8, args, mask, outputs)
+        node.fp8 = True
+        return node.outputs["o"], node.outputs.get("stats"), node.outputs["amax_s"], node.outputs["amax_o"]
+
+    def _interpret_fp8(self, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, scales: tuple,
+                       is_inference: Any, generate_stats: Any, compute_data_type: Any) -> None:  # fmt: skip
+        self._bind_call(node, {"q": q, "k": k, "v": v, **dict(zip(FP8_SCALES, scales))}, mask, "sdpa_fp8")
+        stats_requested(is_inference, generate_stats, node.errors)
+        self._check_compute_dtype(compute_data_type, node)
+
+    @publishes_mask_keywords
+    def sdpa_fp8_backward(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        o: Any,
+        dO: Any,  # noqa: N803 - the frontend's spelling
+        stats: Any,
+        descale_q: Any,
+        descale_k: Any,
+        descale_v: Any,
+        descale_o: Any,
+        descale_dO: Any,  # noqa: N803
+        descale_s: Any,
+        descale_dP: Any,  # noqa: N803
+        scale_s: Any,
+        scale_dQ: Any,  # noqa: N803
+        scale_dK: Any,  # noqa: N803
+        scale_dV: Any,  # noqa: N803
+        scale_dP: Any,  # noqa: N803
+        *,
+        use_deterministic_algorithm: bool = False,
+        compute_data_type: Any = None,
+        name: str | None = None,
+        **mask: Any,
+    ) -> tuple[OutputHandle, ...]:
+        """Gradients of ``sdpa_fp8``: ``(dQ, dK, dV, Amax_dQ, Amax_dK, Amax_dV, Amax_dP)``.
+
+        Give the same mask and scale as the forward whose ``o`` and ``stats`` are passed.
+        """
+        scales = (descale_q, descale_k, descale_v, descale_o, descale_dO, descale_s, descale_dP, scale_s, scale_dQ,
+                  scale_dK, scale_dV, scale_dP)  # fmt: skip
+        args = (q, k, v, o, dO, stats, scales, use_deterministic_algorithm, compute_data_type)
+        outputs = ("grad_q", "grad_k", "grad_v", *FP8_BACKWARD_AMAXES)
+        node = self._record_call(
+            Op.BACKWARD, name, FP8_BACKWARD_INPUTS, "sdpa_fp8_backward", self._interpret_fp8_backward, args, mask,
+            outputs,
+        )  # fmt: skip
+        node.fp8 = True
+        return tuple(node.outputs.values())
+
+    def _interpret_fp8_backward(self, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, o: Any, d_o: Any,
+                                stats: Any, scales: tuple, deterministic: Any, compute_data_type: Any) -> None:  # fmt: skip
+        tensors = {
+            "q": q,
+            "k": k,
+            "v": v,
+            "o": o,
+            "grad_o": d_o,
+            "stats": stats,
+            **dict(zip(FP8_BACKWARD_SCALES, scales)),
+        }
+        self._bind_call(node, tensors, mask, "sdpa_fp8_backward")
+        self._check_compute_dtype(compute_data_type, node)
+        if not isinstance(deterministic, (bool, int)) or deterministic not in (0, 1):
+            node.errors.append(f"use_deterministic_algorithm: {deterministic!r}; expected True or False")
+        node.deterministic = deterministic is True or deterministic == 1
