@@ -21,6 +21,7 @@ from .handle import Handle, create_handle, destroy_handle
 from .heur_mode import heur_mode
 from .ops.autotune import set_autotune
 from .problem import AttentionProblem, Causal, KVCacheLayout, Op, TensorSpec
+from .sdpa_fp8 import sdpa_fp8
 
 __version__ = "0.1.0"
 
@@ -49,5 +50,6 @@ __all__ = [
     "nn",
     "pygraph",
     "sdpa",
+    "sdpa_fp8",
     "set_autotune",
 ]

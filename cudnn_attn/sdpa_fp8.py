@@ -1,0 +1,118 @@
+"""``cudnn_attn.sdpa_fp8``: FP8 attention with fp16/bf16 in and out, scaling done for the caller.
+
+Per-tensor current scaling, as TransformerEngine's current-scaling recipe does: each of Q, K,
+V is scaled so that its largest magnitude lands on E4M3's largest value (448), quantised, and
+the FP8 op runs with the matching descales. P (the softmax, in [0, 1]) takes the fixed scale
+448, as cuDNN's samples do. O's scale needs no second pass: every row of O is a convex
+combination of V's rows, so ``|O| <= max|V|`` and V's own scale never saturates O. The FP8
+output is dequantised into the inputs' dtype.
+
+Gradients (``backward=``): ``"bf16"`` (the default) recomputes attention from the 16-bit
+inputs with the 16-bit forward and backward plans; ``"fp8"`` is not offered yet (its
+gradient scales need delayed scaling from an amax history).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .errors import UnsupportedError, ValidationError
+from .graph_cache import GraphCache
+from .ops import reference_fp8
+from .options import default_scale
+from .problem import TensorSpec
+from .sdpa_arguments import check_arguments, materialised
+
+E4M3 = torch.float8_e4m3fn
+BACKWARDS = ("bf16", "fp8")
+_graphs = GraphCache()
+
+
+def sdpa_fp8(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    backward: str = "bf16",
+) -> torch.Tensor:
+    """Attention through FP8 (E4M3) kernels: ``query``/``key``/``value`` fp16 or bf16
+    ``[B, H, L, E]``, the output in their dtype. ``backward``: how gradients are computed
+    (``"bf16"``: from the 16-bit inputs)."""
+    check_arguments(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa)
+    if attn_mask is not None:
+        raise UnsupportedError(
+            ["attn_mask: FP8 attention takes no mask tensor (cuDNN's FP8 op has no bias); use is_causal"],
+            context="sdpa_fp8",
+        )
+    if backward not in BACKWARDS:
+        raise ValidationError([f"backward: {backward!r}; allowed 'bf16' or 'fp8'"], context="sdpa_fp8")
+    if backward == "fp8":
+        raise UnsupportedError(
+            ["backward: 'fp8' needs gradient scales from an amax history (delayed scaling), not offered yet; "
+             "use backward='bf16'"],
+            context="sdpa_fp8",
+        )  # fmt: skip
+    attn_scale = float(scale) if scale is not None else default_scale(query.shape[-1])
+    if query.dim() == 3:  # [H, L, E]: one batch
+        out = _Fp8Attention.apply(query[None], key[None], value[None], bool(is_causal), attn_scale)
+        return out[0]
+    return _Fp8Attention.apply(query, key, value, bool(is_causal), attn_scale)
+
+
+def quantised(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` in E4M3 under its current scale, and the descale that undoes it (float32 [1, 1, 1, 1])."""
+    amax = x.detach().abs().amax().float().reshape(1, 1, 1, 1)
+    # An all-zero tensor keeps scale 1 (any scale would do; 0 would divide by zero).
+    scale = torch.where(amax > 0, reference_fp8.fp8_max(E4M3) / amax, torch.ones_like(amax))
+    return reference_fp8.quantise(x.detach().float(), scale, E4M3), 1.0 / scale
+
+
+def forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool, attn_scale: float
+) -> torch.Tensor:
+    (q8, descale_q), (k8, descale_k), (v8, descale_v) = (quantised(materialised(x)) for x in (query, key, value))
+    scale_s = torch.full((1, 1, 1, 1), reference_fp8.fp8_max(E4M3), device=query.device)
+    scale_o = 1.0 / descale_v  # |O| <= max|V|: O under V's scale never saturates
+    args = (q8, k8, v8, descale_q, descale_k, descale_v, 1.0 / scale_s, scale_s, scale_o)
+    graph = _graph(args, is_causal, attn_scale)
+    out8 = graph(*args)[0]
+    return (out8.float() * descale_v).to(query.dtype)
+
+
+def _graph(args: tuple, is_causal: bool, attn_scale: float) -> Any:
+    key = (*(TensorSpec.of(t) for t in args[:3]), is_causal, attn_scale)
+
+    def record(g: Any) -> None:
+        g.sdpa_fp8(*args, attn_scale=attn_scale, use_causal_mask=is_causal)
+
+    return _graphs.get_or_build(key, record)
+
+
+class _Fp8Attention(torch.autograd.Function):
+    """The FP8 forward; gradients from the 16-bit inputs (``backward="bf16"``)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, is_causal: bool, attn_scale: float):  # type: ignore[override]
+        ctx.save_for_backward(query, key, value)
+        ctx.options = (is_causal, attn_scale)
+        return forward(query, key, value, is_causal, attn_scale)
+
+    @staticmethod
+    def backward(ctx, d_out):  # type: ignore[override]
+        from .functional import sdpa
+
+        query, key, value = ctx.saved_tensors
+        is_causal, attn_scale = ctx.options
+        enable_gqa = query.shape[-3] != key.shape[-3]
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_(x.requires_grad) for x in (query, key, value)]
+            out = sdpa(*leaves, is_causal=is_causal, scale=attn_scale, enable_gqa=enable_gqa)
+            wanted = [x for x in leaves if x.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, d_out))
+        return (*(next(grads) if x.requires_grad else None for x in leaves), None, None)

@@ -1,0 +1,60 @@
+"""``cudnn_attn.sdpa_fp8``: FP8 attention for fp16/bf16 callers, current scaling done for them,
+on the reference backend: accuracy against float64, gradients, argument errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import randn, rel_err
+
+import cudnn_attn
+from cudnn_attn.errors import UnsupportedError, ValidationError
+
+
+def _float64(q, k, v, **kw):
+    return torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kw)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_output_within_fp8_error_in_the_inputs_dtype(causal, dtype):
+    q, k, v = (randn(2, 4, 64, 32, dtype=dtype) for _ in range(3))
+    out = cudnn_attn.sdpa_fp8(q, k, v, is_causal=causal)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert rel_err(out, _float64(q, k, v, is_causal=causal)) < 0.06
+
+
+def test_gqa_unbatched_and_outliers():
+    q = randn(8, 32, 16)
+    k, v = randn(2, 32, 16), randn(2, 32, 16)
+    v[0, 3] *= 50.0  # an outlier sets V's scale: the rest loses precision, never saturates
+    out = cudnn_attn.sdpa_fp8(q, k, v, enable_gqa=True)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    assert rel_err(out, _float64(q, k, v, enable_gqa=True)) < 0.1
+
+
+def test_gradients_come_from_the_16_bit_inputs():
+    q, k, v = (randn(2, 4, 32, 32).requires_grad_() for _ in range(3))
+    d_out = randn(2, 4, 32, 32)
+    cudnn_attn.sdpa_fp8(q, k, v, is_causal=True).backward(d_out)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    cudnn_attn.sdpa(*leaves, is_causal=True).backward(d_out)
+    for ours, theirs in zip((q, k, v), leaves):
+        assert torch.equal(ours.grad, theirs.grad)
+
+
+def test_all_zero_inputs_give_zeros_not_nan():
+    q, k, v = (torch.zeros(1, 2, 16, 16, dtype=torch.bfloat16) for _ in range(3))
+    assert torch.equal(cudnn_attn.sdpa_fp8(q, k, v), torch.zeros_like(q))
+
+
+def test_arguments_it_cannot_take_are_named():
+    q, k, v = (randn(1, 2, 16, 16) for _ in range(3))
+    with pytest.raises(UnsupportedError, match="attn_mask"):
+        cudnn_attn.sdpa_fp8(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool))
+    with pytest.raises(UnsupportedError, match="backward: 'fp8'"):
+        cudnn_attn.sdpa_fp8(q, k, v, backward="fp8")
+    with pytest.raises(ValidationError, match="backward: 'int8'"):
+        cudnn_attn.sdpa_fp8(q, k, v, backward="int8")
+    with pytest.raises(ValidationError, match="query"):
+        cudnn_attn.sdpa_fp8(q.float(), k, v)
