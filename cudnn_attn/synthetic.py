@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .problem import AttentionProblem, TensorSpec
-from .roles import BACKWARD_OUTPUTS, FORWARD_OUTPUTS
+from .roles import BACKWARD_OUTPUTS, FORWARD_OUTPUTS, FP8_AMAXES, FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES
 
 
 def empty(spec: TensorSpec, device: torch.device | str | None = None) -> torch.Tensor:
@@ -46,8 +46,12 @@ def run_tensors(p: AttentionProblem, seed: int = 0) -> tuple[dict, dict]:
             inputs[role] = perm.view(spec.shape).to(device=p.device, dtype=torch.int32)
     if p.has_dropout:
         inputs["dropout_seed"], inputs["dropout_offset"] = 1234, 0
+    for role in (*FP8_SCALES, *FP8_BACKWARD_SCALES):  # FP8: unit scales (random data is in range)
+        spec = getattr(p, role)
+        if spec is not None:
+            inputs[role] = torch.ones(spec.shape, dtype=spec.dtype, device=p.device)
     outputs = {}
-    for role in FORWARD_OUTPUTS if p.is_forward else BACKWARD_OUTPUTS:
+    for role in (*FORWARD_OUTPUTS, *FP8_AMAXES) if p.is_forward else (*BACKWARD_OUTPUTS, *FP8_BACKWARD_AMAXES):
         spec = getattr(p, role)
         if spec is not None:
             outputs[role] = empty(spec)

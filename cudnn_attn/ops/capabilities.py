@@ -3,6 +3,13 @@
 Each rule is a plain condition with its reason, phrased as the failing condition. Sources:
 the cuDNN frontend's attention support matrix and the cuDNN backend release notes (known
 issues); rules marked "refused" guard shapes known to fail or to give wrong results.
+
+FP8 (``sdpa_fp8`` / ``sdpa_fp8_backward``) has rules of its own (``_fp8_reasons``), from the
+frontend 1.32 checks (``include/cudnn_frontend/node/sdpa_support_surface.h`` for the forward,
+``node/sdpa_fp8_bwd.h`` for the backward), TransformerEngine's choice of cuDNN's FP8 backend
+(``nvte_get_fused_attn_backend`` in ``common/fused_attn/fused_attn.cpp`` and
+``get_attention_backend`` in ``pytorch/attention/dot_product_attention/utils.py``) and frontend
+issues where cuDNN gave wrong output or hung instead of declining.
 """
 
 from __future__ import annotations
@@ -10,9 +17,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import torch
+
 from ..data_type import FP8
 from ..options import Causal
 from ..problem import AttentionProblem
+from ..roles import user_name
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,14 @@ PAGED_MIN_CUDNN = 90500
 BOTTOM_RIGHT_MIN_CUDNN = 90300
 SLIDING_WINDOW_MIN_CUDNN = 90200
 RAGGED_INT64_MIN_CUDNN = 90600  # ragged offsets are passed as int64
+# FP8: the frontend accepts cuDNN >= 9.1, but TransformerEngine uses cuDNN's FP8 attention for
+# any sequence length, head dims that are multiples of 16 and padding masks only from 9.7 on
+# (9.2.1 covered d = 128 with S % 128 == 0 and no padding). Both skip 9.10.0 (known bugs).
+FP8_MIN_ARCH = (9, 0)
+FP8_MIN_CUDNN = 90700
+FP8_BAD_CUDNN = (91000,)
+FP8_HALF_OUTPUT_MIN_CUDNN = 91300  # fp16/bf16 O (dQ, dK, dV) from fp8 inputs, Blackwell only
+FP8_MAX_HEAD_DIM = 128
 
 
 def _version(v: int) -> str:
@@ -63,9 +81,15 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
         )
     if platform.cudnn < MIN_CUDNN:
         reasons.append(f"cuDNN {_version(platform.cudnn)} < 9.0: this library lowers to the cuDNN 9 attention graph")
-    if p.q.dtype in FP8:
-        reasons.append(f"dtype={p.q.dtype}: fp8 attention (with its descale/scale tensors) is not lowered to cuDNN yet")
-    reasons += _head_dim_reasons(p, platform)
+    if p.is_fp8:
+        reasons += _fp8_reasons(p, platform)
+    elif p.q.dtype in FP8:
+        reasons.append(
+            f"dtype={p.q.dtype} without descale_q/scale_o...: fp8 data runs through sdpa_fp8 or sdpa_fp8_backward, "
+            "which take its descale and scale tensors"
+        )
+    else:
+        reasons += _head_dim_reasons(p, platform)
     if p.is_paged and platform.cudnn < PAGED_MIN_CUDNN:
         reasons.append(f"paged K/V caches need cuDNN >= 9.5 (have {_version(platform.cudnn)})")
     if p.options.causal is Causal.BOTTOM_RIGHT and platform.cudnn < BOTTOM_RIGHT_MIN_CUDNN:
@@ -91,6 +115,90 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
         )
     reasons += _stride_reasons(p)
     return tuple(reasons)
+
+
+def _fp8_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
+    """Why cuDNN cannot run this FP8 problem (``sdpa_fp8`` / ``sdpa_fp8_backward``) on ``platform``."""
+    reasons = []
+    op = "sdpa_fp8" if p.is_forward else "sdpa_fp8_backward"
+    if platform.arch < FP8_MIN_ARCH:
+        reasons.append(
+            f"{op} on compute capability {platform.arch[0]}.{platform.arch[1]}: cuDNN's FP8 attention needs Hopper "
+            "(sm90) or newer; use sdpa/sdpa_backward with fp16 or bf16 tensors here"
+        )
+    elif platform.arch[0] == 12:
+        # TransformerEngine get_attention_backend: "FP8 is not supported for compute capability = sm120".
+        reasons.append(f"{op} on sm{platform.sm}: refused (FP8 attention is not supported on sm12x); use fp16 or bf16")
+    if platform.cudnn < FP8_MIN_CUDNN:
+        reasons.append(f"{op} needs cuDNN >= {_version(FP8_MIN_CUDNN)} (have {_version(platform.cudnn)})")
+    elif platform.cudnn in FP8_BAD_CUDNN:
+        reasons.append(f"{op} on cuDNN 9.10.0: refused (known bugs in its FP8 attention); use 9.10.2 or newer")
+    hopper = platform.arch < (10, 0)
+    d_qk, d_v = p.d_qk, p.d_v
+    if max(d_qk, d_v) > FP8_MAX_HEAD_DIM:
+        # cudnn-frontend issue #981: sdpa_fp8 at d = 256 returned wrong output instead of declining.
+        reasons.append(
+            f"{op} with head_dim={max(d_qk, d_v)} > {FP8_MAX_HEAD_DIM}: refused (FP8 attention gave wrong results "
+            "above 128); use fp16 or bf16 attention for larger heads"
+        )
+    elif not p.is_forward and hopper and (d_qk, d_v) != (128, 128):
+        reasons.append(
+            f"sdpa_fp8_backward on Hopper with head_dim={d_qk}/{d_v}: needs exactly 128 for both Q/K and V; "
+            "use sdpa_backward with fp16 or bf16 tensors"
+        )
+    elif d_qk % 16 or d_v % 16:
+        reasons.append(f"{op} with head_dim={d_qk}/{d_v}: FP8 head dims must be multiples of 16")
+    if p.is_thd:
+        # sdpa_fp8_backward: "with THD is not supported on Hopper"; TransformerEngine runs FP8 on BSHD/SBHD only.
+        reasons.append(f"{op} with THD (ragged) tensors: not supported for FP8; pad to [B, H, S, D] with seq_len_q/kv")
+    if p.is_paged:
+        # TransformerEngine get_attention_backend: "Disabling FusedAttention for FP8 KV caching".
+        reasons.append(f"{op} with paged K/V caches: not supported for FP8; gather the pages into a dense K/V")
+    if p.bias is not None:
+        # Frontend sdpa_support_surface.h: "SDPA FP8 does not support bias" (sdpa_fp8_backward takes none).
+        reasons.append(f"{op} with attn_bias: cuDNN's FP8 attention takes no bias; use fp16 or bf16 attention")
+    if p.options.alibi:
+        # sdpa_fp8_backward has no use_alibi_mask; TransformerEngine's FP8 backend requires no bias (ALiBi is one).
+        reasons.append(
+            f"{op} with use_alibi_mask: not supported for FP8 (sdpa_fp8_backward has no ALiBi); "
+            "use fp16 or bf16 attention"
+        )
+    if p.options.causal is Causal.BOTTOM_RIGHT and hopper:
+        # Frontend sdpa_support_surface.h and sdpa_fp8_bwd.h: FP8 bottom-right causal needs Blackwell.
+        reasons.append(
+            f"{op} with a bottom-right causal mask on sm{platform.sm}: FP8 bottom-right masks need Blackwell "
+            "(sm100) or newer; use use_causal_mask (top-left) or fp16/bf16 attention"
+        )
+    if p.options.sliding_window is not None and p.options.padding and hopper:
+        # cudnn-frontend issue #1009 / PR #1069: the sm90 FP8 forward kernel never finishes when a query
+        # tile sees no key, as a padding mask with a left bound allows.
+        reasons.append(
+            f"{op} with a sliding window and a padding mask on sm{platform.sm}: refused (the Hopper FP8 kernel "
+            "can hang); drop one of the two or use fp16/bf16 attention"
+        )
+    elif p.options.padding and p.is_forward and hopper and not (p.is_thd or p.is_paged):  # those: refused above
+        # cudnn-frontend issue #1009: the sm90 FP8 forward can hang when a sequence has seq_len_kv = 0
+        # and seq_len_q > 0. Lengths are run-time values (on the device, never read on the host), so
+        # no plan-time check can keep a zero out: padding masks are refused with FP8 there.
+        reasons.append(
+            f"{op} with a padding mask (seq_len_q/seq_len_kv) on sm{platform.sm}: refused (the Hopper FP8 kernel "
+            "can hang on a sequence with no keys); pad to full lengths or use fp16/bf16 attention"
+        )
+    if not p.is_forward and p.has_dropout and not hopper:
+        # sdpa_fp8_bwd.h: Blackwell routes the FP8 backward (d <= 128) to its deterministic kernel,
+        # which has no dropout.
+        reasons.append(f"sdpa_fp8_backward with dropout on sm{platform.sm}: not supported by the FP8 backward there")
+    outputs = ("o",) if p.is_forward else ("grad_q", "grad_k", "grad_v")
+    for role in outputs:
+        spec = getattr(p, role)
+        if spec is not None and spec.dtype in (torch.float16, torch.bfloat16):
+            if hopper or platform.cudnn < FP8_HALF_OUTPUT_MIN_CUDNN:
+                reasons.append(
+                    f"{op} with {user_name(role)} in {str(spec.dtype).removeprefix('torch.')}: fp16/bf16 outputs "
+                    "from FP8 attention need Blackwell (sm100) and cuDNN >= 9.13; write it in fp8"
+                )
+            break
+    return reasons
 
 
 def _head_dim_reasons(p: AttentionProblem, platform: Platform) -> list[str]:

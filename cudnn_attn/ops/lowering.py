@@ -7,6 +7,11 @@ the CPU tests check it. Layout translations:
   ``[S_max*st, sh, st, 1]`` plus a ragged offset per tensor: ``cumsum(seq_len) * st``;
 - paged caches become the frontend's ``[num_pages, H_kv, page_size, D]`` containers;
 - a page table ``[B, n]`` becomes ``[B, 1, n, 1]``; sequence lengths ``[B]`` become ``[B, 1, 1, 1]``.
+
+FP8 problems (``p.is_fp8``) lower to ``sdpa_fp8`` / ``sdpa_fp8_backward``: the same tensors and
+masks, plus the float32 ``[1, 1, 1, 1]`` scale inputs and amax outputs, each under its role's
+uid. Those ops spell the diagonal band ``left_bound`` / ``right_bound`` and take no bias (nor,
+backward, ALiBi): ``capabilities`` refuses such problems before they get here.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 
 from ..options import Causal
 from ..problem import AttentionProblem, KVCacheLayout, TensorSpec
-from ..roles import ROLES, UID
+from ..roles import FP8_AMAXES, FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES, ROLES, UID
 from .workarounds import full_lengths_reason
 
 
@@ -119,12 +124,21 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) ->
             options["rng_dump"] = graph.tensor(name="rng_dump", dim=[p.batch, p.h_q, p.s_q, p.s_kv],
                                                stride=[p.h_q * p.s_q * p.s_kv, p.s_q * p.s_kv, p.s_kv, 1],
                                                data_type=cudnn.data_type.FLOAT, uid=UID["rng_dump"])  # fmt: skip
-        o, stats = graph.sdpa(
-            inputs["q"], inputs["k"], inputs["v"], generate_stats=p.generates_stats, name="sdpa", **options
-        )
+        amaxes: dict[str, Any] = {}
+        if p.is_fp8:
+            o, stats, *amax_handles = graph.sdpa_fp8(
+                inputs["q"], inputs["k"], inputs["v"], generate_stats=p.generates_stats, name="sdpa_fp8",
+                **_scales(FP8_SCALES, tensor, p), **options,
+            )  # fmt: skip
+            amaxes = dict(zip(FP8_AMAXES, amax_handles))  # Amax_S, Amax_O
+        else:
+            o, stats = graph.sdpa(
+                inputs["q"], inputs["k"], inputs["v"], generate_stats=p.generates_stats, name="sdpa", **options
+            )
         output(o, "o", p.o)
         if p.stats is not None:
             output(stats, "stats", p.stats)
+        _amax_outputs(amaxes, output, p)
         return lowered
     extra = {role: tensor(role, getattr(p, role), **ragged(role, getattr(p, role))) for role in ("o", "grad_o")}
     stats = tensor("stats", p.stats)
@@ -132,33 +146,66 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) ->
         d_bias = graph.tensor(name="grad_bias", dim=list(p.grad_bias.shape), stride=list(p.grad_bias.stride),
                               data_type=cudnn_dtype(p.grad_bias.dtype), uid=UID["grad_bias"])  # fmt: skip
         options["dBias"] = d_bias
-    d_q, d_k, d_v = graph.sdpa_backward(
-        inputs["q"], inputs["k"], inputs["v"], extra["o"], extra["grad_o"], stats,
-        use_deterministic_algorithm=p.deterministic, name="sdpa_backward", **options,
-    )  # fmt: skip
+    if p.is_fp8:
+        d_q, d_k, d_v, *amax_handles = graph.sdpa_fp8_backward(
+            inputs["q"], inputs["k"], inputs["v"], extra["o"], extra["grad_o"], stats,
+            use_deterministic_algorithm=p.deterministic, name="sdpa_fp8_backward",
+            **_scales(FP8_BACKWARD_SCALES, tensor, p), **options,
+        )  # fmt: skip
+        amaxes = dict(zip(FP8_BACKWARD_AMAXES, amax_handles))  # Amax_dQ, Amax_dK, Amax_dV, Amax_dP
+    else:
+        d_q, d_k, d_v = graph.sdpa_backward(
+            inputs["q"], inputs["k"], inputs["v"], extra["o"], extra["grad_o"], stats,
+            use_deterministic_algorithm=p.deterministic, name="sdpa_backward", **options,
+        )  # fmt: skip
+        amaxes = {}
     for handle, role in ((d_q, "grad_q"), (d_k, "grad_k"), (d_v, "grad_v")):
         output(handle, role, getattr(p, role))
+    _amax_outputs(amaxes, output, p)
     return lowered
+
+
+def _scales(roles: tuple[str, ...], tensor: Any, p: AttentionProblem) -> dict[str, Any]:
+    """The FP8 op's scale and descale inputs, by the frontend's keyword (``descale_dO``, ...)."""
+    return {ROLES[role].user: tensor(role, getattr(p, role)) for role in roles}
+
+
+def _amax_outputs(handles: dict[str, Any], output: Any, p: AttentionProblem) -> None:
+    """The amaxes the problem asks for become outputs; the others stay virtual (the frontend
+    calls a declared Amax_S deprecated: only the backend's engines write it)."""
+    for role, handle in handles.items():
+        spec = getattr(p, role)
+        if spec is not None:
+            output(handle, role, spec)
 
 
 def _mask_options(p: AttentionProblem, graph: Any, tensor: Any, lowered: Lowered) -> dict[str, Any]:
     import cudnn
 
     options: dict[str, Any] = {"attn_scale": p.options.attn_scale}
+    # sdpa / sdpa_backward: diagonal_band_{left,right}_bound; sdpa_fp8 / sdpa_fp8_backward: {left,right}_bound.
+    left, right = (
+        ("left_bound", "right_bound") if p.is_fp8 else ("diagonal_band_left_bound", "diagonal_band_right_bound")
+    )
     if p.options.causal is not Causal.NONE or p.options.sliding_window is not None:
         bottom = p.options.causal is Causal.BOTTOM_RIGHT
         options["diagonal_alignment"] = (
             cudnn.diagonal_alignment.BOTTOM_RIGHT if bottom else cudnn.diagonal_alignment.TOP_LEFT
         )
         if p.options.causal is not Causal.NONE:
-            options["diagonal_band_right_bound"] = 0
+            options[right] = 0
         if p.options.sliding_window is not None:
-            options["diagonal_band_left_bound"] = p.options.sliding_window
+            options[left] = p.options.sliding_window
+    if p.is_fp8 and (p.bias is not None or p.options.alibi):
+        # The frontend rejects a bias with FP8 and sdpa_fp8_backward has no ALiBi: capabilities refuse both.
+        raise ValueError(f"{p.describe()}: FP8 attention takes no attn_bias or ALiBi")
     if p.bias is not None:
         options["bias"] = tensor("bias", p.bias)
     if p.options.alibi:
         options["use_alibi_mask"] = True
-    constants = {"seq_len_q": p.s_q, "seq_len_kv": p.s_kv} if full_lengths_reason(p) else {}
+    # Full lengths work around NaNs seen in the fp16/bf16 backward kernels (workarounds.py); the FP8
+    # kernels are others, never measured with it, so FP8 graphs keep exactly the masks asked for.
+    constants = {"seq_len_q": p.s_q, "seq_len_kv": p.s_kv} if full_lengths_reason(p) and not p.is_fp8 else {}
     if p.options.padding or constants:
         options["use_padding_mask"] = True
         for role in ("seq_len_q", "seq_len_kv"):
