@@ -83,7 +83,10 @@ def _bench_parser() -> argparse.ArgumentParser:
     bench.add_argument("--kv-heads", type=int, default=0, metavar="N", help="K/V heads for GQA/MQA (default: --heads)")
     bench.add_argument("-s", "--seq", type=int, default=4096, metavar="N", help="sequence length (default: 4096)")
     bench.add_argument("-d", "--head-dim", type=int, default=128, metavar="N", help="head dimension (default: 128)")
-    bench.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="data type of Q, K, V (default: bf16)")
+    bench.add_argument(
+        "--dtype", choices=("bf16", "fp16", "fp8"), default="bf16",
+        help="data type of Q, K, V (default: bf16); fp8: FP8 beside bf16 on d128 shapes, forward and backward",
+    )  # fmt: skip
     bench.add_argument("--causal", action="store_true", help="causal (top-left) mask")
     bench.add_argument("--bwd", action="store_true", help="time the backward")
     bench.add_argument("--grid", action="store_true", help="run the standard grid of shapes")
@@ -136,6 +139,19 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     from . import bench
 
+    if args.dtype == "fp8":
+        from . import bench_fp8
+
+        rows = bench_fp8.fp8_rows()
+        print(bench_fp8.format_fp8(rows))
+        if args.json:
+            import json
+
+            import torch
+
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "fp8": rows}, f, indent=2)
+        return 0
     sections = {"stack": args.stack, "paged_decode": args.paged_decode, "naive": args.naive}
     if args.grid:
         shapes = [parse(s) for s in STANDARD_GRID]

@@ -1,0 +1,140 @@
+"""``cudnn-attn bench --dtype fp8``: FP8 attention beside bf16, forward and backward, same run.
+
+Per shape (d128 grid shapes and S = 16384): our bf16 graph, our FP8 graph on pre-quantised
+inputs, ``cudnn_attn.sdpa_fp8`` (amax, scale and quantise of Q, K, V and the dequantised
+output included) and torch's cuDNN backend in bf16; then the bf16 and FP8 backward graphs.
+Columns are timed in shuffled interleaved rounds (``bench_host.round_order``): medians and
+spreads. FP8 outputs are checked against the bf16 graph's (relative error of O).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import Graph, PlanCache, sdpa_fp8
+from .bench_host import round_order
+from .ops import autotune
+from .sdpa_fp8 import quantised
+
+SHAPES = ((4, 16, 4096, 128, False), (4, 16, 4096, 128, True), (1, 16, 16384, 128, False),
+          (1, 16, 16384, 128, True), (4, 16, 4096, 64, True))  # fmt: skip
+
+
+def _flops(b: int, h: int, s: int, d: int, causal: bool) -> float:
+    return 4.0 * b * h * s * s * d / (2 if causal else 1)
+
+
+def _columns(b: int, h: int, s: int, d: int, causal: bool) -> tuple[dict[str, Callable], dict[str, Callable], dict]:
+    """The forward and backward columns of one shape, and the outputs to check."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, d_o = (torch.randn(b, h, s, d, generator=gen).to("cuda", torch.bfloat16) for _ in range(4))
+    (q8, dq), (k8, dk), (v8, dv) = (quantised(x) for x in (q, k, v))
+    scale_s = torch.full((1, 1, 1, 1), 448.0, device="cuda")
+    fp8_args = (q8, k8, v8, dq, dk, dv, 1.0 / scale_s, scale_s, 1.0 / dv)
+    cache = PlanCache()
+    with Graph(cache=cache) as bf16:
+        bf16.sdpa(q, k, v, use_causal_mask=causal, generate_stats=True)
+    with Graph(cache=cache) as fp8:
+        fp8.sdpa_fp8(*fp8_args, use_causal_mask=causal, generate_stats=True)
+    o, stats = bf16(q, k, v)
+    o8, stats8, _, _ = fp8(*fp8_args)
+
+    def torch_cudnn() -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    forward = {
+        "bf16 graph": lambda: bf16(q, k, v),
+        "fp8 graph": lambda: fp8(*fp8_args),
+        "sdpa_fp8 (scaling included)": lambda: sdpa_fp8(q, k, v, is_causal=causal),
+        "torch cudnn bf16": torch_cudnn,
+    }
+    backward: dict[str, Callable] = {}
+    with Graph(cache=cache) as bf16_bwd:
+        bf16_bwd.sdpa_backward(q, k, v, o, d_o, stats, use_causal_mask=causal)
+    backward["bf16 backward graph"] = lambda: bf16_bwd(q, k, v, o, d_o, stats)
+    do8, d_do = quantised(d_o)
+    unit = torch.ones(1, 1, 1, 1, device="cuda")
+    scales = (dq, dk, dv, dv, d_do, 1.0 / scale_s, unit, scale_s, unit, unit, unit, unit)
+    try:
+        with Graph(cache=cache) as fp8_bwd:
+            fp8_bwd.sdpa_fp8_backward(q8, k8, v8, o8, do8, stats8, *scales, use_causal_mask=causal)
+        backward["fp8 backward graph"] = lambda: fp8_bwd(q8, k8, v8, o8, do8, stats8, *scales)
+    except Exception as failure:  # e.g. Hopper's FP8 backward takes d = 128 only: reported, not fatal
+        backward["fp8 backward graph"] = _refused(failure)
+    checks = {"o_bf16": o, "o_fp8": o8.float() * dv, "sdpa_fp8": sdpa_fp8(q, k, v, is_causal=causal)}
+    return forward, backward, checks
+
+
+def _refused(failure: Exception) -> Callable:
+    def run() -> None:
+        raise failure
+
+    return run
+
+
+def _time(paths: dict[str, Callable], rounds: int = 12) -> dict[str, dict]:
+    device = torch.device("cuda", torch.cuda.current_device())
+    samples: dict[str, list[float]] = {}
+    results: dict[str, dict] = {}
+    runnable = {}
+    for name, fn in paths.items():
+        try:
+            fn()
+            runnable[name] = fn
+            samples[name] = []
+        except Exception as failure:
+            results[name] = {"error": str(failure).splitlines()[0][:160]}
+    for r in range(rounds):
+        for name in round_order(list(runnable), r):
+            samples[name].append(autotune.time_plan(runnable[name], device, 3, 10))
+    for name, ms in samples.items():
+        median = statistics.median(ms)
+        results[name] = {"ms": median, "spread_pct": 100.0 * (max(ms) - min(ms)) / median}
+    return results
+
+
+def fp8_rows() -> list[dict[str, Any]]:
+    rows = []
+    for b, h, s, d, causal in SHAPES:
+        forward, backward, checks = _columns(b, h, s, d, causal)
+        flops = _flops(b, h, s, d, causal)
+        row: dict[str, Any] = {"shape": f"b{b}-h{h}-s{s}-d{d}{'-causal' if causal else ''}"}
+        for kind, paths, work in (("forward", forward, flops), ("backward", backward, 2.5 * flops)):
+            cells = _time(paths)
+            for cell in cells.values():
+                if "ms" in cell:
+                    cell["tflops"] = work / (cell["ms"] * 1e-3) / 1e12
+            row[kind] = cells
+        o = checks["o_bf16"].float()
+        row["rel_err_vs_bf16"] = {
+            name: float((checks[name].float() - o).norm() / o.norm()) for name in ("o_fp8", "sdpa_fp8")
+        }
+        rows.append(row)
+        del forward, backward, checks
+        torch.cuda.empty_cache()
+    return rows
+
+
+def format_fp8(rows: list[dict[str, Any]]) -> str:
+    lines = ["FP8 beside bf16 (TFLOP/s, median of shuffled rounds; x = over our bf16 graph):"]
+    for row in rows:
+        lines.append(f"  {row['shape']}:  O vs bf16 relative error: " + ", ".join(
+            f"{k} {v:.3f}" for k, v in row["rel_err_vs_bf16"].items()))  # fmt: skip
+        for kind, base in (("forward", "bf16 graph"), ("backward", "bf16 backward graph")):
+            reference = row[kind].get(base, {}).get("tflops")
+            for name, cell in row[kind].items():
+                if "error" in cell:
+                    lines.append(f"    {name:<30} not run: {cell['error']}")
+                    continue
+                ratio = f"{cell['tflops'] / reference:.2f}x" if reference else "-"
+                lines.append(
+                    f"    {name:<30}{cell['tflops']:>8.1f} TFLOP/s  {ratio:>6}  (spread {cell['spread_pct']:.1f}%)"
+                )
+    return "\n".join(lines)

@@ -1,0 +1,106 @@
+"""FP8 attention on cuDNN against the reference backend's emulation of the same op (same FP8
+inputs and scales), and ``cudnn_attn.sdpa_fp8`` against float64 attention.
+
+cuDNN's kernel quantises P per block of keys during its online softmax, the emulation after
+the whole row's softmax (both as NVIDIA's own references do), so FP8 outputs agree to within
+a few FP8 steps, not bit for bit; stats are computed in float32 by both and agree closely."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import poisoned, rel_err
+
+import cudnn_attn
+from cudnn_attn.ops import reference_fp8
+
+pytestmark = pytest.mark.gpu
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to("cuda")
+
+
+def _quantised(x, dtype=E4M3):
+    scale = (reference_fp8.fp8_max(dtype) / x.abs().max()).reshape(1, 1, 1, 1).float()
+    return reference_fp8.quantise(x.float(), scale, dtype), 1.0 / scale
+
+
+def _poisoned(handle):
+    """An output buffer full of NaN (0xFF is NaN in both FP8 formats), so unwritten elements show."""
+    if handle.spec.dtype not in (E4M3, E5M2):
+        return poisoned(handle)
+    t = torch.empty_strided(handle.spec.shape, handle.spec.stride, dtype=handle.spec.dtype, device="cuda")
+    t.view(torch.uint8).fill_(0xFF)
+    return t
+
+
+def _forward_inputs(b=2, h=8, h_kv=8, s=256, d=128, seed=0):
+    (q, dq), (k, dk), (v, dv) = (
+        _quantised(_randn(b, heads, s, d, seed=seed + i)) for i, heads in enumerate((h, h_kv, h_kv))
+    )
+    scale_s = torch.full((1, 1, 1, 1), 448.0, device="cuda")
+    scale_o = 1.0 / dv
+    return (q, k, v, dq, dk, dv, 1.0 / scale_s, scale_s, scale_o)
+
+
+def _graphs(record):
+    built = []
+    for backend in ("cudnn", "reference"):
+        with cudnn_attn.Graph(backend=backend, cache=cudnn_attn.PlanCache()) as g:
+            record(g)
+        built.append(g)
+    assert built[0].nodes[0].backend == "cudnn"
+    return built
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("h_kv", [8, 2], ids=["mha", "gqa"])
+def test_forward_matches_the_emulation(causal, h_kv):
+    args = _forward_inputs(h_kv=h_kv)
+    fast, ref = _graphs(lambda g: g.sdpa_fp8(*args, generate_stats=True, use_causal_mask=causal))
+    outs = tuple(_poisoned(h) for h in fast.outputs)
+    o, stats, amax_s, amax_o = fast(*args, out=outs)
+    o_ref, stats_ref, amax_s_ref, amax_o_ref = ref(*args)
+    torch.cuda.synchronize()
+    scale_o = args[8]
+    assert rel_err(o.float() / scale_o, o_ref.float() / scale_o) < 0.03
+    assert rel_err(stats, stats_ref) < 1e-3
+    assert rel_err(amax_o, amax_o_ref) < 0.05
+    assert 0 < float(amax_s) <= 1.0 + 1e-6  # max of a softmax (the kernel's own P)
+
+
+def test_backward_matches_the_emulation():
+    args = _forward_inputs(seed=10)
+    q, k, v, dq_, dk_, dv_, descale_s, scale_s, scale_o = args
+    (ref_forward,) = _graphs(lambda g: g.sdpa_fp8(*args, generate_stats=True, use_causal_mask=True))[1:]
+    o, stats, _, _ = ref_forward(*args)
+    d_o, descale_do = _quantised(_randn(*q.shape, seed=20), E5M2)
+    scale_dp = torch.full((1, 1, 1, 1), 2.0**12, device="cuda")
+    unit = torch.ones(1, 1, 1, 1, device="cuda")
+    scales = (dq_, dk_, dv_, 1.0 / scale_o, descale_do, descale_s, 1.0 / scale_dp, scale_s, 64 * unit,
+              64 * unit, 64 * unit, scale_dp)  # fmt: skip
+    fast, ref = _graphs(lambda g: g.sdpa_fp8_backward(q, k, v, o, d_o, stats, *scales, use_causal_mask=True))
+    got = fast(q, k, v, o, d_o, stats, *scales, out=tuple(_poisoned(h) for h in fast.outputs))
+    expected = ref(q, k, v, o, d_o, stats, *scales)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("dQ", "dK", "dV"), got[:3], expected[:3]):
+        assert rel_err(a.float(), b.float()) < 0.1, name
+    for name, a, b in zip(("Amax_dQ", "Amax_dK", "Amax_dV", "Amax_dP"), got[3:], expected[3:]):
+        assert rel_err(a, b) < 0.1, name
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sdpa_fp8_on_cudnn_within_fp8_error(causal):
+    q, k, v = (_randn(2, 8, 512, 128, seed=30 + i).to(torch.bfloat16).requires_grad_() for i in range(3))
+    out = cudnn_attn.sdpa_fp8(q, k, v, is_causal=causal)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+    assert out.dtype == torch.bfloat16 and rel_err(out, expected) < 0.065
+    d_out = _randn(*q.shape, seed=40).to(torch.bfloat16)
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    reference = torch.autograd.grad(cudnn_attn.sdpa(*leaves, is_causal=causal), leaves, d_out)
+    for a, b in zip(grads, reference):
+        assert torch.equal(a, b)  # gradients from the bf16 inputs, as documented
