@@ -60,8 +60,9 @@ def _columns(b: int, h: int, s: int, d: int, causal: bool) -> tuple[dict[str, Ca
         bf16_bwd.sdpa_backward(q, k, v, o, d_o, stats, use_causal_mask=causal)
     backward["bf16 backward graph"] = lambda: bf16_bwd(q, k, v, o, d_o, stats)
     do8, d_do = quantised(d_o)
-    unit = torch.ones(1, 1, 1, 1, device="cuda")
-    scales = (dq, dk, dv, dv, d_do, 1.0 / scale_s, unit, scale_s, unit, unit, unit, unit)
+    # Twelve distinct tensors: a tensor given twice is one graph input.
+    unit = [torch.ones(1, 1, 1, 1, device="cuda") for _ in range(5)]
+    scales = (dq, dk, dv, dv.clone(), d_do, 1.0 / scale_s, unit[0], scale_s.clone(), *unit[1:])
     try:
         with Graph(cache=cache) as fp8_bwd:
             fp8_bwd.sdpa_fp8_backward(q8, k8, v8, o8, do8, stats8, *scales, use_causal_mask=causal)
