@@ -105,4 +105,6 @@ def test_sdpa_fp8_on_cudnn_within_fp8_error(causal):
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     reference = torch.autograd.grad(cudnn_attn.sdpa(*leaves, is_causal=causal), leaves, d_out)
     for a, b in zip(grads, reference):
-        assert torch.equal(a, b)  # gradients from the bf16 inputs, as documented
+        # Gradients from the bf16 inputs, as documented; equal up to the order of cuDNN's atomic
+        # dQ accumulation (the backward is not deterministic by default).
+        assert rel_err(a, b) < 1e-2
