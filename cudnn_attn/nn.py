@@ -20,6 +20,7 @@ from torch import nn
 
 from .errors import ValidationError
 from .functional import sdpa
+from .sdpa_fp8 import sdpa_fp8
 
 
 class Attention(nn.Module):
@@ -29,6 +30,8 @@ class Attention(nn.Module):
         num_kv_heads: K/V heads (default ``num_heads``); must divide ``num_heads``.
         causal: apply a causal mask by default (``forward(is_causal=...)`` overrides).
         dropout: attention dropout probability, applied in training mode only.
+        fp8: attend through FP8 kernels (``cudnn_attn.sdpa_fp8``: current scaling, gradients
+            from the 16-bit inputs); takes no mask tensor and no dropout.
     """
 
     def __init__(
@@ -40,6 +43,7 @@ class Attention(nn.Module):
         bias: bool = True,
         causal: bool = False,
         dropout: float = 0.0,
+        fp8: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -55,7 +59,11 @@ class Attention(nn.Module):
             )
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
-        self.causal, self.dropout = causal, dropout
+        if fp8 and dropout:
+            raise ValidationError(
+                [f"dropout: {dropout}; FP8 attention (fp8=True) takes no dropout"], context="Attention"
+            )
+        self.causal, self.dropout, self.fp8 = causal, dropout, fp8
         factory = {"device": device, "dtype": dtype}
         self.qkv = nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * self.head_dim, bias=bias, **factory)
         self.out = nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias, **factory)
@@ -68,6 +76,9 @@ class Attention(nn.Module):
         qkv = self.qkv(x).view(b, s, h + 2 * h_kv, d)
         q, k, v = (t.transpose(1, 2) for t in qkv.split([h, h_kv, h_kv], dim=2))
         causal = self.causal if is_causal is None else is_causal
+        if self.fp8:
+            o = sdpa_fp8(q, k, v, attn_mask, is_causal=causal, enable_gqa=h_kv != h)
+            return self.out(o.transpose(1, 2).reshape(b, s, h * d))
         o = sdpa(
             q, k, v, attn_mask=attn_mask, is_causal=causal and attn_mask is None,
             dropout_p=self.dropout if self.training else 0.0, enable_gqa=h_kv != h,
@@ -75,4 +86,7 @@ class Attention(nn.Module):
         return self.out(o.transpose(1, 2).reshape(b, s, h * d))
 
     def extra_repr(self) -> str:
-        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, causal={self.causal}"
+        fp8 = ", fp8=True" if self.fp8 else ""
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, causal={self.causal}{fp8}"
+        )

@@ -60,3 +60,17 @@ def test_arguments_it_cannot_take_are_named():
         cudnn_attn.sdpa_fp8(q, k, v, backward="int8")
     with pytest.raises(ValidationError, match="query"):
         cudnn_attn.sdpa_fp8(q.float(), k, v)
+
+
+def test_attention_module_with_fp8():
+    torch.manual_seed(0)
+    layer = cudnn_attn.nn.Attention(64, 4, num_kv_heads=2, causal=True, fp8=True, dtype=torch.bfloat16)
+    plain = cudnn_attn.nn.Attention(64, 4, num_kv_heads=2, causal=True, dtype=torch.bfloat16)
+    plain.load_state_dict(layer.state_dict())
+    x = randn(2, 32, 64).requires_grad_()
+    y = layer(x)
+    assert "fp8=True" in repr(layer) and rel_err(y, plain(x)) < 0.065
+    y.float().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    with pytest.raises(ValidationError, match="dropout"):
+        cudnn_attn.nn.Attention(64, 4, fp8=True, dropout=0.1)
