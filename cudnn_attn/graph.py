@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import interop, lifecycle, validation
+from . import interop, lifecycle, recorded_builds
 from .build import plan_nodes, positional_inputs, validate_nodes
 from .cache import PlanCache, default_cache
 from .data_type import to_torch_dtype
@@ -31,16 +31,9 @@ from .ops import BACKEND_NAMES
 from .ops.autotune import enabled_by_default as autotune_default
 from .options import MaskKeywords, collect_keywords, parse_keywords, publishes_mask_keywords, stats_requested
 from .problem import AttentionProblem, Op, TensorSpec, device_name
-from .recorded_builds import BuiltNode, InputSource, RecordedBuild
 from .recording_key import RecordingKey
 from .roles import BACKWARD_INPUTS, PAGED_INPUTS, ROLES, SDPA_INPUTS
 from .runner import Runner
-
-# The Node fields a build sets, which a later identical recording adopts.
-_BUILT_FIELDS = ("parsed", "spelling", "paged", "kv_cache_layout", "deterministic", "problem", "plan", "backend",
-                 "cache_key")  # fmt: skip
-# Integer inputs whose values a build checks where they are given as tensors.
-_VALUE_ROLES = frozenset({"seq_len_q", "seq_len_kv", "page_table_k", "page_table_v"})
 
 # Why a keyword is refused where users might expect it.
 _PAGED_HINTS = {
@@ -442,14 +435,14 @@ class Graph(Fp8Ops, FrontendSteps):
         key = None if self._interpreted else self._recording.key(self)
         earlier = self.cache.recorded.get(key) if key is not None else None
         if earlier is not None and self.cache.touch(earlier.cache_keys):
-            self._adopt(earlier)
+            recorded_builds.adopt(self, earlier)
         else:
             self._interpret()
             validate_nodes(self.nodes, self._dtypes, self.name)
             plan_nodes(self.nodes, self.backend, self.autotune, self.cache, self.name)
             self.inputs = positional_inputs(self.nodes)
             self._runner = Runner(self.name, self.inputs, self.nodes, self.handle)
-            recorded = self._as_recorded() if key is not None else None
+            recorded = recorded_builds.recorded(self) if key is not None else None
             if recorded is not None:
                 self.cache.recorded.put(key, recorded)
         self._built = True
@@ -467,61 +460,6 @@ class Graph(Fp8Ops, FrontendSteps):
         calls, self._calls, self._interpreted = self._calls, [], True
         for interpret, node, args, mask in calls:
             interpret(node, mask, *args)
-
-    def _as_recorded(self) -> RecordedBuild | None:
-        """This build, for later recordings of the same calls to adopt."""
-        inputs = list(self.inputs)
-        position = {h: i for i, h in enumerate(inputs)}
-        outputs = {h: i for i, h in enumerate(h for node in self.nodes for h in node.outputs.values())}
-        sources = []
-        for handle in inputs:
-            slot = self._recording.slot(handle.template) if handle.made_index is None else handle.made_index
-            if slot is None:
-                return None
-            sources.append(InputSource(handle.name, handle.spec, handle.role, handle.made_index is not None, slot))
-        nodes = []
-        for node in self.nodes:
-            bound: list[tuple[str, str, int]] = []
-            for role, source in node.inputs.items():
-                if source in position:
-                    bound.append((role, "input", position[source]))  # type: ignore[index]
-                elif source in outputs:
-                    bound.append((role, "output", outputs[source]))  # type: ignore[index]
-                else:
-                    return None  # an input outside the positional order: not worth keeping
-            fields = {name: getattr(node, name) for name in _BUILT_FIELDS}
-            value_roles = tuple((role, i) for role, kind, i in bound if kind == "input" and role in _VALUE_ROLES)
-            specs = tuple(h.spec for h in node.outputs.values())
-            nodes.append(BuiltNode(fields, tuple(bound), specs, value_roles))
-        return RecordedBuild(tuple(nodes), tuple(sources), self._runner, tuple(n.cache_key for n in self.nodes))
-
-    def _adopt(self, earlier: RecordedBuild) -> None:
-        """Take ``earlier``'s build: its key proved this recording makes the same one."""
-        made, tensors = self._made, self._recording.tensors
-        inputs: list[InputHandle] = []
-        for source in earlier.inputs:
-            if source.made:
-                inputs.append(made[source.index])
-            else:
-                inputs.append(InputHandle(self, source.name, source.spec, source.role, tensors[source.index]))
-                self._names.add(source.name)
-        outputs = [h for node in self.nodes for h in node.outputs.values()]
-        found = []
-        for node, built in zip(self.nodes, earlier.nodes):
-            node.__dict__.update(built.fields)
-            node.inputs = {role: inputs[i] if kind == "input" else outputs[i] for role, kind, i in built.inputs}
-            for output, spec in zip(node.outputs.values(), built.output_specs):
-                output._spec = spec
-            if built.value_roles:  # the values of integer inputs are this recording's own
-                data = {role: t for role, i in built.value_roles if (t := inputs[i].template) is not None}
-                assert node.problem is not None
-                lines = validation.value_problems(node.problem, data)
-                found += [f"{node.name}: {line}" if len(self.nodes) > 1 else line for line in lines]
-        self.inputs = inputs
-        self._calls, self._interpreted = [], True
-        if found:
-            raise ValidationError(found, context=self.name)
-        self._runner = earlier.runner.rebound(self.name, inputs, outputs, self.handle)
 
     def __call__(
         self, *args: Any, handle: Any = None, stream: Any = None, out: Any = None, workspace: Any = None

@@ -15,11 +15,22 @@ from __future__ import annotations
 import threading
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .errors import ValidationError
+from .graph_tensors import InputHandle
 from .problem import TensorSpec
+from .validation import value_problems
+
+if TYPE_CHECKING:
+    from .graph import Graph
 
 MAX_ENTRIES = 256
+# The Node fields a build sets, which a later identical recording adopts.
+_BUILT_FIELDS = ("parsed", "spelling", "paged", "kv_cache_layout", "deterministic", "problem", "plan", "backend",
+                 "cache_key")  # fmt: skip
+# Integer inputs whose values a build checks where they are given as tensors.
+_VALUE_ROLES = frozenset({"seq_len_q", "seq_len_kv", "page_table_k", "page_table_v"})
 
 
 @dataclass(frozen=True)
@@ -75,3 +86,60 @@ class RecordedBuilds:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def recorded(graph: Graph) -> RecordedBuild | None:
+    """``graph``'s build, for later recordings of the same calls to adopt (None: not kept)."""
+    inputs = list(graph.inputs)
+    position = {h: i for i, h in enumerate(inputs)}
+    outputs = {h: i for i, h in enumerate(h for node in graph.nodes for h in node.outputs.values())}
+    sources = []
+    for handle in inputs:
+        slot = graph._recording.slot(handle.template) if handle.made_index is None else handle.made_index
+        if slot is None:
+            return None
+        sources.append(InputSource(handle.name, handle.spec, handle.role, handle.made_index is not None, slot))
+    nodes = []
+    for node in graph.nodes:
+        bound: list[tuple[str, str, int]] = []
+        for role, source in node.inputs.items():
+            if source in position:
+                bound.append((role, "input", position[source]))  # type: ignore[index]
+            elif source in outputs:
+                bound.append((role, "output", outputs[source]))  # type: ignore[index]
+            else:
+                return None  # an input outside the positional order: not worth keeping
+        fields = {name: getattr(node, name) for name in _BUILT_FIELDS}
+        value_roles = tuple((role, i) for role, kind, i in bound if kind == "input" and role in _VALUE_ROLES)
+        specs = tuple(h.spec for h in node.outputs.values())
+        nodes.append(BuiltNode(fields, tuple(bound), specs, value_roles))
+    return RecordedBuild(tuple(nodes), tuple(sources), graph._runner, tuple(n.cache_key for n in graph.nodes))
+
+
+def adopt(graph: Graph, earlier: RecordedBuild) -> None:
+    """Give ``graph`` ``earlier``'s build: its key proved this recording makes the same one."""
+    made, tensors = graph._made, graph._recording.tensors
+    inputs: list[InputHandle] = []
+    for source in earlier.inputs:
+        if source.made:
+            inputs.append(made[source.index])
+        else:
+            inputs.append(InputHandle(graph, source.name, source.spec, source.role, tensors[source.index]))
+            graph._names.add(source.name)
+    outputs = [h for node in graph.nodes for h in node.outputs.values()]
+    found = []
+    for node, built in zip(graph.nodes, earlier.nodes):
+        node.__dict__.update(built.fields)
+        node.inputs = {role: inputs[i] if kind == "input" else outputs[i] for role, kind, i in built.inputs}
+        for output, spec in zip(node.outputs.values(), built.output_specs):
+            output._spec = spec
+        if built.value_roles:  # the values of integer inputs are this recording's own
+            data = {role: t for role, i in built.value_roles if (t := inputs[i].template) is not None}
+            assert node.problem is not None
+            lines = value_problems(node.problem, data)
+            found += [f"{node.name}: {line}" if len(graph.nodes) > 1 else line for line in lines]
+    graph.inputs = inputs
+    graph._calls, graph._interpreted = [], True
+    if found:
+        raise ValidationError(found, context=graph.name)
+    graph._runner = earlier.runner.rebound(graph.name, inputs, outputs, graph.handle)
