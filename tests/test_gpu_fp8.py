@@ -108,3 +108,15 @@ def test_sdpa_fp8_on_cudnn_within_fp8_error(causal):
         # Gradients from the bf16 inputs, as documented; equal up to the order of cuDNN's atomic
         # dQ accumulation (the backward is not deterministic by default).
         assert rel_err(a, b) < 1e-2
+
+
+def test_fp8_plans_are_autotuned_stored_and_loaded(tmp_path):
+    args = _forward_inputs(seed=50)
+    runs = []
+    for _ in range(2):  # the second cache loads what the first stored
+        with cudnn_attn.Graph(autotune=True, cache=cudnn_attn.PlanCache(path=tmp_path)) as g:
+            g.sdpa_fp8(*args, use_causal_mask=True)
+        runs.append((g.nodes[0].plan.source, g(*args)))
+    assert [source for source, _ in runs] == ["built", "disk"]
+    (_, first), (_, second) = runs
+    assert torch.equal(first[0].float(), second[0].float())  # one plan, one result
