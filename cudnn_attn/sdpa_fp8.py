@@ -19,13 +19,12 @@ from typing import Any
 import torch
 
 from .errors import UnsupportedError, ValidationError
+from .fp8_cast import E4M3_MAX, from_fp8, to_fp8
 from .graph_cache import GraphCache
-from .ops import reference_fp8
 from .options import default_scale
 from .problem import TensorSpec
 from .sdpa_arguments import check_arguments, materialised
 
-E4M3 = torch.float8_e4m3fn
 BACKWARDS = ("bf16", "fp8")
 _graphs = GraphCache()
 
@@ -68,30 +67,26 @@ def sdpa_fp8(
 def quantised(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` in E4M3 under its current scale, and the descale that undoes it (float32 [1, 1, 1, 1]).
 
-    Three passes in ``x``'s own dtype (min/max, scale and clamp, cast), no float32 copy: the
-    scale is rounded to ``x``'s dtype first and the descale is the exact inverse of that rounded
-    scale, so the two agree exactly; 448 (E4M3's largest value) is exact in fp16 and bf16.
+    Two passes: min/max, then one fused scale-saturate-cast (``fp8_cast``).
     """
     x = x.detach()
     low, high = torch.aminmax(x)
-    amax = torch.maximum(-low, high).float()
+    amax = torch.maximum(-low, high).float().reshape(1, 1, 1, 1)
     # An all-zero tensor keeps scale 1 (any scale would do; 0 would divide by zero).
-    scale = torch.where(amax > 0, reference_fp8.fp8_max(E4M3) / amax, torch.ones_like(amax)).to(x.dtype)
-    limit = reference_fp8.fp8_max(E4M3)
-    values = (x * scale).clamp_(-limit, limit).to(E4M3)  # saturating, as cuDNN's casts are
-    return values, (1.0 / scale.float()).reshape(1, 1, 1, 1)
+    scale = torch.where(amax > 0, E4M3_MAX / amax, torch.ones_like(amax))
+    return to_fp8(x, scale), 1.0 / scale
 
 
 def forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool, attn_scale: float
 ) -> torch.Tensor:
     (q8, descale_q), (k8, descale_k), (v8, descale_v) = (quantised(materialised(x)) for x in (query, key, value))
-    scale_s = torch.full((1, 1, 1, 1), reference_fp8.fp8_max(E4M3), device=query.device)
+    scale_s = torch.full((1, 1, 1, 1), E4M3_MAX, device=query.device)
     scale_o = 1.0 / descale_v  # |O| <= max|V|: O under V's scale never saturates
     args = (q8, k8, v8, descale_q, descale_k, descale_v, 1.0 / scale_s, scale_s, scale_o)
     graph = _graph(args, is_causal, attn_scale)
     out8 = graph(*args)[0]
-    return out8.to(query.dtype).mul_(descale_v.to(query.dtype))
+    return from_fp8(out8, descale_v, query.dtype)
 
 
 def _graph(args: tuple, is_causal: bool, attn_scale: float) -> Any:

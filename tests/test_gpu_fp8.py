@@ -120,3 +120,19 @@ def test_fp8_plans_are_autotuned_stored_and_loaded(tmp_path):
     assert [source for source, _ in runs] == ["built", "disk"]
     (_, first), (_, second) = runs
     assert torch.equal(first[0].float(), second[0].float())  # one plan, one result
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fused_casts_equal_the_float32_arithmetic(dtype):
+    """The one-pass CUDA kernels give exactly the values of the float32 torch arithmetic the CPU
+    runs (saturation included), for contiguous and strided inputs."""
+    from cudnn_attn import fp8_cast
+
+    x = (_randn(2, 300, 8, 64, seed=60) * 3).to(dtype).transpose(1, 2)  # a BSHD view: strided
+    for scale in (torch.tensor(40.0), torch.tensor(900.0)):  # in range; far past 448 (saturates)
+        scale = scale.reshape(1, 1, 1, 1).cuda()
+        fused = fp8_cast.to_fp8(x, scale)
+        expected = (x.float() * scale).clamp(-448, 448).to(E4M3)
+        assert fused.shape == x.shape and torch.equal(fused.float(), expected.float())
+        back = fp8_cast.from_fp8(fused, 1.0 / scale, dtype)
+        assert torch.equal(back, (fused.float() * (1.0 / scale)).to(dtype))

@@ -74,3 +74,14 @@ def test_attention_module_with_fp8():
     assert x.grad is not None and torch.isfinite(x.grad).all()
     with pytest.raises(ValidationError, match="dropout"):
         cudnn_attn.nn.Attention(64, 4, fp8=True, dropout=0.1)
+
+
+def test_casts_are_the_emulations_quantisation():
+    from cudnn_attn import fp8_cast
+    from cudnn_attn.ops import reference_fp8
+
+    x = randn(4, 33, 16) * 50
+    scale = torch.tensor(7.5).reshape(1, 1, 1, 1)
+    fp8 = fp8_cast.to_fp8(x, scale)
+    assert torch.equal(fp8.float(), reference_fp8.quantise(x.float(), scale, torch.float8_e4m3fn).float())
+    assert fp8.float().abs().max() == 448  # saturated, not NaN
