@@ -26,7 +26,7 @@ def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x * scale`` (float32 arithmetic) saturated to E4M3, in ``x``'s layout made contiguous."""
     kernels = _kernels() if x.is_cuda else None
     if kernels is None:
-        return (x.float() * scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+        return (x.float() * scale.reshape(())).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=E4M3, device=x.device)
     n = x.numel()
@@ -38,7 +38,7 @@ def from_fp8(x8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> tor
     """``x8 * descale`` (float32 arithmetic) in ``dtype``."""
     kernels = _kernels() if x8.is_cuda and x8.is_contiguous() else None
     if kernels is None:
-        return (x8.float() * descale).to(dtype)
+        return (x8.float() * descale.reshape(())).to(dtype)
     out = torch.empty(x8.shape, dtype=dtype, device=x8.device)
     n = x8.numel()
     kernels.dequantise[(triton_cdiv(n, BLOCK),)](x8, out, descale, n, BLOCK=BLOCK)
