@@ -17,6 +17,7 @@ import torch
 
 from . import Graph, PlanCache, sdpa_fp8
 from .bench_host import round_order
+from .functional import sdpa as cudnn_attn_sdpa
 from .ops import autotune
 from .sdpa_fp8 import quantised
 
@@ -52,6 +53,7 @@ def _columns(b: int, h: int, s: int, d: int, causal: bool) -> tuple[dict[str, Ca
     forward = {
         "bf16 graph": lambda: bf16(q, k, v),
         "fp8 graph": lambda: fp8(*fp8_args),
+        "fp8 frontend direct": _frontend_direct(fp8, fp8_args),
         "sdpa_fp8 (scaling included)": lambda: sdpa_fp8(q, k, v, is_causal=causal),
         "torch cudnn bf16": torch_cudnn,
     }
@@ -71,6 +73,20 @@ def _columns(b: int, h: int, s: int, d: int, causal: bool) -> tuple[dict[str, Ca
         backward["fp8 backward graph"] = _refused(failure)
     checks = {"o_bf16": o, "o_fp8": o8.float() * dv, "sdpa_fp8": sdpa_fp8(q, k, v, is_causal=causal)}
     return forward, backward, checks
+
+
+def _frontend_direct(graph: Graph, args: tuple) -> Callable:
+    """The FP8 graph's plan through the frontend's own ``execute``, its variant pack prepared once."""
+    from .ops.cudnn_platform import cudnn_handle
+    from .synthetic import empty
+
+    node = graph.nodes[0]
+    plan: Any = node.plan
+    outputs = {role: empty(h.spec) for role, h in node.outputs.items() if h.spec is not None}
+    pack = plan.variant_pack(dict(zip(node.inputs, args)), outputs)  # node inputs: in the op's order
+    workspace = torch.empty(max(plan.workspace_size, 1), dtype=torch.uint8, device="cuda")
+    handle = cudnn_handle(torch.cuda.current_device())
+    return lambda: plan.graph.execute(pack, workspace, handle=handle)
 
 
 def _refused(failure: Exception) -> Callable:
@@ -138,4 +154,56 @@ def format_fp8(rows: list[dict[str, Any]]) -> str:
                 lines.append(
                     f"    {name:<30}{cell['tflops']:>8.1f} TFLOP/s  {ratio:>6}  (spread {cell['spread_pct']:.1f}%)"
                 )
+    return "\n".join(lines)
+
+
+def _outlier_heavy(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Activations as large models make them: a few channels (4 of the head dim) 20x the rest."""
+    channels = torch.randperm(x.shape[-1], generator=gen)[:4]
+    x = x.clone()
+    x[..., channels.to(x.device)] *= 20
+    return x
+
+
+def accuracy(b: int = 2, h: int = 16, s: int = 2048, d: int = 128) -> dict[str, dict[str, float]]:
+    """Relative error against bf16 of O (``sdpa_fp8``) and of the FP8 backward's dQ, dK, dV
+    (current scaling of dO; gradient scales from the bf16 gradients' amaxes, the best a
+    scaling recipe can pick), on random normal and on outlier-heavy inputs."""
+    results = {}
+    for kind in ("random normal", "outlier channels"):
+        gen = torch.Generator().manual_seed(1)
+        q, k, v, d_o = (torch.randn(b, h, s, d, generator=gen).to("cuda", torch.bfloat16) for _ in range(4))
+        if kind == "outlier channels":
+            q, k = _outlier_heavy(q, gen), _outlier_heavy(k, gen)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        o = cudnn_attn_sdpa(leaves[0], leaves[1], leaves[2], is_causal=True)
+        grads = torch.autograd.grad(o, leaves, d_o)
+        row = {"O": _relative(sdpa_fp8(q, k, v, is_causal=True), o)}
+        (q8, dq), (k8, dk), (v8, dv), (do8, ddo) = (quantised(x) for x in (q, k, v, d_o))
+        scale_s = torch.full((1, 1, 1, 1), 448.0, device="cuda")
+        fwd_args = (q8, k8, v8, dq, dk, dv, 1.0 / scale_s, scale_s, 1.0 / dv)
+        with Graph() as fwd:
+            fwd.sdpa_fp8(*fwd_args, use_causal_mask=True, generate_stats=True)
+        o8, stats, _, _ = fwd(*fwd_args)
+        grad_scales = [(448.0 / g.abs().max().float()).reshape(1, 1, 1, 1) for g in grads]
+        scale_dp = torch.full((1, 1, 1, 1), 2.0**14, device="cuda")
+        scales = (dq, dk, dv, dv.clone(), ddo, 1.0 / scale_s, 1.0 / scale_dp, scale_s.clone(), *grad_scales, scale_dp)
+        with Graph() as bwd:
+            bwd.sdpa_fp8_backward(q8, k8, v8, o8, do8, stats, *scales, use_causal_mask=True)
+        fp8_grads = bwd(q8, k8, v8, o8, do8, stats, *scales)
+        for name, g8, scale, reference in zip(("dQ", "dK", "dV"), fp8_grads, grad_scales, grads):
+            row[name] = _relative(g8.float() / scale, reference)
+        results[kind] = row
+    return results
+
+
+def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.detach().float()
+    return float((actual.detach().float() - expected).norm() / expected.norm())
+
+
+def format_accuracy(results: dict[str, dict[str, float]]) -> str:
+    lines = ["FP8 accuracy against bf16 (b2 h16 s2048 d128 causal; relative error):"]
+    for kind, row in results.items():
+        lines.append(f"  {kind:<18}" + "  ".join(f"{name} {err:.3f}" for name, err in row.items()))
     return "\n".join(lines)

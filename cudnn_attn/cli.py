@@ -144,13 +144,15 @@ def _bench(args: argparse.Namespace) -> int:
 
         rows = bench_fp8.fp8_rows()
         print(bench_fp8.format_fp8(rows))
+        accuracy = bench_fp8.accuracy()
+        print(bench_fp8.format_accuracy(accuracy))
         if args.json:
             import json
 
             import torch
 
             with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "fp8": rows}, f, indent=2)
+                json.dump({"device": torch.cuda.get_device_name(), "fp8": rows, "accuracy": accuracy}, f, indent=2)
         return 0
     sections = {"stack": args.stack, "paged_decode": args.paged_decode, "naive": args.naive}
     if args.grid:
