@@ -50,8 +50,11 @@ def missing_inputs(node: Node) -> list[str]:
 
 
 def _amaxes(node: Node, roles: tuple[str, ...], device: str) -> dict[str, Any]:
+    """The FP8 amax outputs asked for: one set to ``set_output(False)`` is not computed at all
+    (the frontend notes that declaring Amax_S restricts cuDNN to fewer engines)."""
     default = TensorSpec.contiguous(_SCALAR, torch.float32, device)
-    return {role: output_spec(node.outputs[role], default) for role in roles if role in node.outputs}
+    wanted = [role for role in roles if role in node.outputs and node.outputs[role].is_output]
+    return {role: output_spec(node.outputs[role], default) for role in wanted}
 
 
 def assemble_problem(node: Node, dtypes: dict[str, torch.dtype | None]) -> AttentionProblem | None:

@@ -138,3 +138,17 @@ def test_a_repeated_fp8_recording_adopts_its_build():
         results.append(g(*args))
     assert len(cache.recorded) == 1
     assert all(torch.equal(a.float(), b.float()) for a, b in zip(*results))
+
+
+def test_amaxes_not_asked_for_are_not_computed():
+    q, k, v = _problem()
+    args, estimate = _forward_scales(q, k, v)
+    with cudnn_attn.Graph() as g:
+        o, _, amax_s, amax_o = g.sdpa_fp8(*args)
+        amax_s.set_output(False)
+    assert g.problems[0].amax_s is None and [h.name for h in g.outputs] == ["O", "Amax_O"]
+    out, amax = g(*args)
+    with cudnn_attn.Graph() as full:
+        full.sdpa_fp8(*args)
+    expected_out, _, expected_amax = full(*args)
+    assert torch.equal(out.float(), expected_out.float()) and torch.equal(amax, expected_amax)
