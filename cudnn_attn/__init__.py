@@ -15,6 +15,7 @@ from .buckets import BucketedAttention
 from .cache import PlanCache, default_cache
 from .data_type import data_type
 from .errors import GraphStateError, ShapeMismatchError, UnsupportedError, ValidationError
+from .fp8_scaling import Fp8Scaling
 from .functional import sdpa
 from .graph import Graph
 from .handle import Handle, create_handle, destroy_handle
@@ -50,6 +51,7 @@ __all__ = [
     "nn",
     "pygraph",
     "sdpa",
+    "Fp8Scaling",
     "sdpa_fp8",
     "set_autotune",
 ]

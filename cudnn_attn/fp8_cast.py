@@ -22,15 +22,21 @@ E4M3_MAX = 448.0
 BLOCK = 4096
 
 
-def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x * scale`` (float32 arithmetic) saturated to E4M3, in ``x``'s layout made contiguous."""
+def to_fp8(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """``x * scale`` (float32 arithmetic) saturated to E4M3, in ``x``'s layout made contiguous.
+
+    ``amax`` (float32, one element): raised to ``max |x|`` in the same pass, for delayed scaling.
+    """
     kernels = _kernels() if x.is_cuda else None
     if kernels is None:
+        if amax is not None:
+            torch.maximum(amax, x.detach().abs().amax().float().reshape(amax.shape), out=amax)
         return (x.float() * scale.reshape(())).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=E4M3, device=x.device)
     n = x.numel()
-    kernels.quantise[(triton_cdiv(n, BLOCK),)](x, out, scale, n, E4M3_MAX, BLOCK=BLOCK)
+    record = amax if amax is not None else scale  # a pointer the kernel never writes when not recording
+    kernels.quantise[(triton_cdiv(n, BLOCK),)](x, out, scale, record, n, E4M3_MAX, amax is not None, BLOCK=BLOCK)
     return out
 
 
@@ -58,12 +64,14 @@ def _kernels() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def quantise(x_ptr, out_ptr, scale_ptr, n, limit, BLOCK: tl.constexpr):  # noqa: N803
+    def quantise(x_ptr, out_ptr, scale_ptr, amax_ptr, n, limit, RECORD: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < n
-        x = tl.load(x_ptr + offsets, mask=inside).to(tl.float32)
+        x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
         y = tl.minimum(tl.maximum(x * tl.load(scale_ptr), -limit), limit)
         tl.store(out_ptr + offsets, y.to(tl.float8e4nv), mask=inside)
+        if RECORD:  # amaxes are >= 0: float atomic max is exact
+            tl.atomic_max(amax_ptr, tl.max(tl.abs(x), axis=0))
 
     @triton.jit
     def dequantise(x_ptr, out_ptr, descale_ptr, n, BLOCK: tl.constexpr):  # noqa: N803

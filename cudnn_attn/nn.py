@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .errors import ValidationError
+from .fp8_scaling import Fp8Scaling
 from .functional import sdpa
 from .sdpa_fp8 import sdpa_fp8
 
@@ -30,8 +31,9 @@ class Attention(nn.Module):
         num_kv_heads: K/V heads (default ``num_heads``); must divide ``num_heads``.
         causal: apply a causal mask by default (``forward(is_causal=...)`` overrides).
         dropout: attention dropout probability, applied in training mode only.
-        fp8: attend through FP8 kernels (``cudnn_attn.sdpa_fp8``: current scaling, gradients
-            from the 16-bit inputs); takes no mask tensor and no dropout.
+        fp8: attend through FP8 kernels (``cudnn_attn.sdpa_fp8`` with delayed scaling: the
+            layer keeps the amax history of its Q, K, V; gradients from the 16-bit inputs);
+            takes no mask tensor and no dropout.
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class Attention(nn.Module):
                 [f"dropout: {dropout}; FP8 attention (fp8=True) takes no dropout"], context="Attention"
             )
         self.causal, self.dropout, self.fp8 = causal, dropout, fp8
+        self.fp8_scaling = Fp8Scaling() if fp8 else None
         factory = {"device": device, "dtype": dtype}
         self.qkv = nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * self.head_dim, bias=bias, **factory)
         self.out = nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias, **factory)
@@ -77,7 +80,7 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in qkv.split([h, h_kv, h_kv], dim=2))
         causal = self.causal if is_causal is None else is_causal
         if self.fp8:
-            o = sdpa_fp8(q, k, v, attn_mask, is_causal=causal, enable_gqa=h_kv != h)
+            o = sdpa_fp8(q, k, v, attn_mask, is_causal=causal, enable_gqa=h_kv != h, scaling=self.fp8_scaling)
             return self.out(o.transpose(1, 2).reshape(b, s, h * d))
         o = sdpa(
             q, k, v, attn_mask=attn_mask, is_causal=causal and attn_mask is None,

@@ -20,6 +20,7 @@ import torch
 
 from .errors import UnsupportedError, ValidationError
 from .fp8_cast import E4M3_MAX, from_fp8, to_fp8
+from .fp8_scaling import Fp8Scaling, current_scale
 from .graph_cache import GraphCache
 from .options import default_scale
 from .problem import TensorSpec
@@ -39,16 +40,21 @@ def sdpa_fp8(
     enable_gqa: bool = False,
     *,
     backward: str = "bf16",
+    scaling: Fp8Scaling | None = None,
 ) -> torch.Tensor:
     """Attention through FP8 (E4M3) kernels: ``query``/``key``/``value`` fp16 or bf16
     ``[B, H, L, E]``, the output in their dtype. ``backward``: how gradients are computed
-    (``"bf16"``: from the 16-bit inputs)."""
+    (``"bf16"``: from the 16-bit inputs). ``scaling``: an ``Fp8Scaling`` for delayed scaling
+    (one pass per tensor, scales from its amax history); None scales each call by its
+    current amaxes."""
     check_arguments(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa)
     if attn_mask is not None:
         raise UnsupportedError(
             ["attn_mask: FP8 attention takes no mask tensor (cuDNN's FP8 op has no bias); use is_causal"],
             context="sdpa_fp8",
         )
+    if scaling is not None and not isinstance(scaling, Fp8Scaling):
+        raise ValidationError([f"scaling: {type(scaling).__name__}; expected a cudnn_attn.Fp8Scaling or None"])
     if backward not in BACKWARDS:
         raise ValidationError([f"backward: {backward!r}; allowed 'bf16' or 'fp8'"], context="sdpa_fp8")
     if backward == "fp8":
@@ -59,9 +65,9 @@ def sdpa_fp8(
         )  # fmt: skip
     attn_scale = float(scale) if scale is not None else default_scale(query.shape[-1])
     if query.dim() == 3:  # [H, L, E]: one batch
-        out = _Fp8Attention.apply(query[None], key[None], value[None], bool(is_causal), attn_scale)
+        out = _Fp8Attention.apply(query[None], key[None], value[None], bool(is_causal), attn_scale, scaling)
         return out[0]
-    return _Fp8Attention.apply(query, key, value, bool(is_causal), attn_scale)
+    return _Fp8Attention.apply(query, key, value, bool(is_causal), attn_scale, scaling)
 
 
 def quantised(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,18 +75,21 @@ def quantised(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Two passes: min/max, then one fused scale-saturate-cast (``fp8_cast``).
     """
-    x = x.detach()
-    low, high = torch.aminmax(x)
-    amax = torch.maximum(-low, high).float().reshape(1, 1, 1, 1)
-    # An all-zero tensor keeps scale 1 (any scale would do; 0 would divide by zero).
-    scale = torch.where(amax > 0, E4M3_MAX / amax, torch.ones_like(amax))
-    return to_fp8(x, scale), 1.0 / scale
+    scale = current_scale(x)
+    return to_fp8(x.detach(), scale), 1.0 / scale
 
 
 def forward(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool, attn_scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    is_causal: bool,
+    attn_scale: float,
+    scaling: Fp8Scaling | None = None,
 ) -> torch.Tensor:
-    (q8, descale_q), (k8, descale_k), (v8, descale_v) = (quantised(materialised(x)) for x in (query, key, value))
+    inputs = tuple(materialised(x) for x in (query, key, value))
+    quantised_inputs = scaling.quantise(inputs) if scaling is not None else [quantised(x) for x in inputs]
+    (q8, descale_q), (k8, descale_k), (v8, descale_v) = quantised_inputs
     scale_s = torch.full((1, 1, 1, 1), E4M3_MAX, device=query.device)
     scale_o = 1.0 / descale_v  # |O| <= max|V|: O under V's scale never saturates
     args = (q8, k8, v8, descale_q, descale_k, descale_v, 1.0 / scale_s, scale_s, scale_o)
@@ -104,10 +113,10 @@ class _Fp8Attention(torch.autograd.Function):
     """The FP8 forward; gradients from the 16-bit inputs (``backward="bf16"``)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, is_causal: bool, attn_scale: float):  # type: ignore[override]
+    def forward(ctx, query, key, value, is_causal: bool, attn_scale: float, scaling):  # type: ignore[override]
         ctx.save_for_backward(query, key, value)
         ctx.options = (is_causal, attn_scale)
-        return forward(query, key, value, is_causal, attn_scale)
+        return forward(query, key, value, is_causal, attn_scale, scaling)
 
     @staticmethod
     def backward(ctx, d_out):  # type: ignore[override]
@@ -121,4 +130,4 @@ class _Fp8Attention(torch.autograd.Function):
             out = sdpa(*leaves, is_causal=is_causal, scale=attn_scale, enable_gqa=enable_gqa)
             wanted = [x for x in leaves if x.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, d_out))
-        return (*(next(grads) if x.requires_grad else None for x in leaves), None, None)
+        return (*(next(grads) if x.requires_grad else None for x in leaves), None, None, None)

@@ -136,3 +136,14 @@ def test_fused_casts_equal_the_float32_arithmetic(dtype):
         assert fused.shape == x.shape and torch.equal(fused.float(), expected.float())
         back = fp8_cast.from_fp8(fused, 1.0 / scale, dtype)
         assert torch.equal(back, (fused.float() * (1.0 / scale)).to(dtype))
+
+
+def test_delayed_scaling_records_amaxes_in_the_cast_and_matches_current_scaling():
+    """On CUDA the one-pass cast records each tensor's amax (atomic max in the kernel)."""
+    scaling = cudnn_attn.Fp8Scaling(history=4)
+    q, k, v = (_randn(2, 8, 512, 128, seed=70 + i).to(torch.bfloat16) for i in range(3))
+    for _ in range(3):  # steady inputs: the history's scale is the current one
+        out = cudnn_attn.sdpa_fp8(q, k, v, is_causal=True, scaling=scaling)
+    assert torch.equal(out, cudnn_attn.sdpa_fp8(q, k, v, is_causal=True))
+    for i, x in enumerate((q, k, v)):
+        assert torch.equal(scaling.amaxes[i, 2], x.abs().max().float())

@@ -1,0 +1,70 @@
+"""Delayed scaling (``Fp8Scaling``): scales from an amax history, this call's amax recorded
+during the cast; the first call scales by its own amaxes. On the reference backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import randn
+
+import cudnn_attn
+from cudnn_attn.errors import ValidationError
+from cudnn_attn.sdpa_fp8 import quantised
+
+
+def _inputs(seed, factor=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(randn(1, 2, 32, 16, generator=gen) * factor for _ in range(3))
+
+
+def test_first_call_is_current_scaling_and_records_its_amaxes():
+    scaling = cudnn_attn.Fp8Scaling(history=4)
+    q, k, v = _inputs(0)
+    delayed = cudnn_attn.sdpa_fp8(q, k, v, scaling=scaling)
+    assert torch.equal(delayed, cudnn_attn.sdpa_fp8(q, k, v))
+    assert torch.equal(scaling.amaxes[:, 0], torch.stack([x.abs().max().float() for x in (q, k, v)]))
+
+
+def test_the_history_sets_the_scale_and_each_call_records_its_amax():
+    scaling = cudnn_attn.Fp8Scaling(history=2)
+    big, small = _inputs(1, factor=4.0), _inputs(2)
+    scaling.quantise(big)  # call 0: the history holds the large amaxes
+    casts = scaling.quantise(small)  # call 1: scaled by the large amaxes, not its own
+    for (_, descale), x in zip(casts, big):
+        assert torch.allclose(descale.reshape(()), x.abs().max().float() / 448)
+    assert torch.equal(scaling.amaxes[:, 1], torch.stack([x.abs().max().float() for x in small]))
+    scaling.quantise(small)  # call 2 overwrites slot 0: the large amaxes leave the window
+    (_, descale), *_ = scaling.quantise(small)
+    assert torch.allclose(descale.reshape(()), small[0].abs().max().float() / 448)
+
+
+def test_a_tensor_that_outgrows_its_history_saturates_then_recovers():
+    scaling = cudnn_attn.Fp8Scaling(history=1)
+    scaling.quantise(_inputs(3))
+    grown = _inputs(3, factor=10.0)
+    (q8, _), *_ = scaling.quantise(grown)
+    assert q8.float().abs().max() == 448 and torch.isfinite(q8.float()).all()  # clipped, never NaN
+    (q8, descale), *_ = scaling.quantise(grown)  # the history now holds the grown amax
+    expected, expected_descale = quantised(grown[0])
+    assert torch.equal(q8.float(), expected.float()) and torch.equal(descale, expected_descale)
+
+
+def test_steady_inputs_match_current_scaling():
+    scaling = cudnn_attn.Fp8Scaling()
+    q, k, v = _inputs(4)
+    for _ in range(3):
+        out = cudnn_attn.sdpa_fp8(q, k, v, is_causal=True, scaling=scaling)
+    assert torch.equal(out, cudnn_attn.sdpa_fp8(q, k, v, is_causal=True))
+
+
+def test_the_module_keeps_its_own_history():
+    layer = cudnn_attn.nn.Attention(32, 2, fp8=True, dtype=torch.bfloat16)
+    layer(randn(1, 8, 32))
+    assert layer.fp8_scaling is not None and layer.fp8_scaling.calls == 1
+
+
+def test_bad_scaling_arguments_are_named():
+    with pytest.raises(ValidationError, match="history"):
+        cudnn_attn.Fp8Scaling(history=0)
+    with pytest.raises(ValidationError, match="scaling"):
+        cudnn_attn.sdpa_fp8(*_inputs(5), scaling="delayed")
