@@ -2,7 +2,7 @@
 
 Per shape (d128 grid shapes and S = 16384): our bf16 graph, our FP8 graph on pre-quantised
 inputs, ``cudnn_attn.sdpa_fp8`` (amax, scale and quantise of Q, K, V and the dequantised
-output included) and torch's cuDNN backend in bf16; then the bf16 and FP8 backward graphs.
+output included; current and delayed scaling) and torch's cuDNN backend in bf16; then the bf16 and FP8 backward graphs.
 Columns are timed in shuffled interleaved rounds (``bench_host.round_order``): medians and
 spreads. FP8 outputs are checked against the bf16 graph's (relative error of O).
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import Graph, PlanCache, sdpa_fp8
+from . import Fp8Scaling, Graph, PlanCache, sdpa_fp8
 from .bench_host import round_order
 from .functional import sdpa as cudnn_attn_sdpa
 from .ops import autotune
@@ -52,12 +52,14 @@ def _columns(b: int, h: int, s: int, d: int, causal: bool) -> tuple[dict[str, Ca
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
+    delayed = Fp8Scaling()
     forward = {
         "bf16 graph": lambda: bf16(q, k, v),
         "fp8 graph": lambda: fp8(*fp8_args),
         "fp8 frontend direct": _frontend_direct(fp8, fp8_args),
         "fp8 graph, no Amax_S": lambda: fp8_lean(*fp8_args),
         "sdpa_fp8 (scaling included)": lambda: sdpa_fp8(q, k, v, is_causal=causal),
+        "sdpa_fp8, delayed scaling": lambda: sdpa_fp8(q, k, v, is_causal=causal, scaling=delayed),
         "torch cudnn bf16": torch_cudnn,
     }
     backward: dict[str, Callable] = {}
