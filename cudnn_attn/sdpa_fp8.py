@@ -2,14 +2,15 @@
 
 Per-tensor current scaling, as TransformerEngine's current-scaling recipe does: each of Q, K,
 V is scaled so that its largest magnitude lands on E4M3's largest value (448), quantised, and
-the FP8 op runs with the matching descales. P (the softmax, in [0, 1]) takes the fixed scale
+the FP8 op runs with the matching descales; or, with ``scaling=Fp8Scaling()``, delayed
+scaling from an amax history (``fp8_scaling.py``). P (the softmax, in [0, 1]) takes the fixed scale
 448, as cuDNN's samples do. O's scale needs no second pass: every row of O is a convex
 combination of V's rows, so ``|O| <= max|V|`` and V's own scale never saturates O. The FP8
 output is dequantised into the inputs' dtype.
 
 Gradients (``backward=``): ``"bf16"`` (the default) recomputes attention from the 16-bit
 inputs with the 16-bit forward and backward plans; ``"fp8"`` is not offered yet (its
-gradient scales need delayed scaling from an amax history).
+gradient scales, for dS and dQ/dK/dV, need amax histories of their own).
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ def sdpa_fp8(
         raise ValidationError([f"backward: {backward!r}; allowed 'bf16' or 'fp8'"], context="sdpa_fp8")
     if backward == "fp8":
         raise UnsupportedError(
-            ["backward: 'fp8' needs gradient scales from an amax history (delayed scaling), not offered yet; "
-             "use backward='bf16'"],
+            ["backward: 'fp8' needs scales for dS and the gradients from amax histories of their own, not "
+             "offered yet; use backward='bf16'"],
             context="sdpa_fp8",
         )  # fmt: skip
     attn_scale = float(scale) if scale is not None else default_scale(query.shape[-1])
