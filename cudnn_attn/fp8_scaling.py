@@ -30,6 +30,25 @@ class Fp8Scaling:
         self.history = history
         self.amaxes: torch.Tensor | None = None  # [3, history]
         self.calls = 0
+        # For sdpa_fp8(backward="fp8"): the amaxes cuDNN reports for dQ, dK, dV and dS.
+        self.grad_amaxes: torch.Tensor | None = None  # [4, history]
+        self.grad_calls = 0
+
+    def gradient_scales(self, device: torch.device) -> torch.Tensor | None:
+        """Scales for dQ, dK, dV and dS from their amax history ([4]); None before the first
+        backward (no history yet: the caller measures the amaxes first)."""
+        if self.grad_amaxes is None or self.grad_amaxes.device != device or self.grad_calls == 0:
+            return None
+        return _scales(self.grad_amaxes.amax(dim=1))
+
+    def record_gradients(self, amaxes: list[torch.Tensor]) -> None:
+        """This backward's amaxes of dQ, dK, dV and dS (float32 [1, 1, 1, 1] each)."""
+        device = amaxes[0].device
+        if self.grad_amaxes is None or self.grad_amaxes.device != device:
+            self.grad_amaxes = torch.zeros(len(amaxes), self.history, dtype=torch.float32, device=device)
+            self.grad_calls = 0
+        self.grad_amaxes[:, self.grad_calls % self.history] = torch.cat([a.reshape(1) for a in amaxes])
+        self.grad_calls += 1
 
     def quantise(self, tensors: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each tensor in E4M3 and the descale that undoes its scale (float32 [1, 1, 1, 1])."""

@@ -9,8 +9,8 @@ combination of V's rows, so ``|O| <= max|V|`` and V's own scale never saturates 
 output is dequantised into the inputs' dtype.
 
 Gradients (``backward=``): ``"bf16"`` (the default) recomputes attention from the 16-bit
-inputs with the 16-bit forward and backward plans; ``"fp8"`` is not offered yet (its
-gradient scales, for dS and dQ/dK/dV, need amax histories of their own).
+inputs with the 16-bit forward and backward plans; ``"fp8"`` runs cuDNN's FP8 backward, with
+the scales of dS and of the gradients from the amax histories of ``scaling`` (required).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from . import sdpa_fp8_backward
 from .errors import UnsupportedError, ValidationError
 from .fp8_cast import E4M3_MAX, from_fp8, to_fp8
 from .fp8_scaling import Fp8Scaling, current_scale
@@ -58,17 +59,19 @@ def sdpa_fp8(
         raise ValidationError([f"scaling: {type(scaling).__name__}; expected a cudnn_attn.Fp8Scaling or None"])
     if backward not in BACKWARDS:
         raise ValidationError([f"backward: {backward!r}; allowed 'bf16' or 'fp8'"], context="sdpa_fp8")
-    if backward == "fp8":
-        raise UnsupportedError(
-            ["backward: 'fp8' needs scales for dS and the gradients from amax histories of their own, not "
-             "offered yet; use backward='bf16'"],
+    if backward == "fp8" and scaling is None:
+        raise ValidationError(
+            ["backward: 'fp8' needs scaling=cudnn_attn.Fp8Scaling(): the scales of dS and of the gradients "
+             "come from its amax histories"],
             context="sdpa_fp8",
         )  # fmt: skip
     attn_scale = float(scale) if scale is not None else default_scale(query.shape[-1])
+    # Autograd turns gradients off inside Function.forward: whether this call trains is decided here.
+    fp8_backward = backward == "fp8" and torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
     if query.dim() == 3:  # [H, L, E]: one batch
-        out = _Fp8Attention.apply(query[None], key[None], value[None], bool(is_causal), attn_scale, scaling)
-        return out[0]
-    return _Fp8Attention.apply(query, key, value, bool(is_causal), attn_scale, scaling)
+        batch = (query[None], key[None], value[None])
+        return _Fp8Attention.apply(*batch, bool(is_causal), attn_scale, scaling, fp8_backward)[0]
+    return _Fp8Attention.apply(query, key, value, bool(is_causal), attn_scale, scaling, fp8_backward)
 
 
 def quantised(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,23 +90,31 @@ def forward(
     is_causal: bool,
     attn_scale: float,
     scaling: Fp8Scaling | None = None,
+    keep: dict[str, Any] | None = None,
 ) -> torch.Tensor:
+    """O in the inputs' dtype; with ``keep``, what the FP8 backward needs is put there."""
     inputs = tuple(materialised(x) for x in (query, key, value))
     quantised_inputs = scaling.quantise(inputs) if scaling is not None else [quantised(x) for x in inputs]
     (q8, descale_q), (k8, descale_k), (v8, descale_v) = quantised_inputs
     scale_s = torch.full((1, 1, 1, 1), E4M3_MAX, device=query.device)
     scale_o = 1.0 / descale_v  # |O| <= max|V|: O under V's scale never saturates
     args = (q8, k8, v8, descale_q, descale_k, descale_v, 1.0 / scale_s, scale_s, scale_o)
-    graph = _graph(args, is_causal, attn_scale)
-    out8 = graph(*args)  # the one output, O
+    graph = _graph(args, is_causal, attn_scale, stats=keep is not None)
+    if keep is None:
+        out8 = graph(*args)  # the one output, O
+    else:
+        out8, stats = graph(*args)
+        keep.update(q8=q8, k8=k8, v8=v8, o8=out8, stats=stats, descale_q=descale_q, descale_k=descale_k,
+                    descale_v=descale_v, scale_s=scale_s, is_causal=is_causal, attn_scale=attn_scale)  # fmt: skip
     return from_fp8(out8, descale_v, query.dtype)
 
 
-def _graph(args: tuple, is_causal: bool, attn_scale: float) -> Any:
-    key = (*(TensorSpec.of(t) for t in args[:3]), is_causal, attn_scale)
+def _graph(args: tuple, is_causal: bool, attn_scale: float, stats: bool = False) -> Any:
+    key = (*(TensorSpec.of(t) for t in args[:3]), is_causal, attn_scale, stats)
 
     def record(g: Any) -> None:
-        _, _, amax_s, amax_o = g.sdpa_fp8(*args, attn_scale=attn_scale, use_causal_mask=is_causal)
+        _, _, amax_s, amax_o = g.sdpa_fp8(*args, attn_scale=attn_scale, use_causal_mask=is_causal,
+                                          generate_stats=stats)  # fmt: skip
         amax_s.set_output(False)  # not needed here: O alone (Amax_S also narrows cuDNN's engines)
         amax_o.set_output(False)
 
@@ -111,24 +122,31 @@ def _graph(args: tuple, is_causal: bool, attn_scale: float) -> Any:
 
 
 class _Fp8Attention(torch.autograd.Function):
-    """The FP8 forward; gradients from the 16-bit inputs (``backward="bf16"``)."""
+    """The FP8 forward; gradients from the 16-bit inputs (``backward="bf16"``) or through the
+    FP8 backward (``backward="fp8"``, ``sdpa_fp8_backward.py``)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, is_causal: bool, attn_scale: float, scaling):  # type: ignore[override]
-        ctx.save_for_backward(query, key, value)
-        ctx.options = (is_causal, attn_scale)
-        return forward(query, key, value, is_causal, attn_scale, scaling)
+    def forward(ctx, query, key, value, is_causal: bool, attn_scale: float, scaling, fp8_backward: bool):  # type: ignore[override]
+        ctx.options = (is_causal, attn_scale, scaling)
+        ctx.fp8 = {} if fp8_backward else None
+        if ctx.fp8 is None:
+            ctx.save_for_backward(query, key, value)
+        return forward(query, key, value, is_causal, attn_scale, scaling, keep=ctx.fp8)
 
     @staticmethod
     def backward(ctx, d_out):  # type: ignore[override]
+        is_causal, attn_scale, scaling = ctx.options
+        if ctx.fp8 is not None:
+            grads = sdpa_fp8_backward.gradients(ctx.fp8, d_out, scaling, d_out.dtype)
+            ctx.fp8 = None  # the FP8 tensors are not needed again
+            return (*(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad)), None, None, None, None)
         from .functional import sdpa
 
         query, key, value = ctx.saved_tensors
-        is_causal, attn_scale = ctx.options
         enable_gqa = query.shape[-3] != key.shape[-3]
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_(x.requires_grad) for x in (query, key, value)]
             out = sdpa(*leaves, is_causal=is_causal, scale=attn_scale, enable_gqa=enable_gqa)
             wanted = [x for x in leaves if x.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, d_out))
-        return (*(next(grads) if x.requires_grad else None for x in leaves), None, None, None)
+        return (*(next(grads) if x.requires_grad else None for x in leaves), None, None, None, None)

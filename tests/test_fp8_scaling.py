@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import randn
+from conftest import randn, rel_err
 
 import cudnn_attn
 from cudnn_attn.errors import ValidationError
@@ -68,3 +68,38 @@ def test_bad_scaling_arguments_are_named():
         cudnn_attn.Fp8Scaling(history=0)
     with pytest.raises(ValidationError, match="scaling"):
         cudnn_attn.sdpa_fp8(*_inputs(5), scaling="delayed")
+
+
+def _bf16_gradients(q, k, v, d_out, **kw):
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    return torch.autograd.grad(cudnn_attn.sdpa(*leaves, **kw), leaves, d_out)
+
+
+@pytest.mark.parametrize("h_kv", [4, 2], ids=["mha", "gqa"])
+def test_fp8_backward_uses_and_grows_the_gradient_history(h_kv):
+    gen = torch.Generator().manual_seed(7)
+    q = randn(2, 4, 64, 32, generator=gen).requires_grad_()
+    k, v = (randn(2, h_kv, 64, 32, generator=gen).requires_grad_() for _ in range(2))
+    d_out = randn(2, 4, 64, 32, generator=gen)
+    scaling = cudnn_attn.Fp8Scaling(history=4)
+    expected = _bf16_gradients(q, k, v, d_out, is_causal=True, enable_gqa=h_kv != 4)
+    for call in range(3):
+        out = cudnn_attn.sdpa_fp8(q, k, v, is_causal=True, enable_gqa=h_kv != 4, scaling=scaling, backward="fp8")
+        grads = torch.autograd.grad(out, (q, k, v), d_out)
+        for got, want in zip(grads, expected):
+            assert got.shape == want.shape and got.dtype == want.dtype
+            assert rel_err(got, want) < 0.1  # FP8 gradients: 5-7% here
+            assert not torch.equal(got, want)  # not the bf16 backward in disguise
+        # The first backward measures the amaxes (one extra run), then each records its own.
+        assert scaling.grad_calls == call + 2
+
+
+def test_fp8_backward_only_for_inputs_that_want_gradients():
+    q, k, v = _inputs(8)
+    q.requires_grad_()
+    scaling = cudnn_attn.Fp8Scaling()
+    cudnn_attn.sdpa_fp8(q, k, v, scaling=scaling, backward="fp8").sum().backward()
+    assert q.grad is not None and k.grad is None and v.grad is None
+    with torch.no_grad():  # no gradients wanted: the forward keeps nothing for a backward
+        cudnn_attn.sdpa_fp8(q, k, v, scaling=scaling, backward="fp8")
+    assert scaling.grad_calls == 2

@@ -147,3 +147,17 @@ def test_delayed_scaling_records_amaxes_in_the_cast_and_matches_current_scaling(
     assert torch.equal(out, cudnn_attn.sdpa_fp8(q, k, v, is_causal=True))
     for i, x in enumerate((q, k, v)):
         assert torch.equal(scaling.amaxes[i, 2], x.abs().max().float())
+
+
+def test_fp8_backward_on_cudnn_close_to_bf16_gradients():
+    q, k, v = (_randn(2, 8, 512, 128, seed=80 + i).to(torch.bfloat16).requires_grad_() for i in range(3))
+    d_out = _randn(2, 8, 512, 128, seed=90).to(torch.bfloat16)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    expected = torch.autograd.grad(cudnn_attn.sdpa(*leaves, is_causal=True), leaves, d_out)
+    scaling = cudnn_attn.Fp8Scaling()
+    for call in range(2):
+        out = cudnn_attn.sdpa_fp8(q, k, v, is_causal=True, scaling=scaling, backward="fp8")
+        grads = torch.autograd.grad(out, (q, k, v), d_out)
+        for got, want in zip(grads, expected):
+            assert rel_err(got, want) < 0.12
+        assert scaling.grad_calls == call + 2

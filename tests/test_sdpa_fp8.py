@@ -54,7 +54,7 @@ def test_arguments_it_cannot_take_are_named():
     q, k, v = (randn(1, 2, 16, 16) for _ in range(3))
     with pytest.raises(UnsupportedError, match="attn_mask"):
         cudnn_attn.sdpa_fp8(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool))
-    with pytest.raises(UnsupportedError, match="backward: 'fp8'"):
+    with pytest.raises(ValidationError, match=r"backward: 'fp8' needs scaling=cudnn_attn.Fp8Scaling\(\)"):
         cudnn_attn.sdpa_fp8(q, k, v, backward="fp8")
     with pytest.raises(ValidationError, match="backward: 'int8'"):
         cudnn_attn.sdpa_fp8(q, k, v, backward="int8")
