@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ValidationError
+from .errors import UnsupportedError, ValidationError
 from .fp8_cast import E4M3_MAX, to_fp8
 
 TENSORS = 3  # Q, K, V
@@ -53,6 +53,12 @@ class Fp8Scaling:
     def quantise(self, tensors: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each tensor in E4M3 and the descale that undoes its scale (float32 [1, 1, 1, 1])."""
         device = tensors[0].device
+        if _capturing(tensors[0]):
+            raise UnsupportedError(
+                ["scaling: an Fp8Scaling cannot be captured in a CUDA graph (its history advances on the host, "
+                 "so every replay would write one slot); capture with scaling=None (current scaling)"],
+                context="sdpa_fp8",
+            )  # fmt: skip
         if self.amaxes is None or self.amaxes.device != device:
             self.amaxes = torch.zeros(TENSORS, self.history, dtype=torch.float32, device=device)
             self.calls = 0
@@ -80,3 +86,7 @@ def current_scale(x: torch.Tensor) -> torch.Tensor:
 def _scales(amaxes: torch.Tensor) -> torch.Tensor:
     # An all-zero tensor keeps scale 1 (any scale would do; 0 would divide by zero).
     return torch.where(amaxes > 0, E4M3_MAX / amaxes, torch.ones_like(amaxes))
+
+
+def _capturing(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()

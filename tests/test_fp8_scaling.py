@@ -103,3 +103,12 @@ def test_fp8_backward_only_for_inputs_that_want_gradients():
     with torch.no_grad():  # no gradients wanted: the forward keeps nothing for a backward
         cudnn_attn.sdpa_fp8(q, k, v, scaling=scaling, backward="fp8")
     assert scaling.grad_calls == 2
+
+
+def test_capturing_a_delayed_scaling_call_is_refused(monkeypatch):
+    from cudnn_attn import fp8_scaling
+    from cudnn_attn.errors import UnsupportedError
+
+    monkeypatch.setattr(fp8_scaling, "_capturing", lambda tensor: True)  # as inside torch.cuda.graph
+    with pytest.raises(UnsupportedError, match="scaling: an Fp8Scaling cannot be captured"):
+        cudnn_attn.sdpa_fp8(*_inputs(9), scaling=cudnn_attn.Fp8Scaling())
