@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import types
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ def to_fp8(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None = Non
     out = torch.empty(x.shape, dtype=E4M3, device=x.device)
     n = x.numel()
     record = amax if amax is not None else scale  # a pointer the kernel never writes when not recording
-    kernels.quantise[(triton_cdiv(n, BLOCK),)](x, out, scale, record, n, E4M3_MAX, amax is not None, BLOCK=BLOCK)
+    kernels.quantise[(_blocks(n),)](x, out, scale, record, n, E4M3_MAX, amax is not None, BLOCK=BLOCK)
     return out
 
 
@@ -47,12 +48,13 @@ def from_fp8(x8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> tor
         return (x8.float() * descale.reshape(())).to(dtype)
     out = torch.empty(x8.shape, dtype=dtype, device=x8.device)
     n = x8.numel()
-    kernels.dequantise[(triton_cdiv(n, BLOCK),)](x8, out, descale, n, BLOCK=BLOCK)
+    kernels.dequantise[(_blocks(n),)](x8, out, descale, n, BLOCK=BLOCK)
     return out
 
 
-def triton_cdiv(n: int, block: int) -> int:
-    return -(-n // block)
+def _blocks(n: int) -> int:
+    """Kernel programs for ``n`` elements: one per ``BLOCK``."""
+    return -(-n // BLOCK)
 
 
 @functools.cache
@@ -80,4 +82,4 @@ def _kernels() -> Any:
         x = tl.load(x_ptr + offsets, mask=inside).to(tl.float32)
         tl.store(out_ptr + offsets, (x * tl.load(descale_ptr)).to(out_ptr.dtype.element_ty), mask=inside)
 
-    return type("Kernels", (), {"quantise": quantise, "dequantise": dequantise})
+    return types.SimpleNamespace(quantise=quantise, dequantise=dequantise)
