@@ -16,20 +16,26 @@ from __future__ import annotations
 import torch
 
 from .errors import UnsupportedError, ValidationError
-from .fp8_cast import E4M3_MAX, to_fp8
-
-TENSORS = 3  # Q, K, V
+from .fp8_cast import TENSORS, advance_history, amax_qkv, quantise_qkv, scale_buffer, scale_view, scales_for
 
 
 class Fp8Scaling:
-    """The amax history of one attention site's Q, K and V (float32, on their device)."""
+    """The amax history of one attention site's Q, K and V (float32, on their device).
+
+    The history, its next column and the next call's scales live on the device and advance
+    there (``fp8_cast.advance_history``): after one call outside capture, calls can be
+    captured in a CUDA graph, each replay advancing the history as an eager call would.
+    """
 
     def __init__(self, history: int = 16):
         if isinstance(history, bool) or not isinstance(history, int) or history < 1:
             raise ValidationError([f"history: {history!r}; must be an int >= 1"], context="Fp8Scaling")
         self.history = history
         self.amaxes: torch.Tensor | None = None  # [3, history]
-        self.calls = 0
+        self.calls = 0  # calls made eagerly or captured (a replay is not counted)
+        self._current: torch.Tensor | None = None  # [3]: this call's amaxes, raised by the cast
+        self._slot: torch.Tensor | None = None  # int32 [1]: the history column the next call fills
+        self._scales: torch.Tensor | None = None  # [3, SCALE_STRIDE]: the next call's scales
         # For sdpa_fp8(backward="fp8"): the amaxes cuDNN reports for dQ, dK, dV and dS.
         self.grad_amaxes: torch.Tensor | None = None  # [4, history]
         self.grad_calls = 0
@@ -37,9 +43,10 @@ class Fp8Scaling:
     def gradient_scales(self, device: torch.device) -> torch.Tensor | None:
         """Scales for dQ, dK, dV and dS from their amax history ([4]); None before the first
         backward (no history yet: the caller measures the amaxes first)."""
+        _refuse_capture(device, "the FP8 backward's gradient history advances on the host")
         if self.grad_amaxes is None or self.grad_amaxes.device != device or self.grad_calls == 0:
             return None
-        return _scales(self.grad_amaxes.amax(dim=1))
+        return scales_for(self.grad_amaxes.amax(dim=1))
 
     def record_gradients(self, amaxes: list[torch.Tensor]) -> None:
         """This backward's amaxes of dQ, dK, dV and dS (float32 [1, 1, 1, 1] each)."""
@@ -50,43 +57,44 @@ class Fp8Scaling:
         self.grad_amaxes[:, self.grad_calls % self.history] = torch.cat([a.reshape(1) for a in amaxes])
         self.grad_calls += 1
 
-    def quantise(self, tensors: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each tensor in E4M3 and the descale that undoes its scale (float32 [1, 1, 1, 1])."""
+    def quantise_qkv(self, tensors: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Q, K, V in E4M3 under the history's scales, with the scales used and their descales
+        (``[3, SCALE_STRIDE]``, this call's own tensors); this call's amaxes join the history."""
         device = tensors[0].device
-        if _capturing(tensors[0]):
-            raise UnsupportedError(
-                ["scaling: an Fp8Scaling cannot be captured in a CUDA graph (its history advances on the host, "
-                 "so every replay would write one slot); capture with scaling=None (current scaling)"],
-                context="sdpa_fp8",
-            )  # fmt: skip
         if self.amaxes is None or self.amaxes.device != device:
+            _refuse_capture(device, "an Fp8Scaling's first call measures its amaxes; run one call before capture")
             self.amaxes = torch.zeros(TENSORS, self.history, dtype=torch.float32, device=device)
-            self.calls = 0
-        slot = self.calls % self.history
-        if self.calls == 0:  # no history yet: this call's own amaxes
-            for i, x in enumerate(tensors):
-                self.amaxes[i, slot] = x.detach().abs().amax().float()
-        scales = _scales(self.amaxes.amax(dim=1))
-        if self.calls > 0:
-            self.amaxes[:, slot] = 0.0  # the oldest entry makes room for this call's
-        quantised = []
-        for i, x in enumerate(tensors):
-            record = self.amaxes[i, slot : slot + 1] if self.calls > 0 else None
-            quantised.append((to_fp8(x.detach(), scales[i], record), (1.0 / scales[i]).reshape(1, 1, 1, 1)))
+            self._current = torch.zeros(TENSORS, dtype=torch.float32, device=device)
+            self._slot = torch.zeros(1, dtype=torch.int32, device=device)
+            self._scales = scale_buffer(device)
+            self._current.copy_(amax_qkv(tensors))  # no history yet: this call's own amaxes
+            advance_history(self.amaxes, self._current, self._slot, self._scales)
+            record = None  # already in the history
+        else:
+            record = self._current
+        assert self._current is not None and self._slot is not None and self._scales is not None
+        quantised, used, descales = quantise_qkv(tensors, scales=self._scales, record=record)
+        if record is not None:
+            advance_history(self.amaxes, self._current, self._slot, self._scales)
         self.calls += 1
-        return quantised
+        return quantised, used, descales
+
+    def quantise(self, tensors: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each of Q, K, V in E4M3 and the descale that undoes its scale (float32 [1, 1, 1, 1])."""
+        quantised, _, descales = self.quantise_qkv(tensors)
+        return [(x8, scale_view(descales, i)) for i, x8 in enumerate(quantised)]
 
 
 def current_scale(x: torch.Tensor) -> torch.Tensor:
     """The scale that maps ``x``'s largest magnitude onto E4M3's largest value (float32 [1, 1, 1, 1])."""
     low, high = torch.aminmax(x.detach())
-    return _scales(torch.maximum(-low, high).float().reshape(1)).reshape(1, 1, 1, 1)
+    return scales_for(torch.maximum(-low, high).float().reshape(1)).reshape(1, 1, 1, 1)
 
 
-def _scales(amaxes: torch.Tensor) -> torch.Tensor:
-    # An all-zero tensor keeps scale 1 (any scale would do; 0 would divide by zero).
-    return torch.where(amaxes > 0, E4M3_MAX / amaxes, torch.ones_like(amaxes))
+def _refuse_capture(device: torch.device, why: str) -> None:
+    if _capturing(device):
+        raise UnsupportedError([f"scaling: cannot be captured in a CUDA graph here: {why}"], context="sdpa_fp8")
 
 
-def _capturing(tensor: torch.Tensor) -> bool:
-    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

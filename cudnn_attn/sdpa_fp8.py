@@ -21,7 +21,7 @@ import torch
 
 from . import sdpa_fp8_backward
 from .errors import UnsupportedError, ValidationError
-from .fp8_cast import E4M3_MAX, from_fp8, to_fp8
+from .fp8_cast import E4M3_MAX, amax_qkv, from_fp8, quantise_qkv, scale_view, to_fp8
 from .fp8_scaling import Fp8Scaling, current_scale
 from .graph_cache import GraphCache
 from .options import default_scale
@@ -94,11 +94,14 @@ def forward(
 ) -> torch.Tensor:
     """O in the inputs' dtype; with ``keep``, what the FP8 backward needs is put there."""
     inputs = tuple(materialised(x) for x in (query, key, value))
-    quantised_inputs = scaling.quantise(inputs) if scaling is not None else [quantised(x) for x in inputs]
-    (q8, descale_q), (k8, descale_k), (v8, descale_v) = quantised_inputs
-    scale_s = torch.full((1, 1, 1, 1), E4M3_MAX, device=query.device)
-    scale_o = 1.0 / descale_v  # |O| <= max|V|: O under V's scale never saturates
-    args = (q8, k8, v8, descale_q, descale_k, descale_v, 1.0 / scale_s, scale_s, scale_o)
+    if scaling is not None:
+        (q8, k8, v8), used, descales = scaling.quantise_qkv(inputs)
+    else:  # current scaling: one pass for the three amaxes, one for the three casts
+        (q8, k8, v8), used, descales = quantise_qkv(inputs, amaxes=amax_qkv(inputs))
+    descale_q, descale_k, descale_v = (scale_view(descales, i) for i in range(3))
+    descale_s, scale_s = _softmax_scales(query.device)
+    scale_o = scale_view(used, 2)  # V's scale: |O| <= max|V|, so O under it never saturates
+    args = (q8, k8, v8, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o)
     graph = _graph(args, is_causal, attn_scale, stats=keep is not None)
     if keep is None:
         out8 = graph(*args)  # the one output, O
@@ -107,6 +110,20 @@ def forward(
         keep.update(q8=q8, k8=k8, v8=v8, o8=out8, stats=stats, descale_q=descale_q, descale_k=descale_k,
                     descale_v=descale_v, scale_s=scale_s, is_causal=is_causal, attn_scale=attn_scale)  # fmt: skip
     return from_fp8(out8, descale_v, query.dtype)
+
+
+_softmax_constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _softmax_scales(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """P's descale and scale (1/448, 448): kept per device, made afresh while capturing (a
+    tensor first filled inside a capture holds its value only once the graph replays)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing() and device not in _softmax_constants:
+        return torch.full((1, 1, 1, 1), 1.0 / E4M3_MAX, device=device), torch.full((1, 1, 1, 1), E4M3_MAX, device=device)
+    if device not in _softmax_constants:
+        _softmax_constants[device] = (torch.full((1, 1, 1, 1), 1.0 / E4M3_MAX, device=device),
+                                      torch.full((1, 1, 1, 1), E4M3_MAX, device=device))  # fmt: skip
+    return _softmax_constants[device]
 
 
 def _graph(args: tuple, is_causal: bool, attn_scale: float, stats: bool = False) -> Any:

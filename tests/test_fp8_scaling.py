@@ -105,10 +105,27 @@ def test_fp8_backward_only_for_inputs_that_want_gradients():
     assert scaling.grad_calls == 2
 
 
-def test_capturing_a_delayed_scaling_call_is_refused(monkeypatch):
+def test_capturing_a_first_call_is_refused(monkeypatch):
+    """The first call measures its amaxes before it has a history: it cannot be replayed."""
     from cudnn_attn import fp8_scaling
     from cudnn_attn.errors import UnsupportedError
 
-    monkeypatch.setattr(fp8_scaling, "_capturing", lambda tensor: True)  # as inside torch.cuda.graph
-    with pytest.raises(UnsupportedError, match="scaling: an Fp8Scaling cannot be captured"):
+    monkeypatch.setattr(fp8_scaling, "_capturing", lambda device: True)  # as inside torch.cuda.graph
+    with pytest.raises(UnsupportedError, match="scaling: .*run one call before capture"):
         cudnn_attn.sdpa_fp8(*_inputs(9), scaling=cudnn_attn.Fp8Scaling())
+
+
+def test_the_history_advances_on_the_device_without_host_counters():
+    """The column the next call fills and the next scales are tensors, so a captured call
+    advances them on every replay exactly as an eager call does."""
+    scaling = cudnn_attn.Fp8Scaling(history=3)
+    amaxes = []
+    for seed in range(5):
+        inputs = _inputs(10 + seed, factor=1.0 + seed)
+        scaling.quantise(inputs)
+        amaxes.append(torch.stack([x.abs().max().float() for x in inputs]))
+    # Calls 3 and 4 overwrote columns 0 and 1; the next call fills column 2.
+    assert torch.equal(scaling.amaxes, torch.stack([amaxes[3], amaxes[4], amaxes[2]], dim=1))
+    assert scaling._slot.item() == 2
+    (_, descale), *_ = scaling.quantise(_inputs(20))
+    assert torch.equal(descale.reshape(()), 1.0 / (448.0 / amaxes[4][0]))

@@ -138,6 +138,60 @@ def test_fused_casts_equal_the_float32_arithmetic(dtype):
         assert torch.equal(back, (fused.float() * (1.0 / scale)).to(dtype))
 
 
+def test_one_launch_casts_of_q_k_v_equal_the_cpu_arithmetic():
+    """quantise_qkv / amax_qkv / advance_history on CUDA give exactly the values of the torch
+    float32 arithmetic the CPU runs: GQA sizes, a strided (BSHD) view kept in its own order,
+    scales from amaxes or from a buffer, amaxes recorded in the pass."""
+    from cudnn_attn import fp8_cast
+
+    q = (_randn(2, 300, 8, 64, seed=61) * 3).to(torch.bfloat16).transpose(1, 2)  # BSHD view
+    k, v = ((_randn(2, 2, 300, 64, seed=62 + i) * (1 + 40 * i)).to(torch.bfloat16) for i in range(2))
+    tensors, on_cpu = (q, k, v), tuple(x.cpu() for x in (q, k, v))
+    amaxes = fp8_cast.amax_qkv(tensors)
+    assert torch.equal(amaxes.cpu(), fp8_cast.amax_qkv(on_cpu))
+    got, used, descales = fp8_cast.quantise_qkv(tensors, amaxes=amaxes)
+    want, want_used, want_descales = fp8_cast.quantise_qkv(on_cpu, amaxes=amaxes.cpu())
+    assert got[0].stride() == q.stride()  # cast in its own memory order, no copy
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu().float(), b.float())
+    assert torch.equal(used[:, 0].cpu(), want_used[:, 0]) and torch.equal(descales[:, 0].cpu(), want_descales[:, 0])
+    scales = fp8_cast.scale_buffer("cuda", 900.0)  # saturates every tensor
+    record = torch.zeros(3, device="cuda")
+    got, _, _ = fp8_cast.quantise_qkv(tensors, scales=scales, record=record)
+    want, _, _ = fp8_cast.quantise_qkv(on_cpu, scales=scales.cpu(), record=torch.zeros(3))
+    assert all(torch.equal(a.cpu().float(), b.float()) for a, b in zip(got, want))
+    assert torch.equal(record.cpu(), amaxes.cpu())
+    history, slot = torch.rand(3, 5, device="cuda"), torch.tensor([3], dtype=torch.int32, device="cuda")
+    cpu_state = [history.cpu(), record.cpu(), slot.cpu(), scales.cpu()]
+    fp8_cast.advance_history(history, record, slot, scales)
+    fp8_cast.advance_history(*cpu_state)
+    for a, b in zip((history, record, slot, scales[:, 0]), (*cpu_state[:3], cpu_state[3][:, 0])):
+        assert torch.equal(a.cpu(), b)
+
+
+def test_delayed_scaling_captured_in_a_cuda_graph_advances_per_replay():
+    """After one eager call, sdpa_fp8 with an Fp8Scaling is captured; each replay on new
+    inputs gives what the same sequence of eager calls gives, history included."""
+    shape = (1, 8, 256, 128)
+    captured, eager = cudnn_attn.Fp8Scaling(history=2), cudnn_attn.Fp8Scaling(history=2)
+    steps = [[(_randn(*shape, seed=100 + 3 * i + j) * (1 + i)).to(torch.bfloat16) for j in range(3)]
+             for i in range(4)]  # fmt: skip
+    static = [x.clone() for x in steps[0]]
+    cudnn_attn.sdpa_fp8(*static, is_causal=True, scaling=captured)  # the first call, eager
+    cudnn_attn.sdpa_fp8(*steps[0], is_causal=True, scaling=eager)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cudnn_attn.sdpa_fp8(*static, is_causal=True, scaling=captured)
+    for inputs in steps[1:]:
+        for dst, src in zip(static, inputs):
+            dst.copy_(src)
+        out.fill_(float("nan"))
+        graph.replay()
+        expected = cudnn_attn.sdpa_fp8(*inputs, is_causal=True, scaling=eager)
+        assert torch.equal(out, expected)
+    assert torch.equal(captured.amaxes, eager.amaxes)
+
+
 def test_delayed_scaling_records_amaxes_in_the_cast_and_matches_current_scaling():
     """On CUDA the one-pass cast records each tensor's amax (atomic max in the kernel)."""
     scaling = cudnn_attn.Fp8Scaling(history=4)
