@@ -23,6 +23,7 @@ from .heur_mode import heur_mode
 from .ops.autotune import set_autotune
 from .problem import AttentionProblem, Causal, KVCacheLayout, Op, TensorSpec
 from .sdpa_fp8 import sdpa_fp8
+from .varlen import varlen_sdpa
 
 __version__ = "0.1.0"
 
@@ -54,4 +55,5 @@ __all__ = [
     "Fp8Scaling",
     "sdpa_fp8",
     "set_autotune",
+    "varlen_sdpa",
 ]

@@ -35,7 +35,8 @@ def clamped(p: AttentionProblem, inputs: Mapping[str, Any], bounds: Mapping[str,
     so that they end inside the packed tensors. Derived once per content of each input tensor
     (``derived_inputs``): decode passes the same lengths and page tables to every layer."""
     safe: dict[str, Any] = dict(inputs)
-    packed_tokens = {"seq_len_q": p.q.shape[0], "seq_len_kv": p.k.shape[0]} if p.is_thd else {}
+    # The packed tensors' real token counts: one plan serves every count (problem.for_plan).
+    packed_tokens = {"seq_len_q": inputs["q"].shape[0], "seq_len_kv": inputs["k"].shape[0]} if p.is_thd else {}
     for role, high in bounds.items():
         value = safe.get(role)
         if isinstance(value, torch.Tensor) and role not in packed_tokens:

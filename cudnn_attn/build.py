@@ -63,10 +63,11 @@ def plan_nodes(nodes: Sequence[Node], backend: str, autotune: bool, cache: PlanC
             alternatives = error.alternatives
             continue
         tune = autotune and chosen.name == "cudnn"  # the reference has nothing to tune
-        key = (chosen.name, chosen.plan_key(problem), problem, tune)
+        planned = problem.for_plan()  # packed tensors' token counts do not split plans
+        key = (chosen.name, chosen.plan_key(planned), planned, tune)
         node.backend = chosen.name
         node.cache_key = key
-        node.plan = cache.get_or_build(key, functools.partial(chosen.build, problem, autotune=tune, store=cache.store))
+        node.plan = cache.get_or_build(key, functools.partial(chosen.build, planned, autotune=tune, store=cache.store))
     if reasons:
         raise UnsupportedError(reasons, context=context, alternatives=alternatives)
 

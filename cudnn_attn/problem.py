@@ -165,6 +165,22 @@ class AttentionProblem:
             object.__setattr__(self, "_hash", cached)
         return cached
 
+    def for_plan(self) -> AttentionProblem:
+        """The problem a plan is built and cached for. A packed (THD) tensor's token count
+        does not enter cuDNN's graph (it sees ``[B, H, S_max, D]`` and offsets), so with both
+        maximum lengths given it is set to the most tokens the batch can hold: one plan serves
+        every packing of the same geometry, and plans read the real count from their inputs."""
+        if not self.is_thd or self.max_seq_len_q is None or self.max_seq_len_kv is None:
+            return self
+        tokens = {"q": self.batch * self.max_seq_len_q, "kv": self.batch * self.max_seq_len_kv}
+        changes = {}
+        for role, side in (("q", "q"), ("o", "q"), ("grad_o", "q"), ("grad_q", "q"),
+                           ("k", "kv"), ("v", "kv"), ("grad_k", "kv"), ("grad_v", "kv")):  # fmt: skip
+            spec = getattr(self, role)
+            if spec is not None and spec.rank == 3:
+                changes[role] = dataclasses.replace(spec, shape=(tokens[side], *spec.shape[1:]))
+        return dataclasses.replace(self, **changes) if changes else self
+
     # ---- derived geometry (valid once validation passed) ------------------------------
 
     @property

@@ -1,0 +1,242 @@
+"""``cudnn_attn.varlen_sdpa``: packed variable-length batches (FlashAttention's varlen interface).
+
+Sequences of different lengths are packed back to back, ``q`` ``[T_q, H, D]`` and ``k``/``v``
+``[T_k, H_kv, D]``, with ``cu_seqlens_*`` (``[B + 1]``, from 0) marking where each starts::
+
+    out = cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True)
+
+No padding is computed: cuDNN's ragged (THD) attention skips it, which is where a mixed-length
+batch gains over padded attention. Causal masks are aligned top-left per sequence (query i
+sees keys 0..i of its own sequence), as FlashAttention and torch's ``varlen_attn`` do for
+self-attention; ``window_size=(left, right)`` keeps keys ``i - left .. i + right`` (-1: no
+bound), measured from the same diagonal.
+
+Plans: a ragged plan depends on the number of sequences and on the longest length, not on
+the packing. Both are rounded up to buckets (powers of two; missing sequences are empty), so a
+training run with a new packing every step builds a handful of plans, not one per step.
+
+Bad ``cu_seqlens`` are refused with a ``ValidationError`` when they are on the CPU. On a GPU
+checking their values would cost a host sync on every call: there the plan clamps each length
+into ``[0, max_seqlen]`` and cuts sequences at the packed tensors' end on the device, so bad
+values give wrong rows for the sequences they describe, never an access out of bounds.
+Output rows past ``cu_seqlens_q[-1]`` (and gradient rows no sequence covers) are zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .errors import ShapeMismatchError, UnsupportedError, ValidationError
+from .graph_cache import GraphCache
+from .options import default_scale
+from .problem import TensorSpec
+from .sdpa_graphs import like
+
+CAUSAL = (None, "top_left", "bottom_right")
+SMALLEST_BUCKET = 16
+_graphs = GraphCache()
+
+
+def varlen_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Attention over packed sequences: ``q`` ``[T_q, H, D]``, ``k``/``v`` ``[T_k, H_kv, D]``
+    (fp16/bf16), ``cu_seqlens_*`` int32 ``[B + 1]``; returns ``[T_q, H, D_v]``. Differentiable."""
+    left, right = _window(window_size)
+    if right not in (-1, 0):
+        raise UnsupportedError(
+            [f"window_size: right bound {right}; cuDNN's band takes a right bound of 0 (causal) or none (-1)"],
+            context="varlen_sdpa",
+        )
+    causal = "top_left" if is_causal or right == 0 else None
+    return varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                            window_left=None if left < 0 else left, scale=scale, dropout_p=dropout_p,
+                            enable_gqa=enable_gqa, context="varlen_sdpa")  # fmt: skip
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: str | None = None,
+    window_left: int | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
+    context: str = "varlen_attention",
+) -> torch.Tensor:
+    """The varlen door the other doors share (nested tensors, transformers): ``causal`` is
+    None, ``"top_left"`` or ``"bottom_right"`` (each sequence's last query row sees its last
+    key, as decoding with a cache needs); ``window_left``: keys more than this many positions
+    left of the diagonal are masked."""
+    _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, dropout_p,
+           enable_gqa, context)  # fmt: skip
+    batch = cu_seqlens_q.shape[0] - 1
+    slots = _bucket(batch, 1)
+    lengths_q, lengths_k = (_lengths(cu, slots) for cu in (cu_seqlens_q, cu_seqlens_k))
+    options = dict(
+        attn_scale=float(scale) if scale is not None else default_scale(q.shape[-1]),
+        use_causal_mask=causal == "top_left",
+        use_causal_mask_bottom_right=causal == "bottom_right",
+        sliding_window_length=None if window_left is None else window_left + 1,
+        max_seq_len_q=_bucket(max_seqlen_q, SMALLEST_BUCKET),
+        max_seq_len_kv=_bucket(max_seqlen_k, SMALLEST_BUCKET),
+    )
+    if dropout_p > 0:
+        options.update(dropout=float(dropout_p), dropout_seed=torch.randint(0, 2**62, (1,), dtype=torch.int64),
+                       dropout_offset=torch.zeros(1, dtype=torch.int64))  # fmt: skip
+    try:
+        return _Varlen.apply(q, k, v, lengths_q, lengths_k, options)
+    except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
+        raise error.renamed(_NAMES, context=context) from None
+
+
+_NAMES = {"seq_len_q": "cu_seqlens_q", "seq_len_kv": "cu_seqlens_k", "max_seq_len_q": "max_seqlen_q",
+          "max_seq_len_kv": "max_seqlen_k", "sliding_window_length": "window_size", "dropout": "dropout_p",
+          "attn_scale": "scale"}  # fmt: skip
+
+
+class _Varlen(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, lengths_q, lengths_k, options):  # type: ignore[override]
+        train = any(ctx.needs_input_grad[:3])
+        graph = _forward_graph(q, k, v, lengths_q, lengths_k, options, train)
+        out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
+        run_inputs = [q, k, v, lengths_q, lengths_k, *_dropout_inputs(options)]
+        if train:
+            stats = torch.empty(lengths_q.shape[0], q.shape[1], options["max_seq_len_q"], 1, dtype=torch.float32,
+                                device=q.device)  # fmt: skip
+            graph(*run_inputs, out=(out, stats))
+            ctx.save_for_backward(q, k, v, out, stats, lengths_q, lengths_k)
+            ctx.options = options
+        else:
+            graph(*run_inputs, out=out)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):  # type: ignore[override]
+        q, k, v, out, stats, lengths_q, lengths_k = ctx.saved_tensors
+        d_out = like(d_out, out)
+        graph = _backward_graph(q, k, v, out, d_out, stats, lengths_q, lengths_k, ctx.options)
+        grads = [torch.zeros_like(t) for t in (q, k, v)]  # rows no sequence covers stay zero
+        graph(q, k, v, out, d_out, stats, lengths_q, lengths_k, *_dropout_inputs(ctx.options), out=tuple(grads))
+        return (*grads, None, None, None)
+
+
+def _dropout_inputs(options: dict[str, Any]) -> list[torch.Tensor]:
+    return [options["dropout_seed"], options["dropout_offset"]] if "dropout" in options else []
+
+
+def _signature(options: dict[str, Any]) -> tuple:
+    return tuple(sorted((name, value) for name, value in options.items() if not isinstance(value, torch.Tensor)))
+
+
+def _forward_graph(q, k, v, lengths_q, lengths_k, options, train: bool) -> Any:
+    key = ("forward", *(TensorSpec.of(t) for t in (q, k, v, lengths_q)), _signature(options), train)
+    return _graphs.get_or_build(key, lambda g: g.sdpa(q, k, v, seq_len_q=lengths_q, seq_len_kv=lengths_k,
+                                                      generate_stats=train, **options))  # fmt: skip
+
+
+def _backward_graph(q, k, v, out, d_out, stats, lengths_q, lengths_k, options) -> Any:
+    key = ("backward", *(TensorSpec.of(t) for t in (q, k, v, out, d_out, lengths_q)), _signature(options))
+    return _graphs.get_or_build(key, lambda g: g.sdpa_backward(q, k, v, out, d_out, stats, seq_len_q=lengths_q,
+                                                               seq_len_kv=lengths_k, **options))  # fmt: skip
+
+
+def _lengths(cu_seqlens: torch.Tensor, slots: int) -> torch.Tensor:
+    """Each sequence's length (int32 ``[slots, 1, 1, 1]``), empty sequences after the last."""
+    lengths = torch.zeros(slots, 1, 1, 1, dtype=torch.int32, device=cu_seqlens.device)
+    lengths.view(-1)[: cu_seqlens.shape[0] - 1].copy_(cu_seqlens[1:] - cu_seqlens[:-1])
+    return lengths
+
+
+def _bucket(n: int, smallest: int) -> int:
+    """The power of two at or above ``n`` (at least ``smallest``)."""
+    return max(smallest, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _window(window_size: Any) -> tuple[int, int]:
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
+    ):
+        raise ValidationError([f"window_size: {window_size!r}; expected (left, right), each an int >= -1"],
+                              context="varlen_sdpa")  # fmt: skip
+    return int(window_size[0]), int(window_size[1])
+
+
+def _check(q, k, v, cu_q, cu_k, max_q, max_k, causal, window_left, dropout_p, enable_gqa, context: str) -> None:
+    """What the graph cannot see (cu_seqlens' form and, on the CPU, values), one line each."""
+    problems: list[str] = []
+    tensors = {"q": q, "k": k, "v": v}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            problems.append(f"{name}: {type(t).__name__}; expected a torch tensor")
+        elif t.dim() != 3:
+            problems.append(f"{name}: shape {list(t.shape)}; expected packed [tokens, heads, head_dim]")
+    if problems:
+        raise ValidationError(problems, context=context)
+    if q.shape[1] != k.shape[1] and not enable_gqa:
+        problems.append(f"k: {k.shape[1]} heads, q has {q.shape[1]}; pass enable_gqa=True for grouped-query attention")
+    if causal not in CAUSAL:
+        problems.append(f"causal: {causal!r}; allowed None, 'top_left', 'bottom_right'")
+    if window_left is not None and (not isinstance(window_left, int) or window_left < 0):
+        problems.append(f"window_size: left bound {window_left!r}; must be an int >= 0")
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0 <= dropout_p < 1:
+        problems.append(f"dropout_p: {dropout_p!r}; must be a float in [0, 1)")
+    for name, value in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{name}: {value!r}; must be an int >= 1")
+    for name, cu, tokens, longest in (("cu_seqlens_q", cu_q, q.shape[0], max_q), ("cu_seqlens_k", cu_k, k.shape[0], max_k)):
+        problems += _cu_problems(name, cu, q.device, tokens, longest if isinstance(longest, int) else None)
+    if not problems and cu_q.shape != cu_k.shape:
+        problems.append(f"cu_seqlens_k: {cu_k.shape[0] - 1} sequences, cu_seqlens_q has {cu_q.shape[0] - 1}; "
+                        "they must describe the same batch")  # fmt: skip
+    if problems:
+        raise ValidationError(problems, context=context)
+
+
+def _cu_problems(name: str, cu: Any, device: torch.device, tokens: int, longest: int | None) -> list[str]:
+    if not isinstance(cu, torch.Tensor):
+        return [f"{name}: {type(cu).__name__}; expected an int32 tensor [batch + 1]"]
+    if cu.dtype not in (torch.int32, torch.int64):
+        return [f"{name}: dtype {str(cu.dtype).removeprefix('torch.')}; expected int32"]
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        return [f"{name}: shape {list(cu.shape)}; expected [batch + 1] with batch >= 1"]
+    if cu.device != device:
+        return [f"{name}: on {cu.device}; must be on q's device ({device})"]
+    if cu.is_cuda:
+        return []  # values are made safe on the device (see the module's docstring)
+    problems = []
+    lengths = cu[1:] - cu[:-1]
+    if cu[0] != 0:
+        problems.append(f"{name}: starts at {int(cu[0])}; must start at 0")
+    if (lengths < 0).any():
+        at = int(torch.nonzero(lengths < 0)[0])
+        problems.append(f"{name}: decreases at index {at + 1} ({int(cu[at])} -> {int(cu[at + 1])}); must not decrease")
+    if int(cu[-1]) > tokens:
+        problems.append(f"{name}: ends at {int(cu[-1])}, past the {tokens} packed tokens")
+    if longest is not None and lengths.numel() and int(lengths.max()) > longest:
+        at = int(torch.argmax(lengths))
+        problems.append(f"{name}: sequence {at} has length {int(lengths[at])}, above max_seqlen {longest}")
+    return problems
