@@ -193,7 +193,7 @@ def _kernels() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def quantise(x_ptr, out_ptr, scale_ptr, amax_ptr, n, limit, RECORD: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
+    def quantise(x_ptr, out_ptr, scale_ptr, amax_ptr, n, limit, RECORD: tl.constexpr, BLOCK: tl.constexpr):
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < n
         x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
@@ -203,7 +203,7 @@ def _kernels() -> Any:
             tl.atomic_max(amax_ptr, tl.max(tl.abs(x), axis=0))
 
     @triton.jit
-    def quantise_qkv(q_ptr, k_ptr, v_ptr, q8_ptr, k8_ptr, v8_ptr, n_q, n_k, n_v, end_q, end_k,  # noqa: N803
+    def quantise_qkv(q_ptr, k_ptr, v_ptr, q8_ptr, k8_ptr, v8_ptr, n_q, n_k, n_v, end_q, end_k,
                      source_ptr, used_ptr, descale_ptr, record_ptr, limit, stride,
                      FROM_AMAX: tl.constexpr, RECORD: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
         pid = tl.program_id(0)
@@ -230,7 +230,7 @@ def _kernels() -> Any:
             tl.atomic_max(record_ptr + which, tl.max(tl.abs(x), axis=0))
 
     @triton.jit
-    def amax_qkv(q_ptr, k_ptr, v_ptr, n_q, n_k, n_v, end_q, end_k, out_ptr, BLOCK: tl.constexpr):  # noqa: N803
+    def amax_qkv(q_ptr, k_ptr, v_ptr, n_q, n_k, n_v, end_q, end_k, out_ptr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         if pid < end_q:
             which, block, x_ptr, n = 0, pid, q_ptr, n_q
@@ -243,22 +243,26 @@ def _kernels() -> Any:
         tl.atomic_max(out_ptr + which, tl.max(tl.abs(x), axis=0))
 
     @triton.jit
-    def advance_history(history_ptr, current_ptr, slot_ptr, scale_ptr, length, limit, stride,  # noqa: N803
+    def advance_history(history_ptr, current_ptr, slot_ptr, scale_ptr, length, limit, stride,
                         SPAN: tl.constexpr):  # fmt: skip
         slot = tl.load(slot_ptr)
         columns = tl.arange(0, SPAN)
         for which in tl.static_range(3):
             amax = tl.load(current_ptr + which)
             # The rest of the row, read before this call's amax is written into it.
-            rest = tl.load(history_ptr + which * length + columns, mask=(columns < length) & (columns != slot), other=0.0)
+            rest = tl.load(
+                history_ptr + which * length + columns, mask=(columns < length) & (columns != slot), other=0.0
+            )
             top = tl.maximum(tl.max(rest, axis=0), amax)
             tl.store(history_ptr + which * length + slot, amax)
             tl.store(current_ptr + which, 0.0)
-            tl.store(scale_ptr + which * stride, tl.where(top > 0, tl.math.div_rn(limit, tl.where(top > 0, top, 1.0)), 1.0))
+            tl.store(
+                scale_ptr + which * stride, tl.where(top > 0, tl.math.div_rn(limit, tl.where(top > 0, top, 1.0)), 1.0)
+            )
         tl.store(slot_ptr, (slot + 1) % length)
 
     @triton.jit
-    def dequantise(x_ptr, out_ptr, descale_ptr, n, BLOCK: tl.constexpr):  # noqa: N803
+    def dequantise(x_ptr, out_ptr, descale_ptr, n, BLOCK: tl.constexpr):
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < n
         x = tl.load(x_ptr + offsets, mask=inside).to(tl.float32)

@@ -119,7 +119,9 @@ def _softmax_scales(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """P's descale and scale (1/448, 448): kept per device, made afresh while capturing (a
     tensor first filled inside a capture holds its value only once the graph replays)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing() and device not in _softmax_constants:
-        return torch.full((1, 1, 1, 1), 1.0 / E4M3_MAX, device=device), torch.full((1, 1, 1, 1), E4M3_MAX, device=device)
+        return torch.full((1, 1, 1, 1), 1.0 / E4M3_MAX, device=device), torch.full(
+            (1, 1, 1, 1), E4M3_MAX, device=device
+        )
     if device not in _softmax_constants:
         _softmax_constants[device] = (torch.full((1, 1, 1, 1), 1.0 / E4M3_MAX, device=device),
                                       torch.full((1, 1, 1, 1), E4M3_MAX, device=device))  # fmt: skip

@@ -207,7 +207,10 @@ def _check(q, k, v, cu_q, cu_k, max_q, max_k, causal, window_left, dropout_p, en
     for name, value in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             problems.append(f"{name}: {value!r}; must be an int >= 1")
-    for name, cu, tokens, longest in (("cu_seqlens_q", cu_q, q.shape[0], max_q), ("cu_seqlens_k", cu_k, k.shape[0], max_k)):
+    for name, cu, tokens, longest in (
+        ("cu_seqlens_q", cu_q, q.shape[0], max_q),
+        ("cu_seqlens_k", cu_k, k.shape[0], max_k),
+    ):
         problems += _cu_problems(name, cu, q.device, tokens, longest if isinstance(longest, int) else None)
     if not problems and cu_q.shape != cu_k.shape:
         problems.append(f"cu_seqlens_k: {cu_k.shape[0] - 1} sequences, cu_seqlens_q has {cu_q.shape[0] - 1}; "
