@@ -88,7 +88,7 @@ def quantise_qkv(
     used, descales = torch.empty((2, TENSORS, SCALE_STRIDE), dtype=torch.float32, device=device).unbind(0)
     kernels = _launchable(*tensors)
     if kernels is None:
-        used[:, 0] = scales[:, 0] if scales is not None else scales_for(amaxes)
+        used[:, 0] = scales[:, 0] if scales is not None else scales_for(amaxes)  # type: ignore[arg-type]
         descales[:, 0] = torch.ones_like(used[:, 0]) / used[:, 0]
         if record is not None:
             torch.maximum(record, torch.stack([_amax(x) for x in tensors]), out=record)

@@ -93,7 +93,7 @@ def varlen_attention(
     batch = cu_seqlens_q.shape[0] - 1
     slots = _bucket(batch, 1)
     lengths_q, lengths_k = (_lengths(cu, slots) for cu in (cu_seqlens_q, cu_seqlens_k))
-    options = dict(
+    options: dict[str, Any] = dict(
         attn_scale=float(scale) if scale is not None else default_scale(q.shape[-1]),
         use_causal_mask=causal == "top_left",
         use_causal_mask_bottom_right=causal == "bottom_right",
