@@ -144,6 +144,49 @@ def fp8_rows() -> list[dict[str, Any]]:
     return rows
 
 
+CROSSOVER_LENGTHS = (1024, 2048, 4096, 8192)
+
+
+def crossover(tokens: int = 32768, h: int = 16, d: int = 128) -> list[dict[str, Any]]:
+    """``sdpa_fp8`` (delayed and current scaling, quantisation included) against torch's bf16
+    cuDNN attention at lengths where the quantisation's share is largest: the same tokens per
+    batch (``tokens / S`` sequences), causal and not. Where the ratio crosses 1 is the shortest
+    length at which FP8 pays for its casts."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = []
+    for s in CROSSOVER_LENGTHS:
+        for causal in (False, True):
+            gen = torch.Generator().manual_seed(s)
+            q, k, v = (torch.randn(tokens // s, h, s, d, generator=gen).to("cuda", torch.bfloat16) for _ in range(3))
+            delayed = Fp8Scaling()
+
+            def bf16(q=q, k=k, v=v, causal=causal) -> torch.Tensor:
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+            cells = _time({
+                "torch cudnn bf16": bf16,
+                "sdpa_fp8 (scaling included)": lambda q=q, k=k, v=v, c=causal: sdpa_fp8(q, k, v, is_causal=c),
+                "sdpa_fp8, delayed scaling": lambda q=q, k=k, v=v, c=causal, sc=delayed: sdpa_fp8(
+                    q, k, v, is_causal=c, scaling=sc),
+            })  # fmt: skip
+            base = cells["torch cudnn bf16"]["ms"]
+            for cell in cells.values():
+                cell["vs_bf16"] = base / cell["ms"]
+            rows.append({"s": s, "batch": tokens // s, "causal": causal, "cells": cells})
+    return rows
+
+
+def format_crossover(rows: list[dict[str, Any]]) -> str:
+    lines = ["sdpa_fp8 against torch's bf16 cuDNN attention, same tokens per batch (x = bf16 time / FP8 time):"]
+    for row in rows:
+        cells = "  ".join(f"{name} {cell['vs_bf16']:.2f}x (spread {cell['spread_pct']:.0f}%)"
+                          for name, cell in row["cells"].items() if name != "torch cudnn bf16")  # fmt: skip
+        lines.append(f"  s{row['s']:<6} b{row['batch']:<3} {'causal' if row['causal'] else 'full  '}  {cells}")
+    return "\n".join(lines)
+
+
 def format_fp8(rows: list[dict[str, Any]]) -> str:
     lines = ["FP8 beside bf16 (TFLOP/s, median of shuffled rounds; x = over our bf16 graph):"]
     for row in rows:

@@ -114,6 +114,12 @@ def _bench_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="fused attention vs naive softmax(q k^T) v in torch (B4 H16 d64 fp16, S 512/2048/8192)",
     )
+    sections.add_argument(
+        "--varlen",
+        action="store_true",
+        help="mixed-length causal batch (128-8192 tokens, H16 d128 bf16) fwd+bwd: varlen_sdpa vs torch on the padded "
+        "batch vs our graph on a fixed-length batch; plans built over 1,000 random packings",
+    )
     return bench
 
 
@@ -144,6 +150,8 @@ def _bench(args: argparse.Namespace) -> int:
 
         rows = bench_fp8.fp8_rows()
         print(bench_fp8.format_fp8(rows))
+        crossover = bench_fp8.crossover()
+        print(bench_fp8.format_crossover(crossover))
         accuracy = bench_fp8.accuracy()
         print(bench_fp8.format_accuracy(accuracy))
         if args.json:
@@ -151,8 +159,20 @@ def _bench(args: argparse.Namespace) -> int:
 
             import torch
 
+            report = {"device": torch.cuda.get_device_name(), "fp8": rows, "crossover": crossover, "accuracy": accuracy}
             with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "fp8": rows, "accuracy": accuracy}, f, indent=2)
+                json.dump(report, f, indent=2)
+        return 0
+    if args.varlen:
+        from . import bench_varlen
+
+        mixed, plans = bench_varlen.mixed_batch(), bench_varlen.plans_over_packings()
+        print(bench_varlen.format_varlen(mixed, plans))
+        if args.json:
+            import torch
+
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "mixed": mixed, "plans": plans}, f, indent=2)
         return 0
     sections = {"stack": args.stack, "paged_decode": args.paged_decode, "naive": args.naive}
     if args.grid:

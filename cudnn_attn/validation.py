@@ -275,12 +275,11 @@ def _check_geometry(p: AttentionProblem, found: list[str]) -> None:
     if p.is_thd:
         if p.k.shape[0] != p.v.shape[0]:
             found.append(f"v: {p.v.shape[0]} tokens differ from k's {p.k.shape[0]}; packed k and v must share T_kv")
-        for name, value, tokens in (
-            ("max_seq_len_q", p.max_seq_len_q, p.q.shape[0]),
-            ("max_seq_len_kv", p.max_seq_len_kv, p.k.shape[0]),
-        ):
-            if value is not None and not 1 <= value <= tokens:
-                found.append(f"{name}: {value}; allowed 1..{tokens} (the packed token count)")
+        # A maximum above the packed token count is allowed: plans are shared by every packing
+        # of one batch geometry (AttentionProblem.for_plan), and the padding is never computed.
+        for name, value in (("max_seq_len_q", p.max_seq_len_q), ("max_seq_len_kv", p.max_seq_len_kv)):
+            if value is not None and value < 1:
+                found.append(f"{name}: {value}; must be >= 1")
     elif p.max_seq_len_q is not None:
         found.append("max_seq_len_q: only meaningful for ragged (3-D THD) q; leave it None")
     expected_o = _out_shape(p, p.d_v)

@@ -1,0 +1,151 @@
+"""``cudnn-attn bench --varlen``: mixed-length batches, packed against padded, same run.
+
+- Forward+backward of a batch of causal sequences with lengths drawn from 128-8192 (H16 d128
+  bf16): ``varlen_sdpa`` on the packed batch; torch's SDPA on the batch padded to its longest
+  sequence (``is_causal`` alone is exact for the real rows: a real query's keys are all real);
+  our dense graph path (``cudnn_attn.sdpa``) on a fixed-length batch of the same total tokens.
+  Throughput is effective: only the real tokens' attention work counts.
+- Plans built over 1,000 random packings (the plan cache's misses), forward and backward.
+
+Columns are timed in shuffled interleaved rounds (``bench_host.round_order``): medians, spreads.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import PlanCache, varlen, varlen_sdpa
+from .bench_host import round_order
+from .functional import sdpa
+
+HEADS, HEAD_DIM = 16, 128
+LENGTHS = (128, 8192)
+
+
+def _lengths(gen: torch.Generator, count: int, low: int = LENGTHS[0], high: int = LENGTHS[1]) -> list[int]:
+    return torch.randint(low, high + 1, (count,), generator=gen).tolist()
+
+
+def _causal_flops(lengths: list[int], h: int = HEADS, d: int = HEAD_DIM) -> float:
+    """Forward work of causal attention over these sequences (half of each square)."""
+    return sum(4.0 * h * n * n * d / 2 for n in lengths)
+
+
+def _training_step(attend: Callable[..., torch.Tensor], inputs: list[torch.Tensor], d_out: torch.Tensor) -> Callable:
+    leaves = [x.detach().requires_grad_() for x in inputs]
+
+    def step() -> None:
+        for leaf in leaves:
+            leaf.grad = None
+        attend(*leaves).backward(d_out)
+
+    return step
+
+
+def mixed_batch(count: int = 16, seed: int = 0, rounds: int = 10) -> dict[str, Any]:
+    """One mixed-length batch, forward+backward, three ways (see the module docstring)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = _lengths(gen, count)
+    tokens, longest = sum(lengths), max(lengths)
+    dev, dt = "cuda", torch.bfloat16
+    packed = [torch.randn(tokens, HEADS, HEAD_DIM, generator=gen).to(dev, dt) for _ in range(3)]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    padded = [torch.zeros(count, HEADS, longest, HEAD_DIM, device=dev, dtype=dt) for _ in range(3)]
+    for b, n in enumerate(lengths):
+        start = int(cu[b])
+        for dense, flat in zip(padded, packed):
+            dense[b, :, :n] = flat[start : start + n].transpose(0, 1)
+    # The fixed-length batch of the same tokens: sequences of the mean length (a multiple of 128).
+    fixed_len = max(128, round(tokens / count / 128) * 128)
+    fixed = [torch.randn(max(1, tokens // fixed_len), HEADS, fixed_len, HEAD_DIM, generator=gen).to(dev, dt)
+             for _ in range(3)]  # fmt: skip
+
+    def torch_padded(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    steps = {
+        "varlen_sdpa, packed": _training_step(
+            lambda q, k, v: varlen_sdpa(q, k, v, cu, cu, longest, longest, is_causal=True), packed,
+            torch.randn_like(packed[0])),
+        "torch sdpa, padded": _training_step(torch_padded, padded, torch.randn_like(padded[0])),
+        "cudnn_attn.sdpa, fixed-length batch": _training_step(
+            lambda q, k, v: sdpa(q, k, v, is_causal=True), fixed, torch.randn_like(fixed[0])),
+    }  # fmt: skip
+    work = {
+        "varlen_sdpa, packed": _causal_flops(lengths),
+        "torch sdpa, padded": _causal_flops(lengths),  # only the real tokens' work counts
+        "cudnn_attn.sdpa, fixed-length batch": _causal_flops([fixed_len] * fixed[0].shape[0]),
+    }
+    # Correctness: the packed result against torch's on the padded batch, real rows only.
+    out = varlen_sdpa(packed[0], packed[1], packed[2], cu, cu, longest, longest, is_causal=True)
+    reference = torch_padded(*padded)
+    expected = torch.cat([reference[b, :, :n].transpose(0, 1) for b, n in enumerate(lengths)])
+    error = float((out.float() - expected.float()).norm() / expected.float().norm())
+    cells = _time(steps, rounds)
+    for name, cell in cells.items():
+        cell["tflops"] = 3.5 * work[name] / (cell["ms"] * 1e-3) / 1e12  # forward 1 + backward 2.5
+    return {"lengths": lengths, "tokens": tokens, "fixed_length": fixed_len, "rel_err_vs_torch": error,
+            "cells": cells}  # fmt: skip
+
+
+def plans_over_packings(packings: int = 1000, token_budget: int = 32768, seed: int = 1) -> dict[str, Any]:
+    """Random packings (sequences of 128-8192 tokens until ``token_budget`` is filled), each
+    run forward and backward through ``varlen_sdpa``; the plans the run built."""
+    cache = PlanCache(maxsize=10_000)
+    saved = varlen._graphs.graph_options
+    varlen._graphs.graph_options = dict(cache=cache)
+    varlen._graphs.clear()
+    gen = torch.Generator().manual_seed(seed)
+    batches: dict[int, int] = {}
+    try:
+        for _ in range(packings):
+            lengths: list[int] = []
+            while sum(lengths) < token_budget:
+                lengths += _lengths(gen, 1)
+            lengths[-1] -= sum(lengths) - token_budget  # fill the budget exactly
+            lengths = [n for n in lengths if n > 0]
+            batches[len(lengths)] = batches.get(len(lengths), 0) + 1
+            q, k, v = (torch.randn(token_budget, 1, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            q.requires_grad_()
+            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+            longest = max(lengths)
+            varlen_sdpa(q, k, v, cu, cu, longest, longest, is_causal=True).sum().backward()
+    finally:
+        varlen._graphs.graph_options = saved
+        varlen._graphs.clear()
+    stats = cache.stats()
+    return {"packings": packings, "plans_built": int(stats["builds"]), "batch_sizes_seen": len(batches),
+            "build_seconds": stats["build_seconds"]}  # fmt: skip
+
+
+def _time(steps: dict[str, Callable], rounds: int) -> dict[str, dict]:
+    from .ops import autotune
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for r in range(rounds):
+        for name in round_order(list(steps), r):
+            samples[name].append(autotune.time_plan(steps[name], device, 2, 5))
+    return {name: {"ms": statistics.median(v), "spread_pct": 100.0 * (max(v) - min(v)) / statistics.median(v)}
+            for name, v in samples.items()}  # fmt: skip
+
+
+def format_varlen(mixed: dict[str, Any], plans: dict[str, Any]) -> str:
+    lines = [
+        f"Mixed-length batch, forward+backward ({len(mixed['lengths'])} causal sequences of "
+        f"{min(mixed['lengths'])}-{max(mixed['lengths'])} tokens, {mixed['tokens']} in all, H{HEADS} d{HEAD_DIM} bf16; "
+        f"effective TFLOP/s; x = over torch's padded batch):"
+    ]
+    base = mixed["cells"]["torch sdpa, padded"]["tflops"]
+    for name, cell in mixed["cells"].items():
+        lines.append(f"  {name:<38}{cell['tflops']:>8.1f} TFLOP/s  {cell['tflops'] / base:>5.2f}x  "
+                     f"(spread {cell['spread_pct']:.0f}%)")  # fmt: skip
+    lines.append(f"  fixed-length batch: sequences of {mixed['fixed_length']} tokens; packed vs torch padded "
+                 f"relative error {mixed['rel_err_vs_torch']:.4f}")  # fmt: skip
+    lines.append(f"Plans built over {plans['packings']} random packings ({plans['batch_sizes_seen']} batch sizes): "
+                 f"{plans['plans_built']} ({plans['build_seconds']:.1f} s building)")  # fmt: skip
+    return "\n".join(lines)
