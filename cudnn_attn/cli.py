@@ -155,8 +155,6 @@ def _bench(args: argparse.Namespace) -> int:
         accuracy = bench_fp8.accuracy()
         print(bench_fp8.format_accuracy(accuracy))
         if args.json:
-            import json
-
             import torch
 
             report = {"device": torch.cuda.get_device_name(), "fp8": rows, "crossover": crossover, "accuracy": accuracy}

@@ -474,6 +474,16 @@ class Graph(Fp8Ops, FrontendSteps):
             raise GraphStateError(f"{self.name}: this graph's plans were released (the interpreter is exiting)")
         return self._runner(args, handle, stream, out, workspace)
 
+    def run_roles(self, inputs: dict[str, Any], outputs: dict[str, Any]) -> None:
+        """Run a one-node graph on tensors named by role, unchecked (``Runner.run_roles``): the
+        library's packed (varlen) path, which checks geometry itself and serves every token
+        count of a batch geometry with one graph."""
+        if not self._built:
+            self.build()
+        if self._runner is None:
+            raise GraphStateError(f"{self.name}: this graph's plans were released (the interpreter is exiting)")
+        self._runner.run_roles(inputs, outputs)
+
     @property
     def problems(self) -> list[AttentionProblem]:
         """The built problem of each node (the cache keys), once built."""

@@ -223,6 +223,13 @@ class Runner:
         plan.execute_ordered((*args, *outputs), uids, None, None, self.default_handle)
         return outputs
 
+    def run_roles(self, inputs: dict[str, Any], outputs: dict[str, Any]) -> None:
+        """Run the graph's one plan on tensors named by role, unchecked: for a caller that has
+        proven their geometry itself. Packed (THD) graphs use it to serve every token count
+        with one graph: the plan reads the count from its inputs (``problem.for_plan``)."""
+        ((plan, runtime, *_),) = self._steps
+        plan({**inputs, **runtime}, outputs, stream=None, workspace=None, handle=self.default_handle)
+
     def _single_direct_step(self, inputs: int) -> tuple | None:
         """For ``run_trusted``: the graph's one plan, when it binds the inputs in their order and
         returns every output it writes, in order (the functional form's graphs)."""

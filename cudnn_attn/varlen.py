@@ -31,7 +31,6 @@ import torch
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
 from .graph_cache import GraphCache
 from .options import default_scale
-from .problem import TensorSpec
 from .sdpa_graphs import like
 
 CAUSAL = (None, "top_left", "bottom_right")
@@ -121,15 +120,14 @@ class _Varlen(torch.autograd.Function):
         train = any(ctx.needs_input_grad[:3])
         graph = _forward_graph(q, k, v, lengths_q, lengths_k, options, train)
         out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
-        run_inputs = [q, k, v, lengths_q, lengths_k, *_dropout_inputs(options)]
+        outputs = {"o": out}
         if train:
-            stats = torch.empty(lengths_q.shape[0], q.shape[1], options["max_seq_len_q"], 1, dtype=torch.float32,
-                                device=q.device)  # fmt: skip
-            graph(*run_inputs, out=(out, stats))
-            ctx.save_for_backward(q, k, v, out, stats, lengths_q, lengths_k)
+            outputs["stats"] = torch.empty(lengths_q.shape[0], q.shape[1], options["max_seq_len_q"], 1,
+                                           dtype=torch.float32, device=q.device)  # fmt: skip
+        graph.run_roles(_inputs(options, q=q, k=k, v=v, seq_len_q=lengths_q, seq_len_kv=lengths_k), outputs)
+        if train:
+            ctx.save_for_backward(q, k, v, out, outputs["stats"], lengths_q, lengths_k)
             ctx.options = options
-        else:
-            graph(*run_inputs, out=out)
         return out
 
     @staticmethod
@@ -138,26 +136,35 @@ class _Varlen(torch.autograd.Function):
         d_out = like(d_out, out)
         graph = _backward_graph(q, k, v, out, d_out, stats, lengths_q, lengths_k, ctx.options)
         grads = [torch.zeros_like(t) for t in (q, k, v)]  # rows no sequence covers stay zero
-        graph(q, k, v, out, d_out, stats, lengths_q, lengths_k, *_dropout_inputs(ctx.options), out=tuple(grads))
+        inputs = _inputs(ctx.options, q=q, k=k, v=v, o=out, grad_o=d_out, stats=stats, seq_len_q=lengths_q,
+                         seq_len_kv=lengths_k)  # fmt: skip
+        graph.run_roles(inputs, dict(zip(("grad_q", "grad_k", "grad_v"), grads)))
         return (*grads, None, None, None)
 
 
-def _dropout_inputs(options: dict[str, Any]) -> list[torch.Tensor]:
-    return [options["dropout_seed"], options["dropout_offset"]] if "dropout" in options else []
+def _inputs(options: dict[str, Any], **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+    if "dropout" in options:
+        tensors.update(dropout_seed=options["dropout_seed"], dropout_offset=options["dropout_offset"])
+    return tensors
 
 
 def _signature(options: dict[str, Any]) -> tuple:
     return tuple(sorted((name, value) for name, value in options.items() if not isinstance(value, torch.Tensor)))
 
 
+def _geometry(t: torch.Tensor) -> tuple:
+    """A tensor's geometry without its packed token count: one graph serves every count."""
+    return (*t.shape[1:], *t.stride(), t.dtype, t.device)
+
+
 def _forward_graph(q, k, v, lengths_q, lengths_k, options, train: bool) -> Any:
-    key = ("forward", *(TensorSpec.of(t) for t in (q, k, v, lengths_q)), _signature(options), train)
+    key = ("forward", *(_geometry(t) for t in (q, k, v)), lengths_q.shape[0], _signature(options), train)
     return _graphs.get_or_build(key, lambda g: g.sdpa(q, k, v, seq_len_q=lengths_q, seq_len_kv=lengths_k,
                                                       generate_stats=train, **options))  # fmt: skip
 
 
 def _backward_graph(q, k, v, out, d_out, stats, lengths_q, lengths_k, options) -> Any:
-    key = ("backward", *(TensorSpec.of(t) for t in (q, k, v, out, d_out, lengths_q)), _signature(options))
+    key = ("backward", *(_geometry(t) for t in (q, k, v, out, d_out)), lengths_q.shape[0], _signature(options))
     return _graphs.get_or_build(key, lambda g: g.sdpa_backward(q, k, v, out, d_out, stats, seq_len_q=lengths_q,
                                                                seq_len_kv=lengths_k, **options))  # fmt: skip
 

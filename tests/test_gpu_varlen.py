@@ -67,11 +67,16 @@ def test_public_varlen_sdpa_on_cuda_matches_dense_sdpa_for_full_sequences():
 
 
 def test_bad_cu_seqlens_on_the_gpu_never_read_out_of_bounds():
-    """No host sync checks values on the GPU: lengths past max_seqlen or the packed tokens, and
-    decreasing offsets, are clamped on the device. The call completes with finite values and
-    the next valid call is right."""
+    """Once a batch geometry has its graph, no host sync checks values on the GPU: lengths past
+    max_seqlen or the packed tokens, and decreasing offsets, are clamped on the device. The
+    call completes with finite values and the next valid call is right. (The call that builds
+    the graph checks the values it is built with, and refuses bad ones.)"""
     q, k, v, cu_q, cu_k = _packed([64, 64], [64, 64], 8, 8, 64, 64, torch.bfloat16, seed=6)
     q, k, v = (x.cuda() for x in (q, k, v))
+    with pytest.raises(cudnn_attn.ValidationError, match="cu_seqlens_q"):
+        cudnn_attn.varlen_sdpa(q, k, v, *[torch.tensor([0, 64, 900], dtype=torch.int32, device="cuda")] * 2, 64, 64,
+                               window_size=(7, 0))  # fmt: skip
+    cudnn_attn.varlen_sdpa(q, k, v, cu_q.cuda(), cu_q.cuda(), 64, 64, is_causal=True)  # builds the graph
     for bad in ([0, 64, 100000], [0, 100, 50], [0, 5000, 5001]):
         bad_cu = torch.tensor(bad, dtype=torch.int32, device="cuda")
         out = cudnn_attn.varlen_sdpa(q, k, v, bad_cu, bad_cu, 64, 64, is_causal=True)
