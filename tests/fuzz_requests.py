@@ -1775,7 +1775,6 @@ def _thd_case(rng: random.Random, gen: torch.Generator) -> Case:
             "len-shapes-differ",
             "tk-ne-tv",
             "max-zero",
-            "max-over-T",
             "max-float",
             "max-bool",
             "no-seq-len-q",
@@ -1807,8 +1806,6 @@ def _thd_case(rng: random.Random, gen: torch.Generator) -> Case:
         v2 = randn(gen, t_kv + 1, h_kv, d_v, dtype=dtype)
     elif m == "max-zero":
         kw2["max_seq_len_q"] = 0
-    elif m == "max-over-T":
-        kw2["max_seq_len_kv"] = t_kv + 1
     elif m == "max-float":
         kw2["max_seq_len_q"] = float(max(max(lq), 1))
     elif m == "max-bool":
