@@ -122,6 +122,54 @@ def plans_over_packings(packings: int = 1000, token_budget: int = 32768, seed: i
             "build_seconds": stats["build_seconds"]}  # fmt: skip
 
 
+def llama_step(budget: int = 16384, longest: int = 4096, seed: int = 2, rounds: int = 6) -> dict[str, Any]:
+    """Training-step throughput of a small Llama (8 layers, hidden 1024, 16/4 heads, random
+    weights from a config) on documents of 128-4096 tokens: packed into one row of ``budget``
+    tokens (position ids restarting at 0) through ``attn_implementation="cudnn_attn"``, against
+    the same documents padded to the longest with an attention mask through ``"sdpa"``.
+    Tokens/s counts real tokens only. Needs the ``transformers`` extra."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from .integrations import transformers as hf
+
+    hf.register()
+    gen = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < budget:
+        lengths += _lengths(gen, 1, 128, longest)
+    lengths[-1] -= sum(lengths) - budget
+    lengths = [n for n in lengths if n > 0]
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                         num_key_value_heads=4, vocab_size=32000, max_position_embeddings=8192)  # fmt: skip
+    torch.manual_seed(seed)
+    model: Any = LlamaForCausalLM(config)
+    model.to("cuda", torch.bfloat16)
+    docs = [torch.randint(0, config.vocab_size, (n,), generator=gen) for n in lengths]
+    packed = torch.cat(docs)[None].cuda()
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
+    padded = torch.zeros(len(docs), max(lengths), dtype=torch.long)
+    mask = torch.zeros(len(docs), max(lengths), dtype=torch.long)
+    for i, doc in enumerate(docs):
+        padded[i, : len(doc)], mask[i, : len(doc)] = doc, 1
+    padded, mask = padded.cuda(), mask.cuda()
+    labels_padded = padded.masked_fill(mask == 0, -100)
+
+    def packed_step() -> None:
+        model.set_attn_implementation("cudnn_attn")
+        model.zero_grad(set_to_none=True)
+        model(input_ids=packed, position_ids=positions, labels=packed, use_cache=False).loss.backward()
+
+    def padded_step() -> None:
+        model.set_attn_implementation("sdpa")
+        model.zero_grad(set_to_none=True)
+        model(input_ids=padded, attention_mask=mask, labels=labels_padded, use_cache=False).loss.backward()
+
+    cells = _time({"cudnn_attn, packed": packed_step, "sdpa, padded": padded_step}, rounds)
+    for cell in cells.values():
+        cell["tokens_per_s"] = budget / (cell["ms"] * 1e-3)
+    return {"documents": len(docs), "tokens": budget, "padded_tokens": len(docs) * max(lengths), "cells": cells}
+
+
 def _time(steps: dict[str, Callable], rounds: int) -> dict[str, dict]:
     from .ops import autotune
 
@@ -134,7 +182,7 @@ def _time(steps: dict[str, Callable], rounds: int) -> dict[str, dict]:
             for name, v in samples.items()}  # fmt: skip
 
 
-def format_varlen(mixed: dict[str, Any], plans: dict[str, Any]) -> str:
+def format_varlen(mixed: dict[str, Any], plans: dict[str, Any], llama: dict[str, Any] | None = None) -> str:
     lines = [
         f"Mixed-length batch, forward+backward ({len(mixed['lengths'])} causal sequences of "
         f"{min(mixed['lengths'])}-{max(mixed['lengths'])} tokens, {mixed['tokens']} in all, H{HEADS} d{HEAD_DIM} bf16; "
@@ -148,4 +196,10 @@ def format_varlen(mixed: dict[str, Any], plans: dict[str, Any]) -> str:
                  f"relative error {mixed['rel_err_vs_torch']:.4f}")  # fmt: skip
     lines.append(f"Plans built over {plans['packings']} random packings ({plans['batch_sizes_seen']} batch sizes): "
                  f"{plans['plans_built']} ({plans['build_seconds']:.1f} s building)")  # fmt: skip
+    if llama is not None:
+        lines.append(f"Llama training step (8 layers, hidden 1024, 16/4 heads, bf16; {llama['documents']} documents of "
+                     f"128-4096 tokens, {llama['tokens']} tokens; padded: {llama['padded_tokens']}):")  # fmt: skip
+        for name, cell in llama["cells"].items():
+            lines.append(f"  {name:<20}{cell['tokens_per_s']:>10,.0f} tokens/s  ({cell['ms']:.1f} ms, "
+                         f"spread {cell['spread_pct']:.0f}%)")  # fmt: skip
     return "\n".join(lines)

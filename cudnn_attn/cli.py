@@ -165,12 +165,14 @@ def _bench(args: argparse.Namespace) -> int:
         from . import bench_varlen
 
         mixed, plans = bench_varlen.mixed_batch(), bench_varlen.plans_over_packings()
-        print(bench_varlen.format_varlen(mixed, plans))
+        llama = bench_varlen.llama_step() if importlib.util.find_spec("transformers") else None
+        print(bench_varlen.format_varlen(mixed, plans, llama))
         if args.json:
             import torch
 
+            varlen_report = {"device": torch.cuda.get_device_name(), "mixed": mixed, "plans": plans, "llama": llama}
             with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "mixed": mixed, "plans": plans}, f, indent=2)
+                json.dump(varlen_report, f, indent=2)
         return 0
     sections = {"stack": args.stack, "paged_decode": args.paged_decode, "naive": args.naive}
     if args.grid:
