@@ -21,6 +21,7 @@ import torch
 
 from . import sdpa_eager, sdpa_graphs
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
+from .nested import nested_sdpa
 from .options import default_scale
 from .sdpa_arguments import ARGUMENT_NAMES, check_arguments, mask_as_bias, materialised
 from .sdpa_custom_op import sdpa_forward
@@ -37,6 +38,12 @@ def sdpa(
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     """Scaled dot-product attention with torch's signature, on cached cuDNN graphs."""
+    try:  # nested tensors take the varlen door (nested.py)
+        nested = query.is_nested or key.is_nested or value.is_nested or attn_mask is not None and attn_mask.is_nested
+    except AttributeError:
+        nested = False  # not tensors: refused below, naming them
+    if nested:
+        return nested_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if not torch.compiler.is_compiling():
         out = sdpa_eager.run(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if out is not None:

@@ -201,6 +201,8 @@ def _check(q, k, v, cu_q, cu_k, max_q, max_k, causal, window_left, dropout_p, en
             problems.append(f"{name}: {type(t).__name__}; expected a torch tensor")
         elif t.dim() != 3:
             problems.append(f"{name}: shape {list(t.shape)}; expected packed [tokens, heads, head_dim]")
+        elif t.shape[0] == 0:  # refused whether or not a plan of this geometry exists
+            problems.append(f"{name}: no tokens; a packed batch needs at least one")
     if problems:
         raise ValidationError(problems, context=context)
     if q.shape[1] != k.shape[1] and not enable_gqa:

@@ -141,6 +141,8 @@ def test_other_bad_arguments_are_named():
         cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 8)
     with pytest.raises(ValidationError, match="max_seqlen_k: 0"):
         cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 0, enable_gqa=True)
+    with pytest.raises(ValidationError, match="q: no tokens"):
+        cudnn_attn.varlen_sdpa(q[:0], k, v, cu_q, cu_k, 8, 8, enable_gqa=True)
     with pytest.raises(ValidationError, match="q: shape"):
         cudnn_attn.varlen_sdpa(q[None], k, v, cu_q, cu_k, 8, 8, enable_gqa=True)
     with pytest.raises(ValidationError, match="window_size"):
