@@ -1,0 +1,426 @@
+"""Hugging Face transformers: ``attn_implementation="cudnn_attn"``.
+
+    import cudnn_attn.integrations.transformers as cudnn_hf
+    cudnn_hf.register()  # once per process
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16, attn_implementation="cudnn_attn")
+    model.set_attn_implementation("cudnn_attn")  # or switch a model already loaded
+
+``register`` puts two functions into transformers' registries under one name:
+``attention_forward`` (``AttentionInterface``) runs each attention layer; ``token_mask``
+(``AttentionMaskInterface``) prepares the mask once per forward for all layers. As in
+transformers' FlashAttention path, padding stays a mask over tokens, never a dense bias:
+
+- padding (left or right): the layers gather the real tokens into packed ``[T, H, D]`` rows,
+  run ``cudnn_attn.varlen.varlen_attention`` and scatter its rows back (zeros at padding).
+- decoding with a KV cache: the queries are the last of the real keys and causal masks are
+  aligned bottom-right, so each sequence's last query sees its last key. Keys after the last
+  query (a static cache's empty slots) are left out.
+- padding-free packed batches: position ids restarting inside a row (found by transformers'
+  mask code when there is no cache, or, as its FlashAttention path does, in the ``position_ids``
+  of a one-row batch), or the ``cu_seq_lens_q/k`` and ``max_length_q/k`` keywords that
+  ``DataCollatorWithFlattening`` passes: varlen, one sequence per packed run, causal per sequence.
+- no padding: ``cudnn_attn.sdpa`` (``is_causal``) when queries and keys have one length (or one
+  query), varlen with uniform lengths otherwise (bottom-right causal, sliding windows).
+- sliding windows: the layer's ``sliding_window`` (a window of that many tokens, the query's
+  own included) becomes ``window_left = sliding_window - 1``, as transformers' FlashAttention
+  path passes ``window_size=(sliding_window - 1, ...)``. Windows count real tokens, which is
+  transformers' positional window whenever the real tokens are contiguous (left or right padding).
+- anything else (custom mask functions, chunked attention, a 4-D mask passed in): ``token_mask``
+  builds transformers' dense boolean mask and the layers run ``cudnn_attn.sdpa`` with it.
+
+``token_mask`` returns ``None`` (nothing beyond ``is_causal``), a ``[B, M]`` tensor of
+per-token sequence ids (bool for padding; integers for packed runs; 0 = padding, consecutive
+tokens of a row with one id form one sequence) or a dense ``[B, 1, Q, K]`` mask.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UnsupportedError, ValidationError
+from ..functional import sdpa
+from ..varlen import varlen_attention
+
+try:
+    from transformers import AttentionInterface, masking_utils
+    from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+except ImportError as error:  # the optional dependency
+    raise ImportError(
+        "cudnn_attn.integrations.transformers needs Hugging Face transformers>=4.56: "
+        "pip install 'cudnn-attn[transformers]'"
+    ) from error
+
+NAME = "cudnn_attn"
+CONTEXT = "cudnn_attn (transformers)"
+_BIDIRECTIONAL = getattr(masking_utils, "bidirectional_mask_function", None)  # absent from transformers 4.56
+_ALTERNATIVES = ["attn_implementation='sdpa' (or 'eager') for this model"]
+
+
+def register(name: str = NAME) -> str:
+    """Make ``attn_implementation=name`` run cudnn_attn in every transformers model (idempotent).
+
+    Returns ``name``."""
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, token_mask)
+    return name
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """One attention layer as transformers calls it: ``query`` ``[B, H, Q, D]``, ``key``/``value``
+    ``[B, H_kv, K, D]`` (the cache already updated), ``attention_mask`` from ``token_mask``.
+    Returns ``(output [B, Q, H, D_v], None)``."""
+    query, key, value = _autocast(query, key, value)
+    _refuse_unsupported(query, attention_mask, softcap, kwargs)
+    if kwargs.get("output_attentions"):
+        warnings.warn("cudnn_attn returns no attention weights (output_attentions=True)", stacklevel=2)
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    options: dict[str, Any] = dict(scale=scaling, dropout_p=float(dropout), enable_gqa=key.shape[1] != query.shape[1])
+    if attention_mask is not None and attention_mask.dim() == 4:  # dense: transformers' own, or the caller's
+        out = sdpa(query, key, value, attn_mask=attention_mask, **options)
+        return out.transpose(1, 2).contiguous(), None
+    window = _window(sliding_window, key.shape[2])
+    if window is not None and not causal:
+        raise UnsupportedError([f"sliding_window: {sliding_window} without a causal mask; cuDNN's band takes a "
+                                "left bound only"], context=CONTEXT, alternatives=_ALTERNATIVES)  # fmt: skip
+    packing = _packing(attention_mask, kwargs, query.shape[0], query.shape[2], key.shape[2], causal)
+    if packing is None:
+        return _unpadded(query, key, value, causal, window, options), None
+    return _packed(query, key, value, packing, causal, window, options), None
+
+
+def token_mask(
+    batch_size: int,
+    kv_length: int,
+    kv_offset: int = 0,
+    mask_function: Callable = causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """transformers' mask hook for this implementation, called once per forward and mask kind:
+    ``None``, per-token sequence ids ``[B, M]`` or a dense mask (see the module's docstring)."""
+    q_length, q_offset = _queries(kwargs)
+    pattern = _pattern(mask_function)
+    live = kv_length  # keys a causal query may see: none after the last query
+    if pattern is not None and pattern.causal:
+        live = min(kv_length, int(q_offset) + q_length - kv_offset)
+    if pattern is None or (pattern.causal and live < q_length):
+        return _dense_mask(batch_size, kv_length, kv_offset, mask_function, attention_mask, kwargs)
+    if pattern.packed is not None:
+        if attention_mask is not None or tuple(pattern.packed.shape) != (batch_size, kv_length):
+            return _dense_mask(batch_size, kv_length, kv_offset, mask_function, attention_mask, kwargs)
+        return pattern.packed + 1  # transformers numbers packed runs from 0; 0 means padding here
+    if attention_mask is None:
+        return None if live == kv_length else torch.ones(batch_size, live, dtype=torch.bool, device=_device(kwargs))
+    end = kv_offset + live
+    if attention_mask.shape[-1] < end:  # a short mask: the tokens after it are padding
+        attention_mask = F.pad(attention_mask, (0, end - attention_mask.shape[-1]))
+    tokens = attention_mask[:, kv_offset:end].to(torch.bool)
+    return None if live == kv_length and bool(tokens.all()) else tokens
+
+
+# --- the layer's side -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Packing:
+    """Where a batch's real tokens sit, prepared once per mask for every layer. ``rows_q`` and
+    ``rows_k`` index the ``[B, S]`` grid (``None``: all rows in order); the first ``keys`` keys count;
+    ``aligned``: every sequence has as many queries as keys (None: not known)."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    keys: int
+    aligned: bool | None
+    rows_q: tuple[torch.Tensor, ...] | None = None
+    rows_k: tuple[torch.Tensor, ...] | None = None
+
+
+class _RecentPackings:
+    """The last few packings, by source tensor: every layer of a forward gets the same mask (two
+    alternating ones in models with sliding and full layers), so each is prepared once."""
+
+    def __init__(self, size: int = 4):
+        self._size = size
+        self._entries: list[tuple[torch.Tensor, int | None, tuple, _Packing | None]] = []
+
+    def get(self, source: torch.Tensor, key: tuple, build: Callable[[], _Packing | None]) -> _Packing | None:
+        version = _version(source)
+        for entry in self._entries:
+            if entry[0] is source and entry[1] == version and entry[2] == key:
+                return entry[3]
+        packing = build()
+        self._entries = [(source, version, key, packing), *self._entries[: self._size - 1]]
+        return packing
+
+
+_recent = _RecentPackings()
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors keep no version counter
+        return None
+
+
+def _packing(mask, kwargs: dict, batch: int, q_len: int, k_len: int, causal: bool) -> _Packing | None:
+    """How this layer's tokens pack, or None when they need no packing (no padding, no runs)."""
+    if mask is not None:
+        if mask.shape[0] != batch:
+            raise ValidationError(
+                [f"attention_mask: shape {list(mask.shape)}; expected [{batch}, keys]"], context=CONTEXT
+            )
+        packing = _recent.get(mask, (q_len, causal), lambda: _from_token_ids(mask, q_len, causal))
+        if packing is not None and packing.keys > k_len:
+            raise ValidationError(
+                [f"attention_mask: covers {packing.keys} keys, the layer has {k_len}"], context=CONTEXT
+            )
+        return packing
+    cu_q, cu_k, max_q, max_k = (kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                                                               "max_length_k"))  # fmt: skip
+    if cu_q is not None and cu_k is not None and max_q is not None and max_k is not None:
+        return _Packing(cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), k_len, aligned=None)
+    positions = kwargs.get("position_ids")
+    if isinstance(positions, torch.Tensor) and batch == 1 and q_len == k_len > 1 and positions.numel() == q_len:
+        return _recent.get(positions, (q_len,), lambda: _from_positions(positions.reshape(-1)))
+    return None
+
+
+def _from_token_ids(ids: torch.Tensor, q_len: int, causal: bool) -> _Packing:
+    """Packing from per-token sequence ids ``[B, M]`` (0 = padding). Causal: the queries are the
+    last ``q_len`` keys; otherwise every query (cross-attention too) sees its row's real keys."""
+    batch, keys = ids.shape
+    if ids.is_floating_point() or ids.is_complex():
+        raise ValidationError([f"attention_mask: dtype {ids.dtype}; expected a bool or integer [B, keys] token mask"],
+                              context=CONTEXT)  # fmt: skip
+    if causal and keys < q_len:
+        raise ValidationError([f"attention_mask: covers {keys} keys, fewer than the {q_len} queries"], context=CONTEXT)
+    ids = ids.to(torch.int64)
+    real = ids > 0
+    per_row = max(int(ids.max()), 1)
+    slot = ids - 1 + per_row * torch.arange(batch, device=ids.device)[:, None]  # each token's sequence
+    slot_k = slot[real]
+    if bool((slot_k.diff() < 0).any()):
+        raise ValidationError(["attention_mask: sequence ids decrease along a row; each sequence's tokens must be "
+                               "consecutive"], context=CONTEXT)  # fmt: skip
+    if not causal and per_row > 1:
+        raise UnsupportedError(["attention_mask: packed sequences without a causal mask"], context=CONTEXT)
+    lengths_k = torch.bincount(slot_k, minlength=batch * per_row)
+    everything = bool(real.all())
+    rows_k = None if everything else real.nonzero(as_tuple=True)
+    if causal:
+        real_q = real[:, keys - q_len :]
+        lengths_q = torch.bincount(slot[:, keys - q_len :][real_q], minlength=batch * per_row)
+        rows_q = None if everything and keys == q_len else real_q.nonzero(as_tuple=True)
+    else:
+        lengths_q, rows_q = torch.full((batch,), q_len, dtype=torch.int64, device=ids.device), None
+    longest_q, longest_k = torch.stack([lengths_q.max(), lengths_k.max()]).tolist()
+    return _Packing(_cumulative(lengths_q), _cumulative(lengths_k), max(int(longest_q), 1), max(int(longest_k), 1),
+                    keys, causal and keys == q_len, rows_q, rows_k)  # fmt: skip
+
+
+def _from_positions(positions: torch.Tensor) -> _Packing | None:
+    """transformers' FlashAttention rule for a one-row batch: a sequence starts wherever the
+    position is the row's smallest (and at the row's start); None when the row is one run."""
+    length = positions.shape[0]
+    first = positions.min()
+    steps = torch.arange(length, device=positions.device)
+    if not bool((positions - first - steps).abs().sum()):
+        return None
+    starts = ((positions == first) | (steps == 0)).nonzero().view(-1)
+    cu = torch.cat([starts, starts.new_tensor([length])]).to(torch.int32)
+    longest = int(cu.diff().max())
+    return _Packing(cu, cu, longest, longest, length, aligned=True)
+
+
+def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
+    return F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+
+
+def _window(sliding_window: int | None, key_length: int) -> int | None:
+    """transformers' FlashAttention convention: a window of ``sliding_window`` tokens, the
+    query's own included, applied when the keys are longer than that."""
+    if sliding_window is None or key_length <= sliding_window:
+        return None
+    return int(sliding_window) - 1
+
+
+def _unpadded(query, key, value, causal: bool, window: int | None, options: dict) -> torch.Tensor:
+    q_len, k_len = query.shape[2], key.shape[2]
+    if window is None and (not causal or q_len in (1, k_len)):
+        out = sdpa(query, key, value, is_causal=causal and q_len > 1, **options)
+        return out.transpose(1, 2).contiguous()
+    batch, device = query.shape[0], query.device
+    steps = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    uniform = _Packing(steps * q_len, steps * k_len, q_len, k_len, k_len, aligned=q_len == k_len)
+    return _packed(query, key, value, uniform, causal, window, options)
+
+
+def _packed(query, key, value, packing: _Packing, causal: bool, window: int | None, options: dict) -> torch.Tensor:
+    """Gather the real tokens, attend per sequence, scatter back to ``[B, Q, H, D_v]``."""
+    batch, heads, q_len, _ = query.shape
+    key, value = key[:, :, : packing.keys], value[:, :, : packing.keys]
+    q = _gather(query, packing.rows_q)
+    k, v = _gather(key, packing.rows_k), _gather(value, packing.rows_k)
+    if q.shape[0] == 0 or k.shape[0] == 0:  # nothing but padding: varlen takes no empty batch
+        return query.new_zeros(batch, q_len, heads, value.shape[-1])
+    out = varlen_attention(q, k, v, packing.cu_q, packing.cu_k, packing.max_q, packing.max_k,
+                           causal=_alignment(packing, options) if causal else None, window_left=window,
+                           context=CONTEXT, **options)  # fmt: skip
+    if packing.rows_q is None:
+        return out.view(batch, q_len, heads, out.shape[-1])
+    return out.new_zeros(batch, q_len, heads, out.shape[-1]).index_put(packing.rows_q, out)
+
+
+def _alignment(packing: _Packing, options: dict) -> str:
+    """Bottom-right: each sequence's last query sees its last key (decoding with a cache). cuDNN's
+    dropout takes top-left causal only, the same mask where every sequence's lengths agree (training)."""
+    if options["dropout_p"] > 0:
+        aligned = packing.aligned
+        if aligned is None:
+            aligned = packing.cu_q.shape == packing.cu_k.shape and bool(torch.equal(packing.cu_q, packing.cu_k))
+        if aligned:
+            return "top_left"
+    return "bottom_right"
+
+
+def _gather(x: torch.Tensor, rows: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+    """``[B, H, S, D]`` to packed ``[T, H, D]``: the tokens at ``rows`` (all, in order, when None)."""
+    if rows is None:
+        return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+    return x[rows[0], :, rows[1]]
+
+
+def _autocast(query, key, value):
+    """Under autocast, float32 activations attend in autocast's 16-bit dtype, as torch's SDPA does."""
+    device = query.device.type
+    if query.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        if dtype in (torch.float16, torch.bfloat16):
+            return query.to(dtype), key.to(dtype), value.to(dtype)
+    return query, key, value
+
+
+def _refuse_unsupported(query: torch.Tensor, mask: Any, softcap: float | None, kwargs: dict) -> None:
+    reasons = []
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"query: dtype {str(query.dtype).removeprefix('torch.')}; cudnn_attn attends in float16 or "
+                       "bfloat16 (load the model with dtype=torch.bfloat16)")  # fmt: skip
+    if softcap is not None:
+        reasons.append(f"softcap: {softcap}; cuDNN's fused attention has no logit soft-capping")
+    if kwargs.get("s_aux") is not None:
+        reasons.append("s_aux: attention sinks are not supported")
+    if kwargs.get("position_bias") is not None:
+        reasons.append("position_bias: a per-layer position bias is not supported")
+    if kwargs.get("cache") is not None:
+        reasons.append("cache: paged KV caches (continuous batching) are not supported")
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() in (2, 4)):
+        shape = list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        reasons.append(f"attention_mask: {shape}; expected None, a [B, keys] token mask or a [B, 1, Q, K] dense mask")
+    if reasons:
+        raise UnsupportedError(reasons, context=CONTEXT, alternatives=_ALTERNATIVES)
+
+
+# --- the mask's side --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Pattern:
+    """A mask function transformers built that lengths can express: causal or bidirectional,
+    perhaps windowed, perhaps over packed runs (``packed``: each token's run, ``[B, S]``)."""
+
+    causal: bool
+    packed: torch.Tensor | None = None
+
+
+def _pattern(mask_function: Callable) -> _Pattern | None:
+    """What ``mask_function`` is, read from the functions transformers composes it of; None for
+    anything else (it then becomes a dense mask, so an unknown pattern is slow, never wrong)."""
+    kinds, windows, packed = [], 0, []
+    for term in _and_terms(mask_function):
+        if term is causal_mask_function or (_BIDIRECTIONAL is not None and term is _BIDIRECTIONAL):
+            kinds.append(term is causal_mask_function)
+        elif _made_by(term, "sliding_window_overlay"):  # the layer passes the same window to attention_forward
+            windows += 1
+        elif _made_by(term, "packed_sequence_mask_function"):
+            packed.append(_closure(term).get("packed_sequence_mask"))
+        else:
+            return None
+    if len(kinds) != 1 or windows > 1 or (windows and not kinds[0]) or len(packed) > 1:
+        return None
+    if packed and not isinstance(packed[0], torch.Tensor):
+        return None
+    return _Pattern(causal=kinds[0], packed=packed[0] if packed else None)
+
+
+def _and_terms(fn: Callable) -> list[Callable]:
+    """The masks ``fn`` intersects: transformers nests ``and_masks``, and wraps a packed batch's
+    pattern in a position remap (the same pattern within each run)."""
+    if _made_by(fn, "and_masks"):
+        parts = _closure(fn).get("mask_functions")
+        if isinstance(parts, tuple) and all(callable(part) for part in parts):
+            return [term for part in parts for term in _and_terms(part)]
+    elif _made_by(fn, "remap_positions_for_packed_sequence"):
+        inner = _closure(fn).get("mask_function")
+        if callable(inner):
+            return _and_terms(inner)
+    return [fn]
+
+
+def _made_by(fn: Callable, factory: str) -> bool:
+    return getattr(fn, "__module__", None) == masking_utils.__name__ and getattr(fn, "__qualname__", "").startswith(
+        f"{factory}.<locals>."
+    )
+
+
+def _closure(fn: Callable) -> dict[str, Any]:
+    try:
+        return dict(inspect.getclosurevars(fn).nonlocals)
+    except (TypeError, ValueError):
+        return {}
+
+
+def _queries(kwargs: dict) -> tuple[int, Any]:
+    """The queries' count and first position: transformers 5 passes them, 4.x passes cache_position."""
+    if "q_length" in kwargs:
+        return int(kwargs["q_length"]), kwargs.get("q_offset", 0)
+    cache_position = kwargs.get("cache_position")
+    if cache_position is None:
+        raise UnsupportedError(["mask arguments: neither q_length nor cache_position; unknown transformers version"],
+                               context=CONTEXT)  # fmt: skip
+    return int(cache_position.shape[0]), cache_position[0]
+
+
+def _device(kwargs: dict) -> Any:
+    if kwargs.get("device") is not None:
+        return kwargs["device"]
+    cache_position = kwargs.get("cache_position")
+    return cache_position.device if cache_position is not None else "cpu"
+
+
+def _dense_mask(batch_size, kv_length, kv_offset, mask_function, attention_mask, kwargs: dict) -> torch.Tensor | None:
+    """transformers' own dense boolean mask (what its SDPA path gets), never skipped."""
+    return sdpa_mask(batch_size=batch_size, kv_length=kv_length, kv_offset=kv_offset, mask_function=mask_function,
+                     attention_mask=attention_mask, **{**kwargs, "allow_is_causal_skip": False,
+                                                       "allow_is_bidirectional_skip": False})  # fmt: skip
