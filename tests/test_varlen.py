@@ -176,3 +176,18 @@ def test_random_packings_build_a_bounded_number_of_plans():
     # Batch buckets 1, 2, 4, 8; length buckets 16, 32, 64; a forward and a backward plan each.
     assert cache.stats()["size"] <= 2 * 4 * 3
     assert cache.stats()["misses"] == cache.stats()["size"]
+
+
+def test_views_of_one_packed_projection_are_separate_inputs():
+    """q, k and v as views of one [T, 3, H, D] projection (shared storage, strided tokens)."""
+    gen = torch.Generator().manual_seed(12)
+    qkv = randn(21, 3, 4, 32, generator=gen).requires_grad_()
+    q, k, v = qkv.unbind(1)
+    cu_q = cu([9, 12])
+    out = cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_q, 12, 12, is_causal=True)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = per_sequence(*leaves, cu_q, cu_q, scale=32**-0.5, causal="top_left")
+    assert rel_err(out, want) < 1e-2
+    out.sum().backward()
+    want.sum().backward()
+    assert rel_err(qkv.grad, torch.stack([x.grad for x in leaves], 1)) < 2e-2
