@@ -19,6 +19,7 @@ from .fp8_scaling import Fp8Scaling
 from .functional import sdpa
 from .graph import Graph
 from .handle import Handle, create_handle, destroy_handle
+from .paged_attention import PagedAttention
 from .heur_mode import heur_mode
 from .ops.autotune import set_autotune
 from .problem import AttentionProblem, Causal, KVCacheLayout, Op, TensorSpec
@@ -39,6 +40,7 @@ __all__ = [
     "Handle",
     "KVCacheLayout",
     "Op",
+    "PagedAttention",
     "PlanCache",
     "ShapeMismatchError",
     "TensorSpec",

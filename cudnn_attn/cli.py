@@ -120,6 +120,12 @@ def _bench_parser() -> argparse.ArgumentParser:
         help="mixed-length causal batch (128-8192 tokens, H16 d128 bf16) fwd+bwd: varlen_sdpa vs torch on the padded "
         "batch vs our graph on a fixed-length batch; plans built over 1,000 random packings",
     )
+    sections.add_argument(
+        "--serving",
+        action="store_true",
+        help="paged decode per layer inside a CUDA-graph replay (Hq32/Hkv8 d128, page 64; B 1-32, KV 2k-32k, "
+        "S_q 1/4/8): PagedAttention vs one paged call vs torch on contiguous K/V, as % of the memory's rate",
+    )
     return bench
 
 
@@ -160,6 +166,17 @@ def _bench(args: argparse.Namespace) -> int:
             report = {"device": torch.cuda.get_device_name(), "fp8": rows, "crossover": crossover, "accuracy": accuracy}
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2)
+        return 0
+    if args.serving:
+        from . import bench_serving
+
+        rows = bench_serving.serving_rows()
+        print(bench_serving.format_serving(rows))
+        if args.json:
+            import torch
+
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "serving": rows}, f, indent=2)
         return 0
     if args.varlen:
         from . import bench_varlen

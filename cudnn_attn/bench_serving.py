@@ -1,0 +1,151 @@
+"""``cudnn-attn bench --serving``: decode attention per layer inside a CUDA-graph replay.
+
+Per shape (Hq32 Hkv8 d128 bf16, pages of 64 handed out in a random order): ``PagedAttention``
+with its chosen layout (split-KV, query packing, the causal tail), the same with neither
+(one paged cuDNN call per layer, as a plain paged graph runs), and torch's SDPA on the same K/V
+laid out contiguously. Each column is a step of ``LAYERS`` layers captured in a CUDA graph and
+replayed; the figure is time per layer. Bandwidth is the K/V bytes each layer must read (each
+sequence's valid tokens) plus q and o, as a fraction of the better of two rates measured in
+the same run: a device copy (read + write) and a read-only stream (a sum). Every column is
+checked against a float32 computation of the same attention.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import PagedAttention
+from .bench_host import round_order
+
+HQ, HKV, D, PAGE = 32, 8, 128, 64
+LAYERS = 4
+SHAPES = ((1, 2048, 1), (1, 32768, 1), (4, 8192, 1), (32, 4096, 1), (8, 32768, 1), (8, 8192, 4), (8, 8192, 8))
+
+
+def _step(batch: int, kv: int, s_q: int, seed: int = 0) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    pages = kv // PAGE
+    num_pages = batch * pages
+    table = torch.randperm(num_pages, generator=gen).view(batch, pages).int().cuda()
+    caches = [[torch.randn(num_pages, HKV, PAGE, D, generator=gen).to("cuda", torch.bfloat16) for _ in range(2)]
+              for _ in range(LAYERS)]  # fmt: skip
+    q = torch.randn(batch, HQ, s_q, D, generator=gen).to("cuda", torch.bfloat16)
+    return {"q": q, "caches": caches, "table": table, "lengths": torch.full((batch,), kv, dtype=torch.int32).cuda()}
+
+
+def _dense(t: dict[str, Any], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's K/V gathered into contiguous [B, Hkv, S, D] (torch's column reads these)."""
+    table = t["table"].long()
+    k, v = t["caches"][layer]
+    return tuple(c[table].permute(0, 2, 1, 3, 4).flatten(2, 3).contiguous() for c in (k, v))  # type: ignore[return-value]
+
+
+def _captured(run_layer: Callable[[int], Any]) -> Callable[[], None]:
+    for layer in range(LAYERS):  # warm-up outside the capture: plans built, buffers made
+        run_layer(layer)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(LAYERS):
+            run_layer(layer)
+    return graph.replay
+
+
+def _time(paths: dict[str, Callable[[], Any]], rounds: int = 10, replays: int = 20) -> dict[str, dict]:
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    for fn in paths.values():
+        fn()
+    for r in range(rounds):
+        for name in round_order(list(paths), r):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                paths[name]()
+            end.record()
+            end.synchronize()
+            samples[name].append(start.elapsed_time(end) * 1e3 / replays)
+    return {n: {"us": statistics.median(v), "low": min(v), "high": max(v)} for n, v in samples.items()}
+
+
+def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
+    t = _step(batch, kv, s_q)
+    q = t["q"]
+    ours = PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=batch,
+                          max_pages_per_seq=kv // PAGE, cuda_graph=True)  # fmt: skip
+    plain = PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=batch,
+                           max_pages_per_seq=kv // PAGE, cuda_graph=True, splits=1, pack=False)  # fmt: skip
+    outs = {name: [torch.empty_like(q) for _ in range(LAYERS)] for name in ("ours", "plain", "torch")}
+    for attn in (ours, plain):
+        attn.plan(t["table"], t["lengths"])
+    dense = [_dense(t, layer) for layer in range(LAYERS)]
+    visible = torch.arange(kv, device="cuda")[None, :] <= (kv - s_q + torch.arange(s_q, device="cuda"))[:, None]
+
+    def torch_layer(layer: int) -> None:
+        k, v = dense[layer]
+        mask = visible if s_q > 1 else None
+        outs["torch"][layer].copy_(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                                    enable_gqa=True))  # fmt: skip
+
+    def layer_of(attn: PagedAttention, name: str) -> Callable[[int], Any]:
+        return lambda layer: attn.run(q, t["caches"][layer][0], t["caches"][layer][1], out=outs[name][layer])
+
+    paths: dict[str, Callable[[], Any]] = {
+        "PagedAttention": _captured(layer_of(ours, "ours")),
+        "paged, no split or packing": _captured(layer_of(plain, "plain")),
+        "torch sdpa, contiguous KV": _captured(torch_layer),
+    }  # fmt: skip
+    kv_bytes = 2 * batch * kv * HKV * D * 2
+    nbytes = kv_bytes + 2 * q.numel() * 2
+    source = torch.empty(kv_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    target = torch.empty_like(source)
+    paths["device copy (K+V bytes)"] = lambda: target.copy_(source)
+    paths["read-only stream (K+V bytes)"] = lambda: source.sum(dtype=torch.float32)
+    timings = _time(paths)
+    copy_rate = 2 * kv_bytes / (timings["device copy (K+V bytes)"]["us"] * 1e-6)
+    read_rate = kv_bytes / (timings["read-only stream (K+V bytes)"]["us"] * 1e-6)
+    best = max(copy_rate, read_rate)
+    # Correctness of the replayed outputs against float32 attention of the same K/V.
+    k, v = dense[LAYERS - 1]
+    mask = visible if s_q > 1 else None
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                                enable_gqa=True)  # fmt: skip
+    row: dict[str, Any] = {"batch": batch, "kv": kv, "s_q": s_q, "schedule": str(ours.schedule),
+                           "copy_tbps": copy_rate / 1e12, "read_tbps": read_rate / 1e12, "columns": {}}  # fmt: skip
+    for name, cell in timings.items():
+        if name.startswith(("device copy", "read-only")):
+            continue
+        per_layer = cell["us"] / LAYERS
+        column = {"us_per_layer": per_layer, "spread_pct": 100 * (cell["high"] - cell["low"]) / cell["us"],
+                  "tbps": nbytes / (per_layer * 1e-6) / 1e12}  # fmt: skip
+        column["pct_of_best_rate"] = 100 * column["tbps"] * 1e12 / best
+        key = {"PagedAttention": "ours", "paged, no split or packing": "plain", "torch sdpa, contiguous KV": "torch"}[
+            name
+        ]
+        got = outs[key][LAYERS - 1].float()
+        column["rel_err"] = float((got - expected).norm() / expected.norm())
+        row["columns"][name] = column
+    return row
+
+
+def serving_rows(shapes: tuple[tuple[int, int, int], ...] = SHAPES) -> list[dict[str, Any]]:
+    rows = []
+    for shape in shapes:
+        rows.append(serving_row(*shape))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def format_serving(rows: list[dict[str, Any]]) -> str:
+    lines = [f"Decode attention per layer inside a CUDA-graph replay (Hq{HQ} Hkv{HKV} d{D} bf16, page {PAGE}); "
+             "% of the better of the device copy rate and a read-only stream, measured in the same run:"]  # fmt: skip
+    for row in rows:
+        lines.append(f"  B{row['batch']} KV {row['kv']} S_q {row['s_q']}  (copy {row['copy_tbps']:.2f} TB/s, "
+                     f"read {row['read_tbps']:.2f} TB/s; {row['schedule']})")  # fmt: skip
+        for name, c in row["columns"].items():
+            lines.append(f"    {name:<30}{c['us_per_layer']:>9.1f} us  {c['tbps']:>5.2f} TB/s  "
+                         f"{c['pct_of_best_rate']:>5.1f}%  (spread {c['spread_pct']:.0f}%, rel err {c['rel_err']:.1e})")  # fmt: skip
+    return "\n".join(lines)

@@ -1,0 +1,224 @@
+"""The merge step of split-KV (flash-decoding) attention: chunk results into the whole.
+
+Attention over a long key sequence is computed in key chunks, each giving a partial output
+``O_i`` (normalised within its chunk) and its log-sum-exp ``L_i`` (natural log of the scaled
+scores, what cuDNN's ``Stats`` holds; -inf for a chunk with no visible key). The exact result
+is, as plain torch::
+
+    m = max_i L_i;  w_i = exp(L_i - m);  L = m + log(sum_i w_i);  O = sum_i w_i O_i / sum_i w_i
+
+with ``O = 0`` and ``L = -inf`` where every ``L_i`` is -inf (never NaN), and a chunk whose
+weight is 0 never read (its ``O_i`` may hold anything, NaN included).
+
+On CUDA with Triton (it ships with torch's CUDA builds) one launch merges one or two parts
+(a body of N chunks and a tail, say) straight from their strided views into ``out`` (any
+strides, a BSHD view included), in float32, with no allocation and no host sync, so a call is
+safe to capture in a CUDA graph once it has run eagerly (the kernel compiles on first use).
+Elsewhere, and for more than two parts, the same float32 arithmetic runs as torch ops; both
+paths give the same values up to float32 rounding, rounded once to ``out``'s dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .errors import ValidationError
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+KERNEL_PARTS = 2  # the kernel's part slots: a body and a tail
+MAX_BLOCK_D = 256  # wider heads take several programs per row, one per block of D
+TILE = 512  # elements per program: ROWS rows of BLOCK_D
+
+Parts = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (o, stats) pairs
+
+
+def merge_partials(parts: Parts, out: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Merge chunk partials into ``out`` (written in place) and optionally ``lse``. Returns ``out``.
+
+    parts: ``(o, stats)`` pairs; ``o`` is ``[B, N_i, H, S, D]`` (any strides, fp16/bf16/fp32),
+    ``stats`` is ``[B, N_i, H, S]`` float32 (any strides) -- ``N_i`` chunks each (a pair may hold
+    one chunk: ``N_i = 1``).
+    out: ``[B, H, S, D]`` (any strides, e.g. a BSHD view; fp16/bf16/fp32).
+    lse: optional ``[B, H, S]`` float32, written with ``L``.
+
+    Example, a body of 8 chunks and a tail chunk into a BSHD buffer::
+
+        merge_partials([(o_body, stats_body), (o_tail, stats_tail)], out_bshd.transpose(1, 2))
+    """
+    problems = _problems(parts, out, lse)
+    if problems:
+        raise ValidationError(problems, "merge_partials")
+    launchable = out.is_cuda and out.numel() > 0 and len(parts) <= KERNEL_PARTS
+    kernels = _kernels() if launchable else None
+    if kernels is None:
+        _merge_torch(parts, out, lse)
+    else:
+        _merge_triton(kernels, parts, out, lse)
+    return out
+
+
+def _problems(parts: Any, out: Any, lse: Any) -> list[str]:
+    """Every problem with the arguments, one line each, naming the argument."""
+    problems: list[str] = []
+    sizes: dict[str, tuple[int, str]] = {}  # dimension letter -> (size, whose)
+    device = out.device if isinstance(out, torch.Tensor) else None
+    if _check(problems, "out", out, "BHSD", FLOATS, sizes, None):
+        sizes.update((letter, (size, "out's")) for letter, size in zip("BHSD", out.shape))
+    if isinstance(parts, torch.Tensor) or not isinstance(parts, Sequence) or len(parts) == 0:
+        problems.append(f"parts: {_described(parts)} is not a non-empty sequence of (o, stats) pairs")
+        parts = ()
+    for i, part in enumerate(parts):
+        if isinstance(part, torch.Tensor) or not isinstance(part, Sequence) or len(part) != 2:
+            problems.append(f"parts[{i}]: {_described(part)} is not an (o, stats) pair")
+            continue
+        o, stats = part
+        chunks = dict(sizes)
+        if _check(problems, f"parts[{i}].o", o, "BNHSD", FLOATS, sizes, device):
+            chunks["N"] = (o.shape[1], "o's")
+        _check(problems, f"parts[{i}].stats", stats, "BNHS", (torch.float32,), chunks, device)
+    if lse is not None:
+        _check(problems, "lse", lse, "BHS", (torch.float32,), sizes, device)
+    return problems
+
+
+def _check(
+    problems: list[str],
+    name: str,
+    x: Any,
+    letters: str,
+    dtypes: tuple[torch.dtype, ...],
+    sizes: dict[str, tuple[int, str]],
+    device: torch.device | None,
+) -> bool:
+    """Append ``x``'s problems; whether it has the rank ``letters`` names (its sizes can be read)."""
+    layout = f"[{', '.join(letters)}]"
+    if not isinstance(x, torch.Tensor) or x.dim() != len(letters):
+        problems.append(f"{name}: {_described(x)} is not a {len(letters)}-D {layout} tensor")
+        return False
+    for letter, size in zip(letters, x.shape):
+        if letter in sizes and sizes[letter][0] != size:
+            want, whose = sizes[letter]
+            problems.append(f"{name}: {letter} = {size} in {layout} differs from {whose} {want}")
+    if x.dtype not in dtypes:
+        problems.append(f"{name}: dtype {x.dtype} is not one of {', '.join(str(d)[6:] for d in dtypes)}")
+    if device is not None and x.device != device:
+        problems.append(f"{name}: on {x.device}, out is on {device}")
+    return True
+
+
+def _described(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    return f"a {type(x).__name__} of {len(x)} items" if isinstance(x, Sequence) else f"a {type(x).__name__}"
+
+
+@torch.no_grad()
+def _merge_torch(parts: Parts, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+    """The merge as torch ops in float32 (any device, any number of parts)."""
+    stats = torch.cat([s for _, s in parts], dim=1)  # [B, N, H, S]
+    if stats.shape[1] == 0:  # no chunk at all: no visible key
+        out.zero_()
+        if lse is not None:
+            lse.fill_(float("-inf"))
+        return
+    o = torch.cat([o.float() for o, _ in parts], dim=1)  # [B, N, H, S, D]
+    top = stats.amax(dim=1, keepdim=True)
+    base = top.masked_fill(top == float("-inf"), 0.0)  # all chunks empty: every weight exp(-inf) = 0
+    weights = torch.exp(stats - base)
+    total = weights.sum(dim=1)
+    w = weights.unsqueeze(-1)
+    acc = torch.where(w > 0, w * o, 0.0).sum(dim=1)  # a chunk of weight 0 is never read, even if NaN
+    out.copy_(acc / torch.where(total > 0, total, 1.0).unsqueeze(-1))
+    if lse is not None:
+        lse.copy_(base.squeeze(1) + torch.log(total))  # log(0) = -inf for rows with no visible key
+
+
+def _merge_triton(kernels: Any, parts: Parts, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+    """One launch over every (b, h, s) row, reading each part in place."""
+    b, h, s, d = out.shape
+    slots = [*parts, *parts[:1]][:KERNEL_PARTS]  # an unused slot repeats the first, with no chunks
+    args: list[Any] = []
+    for i, (o, stats) in enumerate(slots):
+        chunks = o.shape[1] if i < len(parts) else 0
+        args += [o, stats, chunks, *o.stride(), *stats.stride()]
+    block_d = min(MAX_BLOCK_D, 1 << (d - 1).bit_length())
+    rows_per_program = max(1, TILE // block_d)
+    rows = b * h * s
+    grid = (-(-rows // rows_per_program), -(-d // block_d))
+    record = lse if lse is not None else out  # a pointer the kernel never writes when not recording
+    with torch.cuda.device(out.device):
+        kernels.merge[grid](
+            *args, out, *out.stride(), record, *(lse.stride() if lse is not None else (0, 0, 0)),
+            rows, h, s, d, WRITE_LSE=lse is not None, ROWS=rows_per_program, BLOCK_D=block_d,
+        )  # fmt: skip
+
+
+@functools.cache
+def _kernels() -> Any:
+    """The Triton kernel, compiled on first use; None without Triton."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    import types
+
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def top(m, s_ptrs, n, s_sn, live):
+        for _ in range(n):
+            m = tl.maximum(m, tl.load(s_ptrs, mask=live, other=float("-inf")))
+            s_ptrs += s_sn  # pointers advance: chunk offsets never overflow 32 bits
+        return m
+
+    @triton.jit
+    def accumulate(acc, total, base, s_ptrs, o_ptrs, n, s_sn, o_sn, live, inside):
+        for _ in range(n):
+            w = tl.exp(tl.load(s_ptrs, mask=live, other=float("-inf")) - base)
+            # A chunk of weight 0 (no visible key) is not read: its O may be anything.
+            o = tl.load(o_ptrs, mask=inside & (w > 0)[:, None], other=0.0).to(tl.float32)
+            acc += w[:, None] * o
+            total += w
+            s_ptrs += s_sn
+            o_ptrs += o_sn
+        return acc, total
+
+    @triton.jit
+    def merge(o0_ptr, s0_ptr, n0, o0_sb, o0_sn, o0_sh, o0_ss, o0_sd, s0_sb, s0_sn, s0_sh, s0_ss,
+              o1_ptr, s1_ptr, n1, o1_sb, o1_sn, o1_sh, o1_ss, o1_sd, s1_sb, s1_sn, s1_sh, s1_ss,
+              out_ptr, out_sb, out_sh, out_ss, out_sd, lse_ptr, lse_sb, lse_sh, lse_ss,
+              rows, heads, seq, dim,
+              WRITE_LSE: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        col = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        live = row < rows
+        inside = live[:, None] & (col < dim)[None, :]
+        si = row % seq
+        hi = (row // seq) % heads
+        bi = row // seq // heads
+        s0_ptrs = s0_ptr + bi * s0_sb + hi * s0_sh + si * s0_ss
+        s1_ptrs = s1_ptr + bi * s1_sb + hi * s1_sh + si * s1_ss
+        o0_ptrs = o0_ptr + (bi * o0_sb + hi * o0_sh + si * o0_ss)[:, None] + (col * o0_sd)[None, :]
+        o1_ptrs = o1_ptr + (bi * o1_sb + hi * o1_sh + si * o1_ss)[:, None] + (col * o1_sd)[None, :]
+
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        m = top(m, s0_ptrs, n0, s0_sn, live)
+        m = top(m, s1_ptrs, n1, s1_sn, live)
+        base = tl.where(m == float("-inf"), 0.0, m)  # all chunks empty: every weight exp(-inf) = 0
+        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        total = tl.zeros([ROWS], tl.float32)
+        acc, total = accumulate(acc, total, base, s0_ptrs, o0_ptrs, n0, s0_sn, o0_sn, live, inside)
+        acc, total = accumulate(acc, total, base, s1_ptrs, o1_ptrs, n1, s1_sn, o1_sn, live, inside)
+
+        result = acc / tl.where(total > 0, total, 1.0)[:, None]
+        out_ptrs = out_ptr + (bi * out_sb + hi * out_sh + si * out_ss)[:, None] + (col * out_sd)[None, :]
+        tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=inside)
+        if WRITE_LSE:  # log(0) = -inf for rows with no visible key; one program per row writes it
+            tl.store(lse_ptr + bi * lse_sb + hi * lse_sh + si * lse_ss, base + tl.log(total),
+                     mask=live & (tl.program_id(1) == 0))  # fmt: skip
+
+    return types.SimpleNamespace(merge=merge)

@@ -1,0 +1,360 @@
+"""``cudnn_attn.PagedAttention``: serving attention, planned once per step, run per layer.
+
+An inference server runs the same attention shape in every layer of a decode step, with a
+page table and lengths that change once per step. ``plan`` does the per-step work once:
+checks (on the CPU, naming the page or length), values made safe on the device without a
+host sync, the layout (``paged_schedule``: split-KV and query packing) and every derived
+table and length, in persistent buffers. ``run`` then launches only attention work::
+
+    attn = cudnn_attn.PagedAttention(32, 8, 128, page_size=64, dtype=torch.bfloat16, device="cuda")
+    attn.plan(page_table, seq_lens_kv)          # once per step: [B, pages] int32, [B] int32
+    for layer in layers:
+        out = attn.run(q, k_cache[layer], v_cache[layer])   # q: [B, 32, S_q, 128]
+
+Decode takes ``S_q = 1``; multi-token decode (speculative) takes ``S_q`` up to 16, each
+sequence's query tokens being its last ``S_q`` positions (bottom-right causal). The caches
+are ``[num_pages, H_kv, page_size, D]`` (``kv_layout="NHPD"``) or ``[num_pages, page_size,
+H_kv, D]`` (``"NPHD"``). With ``cuda_graph=True`` every buffer has ``max_batch`` rows: a
+whole step (all layers' ``run``) can be captured once and replayed after each ``plan``,
+which rewrites the buffers in place; batches smaller than ``max_batch`` are padded with
+empty sequences.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import paged_schedule
+from .errors import ValidationError
+from .graph_cache import GraphCache
+from .lse_merge import merge_partials
+from .options import default_scale
+from .paged_schedule import Schedule
+
+LAYOUTS = ("NHPD", "NPHD")
+MAX_QUERY_TOKENS = 16
+
+
+class PagedAttention:
+    """Attention over paged K/V caches for a serving loop: ``plan`` per step, ``run`` per layer.
+
+    Args:
+        num_q_heads, num_kv_heads, head_dim, page_size: the model's attention geometry.
+        dtype: of q and the caches (float16 or bfloat16).
+        kv_layout: ``"NHPD"`` or ``"NPHD"`` (see the module docstring).
+        max_batch, max_pages_per_seq: the largest step (required with ``cuda_graph``).
+        cuda_graph: fixed-size persistent buffers, so captured runs stay valid across plans.
+        splits, pack: force the layout (None: chosen per step, ``paged_schedule.choose``).
+        scale: softmax scale (default ``1/sqrt(head_dim)``).
+    """
+
+    def __init__(
+        self,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        *,
+        dtype: torch.dtype,
+        kv_layout: str = "NHPD",
+        max_batch: int | None = None,
+        max_pages_per_seq: int | None = None,
+        cuda_graph: bool = False,
+        device: Any = None,
+        splits: int | None = None,
+        pack: bool | None = None,
+        scale: float | None = None,
+    ):
+        problems = []
+        for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                            ("page_size", page_size)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name}: {value!r}; must be an int >= 1")
+        if not problems and num_q_heads % num_kv_heads:
+            problems.append(f"num_kv_heads: {num_kv_heads} does not divide num_q_heads={num_q_heads}")
+        if dtype not in (torch.float16, torch.bfloat16):
+            problems.append(f"dtype: {dtype}; expected torch.float16 or torch.bfloat16")
+        if kv_layout not in LAYOUTS:
+            problems.append(f"kv_layout: {kv_layout!r}; allowed 'NHPD' or 'NPHD'")
+        for name, limit in (("max_batch", max_batch), ("max_pages_per_seq", max_pages_per_seq), ("splits", splits)):
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+                problems.append(f"{name}: {limit!r}; must be None or an int >= 1")
+        if cuda_graph and (max_batch is None or max_pages_per_seq is None):
+            problems.append("cuda_graph: True needs max_batch and max_pages_per_seq (the buffers' fixed sizes)")
+        if problems:
+            raise ValidationError(problems, context="PagedAttention")
+        self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size = (num_q_heads, num_kv_heads, head_dim,
+                                                                              page_size)  # fmt: skip
+        self.dtype, self.kv_layout, self.cuda_graph = dtype, kv_layout, cuda_graph
+        self.max_batch, self.max_pages_per_seq = max_batch, max_pages_per_seq
+        self.device = _device(device) if device is not None else None
+        self.scale = float(scale) if scale is not None else default_scale(head_dim)
+        self._splits, self._pack = splits, pack
+        self._graphs = GraphCache()
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._step: dict[str, Any] | None = None  # what plan() prepared
+        self._prepared: dict[tuple, dict[str, Any]] = {}  # per (s_q, num_pages): the step's derived inputs
+        self.schedule: Schedule | None = None
+        self.plans = 0
+
+    # ---- plan: once per step ------------------------------------------------------------------
+
+    def plan(self, page_table: torch.Tensor, seq_lens_kv: torch.Tensor, q_lens: torch.Tensor | None = None) -> None:
+        """Prepare a step: ``page_table`` ``[B, pages_per_seq]`` int32 (page indices into the
+        caches), ``seq_lens_kv`` ``[B]`` int32 (each sequence's cache length, the new tokens
+        included). CPU tensors are checked value by value; CUDA ones are clamped into range on
+        the device (a bad value gives wrong rows for its sequence, never an access out of bounds)."""
+        if q_lens is not None:
+            raise ValidationError(
+                ["q_lens: chunked prefill (packed queries) is not available yet; plan decode steps (q [B, H, S_q, D])"],
+                context="PagedAttention.plan",
+            )  # fmt: skip
+        device = self._check_plan(page_table, seq_lens_kv)
+        batch, pages = page_table.shape
+        rows = self.max_batch if self.cuda_graph else batch
+        width = self.max_pages_per_seq if self.cuda_graph else pages
+        assert rows is not None and width is not None
+        table = self._buffer("table", (rows, width), torch.int32, device)
+        lengths = self._buffer("lengths", (rows,), torch.int32, device)
+        table.zero_()
+        table[:batch, :pages].copy_(page_table, non_blocking=True)
+        lengths.zero_()  # sequences past the batch are empty
+        torch.clamp(seq_lens_kv.to(device, non_blocking=True), 0, pages * self.page_size, out=lengths[:batch])
+        self._step = {"batch": batch, "rows": rows, "width": width, "device": device}
+        # Every layer geometry run before is derived now, into the same buffers: a captured
+        # step reads them in place, and run() launches attention work only.
+        self._prepared = {key: self._derive(key[0], key[1], self._step) for key in self._prepared}
+        self.plans += 1
+
+    def _check_plan(self, page_table: Any, seq_lens_kv: Any) -> torch.device:
+        problems = []
+        for name, t, rank in (("page_table", page_table, 2), ("seq_lens_kv", seq_lens_kv, 1)):
+            if not isinstance(t, torch.Tensor):
+                problems.append(f"{name}: {type(t).__name__}; expected an int32 tensor")
+            elif t.dtype != torch.int32 or t.dim() != rank:
+                problems.append(f"{name}: {t.dtype} of shape {list(t.shape)}; expected int32 with {rank} dims")
+        if problems:
+            raise ValidationError(problems, context="PagedAttention.plan")
+        batch, pages = page_table.shape
+        if seq_lens_kv.shape[0] != batch:
+            problems.append(f"seq_lens_kv: {seq_lens_kv.shape[0]} lengths for {batch} page-table rows")
+        if batch < 1 or pages < 1:
+            problems.append(f"page_table: shape {list(page_table.shape)}; needs at least one sequence and one page")
+        if self.max_batch is not None and batch > self.max_batch:
+            problems.append(f"page_table: {batch} sequences, above max_batch={self.max_batch}")
+        if self.max_pages_per_seq is not None and pages > self.max_pages_per_seq:
+            problems.append(f"page_table: {pages} pages per sequence, above max_pages_per_seq={self.max_pages_per_seq}")
+        device = self.device if self.device is not None else page_table.device
+        if self.device is not None and page_table.device.type != "cpu" and page_table.device != device:
+            problems.append(f"page_table: on {page_table.device}; this PagedAttention runs on {device}")
+        if not problems and not page_table.is_cuda:
+            if (page_table < 0).any():
+                row, col = (int(i) for i in torch.nonzero(page_table < 0)[0])
+                problems.append(f"page_table: page {int(page_table[row, col])} at [{row}, {col}] is negative")
+            limit = pages * self.page_size
+            bad = (seq_lens_kv < 1) | (seq_lens_kv > limit)
+            if bad.any():
+                at = int(torch.nonzero(bad)[0])
+                problems.append(f"seq_lens_kv: sequence {at} has length {int(seq_lens_kv[at])}; allowed 1..{limit} "
+                                f"({pages} pages of {self.page_size})")  # fmt: skip
+        if problems:
+            raise ValidationError(problems, context="PagedAttention.plan")
+        return device
+
+    # ---- run: per layer -----------------------------------------------------------------------
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None = None):
+        """One layer: ``q`` ``[B, H_q, S_q, D]`` (S_q <= 16), the layer's caches; returns ``out``
+        (or a new tensor) ``[B, H_q, S_q, D]``."""
+        step = self._step
+        if step is None:
+            raise ValidationError(["plan: run() before any plan(); call plan(page_table, seq_lens_kv) each step"],
+                                  context="PagedAttention.run")  # fmt: skip
+        self._check_run(q, k_cache, v_cache, out, step)
+        s_q = q.shape[2]
+        num_pages = k_cache.shape[0]
+        key = (s_q, num_pages)
+        derived = self._prepared.get(key)
+        if derived is None:  # a geometry new to this PagedAttention: derived now, and by every later plan()
+            derived = self._prepared[key] = self._derive(s_q, num_pages, step)
+        schedule = derived["schedule"]
+        self.schedule = schedule
+        rows = step["rows"]
+        if q.shape[0] != rows:  # cuda_graph: the batch is padded to max_batch
+            padded = self._buffer("q_padded", (rows, *q.shape[1:]), q.dtype, q.device)
+            padded[: q.shape[0]].copy_(q)
+            q_full = padded
+        else:
+            q_full = q
+        result = out if out is not None and q.shape[0] == rows and out.is_contiguous() else None
+        if result is None:
+            result = torch.empty(rows, *q.shape[1:], dtype=q.dtype, device=q.device)
+        parts = []
+        body_q = self._body_query(q_full, schedule)
+        body = self._run_part("body", body_q, k_cache, v_cache, derived, schedule, stats=schedule.merged,
+                              out=None if schedule.merged else self._unpacked_view(result, schedule))  # fmt: skip
+        if schedule.merged:
+            o, stats = body
+            parts.append(self._as_parts(o, stats, schedule.splits, schedule))
+            if schedule.tail:
+                o_t, stats_t = self._run_part("tail", q_full, k_cache, v_cache, derived, schedule, stats=True)
+                parts.append((o_t.unsqueeze(1), stats_t.squeeze(-1).unsqueeze(1)))
+            merge_partials(parts, result)
+        if out is not None and result is not out:
+            out.copy_(result[: q.shape[0]])
+            return out
+        return result[: q.shape[0]] if result.shape[0] != q.shape[0] else result
+
+    def _check_run(self, q: Any, k_cache: Any, v_cache: Any, out: Any, step: dict[str, Any]) -> None:
+        problems = []
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                problems.append(f"{name}: expected a 4-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
+            elif t.dtype != self.dtype:
+                problems.append(f"{name}: dtype {t.dtype}; this PagedAttention takes {self.dtype}")
+            elif t.device != step["device"]:
+                problems.append(f"{name}: on {t.device}; the step was planned on {step['device']}")
+        if problems:
+            raise ValidationError(problems, context="PagedAttention.run")
+        batch, heads, s_q, dim = q.shape
+        if batch != step["batch"]:
+            problems.append(f"q: batch {batch}; the step was planned for {step['batch']} sequences")
+        if heads != self.num_q_heads or dim != self.head_dim:
+            problems.append(f"q: [B, {heads}, S_q, {dim}]; expected {self.num_q_heads} heads of {self.head_dim}")
+        if not 1 <= s_q <= MAX_QUERY_TOKENS:
+            problems.append(f"q: {s_q} query tokens per sequence; allowed 1..{MAX_QUERY_TOKENS}")
+        expected = ([None, self.num_kv_heads, self.page_size, self.head_dim] if self.kv_layout == "NHPD"
+                    else [None, self.page_size, self.num_kv_heads, self.head_dim])  # fmt: skip
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if list(t.shape[1:]) != expected[1:]:
+                problems.append(f"{name}: shape {list(t.shape)}; expected [num_pages, {', '.join(map(str, expected[1:]))}] "
+                                f"({self.kv_layout})")  # fmt: skip
+        if v_cache.shape[0] != k_cache.shape[0]:
+            problems.append(f"v_cache: {v_cache.shape[0]} pages, k_cache has {k_cache.shape[0]}")
+        if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype):
+            problems.append(f"out: expected a {q.dtype} tensor of shape {list(q.shape)}")
+        if problems:
+            raise ValidationError(problems, context="PagedAttention.run")
+
+    # ---- the step's derived inputs --------------------------------------------------------------
+
+    def _derive(self, s_q: int, num_pages: int, step: dict[str, Any]) -> dict[str, Any]:
+        """This step's tables and lengths for each part, from the planned table and lengths."""
+        rows, width, device = step["rows"], step["width"], step["device"]
+        schedule = paged_schedule.choose(
+            rows, width, self.page_size, self.num_q_heads, self.num_kv_heads, s_q, sm_count=_sm_count(device),
+            splits=self._splits, pack=self._pack,
+        )  # fmt: skip
+        page = self.page_size
+
+        def store(name: str, value: torch.Tensor) -> torch.Tensor:  # buffers of their own per geometry
+            return self._store(f"{name}@{s_q},{num_pages}", value)
+
+        table = self._buffers["table"].clamp(0, num_pages - 1)  # pages past the cache's end never read
+        lengths = self._buffers["lengths"]
+        body_end = lengths
+        derived: dict[str, Any] = {"schedule": schedule}
+        if schedule.tail:  # keys every query token sees end at a page boundary; the rest is the tail
+            first_hidden = (lengths - s_q + 1).clamp(min=0)
+            body_end = torch.div(first_hidden, page, rounding_mode="floor") * page
+            span = paged_schedule.tail_pages(page, s_q)
+            columns = (torch.div(body_end, page, rounding_mode="floor").unsqueeze(1)
+                       + torch.arange(span, device=device)).clamp(max=width - 1)  # fmt: skip
+            derived["tail_table"] = store("tail_table", torch.gather(table, 1, columns.long()))
+            derived["tail_lengths"] = store("tail_lengths", (lengths - body_end).to(torch.int32))
+            derived["tail_q_lengths"] = store("tail_q_lengths", torch.full((rows,), s_q, dtype=torch.int32,
+                                                                                  device=device))  # fmt: skip
+        splits, chunk = schedule.splits, schedule.chunk_pages
+        padded = torch.zeros(rows, splits * chunk, dtype=torch.int32, device=device)
+        padded[:, :width] = table
+        derived["body_table"] = store("body_table", padded.view(rows * splits, chunk))
+        starts = torch.arange(splits, device=device) * (chunk * page)
+        chunk_lengths = (body_end.unsqueeze(1) - starts).clamp(0, chunk * page)
+        derived["body_lengths"] = store("body_lengths", chunk_lengths.reshape(-1).to(torch.int32))
+        body_rows = (self.num_q_heads // self.num_kv_heads) * s_q if schedule.packed else s_q
+        # cuDNN leaves a batch entry with no keys undefined: its stats are set to -inf before the merge.
+        derived["body_empty"] = store("body_empty", (derived["body_lengths"] == 0).view(-1, 1, 1, 1))
+        if schedule.tail:
+            derived["tail_empty"] = store("tail_empty", (derived["tail_lengths"] == 0).view(-1, 1, 1, 1))
+        derived["body_q_lengths"] = store("body_q_lengths", torch.full((rows * splits,), body_rows,
+                                                                              dtype=torch.int32, device=device))  # fmt: skip
+        return derived
+
+    # ---- parts ------------------------------------------------------------------------------------
+
+    def _body_query(self, q: torch.Tensor, schedule: Schedule) -> torch.Tensor:
+        """q as the body reads it: packed ``[B, H_kv, G*S_q, D]`` (or as given), repeated per split."""
+        batch, heads, s_q, dim = q.shape
+        if schedule.packed:
+            q = q.reshape(batch, self.num_kv_heads, (heads // self.num_kv_heads) * s_q, dim)
+        if schedule.splits == 1:
+            return q
+        repeated = self._buffer("body_q", (batch, schedule.splits, *q.shape[1:]), q.dtype, q.device)
+        repeated.copy_(q.unsqueeze(1).expand_as(repeated))
+        return repeated.view(batch * schedule.splits, *q.shape[1:])
+
+    def _unpacked_view(self, result: torch.Tensor, schedule: Schedule) -> torch.Tensor:
+        """``result`` ``[B, H_q, S_q, D]`` as the body writes it when nothing is merged."""
+        batch, heads, s_q, dim = result.shape
+        if not schedule.packed:
+            return result
+        return result.view(batch, self.num_kv_heads, (heads // self.num_kv_heads) * s_q, dim)
+
+    def _as_parts(self, o: torch.Tensor, stats: torch.Tensor, splits: int, schedule: Schedule) -> tuple:
+        """The body's outputs as ``[B, splits, H_q, S_q, D]`` and ``[B, splits, H_q, S_q]``."""
+        rows = o.shape[0] // splits
+        shape = (rows, splits, self.num_q_heads, schedule.s_q)
+        return o.view(*shape, self.head_dim), stats.view(*shape)
+
+    def _run_part(self, part: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  derived: dict[str, Any], schedule: Schedule, stats: bool, out: torch.Tensor | None = None) -> Any:  # fmt: skip
+        table, lengths, q_lengths = derived[f"{part}_table"], derived[f"{part}_lengths"], derived[f"{part}_q_lengths"]
+        causal = part == "tail"
+        key = (part, q.shape, q.stride(), k_cache.shape, k_cache.stride(), table.shape, stats)
+
+        def record(g: Any) -> None:
+            g.sdpa(q, k_cache, v_cache, paged_attention_k_table=table, paged_attention_v_table=table,
+                   paged_attention_max_seq_len_kv=table.shape[1] * self.page_size, seq_len_q=q_lengths,
+                   seq_len_kv=lengths, use_padding_mask=True, use_causal_mask_bottom_right=causal,
+                   attn_scale=self.scale, generate_stats=stats, kv_cache_layout=self.kv_layout)  # fmt: skip
+
+        graph = self._graphs.get_or_build(key, record)
+        o = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        outputs = {"o": o}
+        if stats:
+            outputs["stats"] = torch.empty(*q.shape[:3], 1, dtype=torch.float32, device=q.device)
+        graph.run_roles({"q": q, "k": k_cache, "v": v_cache, "page_table_k": table, "page_table_v": table,
+                         "seq_len_q": q_lengths, "seq_len_kv": lengths}, outputs)  # fmt: skip
+        if not stats:
+            return o
+        outputs["stats"].masked_fill_(derived[f"{part}_empty"], float("-inf"))  # merged with weight 0
+        return o, outputs["stats"]
+
+    # ---- buffers ----------------------------------------------------------------------------------
+
+    def _buffer(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A persistent buffer (reused while its geometry holds): captured runs read it in place."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.shape != torch.Size(shape) or buffer.dtype != dtype or buffer.device != device:
+            buffer = self._buffers[name] = torch.empty(shape, dtype=dtype, device=device)
+        return buffer
+
+    def _store(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffer(name, tuple(value.shape), value.dtype, value.device)
+        return buffer.copy_(value)
+
+
+def _device(device: Any) -> torch.device:
+    """One spelling per device: a bare "cuda" is the current CUDA device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count

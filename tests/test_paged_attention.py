@@ -1,0 +1,165 @@
+"""``PagedAttention`` (plan per step, run per layer) on the reference backend: every layout of a
+step (splits, packing, the causal tail) against float64 attention of each sequence's gathered
+cache, bad steps refused at plan time, and the layout choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import rel_err
+
+import cudnn_attn
+from cudnn_attn import paged_schedule
+from cudnn_attn.errors import ValidationError
+
+HQ, HKV, D, PAGE = 8, 2, 32, 16
+
+
+def make_step(lengths, pages_per_seq, layout="NHPD", s_q=1, seed=0, dtype=torch.bfloat16, extra_pages=3):
+    """A step's tensors: pages handed out in a random order, caches with spare pages."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(lengths)
+    num_pages = batch * pages_per_seq + extra_pages
+    table = torch.randperm(num_pages, generator=gen)[: batch * pages_per_seq].view(batch, pages_per_seq).int()
+    shape = (num_pages, HKV, PAGE, D) if layout == "NHPD" else (num_pages, PAGE, HKV, D)
+    k_cache, v_cache = (torch.randn(*shape, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(batch, HQ, s_q, D, generator=gen).to(dtype)
+    return q, k_cache, v_cache, table, torch.tensor(lengths, dtype=torch.int32)
+
+
+def expected(q, k_cache, v_cache, table, lengths, layout="NHPD"):
+    """float64 attention of each sequence against its gathered cache; the S_q query tokens are
+    the sequence's last positions (bottom-right causal)."""
+    outs = []
+    for b, n in enumerate(lengths.tolist()):
+        pages = table[b].long()
+        k, v = (c[pages] if layout == "NPHD" else c[pages].transpose(1, 2) for c in (k_cache, v_cache))
+        k, v = (x.reshape(-1, HKV, D)[:n].transpose(0, 1).double() for x in (k, v))  # [HKV, n, D]
+        k, v = (x.repeat_interleave(HQ // HKV, 0) for x in (k, v))
+        s_q = q.shape[2]
+        scores = q[b].double() @ k.transpose(-1, -2) * D**-0.5
+        visible = torch.arange(n)[None, :] <= (n - s_q + torch.arange(s_q))[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        outs.append(torch.softmax(scores, -1) @ v)
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("layout", ["NHPD", "NPHD"])
+@pytest.mark.parametrize("splits,pack", [(1, False), (1, True), (2, True), (4, False)], ids=str)
+def test_decode_matches_each_sequence_alone(layout, splits, pack):
+    q, k_cache, v_cache, table, lengths = make_step([37, 64, 1, 50], pages_per_seq=4, layout=layout, seed=splits)
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, kv_layout=layout, splits=splits, pack=pack)
+    attn.plan(table, lengths)
+    out = attn.run(q, k_cache, v_cache)
+    assert attn.schedule is not None and attn.schedule.packed == pack and attn.schedule.splits == splits
+    assert rel_err(out, expected(q, k_cache, v_cache, table, lengths, layout)) < 1e-2
+
+
+@pytest.mark.parametrize("s_q", [2, 4, 16])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_multi_token_decode_is_bottom_right_causal(s_q, splits):
+    """Each sequence's S_q query tokens are its last positions: the tail (keys some query token
+    cannot see) runs apart with the causal mask, the body packed and split."""
+    q, k_cache, v_cache, table, lengths = make_step([40, 64, 17, 33], pages_per_seq=4, s_q=s_q, seed=s_q)
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, splits=splits)
+    attn.plan(table, lengths)
+    out = attn.run(q, k_cache, v_cache)
+    assert attn.schedule.tail and attn.schedule.packed
+    assert rel_err(out, expected(q, k_cache, v_cache, table, lengths)) < 1e-2
+
+
+def test_one_plan_serves_every_layer_and_out_is_written_in_place():
+    q, k_cache, v_cache, table, lengths = make_step([30, 9], pages_per_seq=2, seed=5)
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, splits=2)
+    attn.plan(table, lengths)
+    for layer in range(3):
+        k_layer, v_layer = k_cache * (layer + 1), v_cache.roll(layer, 0)
+        out = torch.full_like(q, float("nan"))
+        assert attn.run(q, k_layer, v_layer, out=out) is out
+        assert rel_err(out, expected(q, k_layer, v_layer, table, lengths)) < 1e-2
+    assert attn.plans == 1
+
+
+def test_cuda_graph_mode_pads_the_batch_and_follows_new_plans():
+    """Fixed buffers of max_batch rows: smaller batches run as empty sequences; each plan
+    rewrites the buffers in place (what a captured step reads)."""
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, max_batch=4, max_pages_per_seq=4,
+                                     cuda_graph=True, splits=2)  # fmt: skip
+    buffers = None
+    for step, lengths in enumerate(([20, 64], [5, 33, 60])):
+        q, k_cache, v_cache, table, lens = make_step(lengths, pages_per_seq=4, seed=10 + step)
+        attn.plan(table, lens)
+        out = attn.run(q, k_cache, v_cache)
+        assert out.shape == q.shape
+        assert rel_err(out, expected(q, k_cache, v_cache, table, lens)) < 1e-2
+        current = {name: t.data_ptr() for name, t in attn._buffers.items() if name in ("table", "lengths")}
+        assert buffers is None or current == buffers  # the same memory, rewritten
+        buffers = current
+
+
+def test_pages_past_the_cache_and_lengths_past_the_table_are_clamped_on_the_device_path():
+    """On the CPU values are checked; the clamps that make GPU values safe are exercised here by
+    planning valid values and running against a smaller cache (pages past its end)."""
+    q, k_cache, v_cache, table, lengths = make_step([16, 16], pages_per_seq=1, seed=6, extra_pages=0)
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16)
+    attn.plan(table, lengths)
+    out = attn.run(q, k_cache[:1], v_cache[:1])  # one page: the second sequence's page is clamped to it
+    assert torch.isfinite(out).all()
+
+
+BAD_PLANS = {
+    "negative page": (lambda t, n: (t.clone().fill_(-1), n), "page_table: page -1 at \\[0, 0\\] is negative"),
+    "too long": (lambda t, n: (t, n + 100), "seq_lens_kv: sequence 0 has length 137; allowed 1..64"),
+    "empty": (lambda t, n: (t, n * 0), "seq_lens_kv: sequence 0 has length 0"),
+    "dtype": (lambda t, n: (t.long(), n), "page_table: torch.int64"),
+    "batch": (lambda t, n: (t, n[:1]), "seq_lens_kv: 1 lengths for 2 page-table rows"),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_PLANS, ids=list(BAD_PLANS))
+def test_bad_steps_are_refused_at_plan_time_naming_the_argument(bad):
+    _, _, _, table, lengths = make_step([37, 64], pages_per_seq=4)
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16)
+    make, message = BAD_PLANS[bad]
+    with pytest.raises(ValidationError, match=message):
+        attn.plan(*make(table, lengths))
+
+
+def test_bad_runs_and_constructions_are_refused():
+    q, k_cache, v_cache, table, lengths = make_step([37, 64], pages_per_seq=4)
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16)
+    with pytest.raises(ValidationError, match="run\\(\\) before any plan"):
+        attn.run(q, k_cache, v_cache)
+    attn.plan(table, lengths)
+    with pytest.raises(ValidationError, match="q: 17 query tokens"):
+        attn.run(torch.zeros(2, HQ, 17, D, dtype=torch.bfloat16), k_cache, v_cache)
+    with pytest.raises(ValidationError, match="q: batch 1"):
+        attn.run(q[:1], k_cache, v_cache)
+    with pytest.raises(ValidationError, match="k_cache: shape"):
+        attn.run(q, k_cache.transpose(1, 2), v_cache)
+    with pytest.raises(ValidationError, match="q_lens"):
+        attn.plan(table, lengths, q_lens=torch.ones(2, dtype=torch.int32))
+    with pytest.raises(ValidationError, match="num_kv_heads: 3 does not divide"):
+        cudnn_attn.PagedAttention(8, 3, D, PAGE, dtype=torch.bfloat16)
+    with pytest.raises(ValidationError, match="cuda_graph: True needs max_batch"):
+        cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, cuda_graph=True)
+
+
+@pytest.mark.parametrize(
+    "batch,pages,expected_splits",
+    [(1, 512, 32), (1, 32, 8), (4, 128, 8), (32, 64, 1), (64, 512, 1), (8, 512, 4)],
+)
+def test_the_split_fills_the_gpu_for_small_batches_only(batch, pages, expected_splits):
+    """Multi-token decode, page size 64, 32 query / 8 K/V heads (packed): B * H_kv * splits
+    blocks reach about two per SM, chunks no shorter than 256 tokens."""
+    schedule = paged_schedule.choose(batch, pages, 64, 32, 8, 4)
+    assert schedule.packed and schedule.tail
+    assert schedule.splits == expected_splits
+    assert schedule.chunk_pages * schedule.splits >= pages
+
+
+def test_single_token_decode_runs_plain_unless_forced():
+    """cuDNN's own paged decode measured fastest with one query token: no split, no packing."""
+    assert paged_schedule.choose(1, 512, 64, 32, 8, 1) == paged_schedule.Schedule(1, 1, 1, 512, False, False)
+    forced = paged_schedule.choose(1, 512, 64, 32, 8, 1, splits=8, pack=True)
+    assert forced.splits == 8 and forced.packed
