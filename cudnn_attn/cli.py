@@ -124,7 +124,7 @@ def _bench_parser() -> argparse.ArgumentParser:
         "--serving",
         action="store_true",
         help="paged decode per layer inside a CUDA-graph replay (Hq32/Hkv8 d128, page 64; B 1-32, KV 2k-32k, "
-        "S_q 1/4/8): PagedAttention vs one paged call vs torch on contiguous K/V, as % of the memory's rate",
+        "S_q 1/4/8): PagedAttention vs one paged call vs torch on contiguous K/V, as a share of the memory's rate",
     )
     return bench
 
