@@ -17,7 +17,8 @@ are ``[num_pages, H_kv, page_size, D]`` (``kv_layout="NHPD"``) or ``[num_pages, 
 H_kv, D]`` (``"NPHD"``). With ``cuda_graph=True`` every buffer has ``max_batch`` rows: a
 whole step (all layers' ``run``) can be captured once and replayed after each ``plan``,
 which rewrites the buffers in place; batches smaller than ``max_batch`` are padded with
-empty sequences.
+empty sequences. The captured kernels read this instance's buffers: keep it alive as long as
+the graph replays.
 """
 
 from __future__ import annotations
