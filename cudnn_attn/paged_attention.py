@@ -155,10 +155,10 @@ class PagedAttention:
                 row, col = (int(i) for i in torch.nonzero(page_table < 0)[0])
                 problems.append(f"page_table: page {int(page_table[row, col])} at [{row}, {col}] is negative")
             limit = pages * self.page_size
-            bad = (seq_lens_kv < 1) | (seq_lens_kv > limit)
+            bad = (seq_lens_kv < 0) | (seq_lens_kv > limit)  # 0: an empty slot, whose output is zeros
             if bad.any():
                 at = int(torch.nonzero(bad)[0])
-                problems.append(f"seq_lens_kv: sequence {at} has length {int(seq_lens_kv[at])}; allowed 1..{limit} "
+                problems.append(f"seq_lens_kv: sequence {at} has length {int(seq_lens_kv[at])}; allowed 0..{limit} "
                                 f"({pages} pages of {self.page_size})")  # fmt: skip
         if problems:
             raise ValidationError(problems, context="PagedAttention.plan")
@@ -220,7 +220,7 @@ class PagedAttention:
         if problems:
             raise ValidationError(problems, context="PagedAttention.run")
         batch, heads, s_q, dim = q.shape
-        if batch != step["batch"]:
+        if batch not in (step["batch"], step["rows"]):  # with cuda_graph, a step of max_batch rows
             problems.append(f"q: batch {batch}; the step was planned for {step['batch']} sequences")
         if heads != self.num_q_heads or dim != self.head_dim:
             problems.append(f"q: [B, {heads}, S_q, {dim}]; expected {self.num_q_heads} heads of {self.head_dim}")

@@ -109,8 +109,8 @@ def test_pages_past_the_cache_and_lengths_past_the_table_are_clamped_on_the_devi
 
 BAD_PLANS = {
     "negative page": (lambda t, n: (t.clone().fill_(-1), n), "page_table: page -1 at \\[0, 0\\] is negative"),
-    "too long": (lambda t, n: (t, n + 100), "seq_lens_kv: sequence 0 has length 137; allowed 1..64"),
-    "empty": (lambda t, n: (t, n * 0), "seq_lens_kv: sequence 0 has length 0"),
+    "too long": (lambda t, n: (t, n + 100), "seq_lens_kv: sequence 0 has length 137; allowed 0..64"),
+    "negative length": (lambda t, n: (t, n * 0 - 1), "seq_lens_kv: sequence 0 has length -1; allowed 0..64"),
     "dtype": (lambda t, n: (t.long(), n), "page_table: torch.int64"),
     "batch": (lambda t, n: (t, n[:1]), "seq_lens_kv: 1 lengths for 2 page-table rows"),
 }
@@ -163,3 +163,19 @@ def test_single_token_decode_runs_plain_unless_forced():
     assert paged_schedule.choose(1, 512, 64, 32, 8, 1) == paged_schedule.Schedule(1, 1, 1, 512, False, False)
     forced = paged_schedule.choose(1, 512, 64, 32, 8, 1, splits=8, pack=True)
     assert forced.splits == 8 and forced.packed
+
+
+def test_empty_slots_give_zeros_and_a_captured_step_may_keep_max_batch_rows():
+    """A server pads a step to max_batch: empty slots (length 0) give zeros, and run() takes q
+    with max_batch rows after a plan of fewer sequences (what a captured step replays)."""
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, max_batch=4, max_pages_per_seq=4,
+                                     cuda_graph=True)  # fmt: skip
+    q, k_cache, v_cache, table, lengths = make_step([20, 0, 33, 9], pages_per_seq=4, seed=13)
+    attn.plan(table, lengths)
+    out = attn.run(q, k_cache, v_cache)
+    assert out[1].abs().sum() == 0
+    keep = torch.tensor([0, 2, 3])
+    assert rel_err(out[keep], expected(q[keep], k_cache, v_cache, table[keep], lengths[keep])) < 1e-2
+    attn.plan(table[:3], lengths[:3])
+    out = attn.run(q, k_cache, v_cache)  # max_batch rows: the fourth is an empty slot now
+    assert out.shape == q.shape and out[3].abs().sum() == 0

@@ -24,6 +24,7 @@ SAMPLE_TOLERANCE = {
     "03_training": 3e-2,
     "04_fp8": 7e-2,
     "05_varlen_packing": 3e-2,
+    "06_serving": 3e-2,
 }
 REL_ERR = re.compile(r"rel_err=(\S+)")
 
