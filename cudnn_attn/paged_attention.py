@@ -275,10 +275,6 @@ class PagedAttention:
         chunk_lengths = (body_end.unsqueeze(1) - starts).clamp(0, chunk * page)
         derived["body_lengths"] = store("body_lengths", chunk_lengths.reshape(-1).to(torch.int32))
         body_rows = (self.num_q_heads // self.num_kv_heads) * s_q if schedule.packed else s_q
-        # cuDNN leaves a batch entry with no keys undefined: its stats are set to -inf before the merge.
-        derived["body_empty"] = store("body_empty", (derived["body_lengths"] == 0).view(-1, 1, 1, 1))
-        if schedule.tail:
-            derived["tail_empty"] = store("tail_empty", (derived["tail_lengths"] == 0).view(-1, 1, 1, 1))
         derived["body_q_lengths"] = store("body_q_lengths", torch.full((rows * splits,), body_rows,
                                                                               dtype=torch.int32, device=device))  # fmt: skip
         return derived
@@ -328,10 +324,7 @@ class PagedAttention:
             outputs["stats"] = torch.empty(*q.shape[:3], 1, dtype=torch.float32, device=q.device)
         graph.run_roles({"q": q, "k": k_cache, "v": v_cache, "page_table_k": table, "page_table_v": table,
                          "seq_len_q": q_lengths, "seq_len_kv": lengths}, outputs)  # fmt: skip
-        if not stats:
-            return o
-        outputs["stats"].masked_fill_(derived[f"{part}_empty"], float("-inf"))  # merged with weight 0
-        return o, outputs["stats"]
+        return (o, outputs["stats"]) if stats else o
 
     # ---- buffers ----------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .derived_inputs import derived
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
 from .graph_cache import GraphCache
 from .options import default_scale
@@ -91,7 +92,8 @@ def varlen_attention(
            enable_gqa, context)  # fmt: skip
     batch = cu_seqlens_q.shape[0] - 1
     slots = _bucket(batch, 1)
-    lengths_q, lengths_k = (_lengths(cu, slots) for cu in (cu_seqlens_q, cu_seqlens_k))
+    # Derived once per content of each cu_seqlens (every layer of a step passes the same ones).
+    lengths_q, lengths_k = (derived(cu, _lengths, slots) for cu in (cu_seqlens_q, cu_seqlens_k))
     options: dict[str, Any] = dict(
         attn_scale=float(scale) if scale is not None else default_scale(q.shape[-1]),
         use_causal_mask=causal == "top_left",
@@ -119,7 +121,7 @@ class _Varlen(torch.autograd.Function):
     def forward(ctx, q, k, v, lengths_q, lengths_k, options):  # type: ignore[override]
         train = any(ctx.needs_input_grad[:3])
         graph = _forward_graph(q, k, v, lengths_q, lengths_k, options, train)
-        out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)  # every row written
         outputs = {"o": out}
         if train:
             outputs["stats"] = torch.empty(lengths_q.shape[0], q.shape[1], options["max_seq_len_q"], 1,

@@ -287,3 +287,23 @@ def test_out_of_range_ragged_lengths_never_crash():
     with cudnn_attn.Graph(backend="reference") as ref:
         ref.sdpa(q, q, q, seq_len_q=lengths, seq_len_kv=lengths_kv, max_seq_len_q=32, max_seq_len_kv=32)
     assert rel_err(g(q, lengths, lengths_kv), ref(q, lengths, lengths_kv)) < TOL[torch.bfloat16]
+
+
+def test_stats_of_a_sequence_with_no_keys_are_minus_infinity_as_on_the_reference():
+    """cuDNN writes O = 0 for a sequence with seq_len_kv = 0 but leaves its stats unwritten;
+    the plan sets them to -inf first, so both backends agree (and a merge by log-sum-exp
+    weighs such a part 0)."""
+    q, k, v = (randn(2, 4, 8, 64, seed=70 + i) for i in range(3))
+    lengths_q = torch.tensor([8, 8], dtype=torch.int32, device="cuda")
+    lengths_kv = torch.tensor([0, 5], dtype=torch.int32, device="cuda")
+    results = []
+    for device in ("cuda", "cpu"):
+        args = [t.to(device) for t in (q, k, v, lengths_q, lengths_kv)]
+        with cudnn_attn.Graph() as g:
+            o, stats = g.sdpa(*args[:3], seq_len_q=args[3], seq_len_kv=args[4], use_padding_mask=True,
+                              generate_stats=True)  # fmt: skip
+        results.append(g(*args, out=(poisoned(o), poisoned(stats))))
+    (o_gpu, stats_gpu), (o_cpu, stats_cpu) = results
+    assert torch.equal(stats_gpu[0].cpu(), stats_cpu[0]) and bool(torch.isneginf(stats_gpu[0]).all())
+    assert o_gpu[0].abs().sum() == 0
+    assert rel_err(stats_gpu[1], stats_cpu[1]) < 1e-3 and rel_err(o_gpu[1], o_cpu[1]) < 2e-2

@@ -53,6 +53,13 @@ class CudnnPlan:
         handle: Any = None,
         rng_dump: torch.Tensor | None = None,
     ) -> None:
+        if self.problem.options.padding and self.problem.is_forward:
+            # cuDNN leaves the rows of a sequence with no keys unwritten (O and stats), and packed
+            # rows past the last sequence: 0 and -inf first, as the reference backend gives (a
+            # merge by log-sum-exp then weighs such a part 0).
+            outputs["o"].zero_()
+            if "stats" in outputs:
+                outputs["stats"].fill_(float("-inf"))
         pack = self.variant_pack(inputs, outputs, rng_dump)
         self.execute_ordered(tuple(pack.values()), tuple(pack), stream, workspace, handle)
 
