@@ -36,7 +36,9 @@ def clamped(p: AttentionProblem, inputs: Mapping[str, Any], bounds: Mapping[str,
     (``derived_inputs``): decode passes the same lengths and page tables to every layer."""
     safe: dict[str, Any] = dict(inputs)
     # The packed tensors' real token counts: one plan serves every count (problem.for_plan).
-    packed_tokens = {"seq_len_q": inputs["q"].shape[0], "seq_len_kv": inputs["k"].shape[0]} if p.is_thd else {}
+    packed_tokens = {"seq_len_q": inputs["q"].shape[0]} if p.is_thd else {}
+    if p.is_thd and not p.is_paged:
+        packed_tokens["seq_len_kv"] = inputs["k"].shape[0]
     for role, high in bounds.items():
         value = safe.get(role)
         if isinstance(value, torch.Tensor) and role not in packed_tokens:

@@ -33,7 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     ls.add_argument("--json", action="store_true", help="print the list as JSON")
     actions.add_parser("clear", help="remove every stored plan")
     warm = actions.add_parser("warm", help="build (and tune) plans ahead of time, e.g. at a server's start")
-    warm.add_argument("shapes", nargs="*", help='shapes like "b=1,h=32,hkv=8,s=8192,d=128,causal,bwd"')
+    warm.add_argument(
+        "shapes",
+        nargs="*",
+        help='shapes like "b=1,h=32,hkv=8,s=8192,d=128,causal,bwd", or a server\'s paged steps like '
+        '"paged,h=32,hkv=8,d=128,page=64,batch=64,pages=512,cache=40000,sq=1/4,prefill=4096,graph"',
+    )
     warm.add_argument("--file", help="a file with one shape per line")
     warm.add_argument("--no-autotune", action="store_true", help="store heuristic plans without tuning")
 
@@ -124,7 +129,8 @@ def _bench_parser() -> argparse.ArgumentParser:
         "--serving",
         action="store_true",
         help="paged decode per layer inside a CUDA-graph replay (Hq32/Hkv8 d128, page 64; B 1-32, KV 2k-32k, "
-        "S_q 1/4/8): PagedAttention vs one paged call vs torch on contiguous K/V, as a share of the memory's rate",
+        "S_q 1/4/8): PagedAttention vs one paged call vs torch on contiguous K/V, as a share of the memory's rate; "
+        "chunked prefill (chunks 1-512 over caches up to 16k) in effective TFLOP/s",
     )
     return bench
 
@@ -168,15 +174,17 @@ def _bench(args: argparse.Namespace) -> int:
                 json.dump(report, f, indent=2)
         return 0
     if args.serving:
-        from . import bench_serving
+        from . import bench_prefill, bench_serving
 
         rows = bench_serving.serving_rows()
         print(bench_serving.format_serving(rows))
+        prefill = bench_prefill.prefill_row()
+        print(bench_prefill.format_prefill(prefill))
         if args.json:
             import torch
 
             with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "serving": rows}, f, indent=2)
+                json.dump({"device": torch.cuda.get_device_name(), "serving": rows, "prefill": prefill}, f, indent=2)
         return 0
     if args.varlen:
         from . import bench_varlen
@@ -259,11 +267,19 @@ def _warm(args: argparse.Namespace) -> int:
     if not texts:
         print("cudnn-attn cache warm: give shapes or --file", file=sys.stderr)
         return 2
-    shapes = [parse(t) for t in texts]
+    from . import serving_shapes
+
+    servers = [serving_shapes.parse(t) for t in texts if serving_shapes.is_serving(t)]
+    shapes = [parse(t) for t in texts if not serving_shapes.is_serving(t)]
     if not _needs_gpu("cache warm"):
         return 2
     from . import Graph
 
+    for server in servers:  # tuned: a server's PagedAttention without autotune loads them as they are
+        start = time.perf_counter()
+        sources = server.warm(autotune=not args.no_autotune)
+        counts = ", ".join(f"{sources.count(s)} {s}" for s in sorted(set(sources)))
+        print(f"{server.label():<44} {time.perf_counter() - start:7.2f} s  ({counts})")
     for shape in shapes:
         start = time.perf_counter()
         t = shape.tensors("cuda")

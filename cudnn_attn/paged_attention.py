@@ -12,7 +12,15 @@ table and length, in persistent buffers. ``run`` then launches only attention wo
         out = attn.run(q, k_cache[layer], v_cache[layer])   # q: [B, 32, S_q, 128]
 
 Decode takes ``S_q = 1``; multi-token decode (speculative) takes ``S_q`` up to 16, each
-sequence's query tokens being its last ``S_q`` positions (bottom-right causal). The caches
+sequence's query tokens being its last ``S_q`` positions (bottom-right causal). Chunked
+prefill plans with ``q_lens`` and runs packed queries ``[T, H_q, D]``: sequence ``i``'s
+``q_lens[i]`` tokens are the last ones of its cache (bottom-right causal), so one step mixes
+prefill chunks and decode tokens::
+
+    attn.plan(page_table, seq_lens_kv, q_lens=q_lens)   # q_lens[i] <= seq_lens_kv[i]
+    out = attn.run(q_packed, k_cache[layer], v_cache[layer])  # [T, 32, 128], T >= sum(q_lens)
+
+The caches
 are ``[num_pages, H_kv, page_size, D]`` (``kv_layout="NHPD"``) or ``[num_pages, page_size,
 H_kv, D]`` (``"NPHD"``). With ``cuda_graph=True`` every buffer has ``max_batch`` rows: a
 whole step (all layers' ``run``) can be captured once and replayed after each ``plan``,
@@ -28,6 +36,7 @@ from typing import Any
 import torch
 
 from . import paged_schedule
+from .bounds import packed_lengths
 from .errors import ValidationError
 from .graph_cache import GraphCache
 from .lse_merge import merge_partials
@@ -36,6 +45,7 @@ from .paged_schedule import Schedule
 
 LAYOUTS = ("NHPD", "NPHD")
 MAX_QUERY_TOKENS = 16
+SMALLEST_PREFILL_BUCKET = 16  # a prefill plan is built per power of two of the longest chunk
 
 
 class PagedAttention:
@@ -49,6 +59,8 @@ class PagedAttention:
         cuda_graph: fixed-size persistent buffers, so captured runs stay valid across plans.
         splits, pack: force the layout (None: chosen per step, ``paged_schedule.choose``).
         scale: softmax scale (default ``1/sqrt(head_dim)``).
+        autotune: time every cuDNN candidate when a plan is built (plans found in the plan store,
+            tuned or not, load as they are; ``cudnn-attn cache warm`` stores tuned ones).
     """
 
     def __init__(
@@ -67,6 +79,7 @@ class PagedAttention:
         splits: int | None = None,
         pack: bool | None = None,
         scale: float | None = None,
+        autotune: bool = False,
     ):
         problems = []
         for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
@@ -93,7 +106,7 @@ class PagedAttention:
         self.device = _device(device) if device is not None else None
         self.scale = float(scale) if scale is not None else default_scale(head_dim)
         self._splits, self._pack = splits, pack
-        self._graphs = GraphCache()
+        self._graphs = GraphCache(autotune=bool(autotune))
         self._buffers: dict[str, torch.Tensor] = {}
         self._step: dict[str, Any] | None = None  # what plan() prepared
         self._prepared: dict[tuple, dict[str, Any]] = {}  # per (s_q, num_pages): the step's derived inputs
@@ -105,14 +118,11 @@ class PagedAttention:
     def plan(self, page_table: torch.Tensor, seq_lens_kv: torch.Tensor, q_lens: torch.Tensor | None = None) -> None:
         """Prepare a step: ``page_table`` ``[B, pages_per_seq]`` int32 (page indices into the
         caches), ``seq_lens_kv`` ``[B]`` int32 (each sequence's cache length, the new tokens
-        included). CPU tensors are checked value by value; CUDA ones are clamped into range on
-        the device (a bad value gives wrong rows for its sequence, never an access out of bounds)."""
-        if q_lens is not None:
-            raise ValidationError(
-                ["q_lens: chunked prefill (packed queries) is not available yet; plan decode steps (q [B, H, S_q, D])"],
-                context="PagedAttention.plan",
-            )  # fmt: skip
-        device = self._check_plan(page_table, seq_lens_kv)
+        included), ``q_lens`` ``[B]`` int32 for chunked prefill (each sequence's new tokens, at
+        most its cache length; ``run`` then takes packed ``[T, H_q, D]`` queries). CPU tensors
+        are checked value by value; CUDA ones are clamped into range on the device (a bad value
+        gives wrong rows for its sequence, never an access out of bounds)."""
+        device = self._check_plan(page_table, seq_lens_kv, q_lens)
         batch, pages = page_table.shape
         rows = self.max_batch if self.cuda_graph else batch
         width = self.max_pages_per_seq if self.cuda_graph else pages
@@ -123,15 +133,30 @@ class PagedAttention:
         table[:batch, :pages].copy_(page_table, non_blocking=True)
         lengths.zero_()  # sequences past the batch are empty
         torch.clamp(seq_lens_kv.to(device, non_blocking=True), 0, pages * self.page_size, out=lengths[:batch])
-        self._step = {"batch": batch, "rows": rows, "width": width, "device": device}
-        # Every layer geometry run before is derived now, into the same buffers: a captured
-        # step reads them in place, and run() launches attention work only.
-        self._prepared = {key: self._derive(key[0], key[1], self._step) for key in self._prepared}
+        self._step = {"batch": batch, "rows": rows, "width": width, "device": device, "prefill": q_lens is not None}
+        if q_lens is not None:
+            query_lengths = self._buffer("q_lens", (rows,), torch.int32, device)
+            query_lengths.zero_()
+            torch.minimum(q_lens.to(device, non_blocking=True).clamp(min=0), lengths[:batch],
+                          out=query_lengths[:batch])  # fmt: skip
+            host = not q_lens.is_cuda  # then the longest chunk and the tokens are known without a sync
+            self._step["longest_q"] = int(q_lens.max()) if host else None
+            self._step["tokens"] = int(q_lens.sum()) if host else None
+        # Every layer geometry of this kind run before is derived now, into the same buffers: a
+        # captured step reads them in place, and run() launches attention work only. Eager
+        # prefill geometries (one per token count) are derived again by their first run.
+        kind = "prefill" if q_lens is not None else "decode"
+        self._prepared = {
+            key: self._derive(key, self._step) if key[0] == kind else derived
+            for key, derived in self._prepared.items()
+            if key[0] == "decode" or self.cuda_graph
+        }
         self.plans += 1
 
-    def _check_plan(self, page_table: Any, seq_lens_kv: Any) -> torch.device:
+    def _check_plan(self, page_table: Any, seq_lens_kv: Any, q_lens: Any) -> torch.device:
         problems = []
-        for name, t, rank in (("page_table", page_table, 2), ("seq_lens_kv", seq_lens_kv, 1)):
+        given = [("page_table", page_table, 2), ("seq_lens_kv", seq_lens_kv, 1)]
+        for name, t, rank in given + ([("q_lens", q_lens, 1)] if q_lens is not None else []):
             if not isinstance(t, torch.Tensor):
                 problems.append(f"{name}: {type(t).__name__}; expected an int32 tensor")
             elif t.dtype != torch.int32 or t.dim() != rank:
@@ -141,6 +166,8 @@ class PagedAttention:
         batch, pages = page_table.shape
         if seq_lens_kv.shape[0] != batch:
             problems.append(f"seq_lens_kv: {seq_lens_kv.shape[0]} lengths for {batch} page-table rows")
+        if q_lens is not None and q_lens.shape[0] != batch:
+            problems.append(f"q_lens: {q_lens.shape[0]} lengths for {batch} page-table rows")
         if batch < 1 or pages < 1:
             problems.append(f"page_table: shape {list(page_table.shape)}; needs at least one sequence and one page")
         if self.max_batch is not None and batch > self.max_batch:
@@ -160,26 +187,83 @@ class PagedAttention:
                 at = int(torch.nonzero(bad)[0])
                 problems.append(f"seq_lens_kv: sequence {at} has length {int(seq_lens_kv[at])}; allowed 0..{limit} "
                                 f"({pages} pages of {self.page_size})")  # fmt: skip
+            elif q_lens is not None and not q_lens.is_cuda and ((q_lens < 0) | (q_lens > seq_lens_kv)).any():
+                at = int(torch.nonzero((q_lens < 0) | (q_lens > seq_lens_kv))[0])
+                problems.append(f"q_lens: sequence {at} has {int(q_lens[at])} new tokens; allowed 0..seq_lens_kv[{at}]="
+                                f"{int(seq_lens_kv[at])} (the new tokens are the last of its cache)")  # fmt: skip
         if problems:
             raise ValidationError(problems, context="PagedAttention.plan")
         return device
 
+    # ---- warm: at a server's start ---------------------------------------------------------------
+
+    def warm(self, num_pages: int, *, s_q: tuple[int, ...] = (1,), prefill_tokens: tuple[int, ...] = ()) -> list[str]:
+        """Build (or load from the plan store) every plan the steps of this server run, before
+        the first request: decode with each of ``s_q`` query tokens, and chunked prefill with
+        each packed token count of ``prefill_tokens``, for caches of ``num_pages`` pages and
+        steps of ``max_batch`` sequences of ``max_pages_per_seq`` pages (required here). With
+        ``cuda_graph`` that is every plan a step can need; without it, steps of other sizes
+        build their own. Returns each graph's plan source ("built", "disk"); plan again after.
+
+        Example, at a server's start (``cudnn-attn cache warm`` does the same from a shape list)::
+
+            attn = PagedAttention(32, 8, 128, 64, dtype=torch.bfloat16, max_batch=64,
+                                  max_pages_per_seq=512, cuda_graph=True, device="cuda")
+            attn.warm(num_pages=40_000, s_q=(1, 4), prefill_tokens=(4096,))
+        """
+        problems = []
+        if self.max_batch is None or self.max_pages_per_seq is None:
+            problems.append("max_batch: warm() needs max_batch and max_pages_per_seq (the step geometry to plan for)")
+        for name, values in (("s_q", s_q), ("prefill_tokens", prefill_tokens)):
+            if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in values):
+                problems.append(f"{name}: {values!r}; expected ints >= 1")
+        if any(n > MAX_QUERY_TOKENS for n in s_q if isinstance(n, int)):
+            problems.append(f"s_q: {s_q!r}; decode takes 1..{MAX_QUERY_TOKENS} query tokens")
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            problems.append(f"num_pages: {num_pages!r}; must be an int >= 1")
+        if problems:
+            raise ValidationError(problems, context="PagedAttention.warm")
+        assert self.max_batch is not None and self.max_pages_per_seq is not None
+        device = self.device or _device("cuda" if torch.cuda.is_available() else "cpu")
+        rows, width, page = self.max_batch, self.max_pages_per_seq, self.page_size
+        shape = ((num_pages, self.num_kv_heads, page, self.head_dim) if self.kv_layout == "NHPD"
+                 else (num_pages, page, self.num_kv_heads, self.head_dim))  # fmt: skip
+        k_cache, v_cache = (torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(2))
+        table = (torch.arange(rows * width, dtype=torch.int32, device=device) % num_pages).view(rows, width)
+        lengths = torch.full((rows,), width * page, dtype=torch.int32, device=device)
+        self.plan(table, lengths)
+        for tokens in s_q:
+            self.run(torch.zeros(rows, self.num_q_heads, tokens, self.head_dim, dtype=self.dtype, device=device),
+                     k_cache, v_cache)  # fmt: skip
+        for tokens in prefill_tokens:
+            q = torch.zeros(tokens, self.num_q_heads, self.head_dim, dtype=self.dtype, device=device)
+            most = min(tokens, width * page)  # without cuda_graph, each chunk bucket up to it is a plan
+            buckets = {_bucket(1 << b) for b in range(most.bit_length() + 1)} if not self.cuda_graph else set()
+            for chunk in sorted({min(bucket, most) for bucket in buckets} | {most}):
+                q_lens = torch.zeros(rows, dtype=torch.int32)
+                q_lens[: tokens // chunk] = chunk
+                self.plan(table, lengths, q_lens=q_lens)
+                self.run(q, k_cache, v_cache)
+        self._step = None
+        return [getattr(node.plan, "source", "reference") for graph in self._graphs.graphs() for node in graph.nodes]
+
     # ---- run: per layer -----------------------------------------------------------------------
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None = None):
-        """One layer: ``q`` ``[B, H_q, S_q, D]`` (S_q <= 16), the layer's caches; returns ``out``
-        (or a new tensor) ``[B, H_q, S_q, D]``."""
+        """One layer: ``q`` ``[B, H_q, S_q, D]`` (S_q <= 16), or packed ``[T, H_q, D]`` after a
+        plan with ``q_lens``, and the layer's caches; returns ``out`` (or a new tensor) of
+        ``q``'s shape. Output rows past ``sum(q_lens)`` are zero."""
         step = self._step
         if step is None:
             raise ValidationError(["plan: run() before any plan(); call plan(page_table, seq_lens_kv) each step"],
                                   context="PagedAttention.run")  # fmt: skip
         self._check_run(q, k_cache, v_cache, out, step)
-        s_q = q.shape[2]
-        num_pages = k_cache.shape[0]
-        key = (s_q, num_pages)
+        if step["prefill"]:
+            return self._run_prefill(q, k_cache, v_cache, out, step)
+        key = ("decode", q.shape[2], k_cache.shape[0])
         derived = self._prepared.get(key)
         if derived is None:  # a geometry new to this PagedAttention: derived now, and by every later plan()
-            derived = self._prepared[key] = self._derive(s_q, num_pages, step)
+            derived = self._prepared[key] = self._derive(key, step)
         schedule = derived["schedule"]
         self.schedule = schedule
         rows = step["rows"]
@@ -210,22 +294,32 @@ class PagedAttention:
 
     def _check_run(self, q: Any, k_cache: Any, v_cache: Any, out: Any, step: dict[str, Any]) -> None:
         problems = []
-        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                problems.append(f"{name}: expected a 4-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
+        q_rank = 3 if step["prefill"] else 4
+        for name, t, rank in (("q", q, q_rank), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
+            if not isinstance(t, torch.Tensor) or t.dim() != rank:
+                form = ("a packed [T, H_q, D] tensor (the step was planned with q_lens)" if name == "q" and rank == 3
+                        else "a 4-D tensor")  # fmt: skip
+                problems.append(f"{name}: expected {form}, got {getattr(t, 'shape', type(t).__name__)}")
             elif t.dtype != self.dtype:
                 problems.append(f"{name}: dtype {t.dtype}; this PagedAttention takes {self.dtype}")
             elif t.device != step["device"]:
                 problems.append(f"{name}: on {t.device}; the step was planned on {step['device']}")
         if problems:
             raise ValidationError(problems, context="PagedAttention.run")
-        batch, heads, s_q, dim = q.shape
-        if batch not in (step["batch"], step["rows"]):  # with cuda_graph, a step of max_batch rows
-            problems.append(f"q: batch {batch}; the step was planned for {step['batch']} sequences")
+        heads, dim = q.shape[-2 if step["prefill"] else 1], q.shape[-1]
         if heads != self.num_q_heads or dim != self.head_dim:
-            problems.append(f"q: [B, {heads}, S_q, {dim}]; expected {self.num_q_heads} heads of {self.head_dim}")
-        if not 1 <= s_q <= MAX_QUERY_TOKENS:
-            problems.append(f"q: {s_q} query tokens per sequence; allowed 1..{MAX_QUERY_TOKENS}")
+            problems.append(f"q: {heads} heads of {dim}; expected {self.num_q_heads} heads of {self.head_dim}")
+        if step["prefill"]:
+            if step["tokens"] is not None and q.shape[0] < step["tokens"]:
+                problems.append(f"q: {q.shape[0]} tokens; the step's q_lens sum to {step['tokens']}")
+            if q.stride(-1) != 1:
+                problems.append(f"q: strides {list(q.stride())}; the head dim must be contiguous (stride 1)")
+        else:
+            batch, s_q = q.shape[0], q.shape[2]
+            if batch not in (step["batch"], step["rows"]):  # with cuda_graph, a step of max_batch rows
+                problems.append(f"q: batch {batch}; the step was planned for {step['batch']} sequences")
+            if not 1 <= s_q <= MAX_QUERY_TOKENS:
+                problems.append(f"q: {s_q} query tokens per sequence; allowed 1..{MAX_QUERY_TOKENS}")
         expected = ([None, self.num_kv_heads, self.page_size, self.head_dim] if self.kv_layout == "NHPD"
                     else [None, self.page_size, self.num_kv_heads, self.head_dim])  # fmt: skip
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -239,10 +333,68 @@ class PagedAttention:
         if problems:
             raise ValidationError(problems, context="PagedAttention.run")
 
+    def _run_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None,
+                     step: dict[str, Any]) -> torch.Tensor:  # fmt: skip
+        """Chunked prefill: packed queries, bottom-right causal per sequence, one ragged call.
+        Prefill chunks bring query rows enough to fill the GPU: no split, no packing."""
+        tokens, num_pages = q.shape[0], k_cache.shape[0]
+        longest = self._longest_chunk(tokens, step)
+        key = ("prefill", tokens, longest, num_pages)
+        derived = self._prepared.get(key)
+        if derived is None:
+            derived = self._prepared[key] = self._derive(key, step)
+        self.schedule = derived["schedule"]
+        result = (
+            out if out is not None and out.is_contiguous() else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        )
+        table, lengths, q_lengths = derived["table"], self._buffers["lengths"], derived["q_lengths"]
+        graph_key = ("prefill", q.shape[1:], q.stride(), k_cache.shape[1:], k_cache.stride(), table.shape, longest)
+
+        def record(g: Any) -> None:
+            o, _ = g.sdpa(q, k_cache, v_cache, paged_attention_k_table=table, paged_attention_v_table=table,
+                          paged_attention_max_seq_len_kv=table.shape[1] * self.page_size, seq_len_q=q_lengths,
+                          seq_len_kv=lengths, max_seq_len_q=longest, use_padding_mask=True,
+                          use_causal_mask_bottom_right=True, attn_scale=self.scale, kv_cache_layout=self.kv_layout)  # fmt: skip
+            o.set_stride(list(result.stride()))  # the token stride enters the output's ragged offsets
+
+        graph = self._graphs.get_or_build(graph_key, record)
+        graph.run_roles({"q": q, "k": k_cache, "v": v_cache, "page_table_k": table, "page_table_v": table,
+                         "seq_len_q": q_lengths, "seq_len_kv": lengths}, {"o": result})  # fmt: skip
+        if out is not None and result is not out:
+            return out.copy_(result)
+        return result
+
+    def _longest_chunk(self, tokens: int, step: dict[str, Any]) -> int:
+        """The prefill plan's bound on a chunk: the longest planned chunk's power of two when
+        known on the host; otherwise (q_lens on the GPU), and always with ``cuda_graph`` (a
+        captured step must hold every later plan's chunks), what the step can hold at most."""
+        most = min(tokens, step["width"] * self.page_size)
+        known = step["longest_q"]
+        return _bucket(most if known is None or self.cuda_graph else min(known, most))
+
     # ---- the step's derived inputs --------------------------------------------------------------
 
-    def _derive(self, s_q: int, num_pages: int, step: dict[str, Any]) -> dict[str, Any]:
-        """This step's tables and lengths for each part, from the planned table and lengths."""
+    def _derive_prefill(self, key: tuple, step: dict[str, Any]) -> dict[str, Any]:
+        """A prefill step's query lengths, cut to the packed tensor's ``tokens`` and bounded by
+        the plan's ``longest`` chunk, so no sequence reads or writes past the tensors."""
+        _, tokens, longest, num_pages = key
+        rows, width = step["rows"], step["width"]
+        name = f"@{tokens},{longest},{num_pages}" if self.cuda_graph else ""  # eager: one buffer, re-derived per step
+        q_lengths = packed_lengths(self._buffers["q_lens"], longest, tokens)
+        schedule = Schedule(batch=rows, s_q=longest, splits=1, chunk_pages=width, packed=False, tail=False)
+        return {
+            "schedule": schedule,
+            "table": self._store(f"prefill_table{name}", self._buffers["table"].clamp(0, num_pages - 1)),
+            "q_lengths": self._store(f"prefill_q_lengths{name}", q_lengths),
+        }
+
+    def _derive(self, key: tuple, step: dict[str, Any]) -> dict[str, Any]:
+        """This step's tables and lengths for each part of one layer geometry (``key``: decode
+        ``("decode", s_q, num_pages)`` or ``("prefill", tokens, longest, num_pages)``), from the
+        planned table and lengths."""
+        if key[0] == "prefill":
+            return self._derive_prefill(key, step)
+        _, s_q, num_pages = key
         rows, width, device = step["rows"], step["width"], step["device"]
         schedule = paged_schedule.choose(
             rows, width, self.page_size, self.num_q_heads, self.num_kv_heads, s_q, sm_count=_sm_count(device),
@@ -338,6 +490,11 @@ class PagedAttention:
     def _store(self, name: str, value: torch.Tensor) -> torch.Tensor:
         buffer = self._buffer(name, tuple(value.shape), value.dtype, value.device)
         return buffer.copy_(value)
+
+
+def _bucket(n: int) -> int:
+    """The power of two at or above ``n`` (at least ``SMALLEST_PREFILL_BUCKET``)."""
+    return max(SMALLEST_PREFILL_BUCKET, 1 << max(0, n - 1).bit_length())
 
 
 def _device(device: Any) -> torch.device:

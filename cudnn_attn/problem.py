@@ -170,9 +170,9 @@ class AttentionProblem:
         does not enter cuDNN's graph (it sees ``[B, H, S_max, D]`` and offsets), so with both
         maximum lengths given it is set to the most tokens the batch can hold: one plan serves
         every packing of the same geometry, and plans read the real count from their inputs."""
-        if not self.is_thd or self.max_seq_len_q is None or self.max_seq_len_kv is None:
+        if not self.is_thd or self.max_seq_len_q is None or (self.max_seq_len_kv is None and not self.is_paged):
             return self
-        tokens = {"q": self.batch * self.max_seq_len_q, "kv": self.batch * self.max_seq_len_kv}
+        tokens = {"q": self.batch * self.max_seq_len_q, "kv": self.batch * (self.max_seq_len_kv or 0)}
         changes = {}
         for role, side in (("q", "q"), ("o", "q"), ("grad_o", "q"), ("grad_q", "q"),
                            ("k", "kv"), ("v", "kv"), ("grad_k", "kv"), ("grad_v", "kv")):  # fmt: skip

@@ -42,7 +42,8 @@ def run_tensors(p: AttentionProblem, seed: int = 0) -> tuple[dict, dict]:
     for role in ("page_table_k", "page_table_v"):
         spec = getattr(p, role)
         if spec is not None:
-            perm = torch.randperm(p.k.shape[0], generator=gen)[: spec.numel] % p.k.shape[0]
+            pages = p.k.shape[0]  # tables may address more pages than the cache holds: pages repeat
+            perm = torch.randperm(pages, generator=gen).repeat(-(-spec.numel // pages))[: spec.numel]
             inputs[role] = perm.view(spec.shape).to(device=p.device, dtype=torch.int32)
     if p.has_dropout:
         inputs["dropout_seed"], inputs["dropout_offset"] = 1234, 0
@@ -59,7 +60,7 @@ def run_tensors(p: AttentionProblem, seed: int = 0) -> tuple[dict, dict]:
 
 
 def _full_length(p: AttentionProblem, side: str) -> int:
-    if p.is_thd:  # lengths must fit the packed token count
+    if p.is_thd and not (side == "kv" and p.is_paged):  # lengths must fit the packed token count
         tokens = p.q.shape[0] if side == "q" else p.k.shape[0]
         return min(p.s_q if side == "q" else p.s_kv, tokens // p.batch)
     return p.s_q if side == "q" else p.s_kv

@@ -382,12 +382,11 @@ def _check_paging(p: AttentionProblem, found: list[str]) -> None:
         found.append(
             "paged_attention_k_table: paged K/V caches are forward-only (inference); sdpa_backward takes dense K/V"
         )
-    if p.q.rank != 4:
-        found.append("q: paged caches need a dense 4-D q [B, H, S_q, D]")
-        return
     if p.seq_len_kv is None:
         found.append("seq_len_kv: paged caches need seq_len_kv (the valid length of each sequence's cache)")
-    b = p.q.shape[0]
+    if p.is_thd and p.seq_len_q is None:
+        return  # the batch is unknown; the padding check names seq_len_q
+    b = p.batch  # a ragged q (chunked prefill): one page-table row per seq_len_q entry
     page_size = p.page_size or 0
     pages = None
     for role in ("page_table_k", "page_table_v"):
@@ -452,7 +451,8 @@ def value_problems(p: AttentionProblem, data: Mapping[str, torch.Tensor]) -> lis
         if bad.numel():
             found.append(f"{role}: values {bad[:4].tolist()} out of range; each length must be in 0..{limit}")
     if p.is_thd:
-        for role, tokens in (("seq_len_q", p.q.shape[0]), ("seq_len_kv", p.k.shape[0])):
+        packed = [("seq_len_q", p.q.shape[0])] + ([] if p.is_paged else [("seq_len_kv", p.k.shape[0])])
+        for role, tokens in packed:
             t = data.get(role)
             if t is not None and int(t.detach().to("cpu", torch.int64).sum()) > tokens:
                 total = int(t.detach().to("cpu", torch.int64).sum())

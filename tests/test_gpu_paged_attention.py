@@ -106,3 +106,76 @@ def test_plan_and_run_make_no_host_sync():
         attn.run(q, k_cache, v_cache)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def _prefill_step(q_lens, kv_lens, pages_per_seq, seed=0, spare_tokens=0):
+    _, k_cache, v_cache, table, lengths = _step(kv_lens, pages_per_seq, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(sum(q_lens) + spare_tokens, HQ, D, generator=gen).to(torch.bfloat16)
+    return q, k_cache, v_cache, table, lengths, torch.tensor(q_lens, dtype=torch.int32)
+
+
+PREFILLS = {
+    "mixed-1-512-over-16k": dict(q_lens=[512, 1, 300, 77, 1, 512], kv_lens=[16384, 9000, 300, 4000, 1, 700]),
+    "whole-prompts": dict(q_lens=[1000, 129, 64], kv_lens=[1000, 129, 64]),
+    "with-empty-slot-and-spare-rows": dict(q_lens=[33, 0, 200], kv_lens=[5000, 0, 200], spare=40),
+}
+
+
+@pytest.mark.parametrize("case", PREFILLS, ids=list(PREFILLS))
+def test_chunked_prefill_matches_the_reference(case):
+    spec = PREFILLS[case]
+    q, k_cache, v_cache, table, lengths, q_lens = _prefill_step(spec["q_lens"], spec["kv_lens"], 256, seed=len(case),
+                                                                spare_tokens=spec.get("spare", 0))  # fmt: skip
+    results = []
+    for device in ("cuda", "cpu"):
+        attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device=device)
+        attn.plan(table.to(device), lengths.to(device), q_lens=q_lens.to(device))
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=device)
+        results.append(attn.run(q.to(device), k_cache.to(device), v_cache.to(device), out=out).cpu())
+    got, want = results
+    assert torch.isfinite(got).all()
+    assert rel_err(got, want) < 1.5e-2
+
+
+def test_a_captured_prefill_step_replays_after_new_plans():
+    """Fixed token budget T: q_lens on the GPU change per step; plan() then replay() matches eager."""
+    max_batch, pages, tokens = 4, 32, 512
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=max_batch,
+                                     max_pages_per_seq=pages, cuda_graph=True)  # fmt: skip
+    first = _prefill_step([128] * 4, [1000] * 4, pages, seed=3)
+    q = first[0].cuda()
+    k, v = first[1].cuda(), first[2].cuda()
+    out = torch.empty_like(q)
+    attn.plan(first[3].cuda(), first[4].cuda(), q_lens=first[5].cuda())
+    attn.run(q, k, v, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.run(q, k, v, out=out)
+    eager = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda")
+    for seed, (q_lens, kv_lens) in enumerate((([500, 1, 11], [2000, 1, 11]), ([7, 300, 5, 200], [7, 900, 64, 2000])),
+                                             start=4):  # fmt: skip
+        step = _prefill_step(q_lens, kv_lens, pages, seed=seed, spare_tokens=tokens - sum(q_lens))
+        q.copy_(step[0])
+        attn.plan(step[3].cuda(), step[4].cuda(), q_lens=step[5].cuda())
+        out.fill_(float("nan"))
+        graph.replay()
+        eager.plan(step[3].cuda(), step[4].cuda(), q_lens=step[5].cuda())
+        want = eager.run(q, k, v)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, want) < 1e-3
+
+
+def test_a_prefill_step_makes_no_host_sync():
+    q, k_cache, v_cache, table, lengths, q_lens = (t.cuda() for t in _prefill_step([300, 40], [3000, 40], 64, seed=8))
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda")
+    attn.plan(table, lengths, q_lens=q_lens)
+    attn.run(q, k_cache, v_cache)  # builds the graph
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        attn.plan(table, lengths, q_lens=q_lens)
+        attn.run(q, k_cache, v_cache)
+        attn.run(q, k_cache, v_cache)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -137,8 +137,9 @@ def test_bad_runs_and_constructions_are_refused():
         attn.run(q[:1], k_cache, v_cache)
     with pytest.raises(ValidationError, match="k_cache: shape"):
         attn.run(q, k_cache.transpose(1, 2), v_cache)
-    with pytest.raises(ValidationError, match="q_lens"):
+    with pytest.raises(ValidationError, match="q: expected a packed \\[T, H_q, D\\] tensor"):
         attn.plan(table, lengths, q_lens=torch.ones(2, dtype=torch.int32))
+        attn.run(q, k_cache, v_cache)
     with pytest.raises(ValidationError, match="num_kv_heads: 3 does not divide"):
         cudnn_attn.PagedAttention(8, 3, D, PAGE, dtype=torch.bfloat16)
     with pytest.raises(ValidationError, match="cuda_graph: True needs max_batch"):
@@ -179,3 +180,83 @@ def test_empty_slots_give_zeros_and_a_captured_step_may_keep_max_batch_rows():
     attn.plan(table[:3], lengths[:3])
     out = attn.run(q, k_cache, v_cache)  # max_batch rows: the fourth is an empty slot now
     assert out.shape == q.shape and out[3].abs().sum() == 0
+
+
+def packed_step(q_lens, kv_lens, pages_per_seq, seed=0, spare_tokens=0):
+    """A chunked-prefill step: packed queries ``[T, H, D]`` (T = sum(q_lens) + spare_tokens)."""
+    _, k_cache, v_cache, table, lengths = make_step(kv_lens, pages_per_seq, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(sum(q_lens) + spare_tokens, HQ, D, generator=gen).to(torch.bfloat16)
+    return q, k_cache, v_cache, table, lengths, torch.tensor(q_lens, dtype=torch.int32)
+
+
+def expected_packed(q, k_cache, v_cache, table, lengths, q_lens):
+    """Each sequence's chunk on its own (its last positions, bottom-right causal), packed."""
+    outs, start = [], 0
+    for b, n in enumerate(q_lens.tolist()):
+        chunk = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        outs.append(expected(chunk, k_cache, v_cache, table[b : b + 1], lengths[b : b + 1])[0].transpose(0, 1))
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "cuda_graph"])
+def test_chunked_prefill_mixes_prefill_chunks_and_decode_tokens(cuda_graph):
+    """One step: a whole prompt (q = kv), a chunk of a longer prompt, a decode token, an empty
+    slot, against each sequence alone; rows past sum(q_lens) are zero."""
+    q_lens, kv_lens = [40, 17, 1, 0], [40, 60, 33, 0]
+    q, k_cache, v_cache, table, lengths, q_lens_t = packed_step(q_lens, kv_lens, pages_per_seq=4, seed=21,
+                                                                spare_tokens=5)  # fmt: skip
+    limits = dict(max_batch=6, max_pages_per_seq=5, cuda_graph=True) if cuda_graph else {}
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, **limits)
+    attn.plan(table, lengths, q_lens=q_lens_t)
+    out = torch.full_like(q, float("nan"))
+    assert attn.run(q, k_cache, v_cache, out=out) is out
+    total = sum(q_lens)
+    assert rel_err(out[:total], expected_packed(q, k_cache, v_cache, table, lengths, q_lens_t)) < 1e-2
+    assert out[total:].abs().sum() == 0
+    assert attn.schedule is not None and attn.schedule.s_q == 64  # the longest chunk's bucket
+
+
+def test_prefill_and_decode_steps_alternate_on_one_instance():
+    """A serving loop: a prefill step, decode steps, another prefill of new length; each plan
+    serves every layer (here two), and each step's results match."""
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16)
+    for step, (q_lens, kv_lens) in enumerate([([20, 9], [20, 9]), (None, [21, 10]), ([3, 30], [24, 40])]):
+        if q_lens is None:
+            q, k_cache, v_cache, table, lengths = make_step(kv_lens, pages_per_seq=3, seed=30 + step)
+            attn.plan(table, lengths)
+            want = expected(q, k_cache, v_cache, table, lengths)
+        else:
+            q, k_cache, v_cache, table, lengths, q_lens_t = packed_step(q_lens, kv_lens, 3, seed=30 + step)
+            attn.plan(table, lengths, q_lens=q_lens_t)
+            want = expected_packed(q, k_cache, v_cache, table, lengths, q_lens_t)
+        for _layer in range(2):
+            assert rel_err(attn.run(q, k_cache, v_cache), want) < 1e-2
+    assert attn.plans == 3
+
+
+BAD_PREFILLS = {
+    "longer than the cache": ([5, 50], "q_lens: sequence 1 has 50 new tokens; allowed 0..seq_lens_kv\\[1\\]=40"),
+    "negative": ([-1, 3], "q_lens: sequence 0 has -1 new tokens"),
+    "count": ([5], "q_lens: 1 lengths for 2 page-table rows"),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_PREFILLS, ids=list(BAD_PREFILLS))
+def test_bad_prefill_steps_are_refused_naming_q_lens(bad):
+    _, _, _, table, lengths, _ = packed_step([5, 5], [20, 40], pages_per_seq=3)
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16)
+    q_lens, message = BAD_PREFILLS[bad]
+    with pytest.raises(ValidationError, match=message):
+        attn.plan(table, lengths, q_lens=torch.tensor(q_lens, dtype=torch.int32))
+
+
+def test_a_prefill_run_needs_the_planned_tokens():
+    q, k_cache, v_cache, table, lengths, q_lens = packed_step([5, 7], [20, 40], pages_per_seq=3)
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16)
+    attn.plan(table, lengths, q_lens=q_lens)
+    with pytest.raises(ValidationError, match="q: 11 tokens; the step's q_lens sum to 12"):
+        attn.run(q[:11], k_cache, v_cache)
+    with pytest.raises(ValidationError, match="q: expected a packed"):
+        attn.run(q.view(1, 12, HQ, D), k_cache, v_cache)

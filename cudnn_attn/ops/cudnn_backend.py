@@ -56,8 +56,9 @@ class CudnnBackend:
         store: PlanStore | None = None,
         rng_dump: bool = False,
     ) -> CudnnPlan:
-        """Load the plan from ``store`` when it holds one for this problem and platform;
-        otherwise build it (timing every candidate when ``autotune``) and save it there."""
+        """Load the plan from ``store`` when it holds one for this problem and platform (a tuned
+        plan serves a request without tuning too: it is the better one); otherwise build it
+        (timing every candidate when ``autotune``) and save it there."""
         device_index = cudnn_platform.device_index(problem.device)
         here = platform(device_index)
         record = {"gpu": here.gpu, "arch": list(here.arch), "cudnn": here.cudnn, "frontend": here.frontend}
@@ -65,9 +66,11 @@ class CudnnBackend:
         key = entry_key(problem, record, variant) if store is not None and not rng_dump else None
         try:
             if key is not None and store is not None:
-                plan = self._load(problem, store, key, record, device_index)
-                if plan is not None:
-                    return plan
+                loadable = [key] if autotune else [entry_key(problem, record, "autotuned"), key]
+                for stored in loadable:
+                    plan = self._load(problem, store, stored, record, device_index)
+                    if plan is not None:
+                        return plan
             # One handle for lowering, planning and tuning: the library's own for this thread.
             lowered = lowering.lower(problem, rng_dump=rng_dump, handle=cudnn_handle(device_index))
             plan = self._build(problem, lowered, autotune, device_index)

@@ -93,7 +93,7 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) ->
         )
 
     def ragged(role: str, spec: TensorSpec) -> dict[str, Any]:
-        if not p.is_thd:
+        if not p.is_thd or spec.rank != 3:  # paged caches beside a ragged q are not ragged
             return {}
         entry = ROLES[role]
         uid = entry.ragged_uid
