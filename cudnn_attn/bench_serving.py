@@ -77,9 +77,14 @@ def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
     ours = PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=batch,
                           max_pages_per_seq=kv // PAGE, cuda_graph=True)  # fmt: skip
     plain = PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=batch,
-                           max_pages_per_seq=kv // PAGE, cuda_graph=True, splits=1, pack=False)  # fmt: skip
-    outs = {name: [torch.empty_like(q) for _ in range(LAYERS)] for name in ("ours", "plain", "torch")}
-    for attn in (ours, plain):
+                           max_pages_per_seq=kv // PAGE, cuda_graph=True, splits=1, pack=False,
+                           decode_kernel="cudnn" if s_q == 1 else None)  # fmt: skip
+    # Single-token decode: the other kernel than the one chosen, as a column of its own.
+    other = "cudnn" if _chosen_kernel(ours, t) == "triton" else "triton"
+    forced = PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=batch,
+                            max_pages_per_seq=kv // PAGE, cuda_graph=True, decode_kernel=other)  # fmt: skip
+    outs = {name: [torch.empty_like(q) for _ in range(LAYERS)] for name in ("ours", "plain", "forced", "torch")}
+    for attn in (ours, plain, forced):
         attn.plan(t["table"], t["lengths"])
     dense = [_dense(t, layer) for layer in range(LAYERS)]
     visible = torch.arange(kv, device="cuda")[None, :] <= (kv - s_q + torch.arange(s_q, device="cuda"))[:, None]
@@ -98,6 +103,8 @@ def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
         "paged, no split or packing": _captured(layer_of(plain, "plain")),
         "torch sdpa, contiguous KV": _captured(torch_layer),
     }  # fmt: skip
+    if s_q == 1:
+        paths[f"PagedAttention, {other} kernel"] = _captured(layer_of(forced, "forced"))
     kv_bytes = 2 * batch * kv * HKV * D * 2
     nbytes = kv_bytes + 2 * q.numel() * 2
     source = torch.empty(kv_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
@@ -122,13 +129,23 @@ def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
         column = {"us_per_layer": per_layer, "spread_pct": 100 * (cell["high"] - cell["low"]) / cell["us"],
                   "tbps": nbytes / (per_layer * 1e-6) / 1e12}  # fmt: skip
         column["pct_of_best_rate"] = 100 * column["tbps"] * 1e12 / best
-        key = {"PagedAttention": "ours", "paged, no split or packing": "plain", "torch sdpa, contiguous KV": "torch"}[
-            name
-        ]
+        key = {
+            "PagedAttention": "ours",
+            "paged, no split or packing": "plain",
+            "torch sdpa, contiguous KV": "torch",
+        }.get(name, "forced")
         got = outs[key][LAYERS - 1].float()
         column["rel_err"] = float((got - expected).norm() / expected.norm())
         row["columns"][name] = column
     return row
+
+
+def _chosen_kernel(attn: PagedAttention, t: dict[str, Any]) -> str:
+    """The decode kernel ``attn`` chooses for this step (its schedule, once planned and run)."""
+    attn.plan(t["table"], t["lengths"])
+    attn.run(t["q"], *t["caches"][0])
+    assert attn.schedule is not None
+    return attn.schedule.kernel
 
 
 def serving_rows(shapes: tuple[tuple[int, int, int], ...] = SHAPES) -> list[dict[str, Any]]:

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from . import paged_schedule
+from . import paged_decode, paged_schedule
 from .bounds import packed_lengths
-from .errors import ValidationError
+from .errors import UnsupportedError, ValidationError
 from .graph_cache import GraphCache
 from .lse_merge import merge_partials
 from .options import default_scale
@@ -57,7 +57,8 @@ class PagedAttention:
         kv_layout: ``"NHPD"`` or ``"NPHD"`` (see the module docstring).
         max_batch, max_pages_per_seq: the largest step (required with ``cuda_graph``).
         cuda_graph: fixed-size persistent buffers, so captured runs stay valid across plans.
-        splits, pack: force the layout (None: chosen per step, ``paged_schedule.choose``).
+        splits, pack, decode_kernel: force the layout and single-token decode's kernel
+            (``"cudnn"`` or ``"triton"``; None: chosen per step, ``paged_schedule.choose``).
         scale: softmax scale (default ``1/sqrt(head_dim)``).
         autotune: time every cuDNN candidate when a plan is built (plans found in the plan store,
             tuned or not, load as they are; ``cudnn-attn cache warm`` stores tuned ones).
@@ -80,6 +81,7 @@ class PagedAttention:
         pack: bool | None = None,
         scale: float | None = None,
         autotune: bool = False,
+        decode_kernel: str | None = None,
     ):
         problems = []
         for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
@@ -95,6 +97,8 @@ class PagedAttention:
         for name, limit in (("max_batch", max_batch), ("max_pages_per_seq", max_pages_per_seq), ("splits", splits)):
             if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
                 problems.append(f"{name}: {limit!r}; must be None or an int >= 1")
+        if decode_kernel is not None and decode_kernel not in paged_schedule.KERNELS:
+            problems.append(f"decode_kernel: {decode_kernel!r}; allowed None, 'cudnn' or 'triton'")
         if cuda_graph and (max_batch is None or max_pages_per_seq is None):
             problems.append("cuda_graph: True needs max_batch and max_pages_per_seq (the buffers' fixed sizes)")
         if problems:
@@ -105,7 +109,7 @@ class PagedAttention:
         self.max_batch, self.max_pages_per_seq = max_batch, max_pages_per_seq
         self.device = _device(device) if device is not None else None
         self.scale = float(scale) if scale is not None else default_scale(head_dim)
-        self._splits, self._pack = splits, pack
+        self._splits, self._pack, self._kernel = splits, pack, decode_kernel
         self._graphs = GraphCache(autotune=bool(autotune))
         self._buffers: dict[str, torch.Tensor] = {}
         self._step: dict[str, Any] | None = None  # what plan() prepared
@@ -276,6 +280,9 @@ class PagedAttention:
         result = out if out is not None and q.shape[0] == rows and out.is_contiguous() else None
         if result is None:
             result = torch.empty(rows, *q.shape[1:], dtype=q.dtype, device=q.device)
+        if schedule.kernel == "triton":
+            self._run_triton(q_full, k_cache, v_cache, derived, schedule, result)
+            return self._returned(result, q, out)
         parts = []
         body_q = self._body_query(q_full, schedule)
         body = self._run_part("body", body_q, k_cache, v_cache, derived, schedule, stats=schedule.merged,
@@ -287,10 +294,28 @@ class PagedAttention:
                 o_t, stats_t = self._run_part("tail", q_full, k_cache, v_cache, derived, schedule, stats=True)
                 parts.append((o_t.unsqueeze(1), stats_t.squeeze(-1).unsqueeze(1)))
             merge_partials(parts, result)
+        return self._returned(result, q, out)
+
+    @staticmethod
+    def _returned(result: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """The step's rows of ``result``, in ``out`` when given."""
         if out is not None and result is not out:
             out.copy_(result[: q.shape[0]])
             return out
         return result[: q.shape[0]] if result.shape[0] != q.shape[0] else result
+
+    def _run_triton(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, derived: dict[str, Any],
+                    schedule: Schedule, result: torch.Tensor) -> None:  # fmt: skip
+        rows, splits = q.shape[0], schedule.splits
+        partial_o = partial_lse = None
+        if splits > 1:  # persistent: a captured step writes and merges the same buffers
+            partial_o = self._buffer("decode_o", (rows, splits, self.num_q_heads, self.head_dim), torch.float32,
+                                     q.device)  # fmt: skip
+            partial_lse = self._buffer("decode_lse", (rows, splits, self.num_q_heads), torch.float32, q.device)
+        paged_decode.paged_decode(q, k_cache, v_cache, derived["table"], self._buffers["lengths"], result,
+                                  scale=self.scale, kv_layout=self.kv_layout, splits=splits,
+                                  chunk_pages=schedule.chunk_pages, partial_o=partial_o,
+                                  partial_lse=partial_lse)  # fmt: skip
 
     def _check_run(self, q: Any, k_cache: Any, v_cache: Any, out: Any, step: dict[str, Any]) -> None:
         problems = []
@@ -396,11 +421,19 @@ class PagedAttention:
             return self._derive_prefill(key, step)
         _, s_q, num_pages = key
         rows, width, device = step["rows"], step["width"], step["device"]
+        triton = paged_decode.supported(device, self.page_size, self.head_dim)
+        if self._kernel == "triton" and not triton:
+            raise UnsupportedError(["decode_kernel: 'triton' needs a CUDA device, Triton and a power-of-two page of "
+                                    f"16-256 tokens (here {device}, page {self.page_size})"],
+                                   context="PagedAttention", alternatives=["decode_kernel=None or 'cudnn'"])  # fmt: skip
         schedule = paged_schedule.choose(
             rows, width, self.page_size, self.num_q_heads, self.num_kv_heads, s_q, sm_count=_sm_count(device),
-            splits=self._splits, pack=self._pack,
+            splits=self._splits, pack=self._pack, kernel=self._kernel if s_q == 1 else None, triton=triton,
         )  # fmt: skip
         page = self.page_size
+        if schedule.kernel == "triton":  # the kernel walks the clamped table itself
+            table = self._buffers["table"].clamp(0, num_pages - 1)
+            return {"schedule": schedule, "table": self._store(f"decode_table@{s_q},{num_pages}", table)}
 
         def store(name: str, value: torch.Tensor) -> torch.Tensor:  # buffers of their own per geometry
             return self._store(f"{name}@{s_q},{num_pages}", value)

@@ -13,8 +13,11 @@ batch geometry alone (no device values, so no host sync):
 - **Split-KV** (flash-decoding): the body's pages are cut into ``splits`` chunks, each chunk a
   batch entry of its own, so ``B * H_kv * splits`` blocks run; the partial results are merged
   by their log-sum-exp (``lse_merge.py``), exactly.
+- **The kernel** of single-token decode: cuDNN's paged call, or, where the batch gives it too
+  few blocks, ``paged_decode.py`` (one Triton kernel doing both of the above).
 
-``choose`` picks both; every field can be forced (``PagedAttention(..., splits=, pack=)``).
+``choose`` picks all three; every field can be forced (``PagedAttention(..., splits=, pack=,
+decode_kernel=)``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 
 # Enough blocks to keep every SM busy with two in flight; H100/H200 have 132 SMs.
 TARGET_BLOCKS = 264
+KERNELS = ("cudnn", "triton")
 # The shortest chunk worth a block of its own: below it, the merge costs more than it saves.
 MIN_CHUNK_TOKENS = 256
 MAX_SPLITS = 64
@@ -39,6 +43,7 @@ class Schedule:
     chunk_pages: int  # pages per body chunk
     packed: bool  # query heads (and tokens) packed into rows of one K/V head
     tail: bool  # the causal tail runs apart (multi-token decode)
+    kernel: str = "cudnn"  # single-token decode: "cudnn" or "triton" (paged_decode.py)
 
     @property
     def merged(self) -> bool:
@@ -56,26 +61,54 @@ def choose(
     *,
     splits: int | None = None,
     pack: bool | None = None,
+    kernel: str | None = None,
     sm_count: int = 132,
+    triton: bool = False,
 ) -> Schedule:
     """The layout for a step of ``batch`` sequences of up to ``pages_per_seq`` pages and ``s_q``
-    query tokens each. ``splits``/``pack``: forced values (None: chosen here)."""
+    query tokens each. ``splits``/``pack``/``kernel``: forced values (None: chosen here);
+    ``triton``: whether the Triton decode kernel can run here (``paged_decode.supported``)."""
+    if kernel is None:
+        kernel = (
+            "triton"
+            if triton and s_q == 1 and triton_decodes(batch, num_kv_heads, pages_per_seq * page_size)
+            else "cudnn"
+        )
+    if kernel == "triton":  # one kernel packs the group and splits the keys itself
+        pack = True
+        if splits is None:
+            splits = _splits(batch * num_kv_heads, pages_per_seq, page_size, sm_count)
     # Measured on an H200 (``cudnn-attn bench --serving``, CUDA-graph replay): with one query
-    # token cuDNN's own paged decode beat every split and packing tried (it spreads a sequence
-    # over the GPU itself), so single-token decode runs plain unless forced; with several
-    # query tokens, packing and splitting ran 2.5x faster than the plain call.
+    # token cuDNN's own paged decode beat every split and packing of cuDNN calls tried (it
+    # spreads a sequence over the GPU itself), so its single-token decode runs plain unless
+    # forced; with several query tokens, packing and splitting ran 2.5x faster than plain.
     packed = pack if pack is not None else s_q > 1
     heads = num_kv_heads if packed else num_q_heads
     if splits is None and s_q == 1:
         splits = 1
     if splits is None:
-        longest_split = max(1, pages_per_seq * page_size // MIN_CHUNK_TOKENS)
-        wanted = max(1, int(TARGET_BLOCKS * sm_count / 132) // max(1, batch * heads))
-        splits = min(MAX_SPLITS, longest_split, 1 << (wanted.bit_length() - 1))  # a power of two, at most wanted
+        splits = _splits(batch * heads, pages_per_seq, page_size, sm_count)
     splits = max(1, min(int(splits), pages_per_seq))
     chunk_pages = math.ceil(pages_per_seq / splits)
     splits = math.ceil(pages_per_seq / chunk_pages)  # no empty trailing chunk
-    return Schedule(batch=batch, s_q=s_q, splits=splits, chunk_pages=chunk_pages, packed=packed, tail=s_q > 1)
+    return Schedule(batch=batch, s_q=s_q, splits=splits, chunk_pages=chunk_pages, packed=packed, tail=s_q > 1,
+                    kernel=kernel)  # fmt: skip
+
+
+def triton_decodes(batch: int, num_kv_heads: int, tokens: int) -> bool:
+    """Whether single-token decode runs the Triton kernel. Measured on an H200 (Hq32 Hkv8 d128,
+    page 64, CUDA-graph replay): it ran 4-28% faster than cuDNN's paged decode from batch 1 at
+    2k tokens to batch 32 at 4k and batch 8 at 32k; cuDNN's ran 4% faster for a single group
+    of K/V heads over a long cache (batch 1, 32k tokens), which stays with cuDNN."""
+    return not (batch * num_kv_heads <= 8 and tokens >= 16384)
+
+
+def _splits(blocks: int, pages_per_seq: int, page_size: int, sm_count: int) -> int:
+    """Chunks per sequence: a power of two bringing ``blocks`` near ``TARGET_BLOCKS`` (scaled to
+    this GPU's SMs), no chunk under ``MIN_CHUNK_TOKENS``."""
+    longest_split = max(1, pages_per_seq * page_size // MIN_CHUNK_TOKENS)
+    wanted = max(1, int(TARGET_BLOCKS * sm_count / 132) // max(1, blocks))
+    return min(MAX_SPLITS, longest_split, 1 << (wanted.bit_length() - 1))  # a power of two, at most wanted
 
 
 def tail_pages(page_size: int, s_q: int) -> int:

@@ -31,7 +31,8 @@ def _both(step, **options):
     q, k_cache, v_cache, table, lengths = step
     results = []
     for device in ("cuda", "cpu"):
-        attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device=device, **options)
+        on_device = options if device == "cuda" else {k: v for k, v in options.items() if k != "decode_kernel"}
+        attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device=device, **on_device)
         attn.plan(table.to(device), lengths.to(device))
         results.append((attn.run(q.to(device), k_cache.to(device), v_cache.to(device)), attn.schedule))
     return results
@@ -48,6 +49,11 @@ CASES = {
     "mtp-4": dict(lengths=[4000, 130, 64], pages=64, s_q=4),
     "mtp-8-split": dict(lengths=[8192, 8100, 1000, 9], pages=128, s_q=8, splits=4),
     "mtp-16": dict(lengths=[2048, 17], pages=32, s_q=16),
+    "triton-b1-long": dict(lengths=[30000], pages=512, decode_kernel="triton"),
+    "triton-empty-and-short": dict(lengths=[0, 1, 64, 65, 3000], pages=64, decode_kernel="triton"),
+    "triton-one-chunk": dict(lengths=[700, 4000], pages=64, decode_kernel="triton", splits=1),
+    "triton-nphd-odd-split": dict(lengths=[500, 1000, 999], pages=16, layout="NPHD", decode_kernel="triton", splits=3),
+    "cudnn-forced-b1": dict(lengths=[30000], pages=512, decode_kernel="cudnn"),
 }
 
 
@@ -57,17 +63,20 @@ def test_cudnn_matches_the_reference(case):
     step = _step(spec.pop("lengths"), spec.pop("pages"), s_q=spec.pop("s_q", 1), seed=len(case),
                  layout=spec.get("layout", "NHPD"))  # fmt: skip
     layout = spec.pop("layout", "NHPD")
-    (got, schedule), (want, _) = _both(step, kv_layout=layout, **spec)
+    forced = spec.pop("decode_kernel", None)
+    (got, schedule), (want, _) = _both(step, kv_layout=layout, **spec, **({"decode_kernel": forced} if forced else {}))
+    assert forced is None or schedule.kernel == forced
     assert torch.isfinite(got).all()
     assert rel_err(got, want) < 1.5e-2, schedule
 
 
-def test_a_captured_step_replays_after_new_plans():
+@pytest.mark.parametrize("kernel", ["cudnn", "triton"])
+def test_a_captured_step_replays_after_new_plans(kernel):
     """Two layers captured once; each later step is plan() then replay(), and matches eager runs."""
     layers = 2
     max_batch, pages = 4, 32
     attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=max_batch,
-                                     max_pages_per_seq=pages, cuda_graph=True)  # fmt: skip
+                                     max_pages_per_seq=pages, cuda_graph=True, decode_kernel=kernel)  # fmt: skip
     first = _step([100] * max_batch, pages, seed=1)
     q = first[0].cuda()
     caches = [(first[1].cuda() * (i + 1), first[2].cuda().roll(i, 0)) for i in range(layers)]
@@ -80,7 +89,7 @@ def test_a_captured_step_replays_after_new_plans():
         for (k, v), out in zip(caches, outs):
             attn.run(q, k, v, out=out)
     eager = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=max_batch,
-                                      max_pages_per_seq=pages, splits=attn.schedule.splits)  # fmt: skip
+                                      max_pages_per_seq=pages, splits=attn.schedule.splits, decode_kernel=kernel)  # fmt: skip
     for seed, lengths in enumerate(([2048, 5, 777, 1300], [64, 64, 2000, 1]), start=2):
         step = _step(lengths, pages, seed=seed)
         q.copy_(step[0])

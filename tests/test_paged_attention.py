@@ -260,3 +260,27 @@ def test_a_prefill_run_needs_the_planned_tokens():
         attn.run(q[:11], k_cache, v_cache)
     with pytest.raises(ValidationError, match="q: expected a packed"):
         attn.run(q.view(1, 12, HQ, D), k_cache, v_cache)
+
+
+@pytest.mark.parametrize(
+    "batch,pages,triton",
+    [(1, 32, True), (4, 128, True), (8, 512, True), (32, 64, True), (1, 512, False), (1, 256, False)],
+)
+def test_single_token_decode_takes_the_triton_kernel_where_it_measured_faster(batch, pages, triton):
+    """Page 64, 32 query / 8 K/V heads: the Triton kernel (packed, split) except for one group
+    of K/V heads over 16k tokens or more, where cuDNN's paged decode measured faster."""
+    schedule = paged_schedule.choose(batch, pages, 64, 32, 8, 1, triton=True)
+    assert schedule.kernel == ("triton" if triton else "cudnn")
+    assert schedule.packed == triton
+    assert paged_schedule.choose(batch, pages, 64, 32, 8, 1, triton=False).kernel == "cudnn"  # no Triton here
+    assert paged_schedule.choose(batch, pages, 64, 32, 8, 4, triton=True).kernel == "cudnn"  # multi-token: cuDNN
+
+
+def test_forcing_the_triton_kernel_where_it_cannot_run_is_refused():
+    q, k_cache, v_cache, table, lengths = make_step([37, 64], pages_per_seq=4)
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, decode_kernel="triton")
+    attn.plan(table, lengths)
+    with pytest.raises(cudnn_attn.UnsupportedError, match="decode_kernel: 'triton' needs a CUDA device"):
+        attn.run(q, k_cache, v_cache)
+    with pytest.raises(ValidationError, match="decode_kernel: 'fast'"):
+        cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, decode_kernel="fast")
