@@ -25,6 +25,7 @@ SAMPLE_TOLERANCE = {
     "04_fp8": 7e-2,
     "05_varlen_packing": 3e-2,
     "06_serving": 3e-2,
+    "07_context_parallel": 3e-2,
 }
 REL_ERR = re.compile(r"rel_err=(\S+)")
 

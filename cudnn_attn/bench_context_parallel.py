@@ -1,0 +1,283 @@
+"""Context parallelism benchmark: ``context_parallel_sdpa`` over W GPUs against one GPU.
+
+    python3 -m cudnn_attn.bench_context_parallel --gpus 8 --seq 131072 [--mode p2p] [--json out.json]
+
+Spawns one process per GPU (NCCL) and times a causal bf16 training step (forward+backward,
+B1 H16 d128 by default) of the whole sequence S sharded over W GPUs (zigzag), beside the
+library's single-GPU attention (``cudnn_attn.sdpa``) over the same S on GPU 0. For the p2p
+ring it also times the overlap evidence: the same ring with every transfer left out
+(``compute only``: each rank reuses its own K/V every step) and the transfers alone
+(``communication only``). With full overlap, p2p takes max(compute, communication), not
+their sum. ``--cpu`` runs the same on gloo CPU processes with tiny shapes (a smoke test).
+
+Columns are timed in short interleaved rounds in a shuffled order (``bench_host.round_order``,
+the same on every rank) after equal warm-up; a round's time is the slowest rank's wall time
+per step (a step ends when every rank's GPU is done); each column reports its median over
+rounds and its spread (lowest to highest round). A difference inside the spread is "same".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .bench_host import round_order
+from .distributed import context_parallel_sdpa, shard, unshard
+from .distributed.context_parallel import compute_only_ring
+from .distributed.exchange import Ring
+from .distributed.process_group import members
+from .functional import sdpa
+
+SINGLE = "single device (cudnn_attn.sdpa)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv``, run the ranks, print the table (and write ``--json``). Returns the exit code."""
+    args = _parser().parse_args(argv)
+    if not args.cpu and torch.cuda.device_count() < 2:
+        print(f"bench_context_parallel: needs 2+ CUDA GPUs ({torch.cuda.device_count()} here); "
+              "--cpu runs a small smoke test on gloo CPU processes", file=sys.stderr)  # fmt: skip
+        return 2
+    world = args.gpus or (2 if args.cpu else torch.cuda.device_count())
+    if not args.cpu and world > torch.cuda.device_count():
+        print(f"bench_context_parallel: --gpus {world} but {torch.cuda.device_count()} here", file=sys.stderr)
+        return 2
+    seq = args.seq or (64 if args.cpu else 65536)
+    if world < 1 or seq % (2 * world):
+        print(f"bench_context_parallel: --seq {seq} must be a multiple of 2 x {world} ranks (zigzag: 2 chunks each)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    report = run(world, vars(args))
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python3 -m cudnn_attn.bench_context_parallel", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--gpus", type=int, default=None, help="ranks (one per GPU); default: every GPU (2 with --cpu)")
+    parser.add_argument("--seq", type=int, default=None, help="whole sequence length (default 65536; 64 with --cpu)")
+    parser.add_argument("--mode", choices=("p2p", "all_gather"), default="p2p")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=None, help="default 16 (2 with --cpu)")
+    parser.add_argument("--head-dim", type=int, default=None, help="default 128 (32 with --cpu)")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (the spread comes from these)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per column per round (default 3; 1 with --cpu)")
+    parser.add_argument("--cpu", action="store_true", help="gloo CPU processes and tiny shapes: a smoke test")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    return parser
+
+
+def run(world: int, options: dict[str, Any]) -> dict[str, Any]:
+    """Spawn ``world`` ranks, measure, return rank 0's report (raises with a rank's traceback)."""
+    cpu = bool(options.get("cpu"))
+    options = {
+        **options,
+        "seq": options.get("seq") or (64 if cpu else 65536),
+        "heads": options.get("heads") or (2 if cpu else 16),
+        "head_dim": options.get("head_dim") or (32 if cpu else 128),
+        "steps": options.get("steps") or (1 if cpu else 3),
+        "batch": options.get("batch") or 1,
+        "rounds": options.get("rounds") or 7,
+        "mode": options.get("mode") or "p2p",
+    }
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "init")
+        ranks = [context.Process(target=_rank, args=(rank, world, init, options, results)) for rank in range(world)]
+        for process in ranks:
+            process.start()
+        try:
+            report = _first_report(results, ranks)
+        finally:
+            for process in ranks:
+                process.join(timeout=60)
+                if process.is_alive():
+                    process.kill()
+    if "error" in report:
+        raise RuntimeError(f"rank {report['rank']} failed:\n{report['error']}")
+    return report
+
+
+def _first_report(results: Any, ranks: list) -> dict[str, Any]:
+    """Rank 0's report or the first rank's error; a rank that died without one (a crash) ends the wait."""
+    while True:
+        try:
+            return results.get(timeout=5)
+        except queue.Empty:
+            dead = [(i, p.exitcode) for i, p in enumerate(ranks) if p.exitcode not in (None, 0)]
+            if dead:
+                return {"rank": dead[0][0], "error": f"exited with code {dead[0][1]} and no report"}
+
+
+def _rank(rank: int, world: int, init: str, options: dict[str, Any], results: Any) -> None:
+    cpu = options["cpu"]
+    if cpu:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        device, backend = torch.device("cpu"), "gloo"
+    else:
+        torch.cuda.set_device(rank)
+        device, backend = torch.device("cuda", rank), "nccl"
+    dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        report = _measure(rank, world, device, options)
+        if rank == 0:
+            results.put(report)
+    except Exception:
+        results.put({"rank": rank, "error": traceback.format_exc()})
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(rank: int, world: int, device: torch.device, o: dict[str, Any]) -> dict[str, Any]:
+    b, h, s, d, mode = o["batch"], o["heads"], o["seq"], o["head_dim"], o["mode"]
+    gen = torch.Generator(device).manual_seed(0)  # the same whole sequence on every rank
+    whole = [torch.randn(b, h, s, d, generator=gen, device=device).to(torch.bfloat16) for _ in range(4)]
+    local = [shard(t) for t in whole]
+    leaves = [t.detach().requires_grad_() for t in local[:3]]
+    if rank != 0:
+        whole = []  # only rank 0 runs the single-device column
+
+    def step(attend: Callable[..., torch.Tensor], inputs: list[torch.Tensor], d_out: torch.Tensor) -> Callable:
+        def run() -> None:
+            for leaf in inputs:
+                leaf.grad = None
+            attend(*inputs).backward(d_out)
+
+        return run
+
+    columns = {f"context_parallel {mode}": step(
+        lambda q, k, v: context_parallel_sdpa(q, k, v, is_causal=True, mode=mode), leaves, local[3])}  # fmt: skip
+    if mode == "p2p":
+        columns["context_parallel p2p, compute only"] = step(
+            lambda q, k, v: compute_only_ring(q, k, v, is_causal=True), leaves, local[3]
+        )
+        columns["communication only"] = _ring_transfers(leaves[1], leaves[2])
+    if rank == 0:
+        single = [t.detach().requires_grad_() for t in whole[:3]]
+        columns[SINGLE] = step(lambda q, k, v: sdpa(q, k, v, is_causal=True), single, whole[3])
+    else:
+        columns[SINGLE] = lambda: None  # the others wait at the barrier: the slowest rank is rank 0
+
+    out = unshard(context_parallel_sdpa(*leaves, is_causal=True, mode=mode).detach())
+    error = float("nan")
+    if rank == 0:
+        expected = sdpa(whole[0], whole[1], whole[2], is_causal=True).float()
+        error = float((out.float() - expected).norm() / expected.norm())
+
+    samples: dict[str, list[float]] = {name: [] for name in columns}
+    for name in sorted(columns):  # equal warm-up: builds, allocator, communicators
+        _timed(columns[name], 2, device)
+    for r in range(o["rounds"]):
+        for name in round_order(sorted(columns), r):  # sorted: the same order on every rank
+            samples[name].append(_timed(columns[name], o["steps"], device))
+    flops = 3.5 * 4.0 * b * h * s * s * d / 2  # causal forward (half the square) + backward (2.5x)
+    cells = {}
+    for name, values in samples.items():
+        median = statistics.median(values)
+        cells[name] = {"median_ms": median, "low_ms": min(values), "high_ms": max(values),
+                       "spread_pct": 100.0 * (max(values) - min(values)) / median}  # fmt: skip
+        if name != "communication only":
+            cells[name]["tflops"] = flops / (median * 1e-3) / 1e12
+    overlap = None
+    if mode == "p2p":
+        exposed = cells["context_parallel p2p"]["median_ms"] - cells["context_parallel p2p, compute only"]["median_ms"]
+        transfers = cells["communication only"]["median_ms"]
+        hidden = min(1.0, max(0.0, 1.0 - max(0.0, exposed) / transfers)) if transfers > 0 else float("nan")
+        overlap = {"exposed_ms": exposed, "transfers_ms": transfers, "hidden_fraction": hidden}
+    return {"world": world, "seq": s, "batch": b, "heads": h, "head_dim": d, "mode": mode, "layout": "zigzag",
+            "dtype": "bfloat16", "device": _device_name(device), "rounds": o["rounds"], "steps": o["steps"],
+            "cells": cells, "overlap": overlap, "rel_err_vs_single": error}  # fmt: skip
+
+
+def _ring_transfers(k: torch.Tensor, v: torch.Tensor) -> Callable[[], None]:
+    """The p2p ring's transfers of one training step with no attention: W-1 shifts of the
+    packed K/V (forward), then W-1 of K/V and W of the float32 dK/dV (backward)."""
+    ring = Ring(members(None, "bench"))
+    kv = torch.cat([k.detach().reshape(-1), v.detach().reshape(-1)])
+    grads = kv.float()
+
+    def run() -> None:
+        current = kv
+        for _ in range(ring.world - 1):
+            current = ring.shift(current, 0).wait()
+        current, pending_grad = kv, None
+        for i in range(ring.world):  # as ring.backward posts and waits them, less the attention
+            pending = ring.shift(current, 0) if i + 1 < ring.world else None
+            acc = grads if pending_grad is None else pending_grad.wait()
+            pending_grad = ring.shift(acc, 1)
+            if pending is not None:
+                current = pending.wait()
+        if pending_grad is not None:
+            pending_grad.wait()
+
+    return run
+
+
+def _timed(fn: Callable[[], None], steps: int, device: torch.device) -> float:
+    """Milliseconds per step of the slowest rank, from a common start."""
+    _synchronize(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    _synchronize(device)
+    elapsed = torch.tensor([(time.perf_counter() - start) * 1e3 / steps], dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed.item())
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def format_report(r: dict[str, Any]) -> str:
+    cells = r["cells"]
+    lines = [
+        f"Context parallelism, causal bf16 training step (forward+backward), B{r['batch']} H{r['heads']} "
+        f"d{r['head_dim']}, S={r['seq']} over {r['world']} x {r['device']} ({r['mode']}, {r['layout']}); "
+        f"median of {r['rounds']} interleaved rounds:"
+    ]
+    single = cells[SINGLE]["median_ms"]
+    for name, cell in cells.items():
+        work = f"{cell['tflops']:8.3g} TFLOP/s" if "tflops" in cell else " " * 16
+        versus = f"  {single / cell['median_ms']:5.2f}x single" if name.startswith("context_parallel") else ""
+        lines.append(f"  {name:<38}{cell['median_ms']:10.3f} ms  (spread {cell['spread_pct']:3.0f}%)  {work}{versus}")
+    overlap = r.get("overlap")
+    if overlap:
+        note = (
+            " (the ring costs more than compute plus transfers)"
+            if overlap["exposed_ms"] > overlap["transfers_ms"]
+            else ""
+        )
+        lines.append(f"  overlap: the transfers add {overlap['exposed_ms']:.3f} ms over compute only; alone they take "
+                     f"{overlap['transfers_ms']:.3f} ms: {100 * overlap['hidden_fraction']:.0f}% hidden{note}")  # fmt: skip
+    lines.append(f"  output against single-device attention: rel_err={r['rel_err_vs_single']:.2e}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,204 @@
+"""Context parallelism (``cudnn_attn.distributed``) over real process groups: gloo on the CPU
+with 2 and 3 ranks, NCCL on 2 GPUs.
+
+Each world size starts its ranks once (``distributed_workers.main``) and they run every case;
+the tests here read the outcomes, one test per case. Results are compared with float64
+attention over the whole, unsharded sequence (``oracle.attention_autograd``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import distributed_workers as workers
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import TOLERANCE
+from distributed_workers import Attention, Refusal, RoundTrip
+
+import cudnn_attn
+from cudnn_attn.bench_context_parallel import SINGLE
+from cudnn_attn.distributed import context_parallel_sdpa, shard, unshard
+
+WORLD_TIMEOUT_S = 240  # every case of a world size, ranks started included; a hang fails, never waits
+
+ATTENTION = [
+    Attention(
+        f"{mode}-{'causal' if causal else 'full'}-{layout}-{'gqa' if gqa else 'mha'}",
+        mode=mode,
+        is_causal=causal,
+        layout=layout,
+        heads=4 if gqa else 2,
+        kv_heads=2,
+        batch=2 if gqa else 1,
+        head_dim=32 if gqa else 16,
+    )
+    for mode in ("p2p", "all_gather")
+    for causal in (True, False)
+    for layout in ("zigzag", "contiguous")
+    for gqa in (False, True)
+] + [
+    Attention("p2p-causal-zigzag-fp16-d64", dtype="float16", head_dim=64),
+    Attention("all_gather-causal-zigzag-fp16-d64", mode="all_gather", dtype="float16", head_dim=64),
+    Attention("p2p-causal-zigzag-bshd-views-scale", bshd=True, heads=4, kv_heads=1, scale=0.3),
+    Attention("all_gather-causal-contiguous-bshd-views", mode="all_gather", layout="contiguous", bshd=True),
+]
+ROUND_TRIPS = [
+    RoundTrip(f"{layout}-seq_dim{dim}", layout, dim) for layout in ("zigzag", "contiguous") for dim in (1, 2)
+]
+REFUSALS = [
+    Refusal("unequal-shard-lengths", "ValidationError", "differs across ranks", per_rank={0: {"seq": 10}}),
+    Refusal("dtype-differs-across-ranks", "ValidationError", "q: dtype differs", per_rank={1: {"dtype": "float16"}}),
+    Refusal(
+        "heads-differ-across-ranks",
+        "ValidationError",
+        "q: size of dim 1 differs",
+        per_rank={1: {"heads": 4, "kv_heads": 4}},
+    ),
+    Refusal("odd-zigzag-shard-on-one-rank", "ValidationError", "is odd", per_rank={1: {"seq": 7}}),
+    Refusal("odd-zigzag-shard", "ValidationError", "shard length 7 is odd", call={"seq": 7}),
+    Refusal("bad-mode", "ValidationError", "mode: 'ring'", call={"mode": "ring"}),
+    Refusal("bad-layout", "ValidationError", "layout: 'striped'", call={"layout": "striped"}),
+    Refusal("gqa-needs-enable_gqa", "ValidationError", "enable_gqa=True", call={"heads": 4}),
+    Refusal("packed-thd-shards", "UnsupportedError", "THD", call={"dims": 3}),
+    Refusal("shard-not-divisible", "ValidationError", "does not split", call={"seq": 10}, op="shard"),
+    Refusal(
+        "unshard-unequal-shards", "ValidationError", "differs across ranks", per_rank={0: {"seq": 6}}, op="unshard"
+    ),
+]
+# Refusals first: the attention cases after them show that no rank was left stuck.
+CASES = [*REFUSALS, *ROUND_TRIPS, *ATTENTION]
+
+
+def run_ranks(world: int, cases: list, init_file: Path, backend: str = "gloo") -> dict[str, dict[int, dict]]:
+    """Start ``world`` ranks running ``cases``; their outcomes by case id, then rank. A rank that
+    does not report in time is killed and its missing outcomes read as a hang."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    ranks = [context.Process(target=workers.main, args=(rank, world, str(init_file), backend, cases, results))
+             for rank in range(world)]  # fmt: skip
+    for process in ranks:
+        process.start()
+    outcomes: dict[str, dict[int, dict]] = {case.id: {} for case in cases}
+    deadline = time.monotonic() + WORLD_TIMEOUT_S
+    try:
+        for _ in range(world * len(cases)):
+            case_id, rank, outcome = results.get(timeout=max(1.0, deadline - time.monotonic()))
+            outcomes[case_id][rank] = outcome
+    except queue.Empty:
+        pass  # the missing outcomes say which case hung
+    finally:
+        for process in ranks:
+            process.join(timeout=max(1.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return outcomes
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def world(request, tmp_path_factory):
+    """``(world size, outcomes by case)``: the ranks run once per world size for the module."""
+    size = request.param
+    return size, run_ranks(size, CASES, tmp_path_factory.mktemp(f"world{size}") / "init")
+
+
+def _outcomes(world, case_id: str) -> list[dict]:
+    size, outcomes = world
+    found = outcomes[case_id]
+    missing = [rank for rank in range(size) if rank not in found]
+    assert not missing, f"ranks {missing} reported nothing for {case_id} (hung or crashed)"
+    for rank, outcome in found.items():
+        assert "unexpected" not in outcome, f"rank {rank}: {outcome['unexpected']}"
+    return [found[rank] for rank in range(size)]
+
+
+@pytest.mark.parametrize("case", ATTENTION, ids=[c.id for c in ATTENTION])
+def test_results_and_gradients_match_unsharded_attention(world, case):
+    tol = TOLERANCE[getattr(torch, case.dtype)]
+    for rank, errors in enumerate(_outcomes(world, case.id)):
+        assert set(errors) == {"out", "dq", "dk", "dv"}
+        for name, err in errors.items():
+            assert err < tol, f"rank {rank}: {name} relative error {err:.2e} (tolerance {tol:.1e})"  # NaN fails
+
+
+@pytest.mark.parametrize("case", ROUND_TRIPS, ids=[c.id for c in ROUND_TRIPS])
+def test_shard_holds_the_layouts_chunks_and_unshard_rejoins_them(world, case):
+    for rank, checks in enumerate(_outcomes(world, case.id)):
+        assert checks == {"shard_exact": 1.0, "shard_contiguous": 1.0, "round_trip_exact": 1.0}, f"rank {rank}"
+
+
+@pytest.mark.parametrize("case", REFUSALS, ids=[c.id for c in REFUSALS])
+def test_every_rank_refuses_alike_and_none_hangs(world, case):
+    for rank, outcome in enumerate(_outcomes(world, case.id)):
+        assert outcome["raised"] == case.expected, f"rank {rank}: {outcome}"
+        if case.per_rank and rank not in case.per_rank and "across ranks" not in case.text:
+            continue  # a rank with good arguments names the rank that refused its own
+        assert case.text in outcome["message"], f"rank {rank}: {outcome['message']}"
+
+
+def test_refusal_names_the_rank_that_refused_its_arguments(world):
+    outcomes = _outcomes(world, "odd-zigzag-shard-on-one-rank")
+    assert "shard length 7 is odd" in outcomes[1]["message"]
+    for rank in (0, *range(2, world[0])):
+        assert "group: rank 1 refused its own arguments" in outcomes[rank]["message"]
+
+
+@pytest.mark.parametrize("call", ["context_parallel_sdpa", "shard", "unshard"])
+def test_uninitialised_group_is_refused_not_waited_on(call):
+    assert not torch.distributed.is_initialized()
+    x = torch.randn(1, 2, 8, 16).to(torch.bfloat16)
+    run = {"context_parallel_sdpa": lambda: context_parallel_sdpa(x, x, x), "shard": lambda: shard(x),
+           "unshard": lambda: unshard(x)}[call]  # fmt: skip
+    with pytest.raises(cudnn_attn.ValidationError, match="init_process_group"):
+        run()
+
+
+@pytest.mark.gpu
+def test_nccl_on_two_gpus(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs ({torch.cuda.device_count()} here)")
+    cases = [*REFUSALS[:4], *ROUND_TRIPS, *ATTENTION]
+    outcomes = run_ranks(2, cases, tmp_path / "init", backend="nccl")
+    gpu_world = (2, outcomes)
+    for case in cases:
+        found = _outcomes(gpu_world, case.id)
+        if isinstance(case, Attention):
+            tol = TOLERANCE[getattr(torch, case.dtype)]
+            for errors in found:
+                assert all(err < tol for err in errors.values()), (case.id, errors)
+        elif isinstance(case, Refusal):
+            assert all(o["raised"] == case.expected for o in found), (case.id, found)
+        else:
+            assert all(all(v == 1.0 for v in o.values()) for o in found), (case.id, found)
+
+
+def test_bench_runs_on_cpu_ranks(tmp_path):
+    """The benchmark's CPU path (gloo ranks, tiny shapes) runs and reports every column: p2p,
+    its compute-only ring, the transfers alone and the single-device attention."""
+    report = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "cudnn_attn.bench_context_parallel", "--cpu", "--gpus", "2", "--seq", "64",
+         "--rounds", "2", "--json", str(report)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    data = json.loads(report.read_text())
+    assert (data["world"], data["seq"], data["rounds"]) == (2, 64, 2)
+    columns = ["context_parallel p2p", "context_parallel p2p, compute only", "communication only", SINGLE]
+    assert sorted(data["cells"]) == sorted(columns)
+    for column in columns:
+        cell = data["cells"][column]
+        assert math.isfinite(cell["median_ms"]) and cell["median_ms"] > 0
+        assert cell["low_ms"] <= cell["median_ms"] <= cell["high_ms"]
+    assert data["rel_err_vs_single"] < TOLERANCE[torch.bfloat16]  # NaN fails
+    overlap = data["overlap"]
+    assert overlap["transfers_ms"] > 0 and 0.0 <= overlap["hidden_fraction"] <= 1.0
+    assert "overlap: the transfers add" in run.stdout
