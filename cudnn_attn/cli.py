@@ -132,6 +132,13 @@ def _bench_parser() -> argparse.ArgumentParser:
         "S_q 1/4/8): PagedAttention vs one paged call vs torch on contiguous K/V, as a share of the memory's rate; "
         "chunked prefill (chunks 1-512 over caches up to 16k) in effective TFLOP/s",
     )
+    sections.add_argument(
+        "--context-parallel",
+        type=int,
+        metavar="GPUS",
+        help="causal B1 training step (fwd+bwd) of one --seq sequence sharded over GPUS GPUs (p2p ring, zigzag; "
+        "--heads, --head-dim) against one GPU, with the ring's compute and transfers timed alone",
+    )
     return bench
 
 
@@ -173,6 +180,12 @@ def _bench(args: argparse.Namespace) -> int:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2)
         return 0
+    if args.context_parallel is not None:
+        from . import bench_context_parallel
+
+        options = ["--gpus", str(args.context_parallel), "--seq", str(args.seq), "--heads", str(args.heads),
+                   "--head-dim", str(args.head_dim)] + (["--json", args.json] if args.json else [])  # fmt: skip
+        return bench_context_parallel.main(options)
     if args.serving:
         from . import bench_prefill, bench_serving
 
