@@ -385,7 +385,8 @@ def _check_paging(p: AttentionProblem, found: list[str]) -> None:
     if p.seq_len_kv is None:
         found.append("seq_len_kv: paged caches need seq_len_kv (the valid length of each sequence's cache)")
     if p.is_thd and p.seq_len_q is None:
-        return  # the batch is unknown; the padding check names seq_len_q
+        found.append("seq_len_q: missing; a ragged q [T, H, D] over paged caches needs seq_len_q [B] (chunked prefill)")
+        return
     b = p.batch  # a ragged q (chunked prefill): one page-table row per seq_len_q entry
     page_size = p.page_size or 0
     pages = None

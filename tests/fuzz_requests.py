@@ -209,7 +209,7 @@ FUNCTIONAL_ARGUMENTS = {
 PAGED_ARGUMENTS = {
     "cache-": ("k",), "kv-heads": ("k", "v"), "v-cache-shape": ("v",), "table-": ("page_table", "page_table_k", "paged_attention_k_table"),
     "seq-len-kv-": ("seq_len_kv",), "no-seq-len-kv": ("seq_len_kv",), "seq-len-q-": ("seq_len_q",),
-    "layout-name": ("kv_cache_layout",), "max-": ("max_seq_len_kv", "paged_attention_max_seq_len_kv"), "q-thd": ("q",),
+    "layout-name": ("kv_cache_layout",), "max-": ("max_seq_len_kv", "paged_attention_max_seq_len_kv"), "q-thd": ("q", "seq_len_q"),
     "table-None": ("page_table", "paged_attention_k_table", "k", "v"),  # g.sdpa without a table: k, v read as dense
 }  # fmt: skip
 THD_ARGUMENTS = {
@@ -2368,8 +2368,9 @@ def _paged_case(rng: random.Random, gen: torch.Generator) -> Case:
         k2 = v2 = randn(gen, num_pages, 3, 3, d, dtype=dtype)
     elif m == "table-float":
         ptk = pt_k.float()
-    elif m == "q-thd":
+    elif m == "q-thd":  # a ragged q over paged caches (chunked prefill) needs seq_len_q: left out here
         q2 = randn(gen, b * s_q, h_q, d, dtype=dtype)
+        sq = None
     elif m == "table-meta":
         ptk = pt_k.to("meta")
     elif m == "table-nontensor":
