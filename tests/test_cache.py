@@ -95,11 +95,17 @@ def test_concurrent_first_requests_build_once():
 
     def slow_build():
         calls.append(1)
-        time.sleep(0.05)
+        time.sleep(0.3)  # every thread arrives while the first build runs, even on a loaded machine
         return object()
 
     results = []
-    threads = [threading.Thread(target=lambda: results.append(cache.get_or_build("key", slow_build))) for _ in range(8)]
+    start = threading.Barrier(8)
+
+    def request():
+        start.wait()
+        results.append(cache.get_or_build("key", slow_build))
+
+    threads = [threading.Thread(target=request) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
