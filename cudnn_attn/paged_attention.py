@@ -155,6 +155,9 @@ class PagedAttention:
             for key, derived in self._prepared.items()
             if key[0] == "decode" or self.cuda_graph
         }
+        if not self.cuda_graph:  # and their buffers, which would pile up one per token count
+            for name in [name for name in self._buffers if name.startswith("prefill_")]:
+                del self._buffers[name]
         self.plans += 1
 
     def _check_plan(self, page_table: Any, seq_lens_kv: Any, q_lens: Any) -> torch.device:
@@ -404,7 +407,7 @@ class PagedAttention:
         the plan's ``longest`` chunk, so no sequence reads or writes past the tensors."""
         _, tokens, longest, num_pages = key
         rows, width = step["rows"], step["width"]
-        name = f"@{tokens},{longest},{num_pages}" if self.cuda_graph else ""  # eager: one buffer, re-derived per step
+        name = f"@{tokens},{longest},{num_pages}"  # a geometry's own: one step may run several token counts
         q_lengths = packed_lengths(self._buffers["q_lens"], longest, tokens)
         schedule = Schedule(batch=rows, s_q=longest, splits=1, chunk_pages=width, packed=False, tail=False)
         return {

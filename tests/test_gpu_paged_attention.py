@@ -188,3 +188,20 @@ def test_a_prefill_step_makes_no_host_sync():
         attn.run(q, k_cache, v_cache)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_one_prefill_step_may_run_several_token_counts():
+    """q_lens on the GPU and layers given q of 36 and of 20 tokens in turn: each token count
+    keeps its own lengths (cut at 20 tokens the second sequence is empty), never another's."""
+    q, k_cache, v_cache, table, lengths, q_lens = (t.cuda() for t in _prefill_step([20, 9], [3000, 40], 64, seed=12,
+                                                                                    spare_tokens=7))  # fmt: skip
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda")
+    attn.plan(table, lengths, q_lens=q_lens)
+    wants = {}
+    for tokens, planned in ((36, [20, 9]), (20, [20, 0])):
+        ref = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cpu")
+        ref.plan(table.cpu(), lengths.cpu(), q_lens=torch.tensor(planned, dtype=torch.int32))
+        wants[tokens] = ref.run(q[:tokens].cpu(), k_cache.cpu(), v_cache.cpu())
+    for tokens in (36, 20, 36, 20):
+        got = attn.run(q[:tokens], k_cache, v_cache).cpu()
+        assert rel_err(got, wants[tokens]) < 1.5e-2, tokens
