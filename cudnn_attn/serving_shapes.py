@@ -14,7 +14,7 @@ from typing import Any
 
 from .errors import ValidationError
 from .paged_attention import LAYOUTS, PagedAttention
-from .shapes import DTYPES
+from .shapes import DTYPES, parse_value
 
 MARKER = "paged"
 
@@ -75,15 +75,7 @@ def parse(text: str) -> ServingShape:
             continue
         current = getattr(shape, name)
         try:
-            parsed: Any
-            if isinstance(current, bool):
-                parsed = value.strip().lower() in ("", "1", "true", "yes", "on")
-            elif isinstance(current, tuple):
-                parsed = tuple(int(v) for v in value.split("/") if v.strip())
-            elif isinstance(current, int):
-                parsed = int(value)
-            else:
-                parsed = value.strip()
+            parsed = parse_value(current, value)
         except ValueError:
             problems.append(f"{name}: {value!r} is not a number (lists are '/'-separated: sq=1/4)")
             continue

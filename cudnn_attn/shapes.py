@@ -76,6 +76,18 @@ class Shape:
         return default_scale(self.d)
 
 
+def parse_value(current: Any, text: str) -> Any:
+    """``text`` as the type of ``current`` (a flag, an int, a ``/``-separated tuple of ints, a
+    string); raises ValueError for a number that is not one. A bare key is a set flag."""
+    if isinstance(current, bool):
+        return text.strip().lower() in ("", "1", "true", "yes", "on")
+    if isinstance(current, tuple):
+        return tuple(int(v) for v in text.split("/") if v.strip())
+    if isinstance(current, int):
+        return int(text)
+    return text.strip()
+
+
 def parse(text: str) -> Shape:
     """``"b=2,h=16,s=4096,d=128,causal"`` -> Shape; raises ValidationError naming bad keys."""
     known = {f.name: f.type for f in fields(Shape)}
@@ -96,12 +108,7 @@ def parse(text: str) -> Shape:
     for name, value in values.items():
         current = getattr(shape, name)
         try:
-            if isinstance(current, bool):
-                parsed: Any = str(value).lower() in ("1", "true", "yes", "on")
-            elif isinstance(current, int):
-                parsed = int(str(value))
-            else:
-                parsed = str(value)
+            parsed = parse_value(current, str(value))
         except ValueError:
             problems.append(f"{name}: {value!r} is not a number")
             continue
