@@ -31,6 +31,7 @@ the graph replays.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -124,8 +125,10 @@ class PagedAttention:
         caches), ``seq_lens_kv`` ``[B]`` int32 (each sequence's cache length, the new tokens
         included), ``q_lens`` ``[B]`` int32 for chunked prefill (each sequence's new tokens, at
         most its cache length; ``run`` then takes packed ``[T, H_q, D]`` queries). CPU tensors
-        are checked value by value; CUDA ones are clamped into range on the device (a bad value
-        gives wrong rows for its sequence, never an access out of bounds)."""
+        are checked value by value, here, and page indices against each cache at ``run`` (which
+        sees the cache); CUDA ones are clamped into range on the device, without a host sync: a
+        page past the cache reads its last page, and a bad value gives wrong rows for its
+        sequence, never an access out of bounds."""
         device = self._check_plan(page_table, seq_lens_kv, q_lens)
         batch, pages = page_table.shape
         rows = self.max_batch if self.cuda_graph else batch
@@ -137,7 +140,8 @@ class PagedAttention:
         table[:batch, :pages].copy_(page_table, non_blocking=True)
         lengths.zero_()  # sequences past the batch are empty
         torch.clamp(seq_lens_kv.to(device, non_blocking=True), 0, pages * self.page_size, out=lengths[:batch])
-        self._step = {"batch": batch, "rows": rows, "width": width, "device": device, "prefill": q_lens is not None}
+        self._step = {"batch": batch, "rows": rows, "width": width, "device": device, "prefill": q_lens is not None,
+                      "largest_page": _largest_page(page_table)}  # fmt: skip
         if q_lens is not None:
             query_lengths = self._buffer("q_lens", (rows,), torch.int32, device)
             query_lengths.zero_()
@@ -259,7 +263,8 @@ class PagedAttention:
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None = None):
         """One layer: ``q`` ``[B, H_q, S_q, D]`` (S_q <= 16), or packed ``[T, H_q, D]`` after a
         plan with ``q_lens``, and the layer's caches; returns ``out`` (or a new tensor) of
-        ``q``'s shape. Output rows past ``sum(q_lens)`` are zero."""
+        ``q``'s shape. Output rows past ``sum(q_lens)`` are zero. A page table planned on the
+        CPU is refused here if it names a page past ``k_cache``'s (``ValidationError``)."""
         step = self._step
         if step is None:
             raise ValidationError(["plan: run() before any plan(); call plan(page_table, seq_lens_kv) each step"],
@@ -356,6 +361,12 @@ class PagedAttention:
                                 f"({self.kv_layout})")  # fmt: skip
         if v_cache.shape[0] != k_cache.shape[0]:
             problems.append(f"v_cache: {v_cache.shape[0]} pages, k_cache has {k_cache.shape[0]}")
+        largest = step["largest_page"]
+        if largest is not None and largest[0] >= k_cache.shape[0]:
+            page, row, entry = largest
+            pages = k_cache.shape[0]
+            problems.append(f"page_table: sequence {row}, entry {entry} is page {page}; the cache has {pages} "
+                            f"page{'s' if pages != 1 else ''}")  # fmt: skip
         if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype):
             problems.append(f"out: expected a {q.dtype} tensor of shape {list(q.shape)}")
         if problems:
@@ -376,18 +387,9 @@ class PagedAttention:
             out if out is not None and out.is_contiguous() else torch.empty(q.shape, dtype=q.dtype, device=q.device)
         )
         table, lengths, q_lengths = derived["table"], self._buffers["lengths"], derived["q_lengths"]
-        graph_key = ("prefill", q.shape[1:], q.stride(), k_cache.shape[1:], k_cache.stride(), table.shape, longest)
-
-        def record(g: Any) -> None:
-            o, _ = g.sdpa(q, k_cache, v_cache, paged_attention_k_table=table, paged_attention_v_table=table,
-                          paged_attention_max_seq_len_kv=table.shape[1] * self.page_size, seq_len_q=q_lengths,
-                          seq_len_kv=lengths, max_seq_len_q=longest, use_padding_mask=True,
-                          use_causal_mask_bottom_right=True, attn_scale=self.scale, kv_cache_layout=self.kv_layout)  # fmt: skip
-            o.set_stride(list(result.stride()))  # the token stride enters the output's ragged offsets
-
-        graph = self._graphs.get_or_build(graph_key, record)
-        graph.run_roles({"q": q, "k": k_cache, "v": v_cache, "page_table_k": table, "page_table_v": table,
-                         "seq_len_q": q_lengths, "seq_len_kv": lengths}, {"o": result})  # fmt: skip
+        inputs = {"q": q, "k": k_cache, "v": v_cache, "page_table_k": table, "page_table_v": table,
+                  "seq_len_q": q_lengths, "seq_len_kv": lengths}  # fmt: skip
+        self._paged_sdpa(inputs, {"o": result}, max_seq_len_q=longest, use_causal_mask_bottom_right=True)
         if out is not None and result is not out:
             return out.copy_(result)
         return result
@@ -498,24 +500,25 @@ class PagedAttention:
 
     def _run_part(self, part: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   derived: dict[str, Any], schedule: Schedule, stats: bool, out: torch.Tensor | None = None) -> Any:  # fmt: skip
-        table, lengths, q_lengths = derived[f"{part}_table"], derived[f"{part}_lengths"], derived[f"{part}_q_lengths"]
-        causal = part == "tail"
-        key = (part, q.shape, q.stride(), k_cache.shape, k_cache.stride(), table.shape, stats)
-
-        def record(g: Any) -> None:
-            g.sdpa(q, k_cache, v_cache, paged_attention_k_table=table, paged_attention_v_table=table,
-                   paged_attention_max_seq_len_kv=table.shape[1] * self.page_size, seq_len_q=q_lengths,
-                   seq_len_kv=lengths, use_padding_mask=True, use_causal_mask_bottom_right=causal,
-                   attn_scale=self.scale, generate_stats=stats, kv_cache_layout=self.kv_layout)  # fmt: skip
-
-        graph = self._graphs.get_or_build(key, record)
+        table = derived[f"{part}_table"]
+        inputs = {"q": q, "k": k_cache, "v": v_cache, "page_table_k": table, "page_table_v": table,
+                  "seq_len_q": derived[f"{part}_q_lengths"], "seq_len_kv": derived[f"{part}_lengths"]}  # fmt: skip
         o = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
         outputs = {"o": o}
         if stats:
             outputs["stats"] = torch.empty(*q.shape[:3], 1, dtype=torch.float32, device=q.device)
-        graph.run_roles({"q": q, "k": k_cache, "v": v_cache, "page_table_k": table, "page_table_v": table,
-                         "seq_len_q": q_lengths, "seq_len_kv": lengths}, outputs)  # fmt: skip
+        self._paged_sdpa(inputs, outputs, use_causal_mask_bottom_right=part == "tail")
         return (o, outputs["stats"]) if stats else o
+
+    def _paged_sdpa(self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor], **options: Any) -> None:
+        """One paged sdpa call: ``inputs`` and ``outputs`` by role, ``options`` its keywords.
+        Its graph is recorded from these alone and kept under their ``graph_key``, so a graph
+        runs only the problem it was built for (``run_roles`` trusts the caller's geometry)."""
+        options.update(attn_scale=self.scale, kv_cache_layout=self.kv_layout, use_padding_mask=True,
+                       paged_attention_max_seq_len_kv=inputs["page_table_k"].shape[1] * self.page_size)  # fmt: skip
+        graph = self._graphs.get_or_build(graph_key(inputs, outputs, options),
+                                          lambda g: _record_paged_sdpa(g, inputs, outputs, options))  # fmt: skip
+        graph.run_roles(inputs, outputs)
 
     # ---- buffers ----------------------------------------------------------------------------------
 
@@ -529,6 +532,48 @@ class PagedAttention:
     def _store(self, name: str, value: torch.Tensor) -> torch.Tensor:
         buffer = self._buffer(name, tuple(value.shape), value.dtype, value.device)
         return buffer.copy_(value)
+
+
+def graph_key(inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor],
+              options: Mapping[str, Any]) -> tuple:  # fmt: skip
+    """The key of a paged call's graph, derived from what its problem is assembled from: every
+    tensor's geometry by role (shape, strides, dtype, device) and every recording keyword. A
+    packed (THD) tensor's token count stays out where the problem plans without it (with
+    ``max_seq_len_q``: ``AttentionProblem.for_plan``); the plan reads the count at run time."""
+    packed = options.get("max_seq_len_q") is not None
+
+    def geometry(role: str, t: torch.Tensor) -> tuple:
+        shape = t.shape[1:] if packed and t.dim() == 3 else t.shape
+        return (role, shape, t.stride(), t.dtype, t.device)
+
+    return (
+        tuple([geometry(role, t) for role, t in inputs.items()]),
+        tuple([geometry(role, t) for role, t in outputs.items()]),
+        tuple(options.items()),
+    )
+
+
+def _record_paged_sdpa(g: Any, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor],
+                       options: Mapping[str, Any]) -> None:  # fmt: skip
+    """Record the call ``graph_key`` keys: these tensors, these keywords, the outputs' own
+    geometry (the token stride enters a packed output's ragged offsets)."""
+    o, stats = g.sdpa(inputs["q"], inputs["k"], inputs["v"], paged_attention_k_table=inputs["page_table_k"],
+                      paged_attention_v_table=inputs["page_table_v"], seq_len_q=inputs["seq_len_q"],
+                      seq_len_kv=inputs["seq_len_kv"], generate_stats="stats" in outputs, **options)  # fmt: skip
+    for role, handle in (("o", o), ("stats", stats)):
+        if role in outputs:
+            handle.set_dim(list(outputs[role].shape)).set_stride(list(outputs[role].stride()))
+
+
+def _largest_page(page_table: torch.Tensor) -> tuple[int, int, int] | None:
+    """A host page table's largest page and where it first is: ``(page, sequence, entry)``,
+    for ``run`` to check against the cache it is given. None on a GPU: reading it would sync
+    (there the pages past the cache are clamped to its last page)."""
+    if page_table.is_cuda:
+        return None
+    at = int(torch.argmax(page_table))  # the first largest entry
+    row, entry = divmod(at, page_table.shape[1])
+    return int(page_table[row, entry]), row, entry
 
 
 def _bucket(n: int) -> int:

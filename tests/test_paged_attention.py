@@ -97,14 +97,71 @@ def test_cuda_graph_mode_pads_the_batch_and_follows_new_plans():
         buffers = current
 
 
-def test_pages_past_the_cache_and_lengths_past_the_table_are_clamped_on_the_device_path():
-    """On the CPU values are checked; the clamps that make GPU values safe are exercised here by
-    planning valid values and running against a smaller cache (pages past its end)."""
-    q, k_cache, v_cache, table, lengths = make_step([16, 16], pages_per_seq=1, seed=6, extra_pages=0)
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
+def test_pages_past_the_cache_are_refused_at_run_naming_the_sequence_and_the_page(prefill):
+    """A host page table is checked against each cache run() is given: the plan cannot know
+    the cache, and the reference backend would clamp the page to the cache's last one."""
+    q, k_cache, v_cache, table, lengths, q_lens = packed_step([5, 7], [40, 60], pages_per_seq=4, seed=6)
+    num_pages = k_cache.shape[0]  # 2 * 4 + 3
+    table[1, 3] = num_pages + 1
     attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16)
-    attn.plan(table, lengths)
-    out = attn.run(q, k_cache[:1], v_cache[:1])  # one page: the second sequence's page is clamped to it
-    assert torch.isfinite(out).all()
+    if prefill:
+        attn.plan(table, lengths, q_lens=q_lens)
+    else:
+        attn.plan(table, lengths)
+        q = torch.zeros(2, HQ, 1, D, dtype=torch.bfloat16)
+    message = f"page_table: sequence 1, entry 3 is page {num_pages + 1}; the cache has {num_pages} pages"
+    with pytest.raises(ValidationError, match=message):
+        attn.run(q, k_cache, v_cache)
+    larger = [torch.cat([c, c[:2]]) for c in (k_cache, v_cache)]  # the same plan over a cache holding that page
+    assert torch.isfinite(attn.run(q, *larger)).all()
+
+
+@pytest.mark.parametrize("s_q", [None, 1, 4], ids=["prefill", "decode", "multi-token"])
+def test_a_step_over_a_larger_cache_reads_its_own_pages(s_q):
+    """A step over 8 pages, then one over 16 whose sequences live in pages 8-15: the second
+    step's graphs are those of a 16-page cache (a graph kept for 8 pages refused pages 8-15
+    on the CPU and read page 7 instead on cuDNN)."""
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(40)
+    for num_pages, first_page in ((8, 0), (16, 8)):
+        table = torch.arange(first_page, first_page + 8, dtype=torch.int32).view(2, 4)
+        k_cache, v_cache = (torch.randn(num_pages, HKV, PAGE, D, generator=gen).to(torch.bfloat16) for _ in range(2))
+        lengths = torch.tensor([50, 64], dtype=torch.int32)
+        if s_q is None:
+            q_lens = torch.tensor([5, 7], dtype=torch.int32)
+            q = torch.randn(12, HQ, D, generator=gen).to(torch.bfloat16)
+            attn.plan(table, lengths, q_lens=q_lens)
+            want = expected_packed(q, k_cache, v_cache, table, lengths, q_lens)
+        else:
+            q = torch.randn(2, HQ, s_q, D, generator=gen).to(torch.bfloat16)
+            attn.plan(table, lengths)
+            want = expected(q, k_cache, v_cache, table, lengths)
+        assert rel_err(attn.run(q, k_cache, v_cache), want) < 1e-2, num_pages
+
+
+def test_graph_keys_hold_every_tensor_and_keyword_of_the_call():
+    """A paged graph is reused only for the same call: any tensor's geometry (the caches' page
+    count, V's strides apart from K's) or keyword changes its key; a packed q's token count
+    does not where the problem plans without it (max_seq_len_q given)."""
+    from cudnn_attn.paged_attention import graph_key
+
+    cache = torch.zeros(8, HKV, PAGE, D)
+    table, lengths = torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+
+    def key(q=None, k=cache, v=cache, **options):
+        q = torch.zeros(12, HQ, D) if q is None else q
+        inputs = {"q": q, "k": k, "v": v, "page_table_k": table, "page_table_v": table, "seq_len_q": lengths,
+                  "seq_len_kv": lengths}  # fmt: skip
+        return graph_key(inputs, {"o": torch.empty_like(q)}, {"max_seq_len_q": 16, **options})
+
+    base = key()
+    assert key(q=torch.zeros(40, HQ, D)) == base
+    assert key(k=torch.zeros(16, HKV, PAGE, D), v=torch.zeros(16, HKV, PAGE, D)) != base
+    assert key(v=torch.zeros(8, HKV, PAGE, 2 * D)[..., :D]) != base
+    assert key(v=cache.to(torch.bfloat16)) != base
+    assert key(attn_scale=0.5) != base
+    assert key(max_seq_len_q=32) != base
 
 
 BAD_PLANS = {
