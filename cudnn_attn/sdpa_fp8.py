@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from . import sdpa_fp8_backward
+from .data_type import dtype_name
 from .errors import UnsupportedError, ValidationError
 from .fp8_cast import E4M3_MAX, amax_qkv, from_fp8, quantise_qkv, scale_view, to_fp8
 from .fp8_scaling import Fp8Scaling, current_scale
@@ -29,6 +30,7 @@ from .problem import TensorSpec
 from .sdpa_arguments import check_arguments, materialised
 
 BACKWARDS = ("bf16", "fp8")
+INPUT_DTYPES = (torch.float16, torch.bfloat16)
 _graphs = GraphCache()
 
 
@@ -50,6 +52,10 @@ def sdpa_fp8(
     (one pass per tensor, scales from its amax history); None scales each call by its
     current amaxes."""
     check_arguments(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa)
+    wide = [f"{name}: dtype {dtype_name(t.dtype)}; sdpa_fp8 takes float16 or bfloat16"
+            for name, t in (("query", query), ("key", key), ("value", value)) if t.dtype not in INPUT_DTYPES]  # fmt: skip
+    if wide:  # torch's SDPA takes wider inputs; the FP8 casts and the 16-bit backward take these
+        raise ValidationError(wide, context="sdpa_fp8")
     if attn_mask is not None:
         raise UnsupportedError(
             ["attn_mask: FP8 attention takes no mask tensor (cuDNN's FP8 op has no bias); use is_causal"],
@@ -140,6 +146,11 @@ def _graph(args: tuple, is_causal: bool, attn_scale: float, stats: bool = False)
     return _graphs.get_or_build(key, record)
 
 
+# What the FP8 backward reads from its forward, saved as torch saves tensors: freed by a
+# backward that does not retain the graph, kept for every backward of one that does.
+_FP8_SAVED = ("q8", "k8", "v8", "o8", "stats", "descale_q", "descale_k", "descale_v", "scale_s")
+
+
 class _Fp8Attention(torch.autograd.Function):
     """The FP8 forward; gradients from the 16-bit inputs (``backward="bf16"``) or through the
     FP8 backward (``backward="fp8"``, ``sdpa_fp8_backward.py``)."""
@@ -147,17 +158,27 @@ class _Fp8Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, is_causal: bool, attn_scale: float, scaling, fp8_backward: bool):  # type: ignore[override]
         ctx.options = (is_causal, attn_scale, scaling)
-        ctx.fp8 = {} if fp8_backward else None
-        if ctx.fp8 is None:
+        ctx.fp8_backward = fp8_backward
+        if not fp8_backward:
             ctx.save_for_backward(query, key, value)
-        return forward(query, key, value, is_causal, attn_scale, scaling, keep=ctx.fp8)
+            return forward(query, key, value, is_causal, attn_scale, scaling)
+        keep: dict[str, Any] = {}
+        out = forward(query, key, value, is_causal, attn_scale, scaling, keep=keep)
+        ctx.save_for_backward(*(keep[name] for name in _FP8_SAVED))
+        ctx.gradient_scales = None  # set by the first backward
+        return out
 
     @staticmethod
     def backward(ctx, d_out):  # type: ignore[override]
         is_causal, attn_scale, scaling = ctx.options
-        if ctx.fp8 is not None:
-            grads = sdpa_fp8_backward.gradients(ctx.fp8, d_out, scaling, d_out.dtype)
-            ctx.fp8 = None  # the FP8 tensors are not needed again
+        if ctx.fp8_backward:
+            saved = dict(zip(_FP8_SAVED, ctx.saved_tensors), is_causal=is_causal, attn_scale=attn_scale)
+            # A retained graph differentiated again is the same derivative: it reuses the
+            # gradient scales of its first backward (the history has moved on since, with that
+            # backward's own amaxes), so it gives the same gradients, and it records nothing:
+            # the history holds one backward per forward, not repeats of it.
+            grads, ctx.gradient_scales = sdpa_fp8_backward.gradients(saved, d_out, scaling, d_out.dtype,
+                                                                     scales=ctx.gradient_scales)  # fmt: skip
             return (*(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad)), None, None, None, None)
         from .functional import sdpa
 

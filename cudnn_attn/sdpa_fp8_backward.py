@@ -21,19 +21,25 @@ from .problem import TensorSpec
 _graphs = GraphCache()
 
 
-def gradients(saved: dict[str, Any], d_out: torch.Tensor, scaling: Fp8Scaling, dtype: torch.dtype) -> list:
-    """dQ, dK, dV in ``dtype`` from what the FP8 forward kept (``saved``) and ``d_out``."""
+def gradients(saved: dict[str, Any], d_out: torch.Tensor, scaling: Fp8Scaling, dtype: torch.dtype,
+              scales: torch.Tensor | None = None) -> tuple[list, torch.Tensor]:  # fmt: skip
+    """dQ, dK, dV in ``dtype`` from what the FP8 forward kept (``saved``) and ``d_out``, and
+    the gradient scales used ([4]). Given ``scales`` (an earlier backward's), those are used
+    and the history is left as it is."""
     from .sdpa_fp8 import quantised
 
     do8, descale_do = quantised(d_out)
-    scales = scaling.gradient_scales(d_out.device)
-    if scales is None:  # no history yet: measure this backward's amaxes first
-        scaling.record_gradients(list(_run(saved, do8, descale_do, torch.ones(4, device=d_out.device))[3:]))
+    if scales is not None:
+        results = _run(saved, do8, descale_do, scales)
+    else:
         scales = scaling.gradient_scales(d_out.device)
-        assert scales is not None
-    results = _run(saved, do8, descale_do, scales)
-    scaling.record_gradients(list(results[3:]))
-    return [from_fp8(g8, (1.0 / scales[i]).reshape(1, 1, 1, 1), dtype) for i, g8 in enumerate(results[:3])]
+        if scales is None:  # no history yet: measure this backward's amaxes first
+            scaling.record_gradients(list(_run(saved, do8, descale_do, torch.ones(4, device=d_out.device))[3:]))
+            scales = scaling.gradient_scales(d_out.device)
+            assert scales is not None
+        results = _run(saved, do8, descale_do, scales)
+        scaling.record_gradients(list(results[3:]))
+    return [from_fp8(g8, (1.0 / scales[i]).reshape(1, 1, 1, 1), dtype) for i, g8 in enumerate(results[:3])], scales
 
 
 def _run(saved: dict[str, Any], do8: torch.Tensor, descale_do: torch.Tensor, scales: torch.Tensor) -> tuple:

@@ -105,6 +105,28 @@ def test_fp8_backward_only_for_inputs_that_want_gradients():
     assert scaling.grad_calls == 2
 
 
+def test_a_retained_fp8_backward_runs_again_with_the_same_gradients():
+    """torch.autograd.grad(..., retain_graph=True) twice, as torch's own functions allow: the
+    second backward reuses the first one's gradient scales, though the history has moved on
+    with that backward's amaxes, and records nothing; the last backward frees what was saved."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (randn(1, 2, 32, 16, generator=gen).requires_grad_() for _ in range(3))
+    scaling = cudnn_attn.Fp8Scaling(history=1)
+    out = cudnn_attn.sdpa_fp8(q, k, v, scaling=scaling, backward="fp8")
+    torch.autograd.grad(out, (q, k, v), randn(1, 2, 32, 16, generator=gen) * 16)  # a step of larger gradients
+    out = cudnn_attn.sdpa_fp8(q, k, v, scaling=scaling, backward="fp8")
+    d_out = randn(1, 2, 32, 16, generator=gen)
+    first = torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)  # scaled by the larger step's amaxes
+    calls, history = scaling.grad_calls, scaling.grad_amaxes.clone()
+    again = torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)
+    last = torch.autograd.grad(out, (q, k, v), d_out)
+    for a, b, c in zip(first, again, last):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert scaling.grad_calls == calls and torch.equal(scaling.grad_amaxes, history)
+    with pytest.raises(RuntimeError, match="second time"):  # torch's own words for a freed graph
+        torch.autograd.grad(out, (q, k, v), d_out)
+
+
 def test_capturing_a_first_call_is_refused(monkeypatch):
     """The first call measures its amaxes before it has a history: it cannot be replayed."""
     from cudnn_attn import fp8_scaling

@@ -45,6 +45,15 @@ def test_gradients_come_from_the_16_bit_inputs():
         assert torch.equal(ours.grad, theirs.grad)
 
 
+def test_a_retained_graph_gives_the_same_gradients_twice():
+    q, k, v = (randn(2, 4, 32, 32).requires_grad_() for _ in range(3))
+    d_out = randn(2, 4, 32, 32)
+    out = cudnn_attn.sdpa_fp8(q, k, v, is_causal=True)
+    first = torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)
+    for a, b in zip(first, torch.autograd.grad(out, (q, k, v), d_out)):
+        assert torch.equal(a, b)
+
+
 def test_all_zero_inputs_give_zeros_not_nan():
     q, k, v = (torch.zeros(1, 2, 16, 16, dtype=torch.bfloat16) for _ in range(3))
     assert torch.equal(cudnn_attn.sdpa_fp8(q, k, v), torch.zeros_like(q))
