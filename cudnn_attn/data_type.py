@@ -51,7 +51,9 @@ _ALIASES = {
     "boolean": "bool",
 }
 
-FLOATING_IO = (torch.float16, torch.bfloat16)
+HALF_IO = (torch.float16, torch.bfloat16)  # the flash kernels' inputs
+# float32 runs on cuDNN's composite implementation (where this GPU and cuDNN serve it).
+FLOATING_IO = (*HALF_IO, torch.float32)
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 

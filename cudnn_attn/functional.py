@@ -6,8 +6,12 @@ tensors, the reference backend on CPU tensors)::
     out = cudnn_attn.sdpa(q, k, v, is_causal=True)
     # == torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-``attn_mask`` may be boolean (True = takes part) or additive, broadcastable to
-``[B, H, L, S]``. Inputs are fp16/bf16 ``[B, H, L, E]`` (or ``[H, L, E]``). Dropout draws a
+``attn_mask`` may be boolean (True = takes part), additive (broadcastable to ``[B, H, L, S]``)
+or one of torch's ``CausalBias`` objects (``causal_upper_left``/``causal_lower_right``: cuDNN's
+top-left and bottom-right causal masks). Inputs are fp16/bf16/fp32 ``[B, H, L, E]`` (or
+``[H, L, E]``); under ``torch.autocast`` they are cast to its dtype first, as torch does.
+float32 runs on cuDNN's composite float32 path where this GPU's cuDNN serves it, else on
+torch's own kernel (``torch_kernel.py`` says when; the log says which ran). Dropout draws a
 fresh seed from torch's default generator on each call, so ``torch.manual_seed`` makes it
 repeatable; the backward reuses the forward's mask.
 
@@ -19,11 +23,19 @@ from __future__ import annotations
 
 import torch
 
-from . import sdpa_eager, sdpa_graphs
+from . import sdpa_eager, sdpa_graphs, torch_kernel
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
 from .nested import nested_sdpa
 from .options import default_scale
-from .sdpa_arguments import ARGUMENT_NAMES, check_arguments, mask_as_bias, materialised
+from .sdpa_arguments import (
+    ARGUMENT_NAMES,
+    autocast_inputs,
+    causal_from_mask,
+    causal_kind,
+    check_arguments,
+    mask_as_bias,
+    materialised,
+)
 from .sdpa_custom_op import sdpa_forward
 
 
@@ -44,11 +56,20 @@ def sdpa(
         nested = False  # not tensors: refused below, naming them
     if nested:
         return nested_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    attn_mask, is_causal = causal_from_mask(attn_mask, is_causal, query, key)
+    query, key, value, attn_mask = autocast_inputs(query, key, value, attn_mask)
     if not torch.compiler.is_compiling():
         out = sdpa_eager.run(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if out is not None:
             return out
     check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    causal = causal_kind(is_causal)
+    train = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, attn_mask)
+    )  # fmt: skip
+    why = torch_kernel.reason(query, key, float(dropout_p), causal, train)
+    if why is not None:
+        return torch_kernel.run(why, query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa)
     squeeze = query.dim() == 3
     if squeeze:
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
@@ -56,13 +77,12 @@ def sdpa(
     query, key, value = (materialised(t) for t in (query, key, value))
     scale = float(scale) if scale is not None else default_scale(query.shape[-1])
     bias = None if attn_mask is None else mask_as_bias(attn_mask, query, key.shape[-2])
-    train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, bias))
     seed = offset = None
     if dropout_p > 0:
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
         offset = torch.zeros(1, dtype=torch.int64)
     try:
-        out, _ = sdpa_forward(query, key, value, bias, scale, bool(is_causal), float(dropout_p), seed, offset, train)
+        out, _ = sdpa_forward(query, key, value, bias, scale, causal.value, float(dropout_p), seed, offset, train)
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
         raise error.renamed(ARGUMENT_NAMES, context="sdpa") from None
     return out.squeeze(0) if squeeze else out

@@ -30,7 +30,7 @@ from .node import Node
 from .ops import BACKEND_NAMES
 from .ops.autotune import enabled_by_default as autotune_default
 from .options import MaskKeywords, collect_keywords, parse_keywords, publishes_mask_keywords, stats_requested
-from .problem import AttentionProblem, Op, TensorSpec, device_name
+from .problem import AttentionProblem, Op, TensorSpec, contiguous_strides, device_name
 from .recording_key import RecordingKey
 from .roles import BACKWARD_INPUTS, PAGED_INPUTS, ROLES, SDPA_INPUTS
 from .runner import Runner
@@ -150,11 +150,16 @@ class Graph(Fp8Ops, FrontendSteps):
         return self._made_input(TensorSpec(shape, strides, dtype, device_str), name or "tensor", None)
 
     def tensor_like(self, template: Any, name: str = "") -> InputHandle:
-        """An input with ``template``'s geometry (the frontend's ``graph.tensor_like``)."""
+        """An input with ``template``'s geometry (the frontend's ``graph.tensor_like``): a tensor, a
+        DLPack array, or another graph tensor (an input, or an output whose dims are set)."""
         self._check_recording("tensor_like")
+        if isinstance(template, TensorHandle):
+            return self._made_input(_handle_spec(template), name or template.name, None)
         tensor = interop.as_torch(template)
         if tensor is None:
-            raise ValidationError([f"template: {type(template).__name__}; expected a torch tensor or a DLPack array"])
+            raise ValidationError(
+                [f"template: {type(template).__name__}; expected a torch tensor, a DLPack array or a graph tensor"]
+            )
         handle = self._made_input(TensorSpec.of(tensor), name or "tensor", tensor)
         self._by_identity[id(template)] = handle
         return handle
@@ -519,3 +524,24 @@ def _ints_or_problem(values: Any, argument: str, problems: list[str]) -> tuple[i
     except ValidationError as error:
         problems += error.problems
         return None
+
+
+def _handle_spec(template: TensorHandle) -> TensorSpec:
+    """A graph tensor's geometry, for ``tensor_like``: an input's, or an output's as set so far."""
+    spec = template.spec
+    if spec is not None:
+        return spec
+    dim, stride, dtype = (getattr(template, attr, None) for attr in ("dim", "stride", "dtype"))
+    if dim is None or dtype is None:
+        raise ValidationError(
+            [
+                f"template: graph tensor {template.name!r} has no geometry yet (dims and data type are known once the "
+                "graph is built); set_dim() and set_data_type() on it first, or pass a tensor"
+            ],
+            context="Graph.tensor_like",
+        )
+    node = getattr(template, "node", None)
+    node_q = node.problem.q if getattr(node, "problem", None) is not None else None
+    device = node_q.device if node_q is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    strides = stride if stride is not None else contiguous_strides(dim)
+    return TensorSpec(tuple(dim), tuple(strides), dtype, device_name(device))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .errors import ValidationError
+from .errors import ShapeMismatchError, UnsupportedError, ValidationError
 from .fp8_scaling import Fp8Scaling
 from .functional import sdpa
 from .sdpa_fp8 import sdpa_fp8
@@ -82,10 +82,13 @@ class Attention(nn.Module):
         if self.fp8:
             o = sdpa_fp8(q, k, v, attn_mask, is_causal=causal, enable_gqa=h_kv != h, scaling=self.fp8_scaling)
             return self.out(o.transpose(1, 2).reshape(b, s, h * d))
-        o = sdpa(
-            q, k, v, attn_mask=attn_mask, is_causal=causal and attn_mask is None,
-            dropout_p=self.dropout if self.training else 0.0, enable_gqa=h_kv != h,
-        )  # fmt: skip
+        try:
+            o = sdpa(
+                q, k, v, attn_mask=attn_mask, is_causal=causal and attn_mask is None,
+                dropout_p=self.dropout if self.training else 0.0, enable_gqa=h_kv != h,
+            )  # fmt: skip
+        except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
+            raise _in_layer_terms(error) from None
         return self.out(o.transpose(1, 2).reshape(b, s, h * d))
 
     def extra_repr(self) -> str:
@@ -93,3 +96,15 @@ class Attention(nn.Module):
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, causal={self.causal}{fp8}"
         )
+
+
+# sdpa's arguments as the layer's user knows them: q, k and v are projections of x.
+_LAYER_NAMES = {"query": "x", "key": "x", "value": "x", "dropout_p": "dropout", "enable_gqa": "num_kv_heads"}
+
+
+def _in_layer_terms(error: ValidationError | UnsupportedError | ShapeMismatchError) -> Exception:
+    """``error`` speaking of the layer's arguments (one line per problem, repeats merged)."""
+    renamed = error.renamed(_LAYER_NAMES)
+    lines = list(dict.fromkeys(renamed.problems))
+    extra = {"alternatives": renamed.alternatives} if isinstance(renamed, UnsupportedError) else {}
+    return type(renamed)(lines, "Attention", **extra)

@@ -1,5 +1,10 @@
 """The functional form's arguments: checked as torch's SDPA would check them, then brought to
-what cuDNN reads (an additive 4-D bias from any mask, q/k/v in readable layouts)."""
+what cuDNN reads (an additive 4-D bias from any mask, q/k/v in readable layouts).
+
+torch's own conventions come first: under ``torch.autocast`` floating inputs are cast to the
+autocast dtype (``autocast_inputs``), and torch's ``CausalBias`` mask objects become causal
+variants, never dense memory (``causal_from_mask``).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +13,83 @@ import numbers
 from typing import Any
 
 import torch
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from .data_type import FLOATING_IO, dtype_name
 from .errors import ValidationError, shown
+from .options import Causal
+
+# What torch's SDPA takes; float64 runs on torch's own kernel (torch_kernel.py).
+TORCH_FLOATING = (*FLOATING_IO, torch.float64)
 
 # How errors from the graph name sdpa's own arguments.
 ARGUMENT_NAMES = {"q": "query", "k": "key", "v": "value", "attn_bias": "attn_mask", "attn_scale": "scale",
                   "dropout": "dropout_p", "o": "output"}  # fmt: skip
+
+
+def causal_from_mask(attn_mask: Any, is_causal: Any, query: Any, key: Any) -> tuple[Any, Any]:
+    """``(attn_mask, is_causal)`` with torch's ``CausalBias`` objects read as what they mean.
+
+    ``causal_upper_left(L, S)`` is top-left causal and ``causal_lower_right(L, S)`` bottom-right
+    (the same when L == S, as torch maps it); either becomes ``is_causal=Causal.X`` with no mask.
+    Any other tensor subclass is refused by name: its storage is not the values it stands for.
+    """
+    if not isinstance(attn_mask, torch.Tensor) or type(attn_mask) is torch.Tensor:
+        return attn_mask, is_causal  # None, plain, or not a tensor (refused by check_arguments)
+    if isinstance(attn_mask, CausalBias):
+        problems = []
+        if is_causal is not False and is_causal != 0:
+            problems.append("is_causal: True together with a CausalBias attn_mask; the bias already is the causal mask")
+        if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() >= 2 and key.dim() >= 2:
+            given, expected = (attn_mask.seq_len_q, attn_mask.seq_len_kv), (query.shape[-2], key.shape[-2])
+            if given != expected:
+                problems.append(
+                    f"attn_mask: CausalBias for L={given[0]}, S={given[1]} but query and key have L={expected[0]}, "
+                    f"S={expected[1]}"
+                )
+        if problems:
+            raise ValidationError(problems, context="sdpa")
+        upper_left = attn_mask.variant == CausalVariant.UPPER_LEFT or attn_mask.seq_len_q == attn_mask.seq_len_kv
+        return None, Causal.TOP_LEFT if upper_left else Causal.BOTTOM_RIGHT
+    if _readable(attn_mask):
+        return attn_mask, is_causal
+    raise ValidationError([_subclass_problem("attn_mask", attn_mask)], context="sdpa")
+
+
+def _readable(t: torch.Tensor) -> bool:
+    """A tensor whose storage holds its values: plain tensors, parameters, the tensors torch's
+    tracers substitute (fake and functional tensors), and nested tensors."""
+    if type(t) is torch.Tensor or isinstance(t, _PLAIN_SUBCLASSES) or torch.compiler.is_compiling():
+        return True
+    return t.is_nested  # read through its values() by the nested door
+
+
+def _subclass_problem(name: str, t: torch.Tensor) -> str:
+    return (
+        f"{name}: a {type(t).__name__} (a torch.Tensor subclass whose storage cudnn_attn cannot read as its values); "
+        "pass a plain torch.Tensor"
+    )
+
+
+def autocast_inputs(query: Any, key: Any, value: Any, attn_mask: Any) -> tuple[Any, Any, Any, Any]:
+    """The inputs as torch's SDPA sees them under ``torch.autocast``: every floating tensor but
+    float64 cast to the autocast dtype (torch's lower-precision op list), masks included."""
+    if not isinstance(query, torch.Tensor) or not torch.is_autocast_enabled(query.device.type):
+        return query, key, value, attn_mask
+    dtype = torch.get_autocast_dtype(query.device.type)
+
+    def cast(t: Any) -> Any:
+        eligible = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in (torch.float64, dtype)
+        return t.to(dtype) if eligible else t
+
+    return cast(query), cast(key), cast(value), cast(attn_mask)
+
+
+def causal_kind(is_causal: Any) -> Causal:
+    """``is_causal`` as a variant: a bool (top-left when true) or a ``Causal`` from a CausalBias."""
+    if isinstance(is_causal, Causal):
+        return is_causal
+    return Causal.TOP_LEFT if is_causal else Causal.NONE
 
 
 def check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> None:
@@ -24,8 +99,10 @@ def check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, e
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             problems.append(f"{name}: {type(t).__name__}; expected a torch tensor")
-        elif t.dtype not in FLOATING_IO:
-            problems.append(f"{name}: dtype {dtype_name(t.dtype)}; expected float16 or bfloat16")
+        elif not _readable(t):
+            problems.append(_subclass_problem(name, t))
+        elif t.dtype not in TORCH_FLOATING:
+            problems.append(f"{name}: dtype {dtype_name(t.dtype)}; expected float16, bfloat16, float32 or float64")
         elif t.dim() not in (3, 4):
             problems.append(f"{name}: {t.dim()}-D (shape {list(t.shape)}); expected [B, H, L, E] or [H, L, E]")
     if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
@@ -37,6 +114,8 @@ def check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, e
     ):
         problems.append(f"scale: {shown(scale)}; expected a finite float or None")
     for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
+        if name == "is_causal" and isinstance(flag, Causal):
+            continue  # a variant read from a CausalBias mask
         if not isinstance(flag, (bool, int)) or flag not in (0, 1):
             problems.append(f"{name}: {shown(flag)}; expected True or False")
     if problems:
@@ -45,13 +124,18 @@ def check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, e
     if len(set(devices.values())) > 1:
         where = ", ".join(f"{name} on {device}" for name, device in devices.items())
         problems.append(f"device: tensors are on several devices ({where}); put them on one device")
+    if len({query.dtype, key.dtype, value.dtype}) > 1:
+        problems.append(
+            f"query: dtype {dtype_name(query.dtype)} but key is {dtype_name(key.dtype)} and value "
+            f"{dtype_name(value.dtype)}; query, key and value must share one dtype"
+        )
     if query.dim() != key.dim() or query.dim() != value.dim():
         problems.append(f"key: {key.dim()}-D and value: {value.dim()}-D; query is {query.dim()}-D, they must match")
     elif not enable_gqa and key.shape[-3] != query.shape[-3]:
         problems.append(
             f"key: {key.shape[-3]} heads differ from query's {query.shape[-3]}; pass enable_gqa=True for GQA/MQA"
         )
-    if is_causal and attn_mask is not None:
+    if causal_kind(is_causal) is not Causal.NONE and attn_mask is not None:
         problems.append("is_causal: True together with attn_mask; give one (as torch requires)")
     if attn_mask is not None and not problems:
         target = (*query.shape[:-1], key.shape[-2])
@@ -65,6 +149,16 @@ def check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, e
             problems.append(f"attn_mask: dtype {attn_mask.dtype}; expected bool or a floating dtype")
     if problems:
         raise ValidationError(problems, context="sdpa")
+
+
+def _plain_subclasses() -> tuple[type, ...]:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return (torch.nn.Parameter, FakeTensor, FunctionalTensor)
+
+
+_PLAIN_SUBCLASSES = _plain_subclasses()
 
 
 def _as_float(value: Any) -> float:

@@ -18,13 +18,13 @@ def sdpa_forward(
     v: torch.Tensor,
     bias: torch.Tensor | None,
     scale: float,
-    is_causal: bool,
+    causal: str,
     dropout_p: float,
     seed: torch.Tensor | None,
     offset: torch.Tensor | None,
     train: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    graph = sdpa_graphs.forward_graph(q, k, v, bias, scale, is_causal, dropout_p, seed, offset, train)
+    graph = sdpa_graphs.forward_graph(q, k, v, bias, scale, causal, dropout_p, seed, offset, train)
     result = graph(*sdpa_graphs.distinct(sdpa_graphs.forward_inputs(q, k, v, bias, dropout_p, seed, offset)))
     if train:
         return result
@@ -32,7 +32,7 @@ def sdpa_forward(
 
 
 @sdpa_forward.register_fake
-def _(q, k, v, bias, scale, is_causal, dropout_p, seed, offset, train):
+def _(q, k, v, bias, scale, causal, dropout_p, seed, offset, train):
     shape = (*q.shape[:-1], v.shape[-1])
     out = q.new_empty_strided(shape, strides_like(shape, q.stride()))
     stats = q.new_empty((*q.shape[:-1], 1), dtype=torch.float32) if train else q.new_empty(0, dtype=torch.float32)
@@ -49,7 +49,7 @@ def sdpa_backward(
     stats: torch.Tensor,
     bias: torch.Tensor | None,
     scale: float,
-    is_causal: bool,
+    causal: str,
     dropout_p: float,
     seed: torch.Tensor | None,
     offset: torch.Tensor | None,
@@ -57,7 +57,7 @@ def sdpa_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     d_out = sdpa_graphs.like(d_out, out)
     graph = sdpa_graphs.backward_graph(
-        q, k, v, out, d_out, stats, bias, scale, is_causal, dropout_p, seed, offset, bias_grad
+        q, k, v, out, d_out, stats, bias, scale, causal, dropout_p, seed, offset, bias_grad
     )
     inputs = sdpa_graphs.backward_inputs(q, k, v, out, d_out, stats, bias, dropout_p, seed, offset)
     grads = graph(*sdpa_graphs.distinct(inputs))
@@ -65,7 +65,7 @@ def sdpa_backward(
 
 
 @sdpa_backward.register_fake
-def _(q, k, v, out, d_out, stats, bias, scale, is_causal, dropout_p, seed, offset, bias_grad):
+def _(q, k, v, out, d_out, stats, bias, scale, causal, dropout_p, seed, offset, bias_grad):
     grads = [t.new_empty_strided(t.shape, strides_like(tuple(t.shape), t.stride())) for t in (q, k, v)]
     d_bias = (
         bias.new_empty_strided(bias.shape, strides_like(tuple(bias.shape), bias.stride()))
@@ -76,10 +76,10 @@ def _(q, k, v, out, d_out, stats, bias, scale, is_causal, dropout_p, seed, offse
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bias, scale, is_causal, dropout_p, seed, offset, train = inputs
+    q, k, v, bias, scale, causal, dropout_p, seed, offset, train = inputs
     out, stats = output
     ctx.save_for_backward(q, k, v, bias, out, stats, seed, offset)
-    ctx.scalars = (scale, is_causal, dropout_p)
+    ctx.scalars = (scale, causal, dropout_p)
 
 
 def _backward(ctx, d_out, _d_stats):

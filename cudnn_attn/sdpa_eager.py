@@ -14,16 +14,17 @@ from typing import Any
 
 import torch
 
-from . import lifecycle, sdpa_graphs
+from . import lifecycle, sdpa_graphs, torch_kernel
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
-from .options import default_scale
+from .options import Causal, default_scale
 from .runner import Runner
-from .sdpa_arguments import ARGUMENT_NAMES, check_arguments, mask_as_bias, materialised
+from .sdpa_arguments import ARGUMENT_NAMES, causal_kind, check_arguments, mask_as_bias, materialised
 
 MAX_ENTRIES = 512
-_prepared: dict[tuple, Prepared] = {}
+_prepared: dict[tuple, Prepared | TorchKernel] = {}
 _lock = threading.Lock()
 _SCALARS = (float, int, type(None))
+_CAUSAL = (bool, Causal)  # a bool, or the variant a CausalBias mask stands for
 
 
 def run(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_causal: Any, scale: Any,
@@ -33,7 +34,7 @@ def run(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_cau
         return None
     if type(scale) not in _SCALARS or type(dropout_p) not in _SCALARS or query.dim() != 4:
         return None  # the full path checks (and refuses) anything else
-    if type(is_causal) is not bool or type(enable_gqa) is not bool:
+    if type(is_causal) not in _CAUSAL or type(enable_gqa) is not bool:
         return None
     if attn_mask is not None and type(attn_mask) is not torch.Tensor:
         return None
@@ -55,12 +56,16 @@ def run(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_cau
     return entry(query, key, value, attn_mask)
 
 
-def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, train) -> Prepared:
+def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, train) -> Prepared | TorchKernel:
     """Check the call in full and build its forward graph (the backward's comes with the first backward)."""
     check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    causal = causal_kind(is_causal)
+    why = torch_kernel.reason(query, key, float(dropout_p), causal, train)
+    if why is not None:
+        return TorchKernel(why, dropout_p, causal, scale, enable_gqa)
     entry = Prepared(
         scale=float(scale) if scale is not None else default_scale(query.shape[-1]),
-        is_causal=bool(is_causal),
+        causal=causal,
         dropout_p=float(dropout_p),
         train=train,
         materialise=tuple(materialised(t) is not t for t in (query, key, value)),
@@ -70,7 +75,7 @@ def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
     # Templates of the seed's geometry: drawing a seed here would shift torch's generator.
     seed, offset = (torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)) if dropout_p else (None, None)
     try:
-        graph = sdpa_graphs.forward_graph(q, k, v, bias, entry.scale, entry.is_causal, entry.dropout_p, seed, offset,
+        graph = sdpa_graphs.forward_graph(q, k, v, bias, entry.scale, causal.value, entry.dropout_p, seed, offset,
                                           train)  # fmt: skip
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
         raise error.renamed(ARGUMENT_NAMES, context="sdpa") from None
@@ -79,6 +84,17 @@ def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
     entry.forward_keep = _distinct_positions(inputs)
     entry.plain = entry.forward_keep == (0, 1, 2)  # three distinct inputs, no mask, no dropout
     return entry
+
+
+class TorchKernel:
+    """One call signature that runs on torch's own SDPA kernel (``torch_kernel.py``)."""
+
+    def __init__(self, why: str, dropout_p: Any, causal: Causal, scale: Any, enable_gqa: bool):
+        self.why, self.dropout_p, self.causal, self.scale, self.enable_gqa = why, dropout_p, causal, scale, enable_gqa
+
+    def __call__(self, query, key, value, attn_mask) -> torch.Tensor:
+        return torch_kernel.run(self.why, query, key, value, attn_mask, self.dropout_p, self.causal, self.scale,
+                                self.enable_gqa)  # fmt: skip
 
 
 def _distinct_positions(tensors: list[Any]) -> tuple[int, ...]:
@@ -90,8 +106,8 @@ def _distinct_positions(tensors: list[Any]) -> tuple[int, ...]:
 class Prepared:
     """One call signature: its forward run, and its backward runs as they are needed."""
 
-    def __init__(self, scale: float, is_causal: bool, dropout_p: float, train: bool, materialise: tuple):
-        self.scale, self.is_causal, self.dropout_p, self.train = scale, is_causal, dropout_p, train
+    def __init__(self, scale: float, causal: Causal, dropout_p: float, train: bool, materialise: tuple):
+        self.scale, self.causal, self.dropout_p, self.train = scale, causal, dropout_p, train
         self.materialise = materialise if any(materialise) else None
         self.forward_runner: Runner | None = None
         self.forward_keep: tuple[int, ...] = ()
@@ -132,7 +148,7 @@ class Prepared:
         key = (bias_grad, sdpa_graphs.aliasing(inputs))
         found = self.backward_runs.get(key)
         if found is None:
-            graph = sdpa_graphs.backward_graph(q, k, v, out, d_out, stats, bias, self.scale, self.is_causal,
+            graph = sdpa_graphs.backward_graph(q, k, v, out, d_out, stats, bias, self.scale, self.causal.value,
                                                self.dropout_p, seed, offset, bias_grad)  # fmt: skip
             assert graph._runner is not None
             found = self.backward_runs[key] = (graph._runner, _distinct_positions(inputs))

@@ -13,6 +13,7 @@ import torch
 
 from .graph import Graph
 from .graph_cache import GraphCache
+from .options import Causal
 from .problem import TensorSpec
 
 graphs = GraphCache()
@@ -22,8 +23,13 @@ def _spec(t: torch.Tensor | None) -> TensorSpec | None:
     return None if t is None else TensorSpec.of(t)
 
 
-def _options(scale: float, is_causal: bool, dropout_p: float, seed: Any, offset: Any) -> dict:
-    options: dict[str, Any] = dict(attn_scale=scale, use_causal_mask=is_causal)
+def _options(scale: float, causal: str, dropout_p: float, seed: Any, offset: Any) -> dict:
+    """``causal``: a ``Causal`` value ("none", "top_left", "bottom_right")."""
+    options: dict[str, Any] = dict(
+        attn_scale=scale,
+        use_causal_mask=causal == Causal.TOP_LEFT,
+        use_causal_mask_bottom_right=causal == Causal.BOTTOM_RIGHT,
+    )
     if dropout_p > 0:
         options.update(dropout=dropout_p, dropout_seed=seed, dropout_offset=offset)
     return options
@@ -44,11 +50,11 @@ def forward_inputs(q, k, v, bias, dropout_p, seed, offset) -> list[Any]:
     return [t for t in (q, k, v, bias) if t is not None] + ([seed, offset] if dropout_p > 0 else [])
 
 
-def forward_graph(q, k, v, bias, scale: float, is_causal: bool, dropout_p: float, seed, offset, train: bool) -> Graph:
+def forward_graph(q, k, v, bias, scale: float, causal: str, dropout_p: float, seed, offset, train: bool) -> Graph:
     """The built forward graph of this signature (O, plus stats when ``train``)."""
     inputs = forward_inputs(q, k, v, bias, dropout_p, seed, offset)
-    key = ("forward", *map(_spec, (q, k, v, bias)), aliasing(inputs), scale, is_causal, dropout_p, train)
-    options = _options(scale, is_causal, dropout_p, seed, offset)
+    key = ("forward", *map(_spec, (q, k, v, bias)), aliasing(inputs), scale, causal, dropout_p, train)
+    options = _options(scale, causal, dropout_p, seed, offset)
     return graphs.get_or_build(key, lambda g: g.sdpa(q, k, v, attn_bias=bias, generate_stats=train, **options))
 
 
@@ -58,14 +64,14 @@ def backward_inputs(q, k, v, out, d_out, stats, bias, dropout_p, seed, offset) -
 
 
 def backward_graph(
-    q, k, v, out, d_out, stats, bias, scale: float, is_causal: bool, dropout_p: float, seed, offset, bias_grad: bool
+    q, k, v, out, d_out, stats, bias, scale: float, causal: str, dropout_p: float, seed, offset, bias_grad: bool
 ) -> Graph:
     """The built backward graph of this signature (dQ, dK, dV, plus dBias when ``bias_grad``).
     ``d_out`` must have ``out``'s strides (see ``like``)."""
     inputs = backward_inputs(q, k, v, out, d_out, stats, bias, dropout_p, seed, offset)
-    key = ("backward", *map(_spec, (q, k, v, bias, out, d_out)), aliasing(inputs), scale, is_causal, dropout_p,
+    key = ("backward", *map(_spec, (q, k, v, bias, out, d_out)), aliasing(inputs), scale, causal, dropout_p,
            bias_grad)  # fmt: skip
-    options = _options(scale, is_causal, dropout_p, seed, offset)
+    options = _options(scale, causal, dropout_p, seed, offset)
     return graphs.get_or_build(
         key, lambda g: g.sdpa_backward(q, k, v, out, d_out, stats, attn_bias=bias, bias_grad=bias_grad, **options)
     )

@@ -238,7 +238,7 @@ def _bad_inputs():
             cudnn_attn.UnsupportedError,
             ["query"],
         ),  # fmt: skip
-        "float32": ((_nt([3, 2], dtype=torch.float32), q, q), {}, cudnn_attn.ValidationError, ["query"]),
+        "dtype-mismatch": ((_nt([3, 2], dtype=torch.float32), q, q), {}, cudnn_attn.ValidationError, ["query"]),
         "heads-without-gqa": (
             (q, _nt([3, 2], heads=1), _nt([3, 2], heads=1)),
             {},

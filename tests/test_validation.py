@@ -59,7 +59,7 @@ MALFORMED = [
     ("v-not-tensor", lambda: fwd(v="v"), "v:", "expected a tensor"),
     ("q-last-stride", lambda: fwd(q=t(B, H, D, S).transpose(2, 3)), "q:", "last stride"),
     ("k-last-stride", lambda: fwd(k=t(B, H, D, S).transpose(2, 3)), "k:", "last stride"),
-    ("q-float32", lambda: fwd(q=t(B, H, S, D, dtype=torch.float32)), "q:", "float32"),
+    ("q-float64", lambda: fwd(q=t(B, H, S, D, dtype=torch.float64)), "q:", "float64"),
     ("q-int", lambda: fwd(q=torch.ones(B, H, S, D, dtype=torch.int32)), "q:", "int32"),
     ("k-dtype-differs", lambda: fwd(k=t(B, H, S, D, dtype=torch.bfloat16)), "k:", "bfloat16"),
     ("v-dtype-differs", lambda: fwd(v=t(B, H, S, D, dtype=torch.bfloat16)), "v:", "bfloat16"),

@@ -90,6 +90,8 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
         )
     else:
         reasons += _head_dim_reasons(p, platform)
+        if p.q.dtype == torch.float32:
+            reasons += _float32_reasons(p, platform)
     if p.is_paged and platform.cudnn < PAGED_MIN_CUDNN:
         reasons.append(f"paged K/V caches need cuDNN >= 9.5 (have {_version(platform.cudnn)})")
     if p.options.causal is Causal.BOTTOM_RIGHT and platform.cudnn < BOTTOM_RIGHT_MIN_CUDNN:
@@ -198,6 +200,32 @@ def _fp8_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
                     "from FP8 attention need Blackwell (sm100) and cuDNN >= 9.13; write it in fp8"
                 )
             break
+    return reasons
+
+
+# float32 I/O runs on cuDNN's composite implementation. Measured on an H100 (sm90) with cuDNN 9.19
+# against the reference backend: the forward is exact (rel. error ~3e-7) for every mask, bias,
+# padding, GQA and THD case tried; these are what it lacks or gets wrong.
+FLOAT32_MAX_HEAD_DIM = 192  # d_qk = d_v = 256 gave O off by 66-275% (stats right)
+
+
+def _float32_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
+    reasons = []
+    if not p.is_forward:
+        reasons.append("sdpa_backward in float32: cuDNN proposes no float32 backward engine; train in bf16/fp16")
+    if p.has_dropout:
+        reasons.append("dropout in float32: cuDNN builds no float32 plan with dropout")
+    if p.is_paged:
+        reasons.append("paged K/V caches in float32: not served by cuDNN's float32 path; use bf16/fp16 caches")
+    if max(p.d_qk, p.d_v) > FLOAT32_MAX_HEAD_DIM:
+        reasons.append(
+            f"head_dim={max(p.d_qk, p.d_v)} in float32: refused above {FLOAT32_MAX_HEAD_DIM} (cuDNN {_version(platform.cudnn)}'s "
+            "float32 path was seen giving wrong O at d=256)"
+        )
+    if p.s_q == 1 and p.h_k != p.h_q:
+        reasons.append(
+            "S_q = 1 (decode) with GQA/MQA in float32: refused (cuDNN's float32 path was seen giving wrong O)"
+        )
     return reasons
 
 

@@ -132,6 +132,8 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) ->
             )  # fmt: skip
             amaxes = dict(zip(FP8_AMAXES, amax_handles))  # Amax_S, Amax_O
         else:
+            if p.q.dtype == torch.float32:  # float32 I/O is served by the composite implementation alone
+                options["implementation"] = cudnn.attention_implementation.COMPOSITE
             o, stats = graph.sdpa(
                 inputs["q"], inputs["k"], inputs["v"], generate_stats=p.generates_stats, name="sdpa", **options
             )

@@ -1,0 +1,60 @@
+"""When ``cudnn_attn.sdpa`` hands a call to torch's own SDPA kernel, and why.
+
+The drop-in refuses nothing torch accepts only because cuDNN lacks it. Where this GPU's cuDNN
+cannot serve a well-formed call (float64; a float32 problem its composite path declines; a bottom-right
+``CausalBias`` with dropout or with more queries than keys), the call runs on
+``torch.nn.functional.scaled_dot_product_attention`` with the caller's own arguments, and the
+choice is logged (``CUDNN_ATTN_LOG_LEVEL=info``) with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.attention.bias import causal_lower_right
+
+from . import log
+from .options import Causal
+
+WHERE = "cudnn_attn.sdpa"
+_said: set[str] = set()  # each reason is logged once, not per call
+
+
+# Measured on an H100 with cuDNN 9.19 (interleaved rounds, medians): torch's float32 kernel ran
+# 1.2x (B2 H16 S1k d64) to 2.3x (B1 H32 S8k d128 causal) faster than cuDNN's composite float32
+# forward. The Graph API still runs float32 on cuDNN, as the frontend does.
+FLOAT32_FORWARD = "float32 on a GPU: torch's float32 kernel measured 1.2-2.3x faster than cuDNN's float32 path"
+
+
+def reason(query: torch.Tensor, key: torch.Tensor, dropout_p: float, causal: Causal, train: bool) -> str | None:
+    """Why this call cannot run on cudnn_attn's graphs and goes to torch's kernel; None if it can."""
+    if query.dtype == torch.float64:
+        return "float64: cuDNN attention has no double-precision path"
+    if query.dtype == torch.float32 and query.is_cuda:
+        if train:
+            return "float32 with gradients: cuDNN has no float32 backward"
+        return FLOAT32_FORWARD
+    if causal is Causal.BOTTOM_RIGHT:
+        if dropout_p:
+            return "a bottom-right causal mask with dropout: cuDNN's bottom-right mask takes no dropout"
+        if query.shape[-2] > key.shape[-2]:
+            return (
+                f"a bottom-right causal mask with L={query.shape[-2]} > S={key.shape[-2]}: cuDNN's bottom-right mask "
+                "needs L <= S"
+            )
+    return None
+
+
+def run(why: str, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float, causal: Causal,
+        scale: Any, enable_gqa: bool) -> torch.Tensor:  # fmt: skip
+    """torch's SDPA on the call (a bottom-right causal mask as torch's own ``causal_lower_right``)."""
+    if why not in _said:
+        _said.add(why)
+        log.backend_passed_over(WHERE, "cudnn_attn's graphs", why + "; runs on torch's SDPA kernel")
+    if causal is Causal.BOTTOM_RIGHT:
+        attn_mask = causal_lower_right(query.shape[-2], key.shape[-2])
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal is Causal.TOP_LEFT,
+        scale=scale, enable_gqa=enable_gqa,
+    )  # fmt: skip
