@@ -540,8 +540,8 @@ def _handle_spec(template: TensorHandle) -> TensorSpec:
             ],
             context="Graph.tensor_like",
         )
-    node = getattr(template, "node", None)
-    node_q = node.problem.q if getattr(node, "problem", None) is not None else None
+    problem = getattr(getattr(template, "node", None), "problem", None)
+    node_q = problem.q if problem is not None else None
     device = node_q.device if node_q is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     strides = stride if stride is not None else contiguous_strides(dim)
     return TensorSpec(tuple(dim), tuple(strides), dtype, device_name(device))
