@@ -8,12 +8,14 @@ chosen and its plan taken from the plan cache, built on a miss.
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from . import validation
+from . import log, validation
 from .assembly import assemble_problem, missing_inputs
 from .cache import PlanCache
 from .errors import UnsupportedError, ValidationError
@@ -67,9 +69,30 @@ def plan_nodes(nodes: Sequence[Node], backend: str, autotune: bool, cache: PlanC
         key = (chosen.name, chosen.plan_key(planned), planned, tune)
         node.backend = chosen.name
         node.cache_key = key
-        node.plan = cache.get_or_build(key, functools.partial(chosen.build, planned, autotune=tune, store=cache.store))
+        start = time.perf_counter()
+        plan, built = cache.obtain(key, functools.partial(chosen.build, planned, autotune=tune, store=cache.store))
+        node.plan = plan
+        if log.logger.isEnabledFor(logging.INFO):
+            source, engine = origin(plan, chosen.name) if built else ("memory", _engine(plan, chosen.name))
+            if built and chosen.name == "cudnn" and cache.store is None and (why := cache.store_unused_reason()):
+                log.store_unused(why)
+            log.plan(planned, chosen.name, source, engine, time.perf_counter() - start)
     if reasons:
         raise UnsupportedError(reasons, context=context, alternatives=alternatives)
+
+
+def origin(plan: Any, backend: str) -> tuple[str, str]:
+    """Where a plan this process just obtained came from (built, tuned or disk), and its engine."""
+    source = getattr(plan, "source", "built")
+    choice = getattr(plan, "choice", None)
+    if source == "built" and getattr(choice, "tuned", False):
+        source = "tuned"
+    return source, _engine(plan, backend)
+
+
+def _engine(plan: Any, backend: str) -> str:
+    """The cuDNN engine (and knobs) where the plan knows it; the backend's name otherwise ("reference")."""
+    return getattr(plan, "engine", None) or backend
 
 
 def positional_inputs(nodes: Sequence[Node]) -> list[InputHandle]:

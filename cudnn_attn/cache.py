@@ -8,6 +8,7 @@ for one key build once, the others wait for that build.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -17,8 +18,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from . import lifecycle
+from . import log as _log
 from .errors import ValidationError
-from .plan_store import PlanStore, default_path
+from .plan_store import ENV, PlanStore, default_path
 from .recorded_builds import RecordedBuilds
 
 DEFAULT_MAXSIZE = 1024
@@ -52,6 +54,8 @@ class PlanCache:
         self.path = path
         # Built plans persist here across processes (cuDNN plans; see plan_store.py).
         self.store = PlanStore(path) if path is not None else None
+        # Why plans are not stored, said once (log.store_unused) by the first plan that could have been.
+        self.store_off: str | None = None if path is not None else "this PlanCache was made without path="
         lifecycle.track_cache(self)
         self._entries: OrderedDict[Hashable, Any] = OrderedDict()
         self._building: dict[Hashable, Future] = {}
@@ -63,12 +67,21 @@ class PlanCache:
 
     def get_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """The plan for ``key``, calling ``build()`` on a miss (once, however many threads ask)."""
+        return self.obtain(key, build)[0]
+
+    def obtain(self, key: Hashable, build: Callable[[], Any]) -> tuple[Any, bool]:
+        """``get_or_build``, and whether this call built the plan (False: it was in memory, or
+        another thread's build of it was under way and this call waited for it).
+
+        A build that raises (the GPU out of memory, say) leaves nothing behind: no entry, no
+        in-flight marker; its error reaches every waiter, and the next request builds afresh.
+        """
         with self._lock:
             plan = self._entries.get(key)
             if plan is not None:
                 self._entries.move_to_end(key)
                 self._counts["hits"] += 1
-                return plan
+                return plan, False
             self._counts["misses"] += 1
             pending = self._building.get(key)
             if pending is None:
@@ -77,7 +90,7 @@ class PlanCache:
             else:
                 owner = False
         if not owner:
-            return pending.result()  # re-raises the builder's error, if any
+            return pending.result(), False  # re-raises the builder's error, if any
         start = time.perf_counter()
         try:
             plan = build()
@@ -95,7 +108,13 @@ class PlanCache:
             del self._building[key]
             self._evict()
         pending.set_result(plan)
-        return plan
+        return plan, True
+
+    def store_unused_reason(self) -> str | None:
+        """Why this cache stores no plans (no path, or the variable turned it off): once, then None."""
+        with self._lock:
+            reason, self.store_off = self.store_off, None
+        return reason
 
     def _evict(self) -> None:
         """Drop least recently used plans while over either bound (the newest always stays).
@@ -117,6 +136,12 @@ class PlanCache:
             for key in keys:
                 entries.move_to_end(key)
             self._counts["hits"] += len(keys)
+        if _log.logger.isEnabledFor(logging.DEBUG):  # info stays silent here: code may record per call
+            for key in keys:
+                if isinstance(key, tuple) and len(key) == 4:  # build.plan_nodes': (backend, platform, problem, tuned)
+                    _log.plan_adopted(key[2], key[0])
+                else:
+                    _log.plan_adopted(key, "?")
         return True
 
     def nbytes(self) -> int:
@@ -126,7 +151,8 @@ class PlanCache:
 
     def stats(self) -> dict[str, float]:
         with self._lock:
-            return {**self._counts, "build_seconds": self._build_seconds, "size": len(self._entries)}
+            return {**self._counts, "build_seconds": self._build_seconds, "size": len(self._entries),
+                    "in_flight": len(self._building)}  # fmt: skip
 
     def clear(self) -> None:
         """Drop every plan and zero the counters."""
@@ -157,5 +183,8 @@ def default_cache() -> PlanCache:
     global _default
     with _default_lock:
         if _default is None:
-            _default = PlanCache(path=default_path())
+            path = default_path()
+            _default = PlanCache(path=path)
+            if path is None:
+                _default.store_off = f'{ENV}="" turns it off'
         return _default

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from . import __version__
+from . import __version__, log, plan_store
 from .ops import get_backend
 from .options import Causal, ScoreOptions
 from .problem import AttentionProblem, KVCacheLayout, Op, TensorSpec
@@ -97,6 +97,9 @@ def collect() -> dict[str, Any]:
         "cuda_available": torch.cuda.is_available(),
     }
     report.update(_frontend())
+    report["log_level"] = log.level()
+    store = plan_store.default_path()
+    report["plan_store"] = str(store) if store is not None else f'off ({plan_store.ENV}="")'
     device = "cpu"
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)

@@ -1,12 +1,19 @@
 """What ran, and why: the ``cudnn_attn`` logger and its switch.
 
 ``CUDNN_ATTN_LOG_LEVEL=info`` (or ``debug``, ``warning``...) prints to stderr one line per plan
-(the problem, the backend, where the plan came from: memory, disk, built or tuned; the engine;
-seconds) and one line each time a backend is passed over, with the reason. Without the variable
-nothing is printed, and the standard ``logging`` machinery decides as usual::
+a graph obtains (the problem, the backend, where the plan came from: memory, disk, built or
+tuned; the engine; seconds), one line each time a backend is passed over, with the reason,
+and why the plan store was not used. Without the variable nothing is configured, and the
+standard ``logging`` machinery decides as usual (warnings reach stderr through its last-resort
+handler)::
 
     import logging
     logging.getLogger("cudnn_attn").setLevel(logging.INFO)  # with your own handlers
+
+Lines are per plan, never per run: a graph's steady-state calls log nothing, whatever the level.
+A recording that adopts an earlier identical one (``recorded_builds.py``) takes its plans
+without a line at ``info`` (code that records its graph per call would print one per call);
+``debug`` shows those too.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import logging
 import os
 
 ENV_VAR = "CUDNN_ATTN_LOG_LEVEL"
+SOURCES = ("memory", "disk", "built", "tuned")
 
 logger = logging.getLogger("cudnn_attn")
 
@@ -38,10 +46,43 @@ def _configure_from_environment() -> None:
 _configure_from_environment()
 
 
+def level() -> str:
+    """The level the ``cudnn_attn`` logger lets through now, and what set it (for ``cudnn-attn info``)."""
+    name = logging.getLevelName(logger.getEffectiveLevel())
+    value = os.environ.get(ENV_VAR, "").strip()
+    if value:
+        return f"{name} ({ENV_VAR}={value})"
+    return f"{name} (set {ENV_VAR}=info to log every plan)"
+
+
 def plan(problem: object, backend: str, source: str, engine: str | None, seconds: float) -> None:
-    """One line per plan obtained: ``source`` is memory, disk, built or tuned."""
+    """One line per plan obtained: ``source`` is memory, disk, built or tuned.
+
+    The values also ride on the record (``record.plan_backend``, ``plan_source``,
+    ``plan_engine``, ``plan_seconds``) for handlers that collect them."""
     if logger.isEnabledFor(logging.INFO):
-        logger.info("plan %s: backend=%s source=%s engine=%s %.3fs", _short(problem), backend, source, engine, seconds)
+        extra = {"plan_backend": backend, "plan_source": source, "plan_engine": engine, "plan_seconds": seconds}
+        logger.info(
+            "plan %s: backend=%s source=%s engine=%s %.3fs",
+            _short(problem),
+            backend,
+            source,
+            engine,
+            seconds,
+            extra=extra,
+        )
+
+
+def plan_adopted(problem: object, backend: str) -> None:
+    """A plan taken by a recording that repeats an earlier one: debug only (see the module docstring)."""
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("plan %s: backend=%s source=memory (a repeated recording)", _short(problem), backend)
+
+
+def store_unused(reason: str) -> None:
+    """Why plans are built in this process instead of loaded from (and saved to) the plan store."""
+    if logger.isEnabledFor(logging.INFO):
+        logger.info("plan store not used: %s", reason)
 
 
 def backend_passed_over(where: str, backend: str, reason: str) -> None:

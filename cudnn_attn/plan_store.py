@@ -31,15 +31,17 @@ import logging
 import os
 import re
 import stat
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from .problem import AttentionProblem
+# No torch, no package imports at run time: a process that only reads or writes the store (a
+# writer the fault tests kill) loads this file alone, in milliseconds.
+if TYPE_CHECKING:
+    from .problem import AttentionProblem
 
 log = logging.getLogger("cudnn_attn.plan_store")
 
@@ -77,7 +79,8 @@ def _plain(value: Any) -> Any:
     """A JSON-ready, canonical form of a problem field, nested frozen dataclasses included."""
     if isinstance(value, enum.Enum):  # before the plain types: our enums are also str
         return _plain(value.value)
-    if isinstance(value, torch.dtype):
+    torch = sys.modules.get("torch")  # where torch is not imported, no value is a torch.dtype
+    if torch is not None and isinstance(value, torch.dtype):
         return str(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
@@ -130,7 +133,7 @@ class PlanStore:
             self._check_directory(create=True)
         except UnsafeStoreError as error:
             if str(error) != self._warned:
-                log.warning("%s", error)
+                log.warning("%s; plans are built in each process and not stored", error)
                 self._warned = str(error)
             return False
         self._warned = None

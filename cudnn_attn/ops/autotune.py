@@ -27,6 +27,18 @@ MARGIN = 0.03  # a challenger must beat the heuristic's pick by 3% (run-to-run n
 
 _default: bool | None = None
 
+# How cuDNN and the CUDA runtime word an allocation that failed (torch raises its own class).
+_OUT_OF_MEMORY = ("out of memory", "alloc_failed", "cudaerrormemoryallocation", "cuda_error_out_of_memory")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is the GPU out of memory: torch's ``OutOfMemoryError``, or cuDNN's
+    own failed allocation (a status in the frontend's message)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error).lower()
+    return any(mark in text for mark in _OUT_OF_MEMORY)
+
 
 def set_autotune(enabled: bool | None) -> None:
     """Tune every graph that does not say otherwise (``None``: back to ``CUDNN_ATTN_AUTOTUNE``)."""
@@ -107,6 +119,10 @@ def tune(graph: Any, pack: dict[int, Any], handle: Any, device: torch.device, la
             runs[index] = lambda i=index, w=workspace: graph.execute_plan_at_index(pack, w, i, handle)
             first[index] = time_plan(runs[index], device, repeats=REPEATS // 2)
         except Exception as error:  # a candidate that cannot build or run here is skipped
+            if is_out_of_memory(error):
+                # Not this candidate's fault: a choice made among the ones that fit now would be
+                # stored and replayed when memory is free again. The build fails; the next tunes afresh.
+                raise
             runs.pop(index, None)
             log.debug(
                 "autotune %s: candidate %d skipped: %s",

@@ -74,10 +74,15 @@ class CudnnBackend:
             # One handle for lowering, planning and tuning: the library's own for this thread.
             lowered = lowering.lower(problem, rng_dump=rng_dump, handle=cudnn_handle(device_index))
             plan = self._build(problem, lowered, autotune, device_index)
-        except UnsupportedError:
-            raise
+        except (UnsupportedError, torch.OutOfMemoryError):
+            raise  # torch's out-of-memory error passes unchanged: what torch users catch and retry on
         except Exception as error:  # cuDNN's own failures: re-raised with the problem and the machine
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            if autotune_.is_out_of_memory(error):  # cuDNN's failed allocation, as torch would say it
+                raise torch.OutOfMemoryError(
+                    f"{problem.describe()} on {here.describe()}: cuDNN ran out of GPU memory building "
+                    f"its plan ({first}); nothing was cached or stored, and the next call builds afresh"
+                ) from error
             raise UnsupportedError(
                 [f"cuDNN could not build a plan: {first}"],
                 context=f"{problem.describe()} on {here.describe()}",
@@ -134,6 +139,8 @@ class CudnnBackend:
             graph.deserialize(handle, entry.blob)
             workspace_size = int(graph.get_workspace_size())
         except Exception as error:  # a plan this cuDNN cannot load: rebuild and overwrite it
+            if autotune_.is_out_of_memory(error):
+                raise  # the plan is fine, the GPU is full: rebuilding would overwrite a good file
             log.warning(
                 "plan store: cannot load %s (%s); rebuilding",
                 key[:12],

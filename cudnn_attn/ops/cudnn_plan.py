@@ -70,32 +70,50 @@ class CudnnPlan:
             return None
         return tuple(UID[role] for role in (*input_roles, *output_roles))
 
+    @property
+    def engine(self) -> str:
+        """The engine this plan runs, as cuDNN names it (its id and knobs where the frontend names them)."""
+        choice = self.choice
+        if choice.name and choice.name != "heuristic":
+            return choice.name
+        return f"eng{choice.engine_id}" if choice.engine_id is not None else "heuristic (engine not reported)"
+
     def execute_ordered(self, buffers: tuple, uids: tuple[int, ...], stream: Any, workspace: Any, handle: Any) -> None:
         """Run on ``buffers`` bound to ``uids``: the hot path under every call."""
-        index = self.device_index
-        stream_ptr = current_stream(index) if stream is None else stream_pointer(stream, index)
-        if workspace is None and self.workspace_size:
-            workspace = self._workspace(stream_ptr)
-        native = cudnn_handle(index, handle)
-        if native.stream != stream_ptr:  # cudnnSetStream is not free: only when it changes
-            self._cudnn.set_stream(native, stream_ptr)
-        if self._native is None:
-            self._native = native_executor(self.graph) or False
-        if self._native:
-            run, finish, schema, bindings, plan_index = self._native
-            result = run(
-                schema, buffers, uids, bindings, workspace, None, None, None, native.backend_handle, plan_index
-            )
-            if result is not None:  # operands the native reader could not describe: finish as the frontend does
-                finish(schema, result, workspace, native.backend_handle, plan_index)
-            return
-        if self._ordered:
-            try:
-                self.graph.execute(buffers, workspace, handle=native, tensor_uids=uids)
+        try:  # costs nothing unless raised (zero-cost exceptions); inline: no extra call per run
+            index = self.device_index
+            stream_ptr = current_stream(index) if stream is None else stream_pointer(stream, index)
+            if workspace is None and self.workspace_size:
+                workspace = self._workspace(stream_ptr)
+            native = cudnn_handle(index, handle)
+            if native.stream != stream_ptr:  # cudnnSetStream is not free: only when it changes
+                self._cudnn.set_stream(native, stream_ptr)
+            if self._native is None:
+                self._native = native_executor(self.graph) or False
+            if self._native:
+                run, finish, schema, bindings, plan_index = self._native
+                result = run(
+                    schema, buffers, uids, bindings, workspace, None, None, None, native.backend_handle, plan_index
+                )
+                if result is not None:  # operands the native reader could not describe: finish as the frontend does
+                    finish(schema, result, workspace, native.backend_handle, plan_index)
                 return
-            except (TypeError, ValueError, NotImplementedError):  # a frontend without the ordered form
-                self._ordered = False
-        self.graph.execute(dict(zip(uids, buffers)), workspace, handle=native)
+            if self._ordered:
+                try:
+                    self.graph.execute(buffers, workspace, handle=native, tensor_uids=uids)
+                    return
+                except (TypeError, ValueError, NotImplementedError):  # a frontend without the ordered form
+                    self._ordered = False
+            self.graph.execute(dict(zip(uids, buffers)), workspace, handle=native)
+        except torch.OutOfMemoryError:
+            raise  # a workspace torch could not allocate: torch's own error, unchanged
+        except Exception as error:
+            if autotune_.is_out_of_memory(error):  # cuDNN's own failed allocation, as torch would say it
+                raise torch.OutOfMemoryError(
+                    f"{self.problem.describe()}: cuDNN ran out of GPU memory running its plan ({error}); "
+                    "the plan stays cached and runs once memory is free"
+                ) from error
+            raise
 
     @property
     def nbytes(self) -> int:
