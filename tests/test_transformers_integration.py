@@ -425,8 +425,8 @@ def test_unsupported_features_are_refused():
     for reason, kwargs in cases.items():
         with pytest.raises(UnsupportedError, match=reason):
             cudnn_hf.attention_forward(layer, q, k, v, None, **kwargs)
-    with pytest.raises(UnsupportedError, match="float32"):
-        cudnn_hf.attention_forward(layer, q.float(), k.float(), v.float(), None)
+    with pytest.raises(UnsupportedError, match="float64"):
+        cudnn_hf.attention_forward(layer, q.double(), k.double(), v.double(), None)
     layer.is_causal = False
     with pytest.raises(UnsupportedError, match="sliding_window"):
         cudnn_hf.attention_forward(layer, q, k, v, None, sliding_window=2)
@@ -438,6 +438,20 @@ def test_padding_only_gives_zeros():
     q, k, v = randn(2, 4, 3, 8), randn(2, 2, 3, 8), randn(2, 2, 3, 8)
     out, _ = cudnn_hf.attention_forward(layer, q, k, v, torch.zeros(2, 3, dtype=torch.bool))
     assert out.shape == (2, 3, 4, 8) and not out.any()
+
+
+def test_float32_attends_in_float32():
+    # A model loaded with its default float32 weights: refused at its first forward before.
+    layer = torch.nn.Module()
+    layer.is_causal = True
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    mask = torch.tensor([[False, True, True, True, True]])  # left padding takes the varlen path
+    out, _ = cudnn_hf.attention_forward(layer, q, k, v, None)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    assert out.dtype == torch.float32 and rel_err(out, expected) < 1e-5
+    padded, _ = cudnn_hf.attention_forward(layer, q, k, v, mask)
+    expected = F.scaled_dot_product_attention(q[:, :, 1:], k[:, :, 1:], v[:, :, 1:], is_causal=True).transpose(1, 2)
+    assert padded.dtype == torch.float32 and rel_err(padded[:, 1:], expected) < 1e-5
 
 
 def test_float32_under_autocast_attends_in_bf16():

@@ -44,8 +44,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..data_type import FLOATING_IO
 from ..errors import UnsupportedError, ValidationError
 from ..functional import sdpa
+from ..sdpa_arguments import autocast_inputs
 from ..varlen import varlen_attention
 
 try:
@@ -88,7 +90,7 @@ def attention_forward(
     """One attention layer as transformers calls it: ``query`` ``[B, H, Q, D]``, ``key``/``value``
     ``[B, H_kv, K, D]`` (the cache already updated), ``attention_mask`` from ``token_mask``.
     Returns ``(output [B, Q, H, D_v], None)``."""
-    query, key, value = _autocast(query, key, value)
+    query, key, value, _ = autocast_inputs(query, key, value, None)  # as torch's SDPA does
     _refuse_unsupported(query, attention_mask, softcap, kwargs)
     if kwargs.get("output_attentions"):
         warnings.warn("cudnn_attn returns no attention weights (output_attentions=True)", stacklevel=2)
@@ -312,21 +314,11 @@ def _gather(x: torch.Tensor, rows: tuple[torch.Tensor, ...] | None) -> torch.Ten
     return x[rows[0], :, rows[1]]
 
 
-def _autocast(query, key, value):
-    """Under autocast, float32 activations attend in autocast's 16-bit dtype, as torch's SDPA does."""
-    device = query.device.type
-    if query.dtype == torch.float32 and torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        if dtype in (torch.float16, torch.bfloat16):
-            return query.to(dtype), key.to(dtype), value.to(dtype)
-    return query, key, value
-
-
 def _refuse_unsupported(query: torch.Tensor, mask: Any, softcap: float | None, kwargs: dict) -> None:
     reasons = []
-    if query.dtype not in (torch.float16, torch.bfloat16):
-        reasons.append(f"query: dtype {str(query.dtype).removeprefix('torch.')}; cudnn_attn attends in float16 or "
-                       "bfloat16 (load the model with dtype=torch.bfloat16)")  # fmt: skip
+    if query.dtype not in FLOATING_IO:
+        reasons.append(f"query: dtype {str(query.dtype).removeprefix('torch.')}; cudnn_attn attends in float16, "
+                       "bfloat16 or float32 (load the model with dtype=torch.bfloat16)")  # fmt: skip
     if softcap is not None:
         reasons.append(f"softcap: {softcap}; cuDNN's fused attention has no logit soft-capping")
     if kwargs.get("s_aux") is not None:
