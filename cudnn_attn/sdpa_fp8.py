@@ -21,13 +21,13 @@ import torch
 
 from . import sdpa_fp8_backward
 from .data_type import dtype_name
-from .errors import UnsupportedError, ValidationError
+from .errors import ShapeMismatchError, UnsupportedError, ValidationError
 from .fp8_cast import E4M3_MAX, amax_qkv, from_fp8, quantise_qkv, scale_view, to_fp8
 from .fp8_scaling import Fp8Scaling, current_scale
 from .graph_cache import GraphCache
 from .options import default_scale
 from .problem import TensorSpec
-from .sdpa_arguments import check_arguments, materialised
+from .sdpa_arguments import ARGUMENT_NAMES, check_arguments, materialised
 
 BACKWARDS = ("bf16", "fp8")
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
@@ -52,10 +52,7 @@ def sdpa_fp8(
     (one pass per tensor, scales from its amax history); None scales each call by its
     current amaxes."""
     check_arguments(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa)
-    wide = [f"{name}: dtype {dtype_name(t.dtype)}; sdpa_fp8 takes float16 or bfloat16"
-            for name, t in (("query", query), ("key", key), ("value", value)) if t.dtype not in INPUT_DTYPES]  # fmt: skip
-    if wide:  # torch's SDPA takes wider inputs; the FP8 casts and the 16-bit backward take these
-        raise ValidationError(wide, context="sdpa_fp8")
+    _check_tensors(query, key, value)
     if attn_mask is not None:
         raise UnsupportedError(
             ["attn_mask: FP8 attention takes no mask tensor (cuDNN's FP8 op has no bias); use is_causal"],
@@ -74,10 +71,26 @@ def sdpa_fp8(
     attn_scale = float(scale) if scale is not None else default_scale(query.shape[-1])
     # Autograd turns gradients off inside Function.forward: whether this call trains is decided here.
     fp8_backward = backward == "fp8" and torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
-    if query.dim() == 3:  # [H, L, E]: one batch
-        batch = (query[None], key[None], value[None])
-        return _Fp8Attention.apply(*batch, bool(is_causal), attn_scale, scaling, fp8_backward)[0]
-    return _Fp8Attention.apply(query, key, value, bool(is_causal), attn_scale, scaling, fp8_backward)
+    unbatched = query.dim() == 3  # [H, L, E]: one batch
+    batch = (query[None], key[None], value[None]) if unbatched else (query, key, value)
+    try:
+        out = _Fp8Attention.apply(*batch, bool(is_causal), attn_scale, scaling, fp8_backward)
+    except (ValidationError, UnsupportedError, ShapeMismatchError) as error:  # the graph's words for q, k, v
+        raise error.renamed(ARGUMENT_NAMES, context="sdpa_fp8") from None
+    return out[0] if unbatched else out
+
+
+def _check_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """What torch's SDPA takes and FP8 attention cannot: inputs wider than 16 bits (the FP8
+    casts and the 16-bit backward take fp16/bf16) and empty ones (no amax to scale by)."""
+    problems = []
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dtype not in INPUT_DTYPES:
+            problems.append(f"{name}: dtype {dtype_name(t.dtype)}; sdpa_fp8 takes float16 or bfloat16")
+        elif t.numel() == 0:
+            problems.append(f"{name}: shape {list(t.shape)} has an empty dimension; every dimension must be >= 1")
+    if problems:
+        raise ValidationError(problems, context="sdpa_fp8")
 
 
 def quantised(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -67,8 +67,25 @@ def test_arguments_it_cannot_take_are_named():
         cudnn_attn.sdpa_fp8(q, k, v, backward="fp8")
     with pytest.raises(ValidationError, match="backward: 'int8'"):
         cudnn_attn.sdpa_fp8(q, k, v, backward="int8")
-    with pytest.raises(ValidationError, match="query"):
-        cudnn_attn.sdpa_fp8(q.float(), k, v)
+    with pytest.raises(ValidationError, match="query: dtype float32"):
+        cudnn_attn.sdpa_fp8(q.float(), k.float(), v.float())
+
+
+# q's and k's shapes (v: k's with head dim 16), and what the error says: an empty tensor has
+# no amax to scale by; the others are found by the graph, which names its own q, k, v.
+BAD_SHAPES = {
+    "empty": (((1, 4, 0, 16), (1, 1, 0, 16)), "query: shape \\[1, 4, 0, 16\\] has an empty dimension"),
+    "head-dim": (((1, 2, 8, 32), (1, 2, 8, 48)), "key: head dim d_qk=48 differs"),
+    "heads": (((1, 2, 8, 16), (1, 3, 8, 16)), "key: 3 heads"),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_SHAPES, ids=list(BAD_SHAPES))
+def test_shapes_it_cannot_take_are_named_as_its_own_arguments(bad):
+    (q_shape, k_shape), message = BAD_SHAPES[bad]
+    q, k, v = randn(*q_shape), randn(*k_shape), randn(*k_shape[:3], 16)
+    with pytest.raises(ValidationError, match=message):
+        cudnn_attn.sdpa_fp8(q, k, v, enable_gqa=True)
 
 
 def test_attention_module_with_fp8():
