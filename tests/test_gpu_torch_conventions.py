@@ -74,7 +74,7 @@ def test_float32_layer_trains_on_a_gpu():
         (4, 1, 300, 128, {}),  # decode without GQA
     ],
 )
-def test_float32_graph_runs_on_cudnn_and_matches_the_reference(h_kv, l, s, d, options):
+def test_float32_graph_runs_on_cudnn_and_matches_the_reference(h_kv, l, s, d, options):  # noqa: E741
     q, k, v = _qkv(2, 4, l, s, d, torch.float32, h_kv=h_kv)
     d_v = min(d, 128)
     v = v[..., :d_v].contiguous()
@@ -98,7 +98,7 @@ def test_float32_graph_runs_on_cudnn_and_matches_the_reference(h_kv, l, s, d, op
         (4, 128, 64, dict(dropout=0.1, dropout_seed=1, dropout_offset=0), "dropout in float32"),
     ],
 )
-def test_float32_graph_refuses_what_cudnn_lacks_or_gets_wrong(h_kv, l, d, options, reason):
+def test_float32_graph_refuses_what_cudnn_lacks_or_gets_wrong(h_kv, l, d, options, reason):  # noqa: E741
     q, k, v = _qkv(2, 4, l, 256, d, torch.float32, h_kv=h_kv)
     with pytest.raises(cudnn_attn.UnsupportedError, match=reason):
         with cudnn_attn.Graph() as g:
