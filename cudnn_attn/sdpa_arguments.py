@@ -74,7 +74,10 @@ def _subclass_problem(name: str, t: torch.Tensor) -> str:
 def autocast_inputs(query: Any, key: Any, value: Any, attn_mask: Any) -> tuple[Any, Any, Any, Any]:
     """The inputs as torch's SDPA sees them under ``torch.autocast``: every floating tensor but
     float64 cast to the autocast dtype (torch's lower-precision op list), masks included."""
-    if not isinstance(query, torch.Tensor) or not torch.is_autocast_enabled(query.device.type):
+    # torch's one-call check first: reading query.device costs more than the whole check.
+    if not torch._C._is_any_autocast_enabled() or not isinstance(query, torch.Tensor):
+        return query, key, value, attn_mask
+    if not torch.is_autocast_enabled(query.device.type):
         return query, key, value, attn_mask
     dtype = torch.get_autocast_dtype(query.device.type)
 
