@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from . import log
@@ -54,6 +55,15 @@ def run(why: str, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: f
         log.backend_passed_over(WHERE, "cudnn_attn's graphs", why + "; runs on torch's SDPA kernel")
     if causal is Causal.BOTTOM_RIGHT:
         attn_mask = causal_lower_right(query.shape[-2], key.shape[-2])
+    if query.device.type == "cpu":
+        # torch 2.13's CPU flash kernel returns NaN everywhere for a negative scale with a causal
+        # mask (float32 and float64); its math kernel is exact there, and the CPU is not for speed.
+        with sdpa_kernel(SDPBackend.MATH):
+            return _torch_sdpa(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa)
+    return _torch_sdpa(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa)
+
+
+def _torch_sdpa(query, key, value, attn_mask, dropout_p, causal: Causal, scale, enable_gqa) -> torch.Tensor:
     return torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal is Causal.TOP_LEFT,
         scale=scale, enable_gqa=enable_gqa,

@@ -147,6 +147,15 @@ def test_float64_runs_on_torch_kernel_and_says_so(caplog):
     assert torch.autograd.grad(out.sum(), q)[0].dtype == torch.float64
 
 
+def test_float64_with_a_negative_scale_is_right():
+    # torch 2.13's CPU flash kernel gives NaN here (found by the fuzz campaign): its math kernel runs.
+    q, k, v = _qkv(8, 11, dtype=torch.float64)
+    out = cudnn_attn.sdpa(q, k, v, is_causal=True, scale=-0.5)
+    s = (q @ k.transpose(-1, -2)) * -0.5
+    s = s.masked_fill(~torch.ones(8, 11, dtype=torch.bool).tril(), float("-inf"))
+    assert rel_err(out, s.softmax(-1) @ v) < 1e-12
+
+
 def test_mixed_dtypes_are_refused_naming_query():
     q, k, v = _qkv(8, 8, dtype=torch.float32)
     with pytest.raises(ValidationError, match="query: dtype float32 but key is bfloat16"):
