@@ -205,3 +205,53 @@ def test_one_prefill_step_may_run_several_token_counts():
     for tokens in (36, 20, 36, 20):
         got = attn.run(q[:tokens], k_cache, v_cache).cpu()
         assert rel_err(got, wants[tokens]) < 1.5e-2, tokens
+
+
+@pytest.mark.parametrize("s_q", [None, 1, 4], ids=["prefill", "decode", "multi-token"])
+def test_a_step_over_a_larger_cache_reads_its_own_pages(s_q):
+    """A step over 8 pages, then one over 16 whose sequences live in pages 8-15, on one
+    instance: the second step runs graphs built for 16 pages (one kept for 8 read page 7)."""
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator().manual_seed(50)
+    for num_pages, first_page in ((8, 0), (16, 8)):
+        table = torch.arange(first_page, first_page + 8, dtype=torch.int32).view(2, 4)
+        k_cache, v_cache = (torch.randn(num_pages, HKV, PAGE, D, generator=gen).to(torch.bfloat16) for _ in range(2))
+        lengths = torch.tensor([200, 256], dtype=torch.int32)
+        q_lens = torch.tensor([70, 33], dtype=torch.int32) if s_q is None else None
+        q = torch.randn(103, HQ, D, generator=gen) if s_q is None else torch.randn(2, HQ, s_q, D, generator=gen)
+        q = q.to(torch.bfloat16)
+        ref = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cpu")
+        ref.plan(table, lengths, q_lens=q_lens)
+        want = ref.run(q, k_cache, v_cache)
+        attn.plan(table.cuda(), lengths.cuda(), q_lens=None if q_lens is None else q_lens.cuda())
+        got = attn.run(q.cuda(), k_cache.cuda(), v_cache.cuda()).cpu()
+        assert rel_err(got, want) < 1.5e-2, num_pages
+
+
+def test_pages_past_the_cache_are_clamped_on_the_gpu_without_a_sync_and_refused_from_the_host():
+    """A GPU page table is not read on the host: a page past the cache reads its last page,
+    without a sync or an error. A host page table is checked at run, on a GPU too."""
+    q, k_cache, v_cache, table, lengths = _step([200, 256], 4, seed=60)
+    num_pages = k_cache.shape[0]
+    bad = table.clone()
+    bad[1, 3] = num_pages + 3
+    clamped = bad.clamp(max=num_pages - 1)
+    ref = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cpu")
+    ref.plan(clamped, lengths)
+    want = ref.run(q, k_cache, v_cache)
+    q, k_cache, v_cache = q.cuda(), k_cache.cuda(), v_cache.cuda()
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda")
+    attn.plan(table.cuda(), lengths.cuda())
+    attn.run(q, k_cache, v_cache)  # builds the graphs
+    bad_on_gpu, lengths_on_gpu = bad.cuda(), lengths.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        attn.plan(bad_on_gpu, lengths_on_gpu)
+        got = attn.run(q, k_cache, v_cache)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert rel_err(got.cpu(), want) < 1.5e-2
+    attn.plan(bad, lengths)
+    with pytest.raises(cudnn_attn.ValidationError, match=f"sequence 1, entry 3 is page {num_pages + 3}"):
+        attn.run(q, k_cache, v_cache)
