@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 from conftest import rel_err
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import cudnn_attn
@@ -53,8 +54,8 @@ def test_a_lower_right_causal_bias_is_the_bottom_right_causal_mask_with_gradient
 
 
 def test_what_cudnn_bottom_right_mask_lacks_runs_on_torch_kernel_identically():
-    # cuDNN's bottom-right mask takes no dropout and needs L <= S: torch's own kernel runs those,
-    # so the result is torch's to the bit (same generator state, same kernel).
+    # cuDNN's bottom-right mask takes no dropout and needs L <= S: torch's own kernel runs those
+    # (its math kernel on the CPU), so the result is torch's to the bit (same generator state).
     q, k, v = _qkv(6, 10, dtype=torch.float32)
     for l, s, p in ((6, 10, 0.3), (10, 6, 0.0)):  # noqa: E741
         q, k, v = _qkv(l, s, dtype=torch.float32)
@@ -62,7 +63,8 @@ def test_what_cudnn_bottom_right_mask_lacks_runs_on_torch_kernel_identically():
         torch.manual_seed(7)
         ours = cudnn_attn.sdpa(q, k, v, attn_mask=mask, dropout_p=p)
         torch.manual_seed(7)
-        theirs = F(q, k, v, attn_mask=mask, dropout_p=p)
+        with sdpa_kernel(SDPBackend.MATH):
+            theirs = F(q, k, v, attn_mask=mask, dropout_p=p)
         assert torch.equal(ours.nan_to_num(), theirs.nan_to_num())
 
 
@@ -141,7 +143,8 @@ def test_float64_runs_on_torch_kernel_and_says_so(caplog):
     with caplog.at_level(logging.INFO, logger="cudnn_attn"):
         out = cudnn_attn.sdpa(q, k, v)
         cudnn_attn.sdpa(q, k, v)
-    assert torch.equal(out, F(q, k, v))
+    with sdpa_kernel(SDPBackend.MATH):
+        assert torch.equal(out, F(q, k, v))
     said = [r.getMessage() for r in caplog.records if "float64" in r.getMessage()]
     assert len(said) <= 1  # once per reason, not per call
     assert torch.autograd.grad(out.sum(), q)[0].dtype == torch.float64
