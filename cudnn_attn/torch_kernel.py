@@ -50,7 +50,7 @@ def reason(query: torch.Tensor, key: torch.Tensor, dropout_p: float, causal: Cau
 def run(why: str, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float, causal: Causal,
         scale: Any, enable_gqa: bool) -> torch.Tensor:  # fmt: skip
     """torch's SDPA on the call (a bottom-right causal mask as torch's own ``causal_lower_right``)."""
-    if why not in _said:
+    if why not in _said and not torch.compiler.is_compiling():
         _said.add(why)
         log.backend_passed_over(WHERE, "cudnn_attn's graphs", why + "; runs on torch's SDPA kernel")
     if causal is Causal.BOTTOM_RIGHT:
