@@ -280,7 +280,7 @@ class PagedAttention:
         self.schedule = schedule
         rows = step["rows"]
         if q.shape[0] != rows:  # cuda_graph: the batch is padded to max_batch
-            padded = self._buffer("q_padded", (rows, *q.shape[1:]), q.dtype, q.device)
+            padded = self._scratch("q_padded", (rows, *q.shape[1:]), q.dtype, q.device)
             padded[: q.shape[0]].copy_(q)
             q_full = padded
         else:
@@ -317,9 +317,9 @@ class PagedAttention:
         rows, splits = q.shape[0], schedule.splits
         partial_o = partial_lse = None
         if splits > 1:  # persistent: a captured step writes and merges the same buffers
-            partial_o = self._buffer("decode_o", (rows, splits, self.num_q_heads, self.head_dim), torch.float32,
-                                     q.device)  # fmt: skip
-            partial_lse = self._buffer("decode_lse", (rows, splits, self.num_q_heads), torch.float32, q.device)
+            partial_o = self._scratch("decode_o", (rows, splits, self.num_q_heads, self.head_dim), torch.float32,
+                                      q.device)  # fmt: skip
+            partial_lse = self._scratch("decode_lse", (rows, splits, self.num_q_heads), torch.float32, q.device)
         paged_decode.paged_decode(q, k_cache, v_cache, derived["table"], self._buffers["lengths"], result,
                                   scale=self.scale, kv_layout=self.kv_layout, splits=splits,
                                   chunk_pages=schedule.chunk_pages, partial_o=partial_o,
@@ -481,7 +481,7 @@ class PagedAttention:
             q = q.reshape(batch, self.num_kv_heads, (heads // self.num_kv_heads) * s_q, dim)
         if schedule.splits == 1:
             return q
-        repeated = self._buffer("body_q", (batch, schedule.splits, *q.shape[1:]), q.dtype, q.device)
+        repeated = self._scratch("body_q", (batch, schedule.splits, *q.shape[1:]), q.dtype, q.device)
         repeated.copy_(q.unsqueeze(1).expand_as(repeated))
         return repeated.view(batch * schedule.splits, *q.shape[1:])
 
@@ -528,6 +528,13 @@ class PagedAttention:
         if buffer is None or buffer.shape != torch.Size(shape) or buffer.dtype != dtype or buffer.device != device:
             buffer = self._buffers[name] = torch.empty(shape, dtype=dtype, device=device)
         return buffer
+
+    def _scratch(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A run's working buffer: persistent where steps are captured (a replay reads it in place),
+        else the run's own, so runs on several threads never write one buffer under each other."""
+        if self.cuda_graph:
+            return self._buffer(name, shape, dtype, device)
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def _store(self, name: str, value: torch.Tensor) -> torch.Tensor:
         buffer = self._buffer(name, tuple(value.shape), value.dtype, value.device)
