@@ -3966,7 +3966,7 @@ def summarize(findings: list[Finding]) -> str:
 # Requests per op: the normal GPU suite (``-m gpu``) and the full run (``-m "gpu and slow"``). The
 # full run's seeds start at FULL_FIRST_SEED, so the two never repeat a request.
 GPU_CAMPAIGN = {
-    "normal": {"sdpa": 60, "sdpa_thd": 30, "sdpa_backward": 50, "paged": 40, "functional": 50, "fp8": 40, "dropout": 30},
+    "normal": {"sdpa": 50, "sdpa_thd": 25, "sdpa_backward": 40, "paged": 35, "functional": 45, "fp8": 30, "dropout": 25},
     "full": {"sdpa": 400, "sdpa_thd": 200, "sdpa_backward": 350, "paged": 300, "functional": 350, "fp8": 250,
              "dropout": 150},
 }  # fmt: skip
@@ -3997,6 +3997,7 @@ class Tally:
 
     def __init__(self) -> None:
         self.by_op: dict[str, int] = {}
+        self.op_seconds: dict[str, float] = {}
         self.valid: dict[str, int] = {"ran and matched": 0, "unsupported": 0, "finding": 0}
         self.malformed: dict[str, int] = {}  # error class -> refused correctly
         self.malformed_findings = 0
@@ -4007,6 +4008,7 @@ class Tally:
 
     def add(self, case: Case, findings: list[Finding], seconds: float = 0.0) -> None:
         self.by_op[case.op] = self.by_op.get(case.op, 0) + 1
+        self.op_seconds[case.op] = self.op_seconds.get(case.op, 0.0) + seconds
         self.findings += findings
         self.seconds += seconds
         if case.expect == VALID:
@@ -4026,6 +4028,7 @@ class Tally:
     def merge(self, other: Tally) -> None:
         for op, n in other.by_op.items():
             self.by_op[op] = self.by_op.get(op, 0) + n
+            self.op_seconds[op] = self.op_seconds.get(op, 0.0) + other.op_seconds.get(op, 0.0)
         for mine, theirs in ((self.valid, other.valid), (self.either, other.either), (self.malformed, other.malformed)):
             for key, n in theirs.items():
                 mine[key] = mine.get(key, 0) + n
@@ -4065,7 +4068,11 @@ class Tally:
         )
 
     def report(self, where: str = "") -> str:
-        lines = [self.line(where), "requests by op: " + ", ".join(f"{op} {n}" for op, n in self.by_op.items())]
+        lines = [
+            self.line(where),
+            "requests by op: "
+            + ", ".join(f"{op} {n} ({self.op_seconds.get(op, 0):.0f} s)" for op, n in self.by_op.items()),
+        ]
         if self.unsupported:
             lines.append(f"valid requests refused as unsupported ({len(self.unsupported)}), by reason:")
             lines += [
@@ -4079,7 +4086,8 @@ class Tally:
 
     def as_dict(self) -> dict:
         return {
-            "requests": self.requests, "by_op": self.by_op, "seconds": round(self.seconds, 1), "valid": self.valid,
+            "requests": self.requests, "by_op": self.by_op, "op_seconds": {k: round(v, 1) for k, v in self.op_seconds.items()},
+            "seconds": round(self.seconds, 1), "valid": self.valid,
             "malformed_refused": self.malformed, "malformed_findings": self.malformed_findings, "either": self.either,
             "unsupported": [list(u) for u in self.unsupported], "unsupported_reasons": self.unsupported_reasons(),
             "findings": self.finding_counts(), "finding_lines": [f.line() for f in self.findings],
@@ -4100,6 +4108,36 @@ def run_tallied(op: str, seeds, target: str, tally: Tally, progress=None) -> lis
         tally.add(case, found, time.perf_counter() - start)
         findings += found
     return findings
+
+
+def _campaign_chunk(task: tuple[str, int, int, str]) -> Tally:
+    op, first, stop, target = task
+    tally = Tally()
+    run_tallied(op, range(first, stop), target, tally)
+    return tally
+
+
+def run_campaign(size: str, target: str, workers: int = 1, chunk: int = 50) -> Tally:
+    """Every request of the ``size`` campaign on ``target``, in chunks of ``chunk`` seeds (each in
+    order, as the test items run them); with ``workers`` > 1 the chunks run in that many processes
+    sharing the GPU (cuDNN builds plans on the CPU: the campaign is mostly build time)."""
+    tasks = [
+        (op, first, min(first + chunk, seeds.stop), target)
+        for op in GPU_CAMPAIGN[size]
+        for seeds in [campaign_seeds(size, op)]
+        for first in range(seeds.start, seeds.stop, chunk)
+    ]
+    tally = Tally()
+    if workers <= 1:
+        for task in tasks:
+            tally.merge(_campaign_chunk(task))
+        return tally
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        for part in pool.imap(_campaign_chunk, tasks):
+            tally.merge(part)
+    return tally
 
 
 def device_description() -> str:
@@ -4143,12 +4181,11 @@ def cudnn_rules_off():
         capabilities.unsupported_reasons = original
 
 
-def probe(op: str, seed: int) -> dict:
-    case = make_case(op, seed, "cuda")
-    findings = run_case(case)
-    if case.outcome != "unsupported":
-        return {"op": op, "seed": seed, "verdict": "runs-under-rules", "detail": case.outcome}
-    refusal = case.refusal
+CUDNN_OWN_REFUSAL = "cuDNN could not build a plan"  # the library's words for cuDNN's own refusal
+
+
+def probe(op: str, seed: int, refusal: str = "") -> dict:
+    """Run (op, seed) on the GPU with the library's cuDNN rules off: which ``PROBE_VERDICTS`` it is."""
     with cudnn_rules_off():
         case = make_case(op, seed, "cuda")
         findings = run_case(case)
@@ -4157,7 +4194,7 @@ def probe(op: str, seed: int) -> dict:
     elif case.outcome == "unsupported":
         hang = "hang" in case.refusal
         verdict = (
-            "not-probed" if hang else ("cudnn-refuses" if "could not build" in case.refusal else "library-refuses")
+            "not-probed" if hang else ("cudnn-refuses" if CUDNN_OWN_REFUSAL in case.refusal else "library-refuses")
         )
         detail = case.refusal
     else:
@@ -4165,16 +4202,23 @@ def probe(op: str, seed: int) -> dict:
     return {"op": op, "seed": seed, "verdict": verdict, "detail": detail, "refusal": refusal}
 
 
-def probe_refusals(pairs: list[tuple[str, int]], per_probe_s: float = 120.0) -> list[dict]:
-    """``probe`` each (op, seed) in child processes; a child that dies or hangs is recorded
-    against the probe it was running, and the rest go on in a new one."""
+def probe_refusals(refused: list[tuple[str, int, str]], per_probe_s: float = 120.0) -> list[dict]:
+    """Judge each valid request refused as unsupported ((op, seed, first reason)): cuDNN's own
+    refusals as they are; the library's rules by ``probe`` in child processes (a child that dies
+    or hangs is recorded against the probe it was running, and the rest go on in a new one)."""
     results: list[dict] = []
-    todo = list(pairs)
+    todo = []
+    for op, seed, reason in refused:
+        if CUDNN_OWN_REFUSAL in reason:
+            results.append({"op": op, "seed": seed, "verdict": "cudnn-refuses", "detail": reason, "refusal": reason})
+        else:
+            todo.append((op, seed, reason))
     while todo:
-        command = [sys.executable, str(Path(__file__).resolve()), "--gpu", "--probe"] + [f"{op}:{s}" for op, s in todo]
+        command = [sys.executable, str(Path(__file__).resolve()), "--gpu", "--probe"]
+        command += [f"{op}:{seed}:{reason}" for op, seed, reason in todo]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=30 + per_probe_s * len(todo))
-            out, tail = done.stdout, (done.stderr or "")[-300:]
+            out, tail = done.stdout, (done.stderr or "").strip()
         except subprocess.TimeoutExpired as error:
             out = error.stdout.decode() if isinstance(error.stdout, bytes) else (error.stdout or "")
             tail = "timed out"
@@ -4182,8 +4226,9 @@ def probe_refusals(pairs: list[tuple[str, int]], per_probe_s: float = 120.0) -> 
         results += got
         todo = todo[len(got) :]
         if todo:
-            op, seed = todo.pop(0)
-            results.append({"op": op, "seed": seed, "verdict": "crashed", "detail": tail.strip().splitlines()[-1:]})
+            op, seed, reason = todo.pop(0)
+            last = tail.splitlines()[-1] if tail else "no output"
+            results.append({"op": op, "seed": seed, "verdict": "crashed", "detail": last, "refusal": reason})
     return results
 
 
@@ -4203,22 +4248,29 @@ def main(argv: list[str]) -> int:
         target = "cuda" if argv[0] == "--gpu" else "cpu-harness"
         argv = argv[1:]
     if argv and argv[0] == "--probe":
-        for pair in argv[1:]:
-            op, seed = pair.split(":")
-            print("PROBE " + json.dumps(probe(op, int(seed))), flush=True)
+        for item in argv[1:]:
+            op, seed, reason = item.split(":", 2)
+            print("PROBE " + json.dumps(probe(op, int(seed), reason)), flush=True)
         return 0
     if argv and argv[0] == "--summary" and target != "cpu":
-        size = argv[1] if len(argv) > 1 else "full"  # normal | full
-        tally = Tally()
-        for op in GPU_CAMPAIGN[size]:
-            run_tallied(op, campaign_seeds(size, op), target, tally)
+        size = argv[1] if len(argv) > 1 and not argv[1].startswith("-") else "full"  # normal | full
+        workers = int(argv[argv.index("--workers") + 1]) if "--workers" in argv else 1
+        start = time.perf_counter()
+        tally = run_campaign(size, target, workers)
         where = f"{device_description() if target == 'cuda' else 'cpu (the harness)'}, {size} run"
         print(tally.report(where))
+        print(f"wall time {time.perf_counter() - start:.0f} s with {workers} worker process(es)")
+        probes = None
         if target == "cuda" and tally.unsupported:
-            print("probes of the valid requests refused as unsupported:")
-            print(probe_report(probe_refusals([(op, seed) for op, seed, _ in tally.unsupported])))
+            probes = probe_refusals(tally.unsupported)
+            print("valid requests refused as unsupported, judged (cuDNN's own refusals; the library's rules probed):")
+            print(probe_report(probes))
+            counts = collections.Counter(r["verdict"] for r in probes)
+            print("verdicts: " + ", ".join(f"{n} {PROBE_VERDICTS.get(v, v)}" for v, n in counts.most_common()))
         if os.environ.get("FUZZ_SUMMARY_JSON"):
-            Path(os.environ["FUZZ_SUMMARY_JSON"]).write_text(json.dumps(tally.as_dict(), indent=1))
+            summary = dict(tally.as_dict(), device=device_description(), probes=probes, workers=workers,
+                           wall_s=round(time.perf_counter() - start, 1))  # fmt: skip
+            Path(os.environ["FUZZ_SUMMARY_JSON"]).write_text(json.dumps(summary, indent=1))
         return 0
     if argv and argv[0] == "--summary":
         counts: dict = collections.Counter()

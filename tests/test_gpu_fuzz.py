@@ -47,30 +47,38 @@ CHUNK = 50  # requests per item of the full run
 
 @pytest.fixture(scope="session")
 def tallies(request):
-    """The session's counts per campaign size; printed (and written) when the session ends."""
+    """The session's counts per campaign size; printed when the session ends."""
     counts = {"normal": Tally(), "full": Tally()}
     yield counts
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    summary = {}
     for size, tally in counts.items():
-        if not tally.requests:
+        if not tally.requests or reporter is None:
             continue
-        text = tally.report(f"{device_description()}, {size} run")
-        summary[size] = dict(tally.as_dict(), device=device_description(), probes=getattr(tally, "probes", None))
-        if reporter is not None:
-            reporter.write_sep("-", f"GPU fuzz campaign ({size})")
-            for line in text.splitlines():
-                reporter.write_line(line)
-            if getattr(tally, "probes", None):
-                reporter.write_line("probes of the valid requests refused as unsupported:")
-                reporter.write_line(probe_report(tally.probes))
-    if summary and os.environ.get("FUZZ_SUMMARY_JSON"):
-        with open(os.environ["FUZZ_SUMMARY_JSON"], "w") as f:
-            json.dump(summary, f, indent=1)
+        reporter.write_sep("-", f"GPU fuzz campaign ({size})")
+        for line in tally.report(f"{device_description()}, {size} run").splitlines():
+            reporter.write_line(line)
+        if getattr(tally, "probes", None):
+            reporter.write_line("probes of the valid requests refused as unsupported:")
+            reporter.write_line(probe_report(tally.probes))
 
 
-def _run(op: str, seeds, tally: Tally) -> None:
-    findings = run_tallied(op, seeds, "cuda", tally)
+def _write_summary(tallies: dict) -> None:
+    """The counts so far, as JSON, to ``$FUZZ_SUMMARY_JSON`` (after every item: a run cut short keeps them)."""
+    path = os.environ.get("FUZZ_SUMMARY_JSON")
+    if not path:
+        return
+    summary = {
+        size: dict(tally.as_dict(), device=device_description(), probes=getattr(tally, "probes", None))
+        for size, tally in tallies.items()
+        if tally.requests
+    }
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+
+
+def _run(op: str, seeds, size: str, tallies: dict) -> None:
+    findings = run_tallied(op, seeds, "cuda", tallies[size])
+    _write_summary(tallies)
     if findings:
         pytest.fail(
             f"{len(findings)} findings in {op} seeds {seeds.start}-{seeds.stop - 1} on the GPU "
@@ -79,10 +87,30 @@ def _run(op: str, seeds, tally: Tally) -> None:
         )
 
 
+def _probe(size: str, tallies: dict) -> None:
+    """Each valid request refused as unsupported, re-run with the library's cuDNN rules off (in a
+    child process): cuDNN must then fail to build it, or give a wrong result (the rule guards a
+    bug), or the rule guards a hang. One that cuDNN runs and gets right was refused for nothing."""
+    tally = tallies[size]
+    if not tally.requests:
+        pytest.skip(f"the {size} campaign did not run in this session (its refusals are probed after it)")
+    tally.probes = probe_refusals(tally.unsupported)
+    _write_summary(tallies)
+    for r in tally.probes:
+        assert r["verdict"] in PROBE_VERDICTS or r["verdict"] == "runs-under-rules", r
+    defects = [r for r in tally.probes if r["verdict"] == "runs"]
+    assert not defects, f"{len(defects)} valid requests refused that cuDNN runs correctly:\n{probe_report(defects)}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", list(GPU_CAMPAIGN["normal"]))
 def test_gpu_requests_match_or_get_a_library_error(op, tallies):
-    _run(op, campaign_seeds("normal", op), tallies["normal"])
+    _run(op, campaign_seeds("normal", op), "normal", tallies)
+
+
+@pytest.mark.gpu
+def test_valid_requests_refused_on_the_gpu_are_ones_cudnn_cannot_run(tallies):
+    _probe("normal", tallies)
 
 
 FULL_ITEMS = [
@@ -97,23 +125,13 @@ FULL_ITEMS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("op,seeds", FULL_ITEMS, ids=[f"{op}-{s.start}-{s.stop - 1}" for op, s in FULL_ITEMS])
 def test_gpu_full_campaign(op, seeds, tallies):
-    _run(op, seeds, tallies["full"])
+    _run(op, seeds, "full", tallies)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("size", ["normal", pytest.param("full", marks=pytest.mark.slow)])
-def test_valid_requests_refused_on_the_gpu_are_ones_cudnn_cannot_run(size, tallies):
-    """Each valid request refused as unsupported, re-run with the library's cuDNN rules off (in a
-    child process): cuDNN must then fail to build it, or give a wrong result (the rule guards a
-    bug), or the rule guards a hang. One that cuDNN runs and gets right was refused for nothing."""
-    tally = tallies[size]
-    if not tally.requests:
-        pytest.skip(f"the {size} campaign did not run in this session (its refusals are probed after it)")
-    tally.probes = probe_refusals([(op, seed) for op, seed, _ in tally.unsupported])
-    for r in tally.probes:
-        assert r["verdict"] in PROBE_VERDICTS or r["verdict"] == "runs-under-rules", r
-    defects = [r for r in tally.probes if r["verdict"] == "runs"]
-    assert not defects, f"{len(defects)} valid requests refused that cuDNN runs correctly:\n{probe_report(defects)}"
+@pytest.mark.slow
+def test_valid_requests_refused_in_the_full_campaign_are_ones_cudnn_cannot_run(tallies):
+    _probe("full", tallies)
 
 
 # ---- the harness, on the CPU --------------------------------------------------------------------------
