@@ -4117,7 +4117,7 @@ def _campaign_chunk(task: tuple[str, int, int, str]) -> Tally:
     return tally
 
 
-def run_campaign(size: str, target: str, workers: int = 1, chunk: int = 50) -> Tally:
+def run_campaign(size: str, target: str, workers: int = 1, chunk: int = 50, progress=None) -> Tally:
     """Every request of the ``size`` campaign on ``target``, in chunks of ``chunk`` seeds (each in
     order, as the test items run them); with ``workers`` > 1 the chunks run in that many processes
     sharing the GPU (cuDNN builds plans on the CPU: the campaign is mostly build time)."""
@@ -4129,14 +4129,19 @@ def run_campaign(size: str, target: str, workers: int = 1, chunk: int = 50) -> T
     ]
     tally = Tally()
     if workers <= 1:
-        for task in tasks:
-            tally.merge(_campaign_chunk(task))
-        return tally
-    import multiprocessing
+        parts = map(_campaign_chunk, tasks)
+    else:
+        import multiprocessing
 
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        for part in pool.imap(_campaign_chunk, tasks):
-            tally.merge(part)
+        pool = multiprocessing.get_context("spawn").Pool(workers)
+        parts = pool.imap(_campaign_chunk, tasks)
+    for task, part in zip(tasks, parts):
+        tally.merge(part)
+        if progress is not None:
+            progress(task, part, tally)
+    if workers > 1:
+        pool.close()
+        pool.join()
     return tally
 
 
@@ -4256,7 +4261,14 @@ def main(argv: list[str]) -> int:
         size = argv[1] if len(argv) > 1 and not argv[1].startswith("-") else "full"  # normal | full
         workers = int(argv[argv.index("--workers") + 1]) if "--workers" in argv else 1
         start = time.perf_counter()
-        tally = run_campaign(size, target, workers)
+
+        def progress(task, part, tally):  # one line per chunk; the counts so far, should the run be cut short
+            print(f"{task[0]} {task[1]}-{task[2] - 1}: {len(part.findings)} findings ({tally.requests} requests, "
+                  f"{time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+            if os.environ.get("FUZZ_SUMMARY_JSON"):
+                Path(os.environ["FUZZ_SUMMARY_JSON"]).write_text(json.dumps(tally.as_dict(), indent=1))
+
+        tally = run_campaign(size, target, workers, progress=progress)
         where = f"{device_description() if target == 'cuda' else 'cpu (the harness)'}, {size} run"
         print(tally.report(where))
         print(f"wall time {time.perf_counter() - start:.0f} s with {workers} worker process(es)")
