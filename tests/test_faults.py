@@ -372,15 +372,7 @@ def test_threads_building_the_same_graphs_build_each_plan_once(default_cache, mo
         assert torch.equal(out, results[0, n]) and rel_err(out, torch_sdpa(*shapes[n])) < 2e-3
 
 
-# The split layout copies q into one persistent buffer ("body_q") per PagedAttention, which
-# concurrent runs overwrite under each other (wrong rows, no error). paged_attention.py needs an
-# eager run to take a buffer of its own (persistent ones only with cuda_graph); until then:
-SHARED_BODY_Q = pytest.mark.xfail(
-    strict=True, reason="PagedAttention's eager body_q buffer is shared by concurrent runs"
-)
-
-
-@pytest.mark.parametrize("splits", [1, pytest.param(2, marks=SHARED_BODY_Q)])
+@pytest.mark.parametrize("splits", [1, 2])  # 2: the split layout's working copy of q
 def test_threads_share_one_paged_attention_with_exact_results(default_cache, splits):
     """One step planned, then each thread runs its own layer (its own q and caches) on the
     shared PagedAttention, as a server running layers from several threads would."""

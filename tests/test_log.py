@@ -23,7 +23,7 @@ LOGGER = "cudnn_attn"
 
 
 def plan_records(caplog):
-    return [r for r in caplog.records if r.name == LOGGER and r.getMessage().startswith("plan ")]
+    return [r for r in caplog.records if r.name == LOGGER and hasattr(r, "plan_source")]
 
 
 def qkv(s=16, seed=0, dtype=torch.float16, device="cpu"):

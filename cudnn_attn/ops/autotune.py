@@ -152,7 +152,7 @@ def tune(graph: Any, pack: dict[int, Any], handle: Any, device: torch.device, la
         index=best, name=names[best], engine_id=engine_id, knobs=knobs, tuned=True,
         timings_ms=timings, tuning_seconds=time.perf_counter() - started,
     )  # fmt: skip
-    log.info(
+    log.debug(  # debug: at info, the plan's own line says "tuned" with the engine and seconds
         "autotune %s: %d candidates in %.2fs; best %s (%.4f ms)",
         label,
         len(first),
