@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from . import __version__, log, plan_store
+from . import __version__, log, plan_store, torch_kernel
 from .ops import get_backend
 from .options import Causal, ScoreOptions
 from .problem import AttentionProblem, KVCacheLayout, Op, TensorSpec
@@ -52,6 +52,12 @@ def _sample_problems(device: str) -> dict[str, AttentionProblem]:
             o=spec(2, 8, 128, 128, dtype=torch.float16),
         ),
         "forward bf16": base,
+        "forward fp32": base.replace(
+            q=spec(2, 8, 128, 128, dtype=torch.float32),
+            k=spec(2, 8, 128, 128, dtype=torch.float32),
+            v=spec(2, 8, 128, 128, dtype=torch.float32),
+            o=spec(2, 8, 128, 128, dtype=torch.float32),
+        ),
         "causal": base.replace(causal=Causal.TOP_LEFT),
         "causal bottom-right": base.replace(causal=Causal.BOTTOM_RIGHT),
         "sliding window": base.replace(causal=Causal.TOP_LEFT, sliding_window=64),
@@ -114,16 +120,19 @@ def collect() -> dict[str, Any]:
         features[feature] = "yes" if not reasons else "no: " + "; ".join(reasons)
     report["backend"] = backend_name
     report["features"] = features
+    report["sdpa_runs"] = torch_kernel.choices(on_gpu=device != "cpu")
     return report
 
 
 def as_text(report: dict[str, Any]) -> str:
     lines = []
     for key, value in report.items():
-        if key != "features":
+        if key not in ("features", "sdpa_runs"):
             lines.append(f"{key:<20} {value}")
     lines.append(f"features on the {report['backend']} backend:")
     lines += [f"  {name:<22} {status}" for name, status in report["features"].items()]
+    lines.append("cudnn_attn.sdpa runs:")
+    lines += [f"  {name:<32} on {where}" for name, where in report["sdpa_runs"].items()]
     return "\n".join(lines)
 
 

@@ -30,21 +30,41 @@ FLOAT32_FORWARD = "float32 on a GPU: torch's float32 kernel measured 1.2-2.3x fa
 
 def reason(query: torch.Tensor, key: torch.Tensor, dropout_p: float, causal: Causal, train: bool) -> str | None:
     """Why this call cannot run on cudnn_attn's graphs and goes to torch's kernel; None if it can."""
-    if query.dtype == torch.float64:
+    return reason_for(query.dtype, query.is_cuda, query.shape[-2], key.shape[-2], dropout_p, causal, train)
+
+
+def reason_for(dtype: torch.dtype, on_gpu: bool, l: int, s: int, dropout_p: float, causal: Causal,  # noqa: E741
+               train: bool) -> str | None:  # fmt: skip
+    """``reason`` from a call's facts alone (``l``, ``s``: query and key lengths)."""
+    if dtype == torch.float64:
         return "float64: cuDNN attention has no double-precision path"
-    if query.dtype == torch.float32 and query.is_cuda:
+    if dtype == torch.float32 and on_gpu:
         if train:
             return "float32 with gradients: cuDNN has no float32 backward"
         return FLOAT32_FORWARD
     if causal is Causal.BOTTOM_RIGHT:
         if dropout_p:
             return "a bottom-right causal mask with dropout: cuDNN's bottom-right mask takes no dropout"
-        if query.shape[-2] > key.shape[-2]:
-            return (
-                f"a bottom-right causal mask with L={query.shape[-2]} > S={key.shape[-2]}: cuDNN's bottom-right mask "
-                "needs L <= S"
-            )
+        if l > s:
+            return f"a bottom-right causal mask with L={l} > S={s}: cuDNN's bottom-right mask needs L <= S"
     return None
+
+
+def choices(on_gpu: bool) -> dict[str, str]:
+    """Where ``cudnn_attn.sdpa`` runs the calls that may leave cuDNN, on this machine (for ``info``)."""
+    ours = "cuDNN" if on_gpu else "the reference backend"
+    calls = {
+        "float16/bfloat16": (torch.bfloat16, 128, 128, 0.0, Causal.NONE, True),
+        "float32": (torch.float32, 128, 128, 0.0, Causal.NONE, False),
+        "float32 with gradients": (torch.float32, 128, 128, 0.0, Causal.NONE, True),
+        "float64": (torch.float64, 128, 128, 0.0, Causal.NONE, False),
+        "causal_lower_right with dropout": (torch.bfloat16, 128, 256, 0.1, Causal.BOTTOM_RIGHT, True),
+    }
+    found = {}
+    for name, (dtype, l, s, p, causal, train) in calls.items():  # noqa: E741
+        why = reason_for(dtype, on_gpu, l, s, p, causal, train)
+        found[name] = ours if why is None else f"torch's kernel ({why.partition(': ')[2]})"
+    return found
 
 
 def run(why: str, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float, causal: Causal,

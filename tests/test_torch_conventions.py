@@ -229,3 +229,16 @@ def test_float32_rules_refuse_what_cudnn_lacks_or_gets_wrong():
     assert "head_dim d_v=256 in float32" in reasons(f32(forward(d=256)))
     assert "decode" in reasons(f32(forward(h_kv=2, s_q=1)))
     assert "dropout in float32" in reasons(f32(forward(dropout_p=0.1)))
+
+
+def test_info_says_where_sdpa_runs_each_kind_of_call():
+    from cudnn_attn import info, torch_kernel
+
+    on_gpu = torch_kernel.choices(on_gpu=True)
+    assert on_gpu["float16/bfloat16"] == "cuDNN"
+    assert on_gpu["float32"].startswith("torch's kernel (torch's float32 kernel measured")
+    assert on_gpu["float32 with gradients"] == "torch's kernel (cuDNN has no float32 backward)"
+    assert torch_kernel.choices(on_gpu=False)["float32"] == "the reference backend"
+    report = info.collect()
+    assert report["sdpa_runs"]["float64"].startswith("torch's kernel")
+    assert "cudnn_attn.sdpa runs:" in info.as_text(report)
