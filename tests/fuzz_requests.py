@@ -3260,7 +3260,9 @@ FP8_LARGEST = {E4M3: 448.0, E5M2: 57344.0}
 # below 60% of these. ``sdpa_fp8`` also rounds Q, K and V (E4M3).
 FP8_TOL = {E4M3: 0.1, E5M2: 0.2}
 FP8_FUNCTIONAL_TOL = 0.15  # measured: median 5%, worst 9% of 600 requests (five roundings, S down to 1)
-FP8_STATS_TOL = 1e-4  # stats are float32 math on exact (dequantised) inputs
+# Stats: float32 math on exact (dequantised) inputs, but Hopper's FP8 tensor cores accumulate Q K^T
+# with fewer bits than float32: up to 1.1e-4 measured at d = 128 on an H100 (the reference: 1e-7).
+FP8_STATS_TOL = 1e-3
 # backward="fp8": dO (E5M2), O, dS and the gradients rounded to FP8 as well; measured against the
 # size of the terms summed (``fp8_gradient_floors``), since D = rowsum(dO * O) from FP8 values
 # cancels against dP where P is nearly one-hot (the emulation shows the same): median 7%, worst 17%.
@@ -4244,6 +4246,27 @@ def probe_report(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def refusal_rule(reason: str) -> str:
+    """The rule (or cuDNN's own refusal) a refusal came from, numbers and context blanked."""
+    if CUDNN_OWN_REFUSAL in reason:  # cuDNN's words, cut where the first line's clipping may fall
+        rest = reason.split(CUDNN_OWN_REFUSAL, 1)[1].split("(the backend declined:")[-1].strip(" :")
+        return f"{CUDNN_OWN_REFUSAL}: {rest[:40]}"
+    reason = re.sub(r"^graph: (\d+ reasons: \| - )?(\w+: )?", "", reason).split(" | what would work")[0]
+    return re.sub(r"-?\d+(\.\d+)?", "N", reason)[:140]
+
+
+def probes_by_rule(results: list[dict]) -> str:
+    """Per refusing rule: how many of its requests cuDNN refused, ran wrong, ran right."""
+    table: dict[str, dict[str, int]] = {}
+    for r in results:
+        row = table.setdefault(refusal_rule(r.get("refusal") or r.get("detail") or ""), {})
+        row[r["verdict"]] = row.get(r["verdict"], 0) + 1
+    lines = []
+    for rule, row in sorted(table.items(), key=lambda x: -sum(x[1].values())):
+        lines.append(f"  [{sum(row.values())}x] {rule}: " + ", ".join(f"{v} {n}" for v, n in sorted(row.items())))
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     import collections
     import time
@@ -4279,6 +4302,8 @@ def main(argv: list[str]) -> int:
             print(probe_report(probes))
             counts = collections.Counter(r["verdict"] for r in probes)
             print("verdicts: " + ", ".join(f"{n} {PROBE_VERDICTS.get(v, v)}" for v, n in counts.most_common()))
+            print("by rule (verdicts: " + ", ".join(f"{v} = {t}" for v, t in PROBE_VERDICTS.items()) + "):")
+            print(probes_by_rule(probes))
         if os.environ.get("FUZZ_SUMMARY_JSON"):
             summary = dict(tally.as_dict(), device=device_description(), probes=probes, workers=workers,
                            wall_s=round(time.perf_counter() - start, 1))  # fmt: skip

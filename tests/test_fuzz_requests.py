@@ -1,11 +1,13 @@
 """A seeded fuzz campaign over every public attention op (see ``fuzz_requests.py``).
 
-30 items of 100 seeds each: ``Graph.sdpa`` (dense and ragged), ``Graph.sdpa_backward``,
-``Graph.sdpa_with_paged_cache`` and ``cudnn_attn.sdpa``, valid and malformed requests. A valid
+33 items of 100 seeds each: ``Graph.sdpa`` (dense and ragged), ``Graph.sdpa_backward``,
+``Graph.sdpa_with_paged_cache``, ``cudnn_attn.sdpa``, FP8 (``Graph.sdpa_fp8``,
+``cudnn_attn.sdpa_fp8``) and dropout checked statistically, valid and malformed requests. A valid
 request must match the float64 oracle within its dtype's tolerance; a malformed one must raise a
 library error; anything else (another exception, a hang, NaN, a wrong or unwritten result) is a
 finding. Each item fails with its findings grouped by class, each with its seed; replay one with
 ``python tests/fuzz_requests.py <op> <seed>`` (or a whole item, in order: ``<op> <first>-<last>``).
+The same requests on the GPU: ``test_gpu_fuzz.py``.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from fuzz_requests import (
     device_description,
     probe_refusals,
     probe_report,
+    probes_by_rule,
     run_tallied,
     summarize,
 )
@@ -58,8 +59,10 @@ def tallies(request):
         for line in tally.report(f"{device_description()}, {size} run").splitlines():
             reporter.write_line(line)
         if getattr(tally, "probes", None):
-            reporter.write_line("probes of the valid requests refused as unsupported:")
+            reporter.write_line("valid requests refused as unsupported, judged (cuDNN's own refusals; rules probed):")
             reporter.write_line(probe_report(tally.probes))
+            reporter.write_line("by rule:")
+            reporter.write_line(probes_by_rule(tally.probes))
 
 
 def _write_summary(tallies: dict) -> None:
