@@ -15,10 +15,12 @@ must be refused with an ``UnsupportedError`` naming why; those are counted apart
 child process with the library's cuDNN rules switched off (``probe_refusals``): a refusal of a
 request that cuDNN then runs correctly is a defect.
 
-300 requests in the GPU suite (``-m gpu``), 2,000 more in the full run (``-m "gpu and slow"``);
-the counts are printed at the end of the session (and written as JSON to ``$FUZZ_SUMMARY_JSON``
-when set). The same campaign from the command line:
-``python tests/fuzz_requests.py --gpu --summary full``; one request: ``--gpu <op> <seed>``.
+250 requests in the GPU suite (``-m "gpu and not slow"``, about a minute on an H100), 2,000 more
+in the full run (``-m "gpu and slow"``, about 11 minutes); the counts are printed at the end of
+the session (and written as JSON to ``$FUZZ_SUMMARY_JSON`` when set). The same campaign from the
+command line, in parallel processes: ``python tests/fuzz_requests.py --gpu --summary full
+--workers 4``; one request: ``python tests/fuzz_requests.py --gpu <op> <seed>``. Results on an
+H100: docs/gpu_support.md, "GPU fuzz campaign".
 The harness itself is tested on the CPU below (``target="cpu-harness"``).
 """
 
