@@ -67,7 +67,7 @@ def sdpa(
     train = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, attn_mask)
     )  # fmt: skip
-    why = torch_kernel.reason(query, key, float(dropout_p), causal, train)
+    why = torch_kernel.reason(query, key, float(dropout_p), causal, train, scale)
     if why is not None:
         return torch_kernel.run(why, query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa)
     squeeze = query.dim() == 3

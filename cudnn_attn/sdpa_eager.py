@@ -60,7 +60,7 @@ def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
     """Check the call in full and build its forward graph (the backward's comes with the first backward)."""
     check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     causal = causal_kind(is_causal)
-    why = torch_kernel.reason(query, key, float(dropout_p), causal, train)
+    why = torch_kernel.reason(query, key, float(dropout_p), causal, train, scale)
     if why is not None:
         return TorchKernel(why, dropout_p, causal, scale, enable_gqa)
     entry = Prepared(

@@ -28,8 +28,17 @@ _said: set[str] = set()  # each reason is logged once, not per call
 FLOAT32_FORWARD = "float32 on a GPU: torch's float32 kernel measured 1.2-2.3x faster than cuDNN's float32 path"
 
 
-def reason(query: torch.Tensor, key: torch.Tensor, dropout_p: float, causal: Causal, train: bool) -> str | None:
+# Seen on an H100 with cuDNN 9.19 (GPU fuzz campaign): NaN for any scale below 0 and for 0 at most
+# lengths; torch 2.13's CPU flash kernel gives NaN for a negative scale with a causal mask. torch's
+# math kernel is exact for every scale.
+NON_POSITIVE_SCALE = "scale <= 0: cuDNN's kernels give NaN there (torch's math kernel is exact)"
+
+
+def reason(query: torch.Tensor, key: torch.Tensor, dropout_p: float, causal: Causal, train: bool,
+           scale: Any = None) -> str | None:  # fmt: skip
     """Why this call cannot run on cudnn_attn's graphs and goes to torch's kernel; None if it can."""
+    if scale is not None and float(scale) <= 0:
+        return NON_POSITIVE_SCALE
     return reason_for(query.dtype, query.is_cuda, query.shape[-2], key.shape[-2], dropout_p, causal, train)
 
 
@@ -75,7 +84,7 @@ def run(why: str, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: f
         log.backend_passed_over(WHERE, "cudnn_attn's graphs", why + "; runs on torch's SDPA kernel")
     if causal is Causal.BOTTOM_RIGHT:
         attn_mask = causal_lower_right(query.shape[-2], key.shape[-2])
-    if query.device.type == "cpu":
+    if query.device.type == "cpu" or why is NON_POSITIVE_SCALE:
         # torch 2.13's CPU flash kernel returns NaN everywhere for a negative scale with a causal
         # mask (float32 and float64); its math kernel is exact there, and the CPU is not for speed.
         with sdpa_kernel(SDPBackend.MATH):

@@ -49,7 +49,10 @@ def test_a_plain_problem_is_supported_on_hopper_and_ampere():
         (backward(d=256), A100, "backward on Ampere/Ada"),
         (backward(d=256), H200, None),
         (backward(s_q=1, s_kv=1), H200, "S_q = S_kv = 1"),
-        (forward(s_q=1, h_kv=2, causal=Causal.BOTTOM_RIGHT), H200, "decode"),
+        (forward(s_q=1, h_kv=2, causal=Causal.BOTTOM_RIGHT), Platform("H100", (9, 0), 91800, "1.32.0"), "decode"),
+        (forward(s_q=1, h_kv=2, causal=Causal.BOTTOM_RIGHT), H200, None),  # right on 9.19
+        (forward().replace(attn_scale=-0.5), H200, "attn_scale=-0.5: cuDNN's kernels give NaN"),
+        (forward().replace(attn_scale=0.0), H200, "attn_scale=0: cuDNN's kernels give NaN"),
         (
             forward(causal=Causal.BOTTOM_RIGHT),
             Platform("H100", (9, 0), 90200, "1.32.0"),
@@ -78,7 +81,10 @@ def test_a_plain_problem_is_supported_on_hopper_and_ampere():
         "ampere-d256-backward",
         "hopper-d256-backward",
         "backward-s1",
-        "decode-causal-gqa",
+        "decode-causal-gqa-before-9.19",
+        "decode-causal-gqa-9.19",
+        "negative-scale",
+        "zero-scale",
         "old-bottom-right",
         "old-window",
         "broadcast-bias-backward",
@@ -104,6 +110,8 @@ def test_paged_needs_cudnn_9_5():
                          kv_cache_layout=KVCacheLayout.NPHD)  # fmt: skip
     assert unsupported_reasons(p, H200) == []
     assert "paged K/V caches need cuDNN >= 9.5" in reasons(p, Platform("H100", (9, 0), 90400, "1.32.0"))
+    odd = p.replace(k=spec(16, 24, 8, 128), v=spec(16, 24, 8, 128))
+    assert "page_size=24: cuDNN's paged K/V load takes power-of-two page sizes" in reasons(odd, H200)
 
 
 def test_platform_describes_itself():

@@ -58,6 +58,9 @@ FP8_MIN_CUDNN = 90700
 FP8_BAD_CUDNN = (91000,)
 FP8_HALF_OUTPUT_MIN_CUDNN = 91300  # fp16/bf16 O (dQ, dK, dV) from fp8 inputs, Blackwell only
 FP8_MAX_HEAD_DIM = 128
+# Decode (S_q = 1) with a causal mask and GQA: a known wrong result in older releases; right in
+# 9.19 on an H100 (17 of 17 GPU fuzz requests, with this rule off).
+DECODE_GQA_FIXED = 91900
 
 
 def _version(v: int) -> str:
@@ -103,7 +106,17 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
     if not p.is_forward and p.s_q == 1 and p.s_kv == 1:
         # cuDNN release notes, known issue: "bprop is not supported when both key/value have sequence length of 1".
         reasons.append("sdpa_backward with S_q = S_kv = 1: refused (cuDNN does not support this backward shape)")
-    if p.s_q == 1 and p.options.causal is not Causal.NONE and p.h_k != p.h_q:
+    scale = p.options.attn_scale
+    if isinstance(scale, (int, float)) and scale <= 0:
+        # Seen on an H100 with cuDNN 9.19 (GPU fuzz campaign): NaN in O and dQ for any scale below 0,
+        # and for 0 at most lengths.
+        reasons.append(
+            f"attn_scale={scale:g}: cuDNN's kernels give NaN for a scale <= 0; pass -q with scale={-scale:g} "
+            "(the same scores), or backend='reference'"
+        )
+    if p.is_paged and p.page_size and p.page_size & (p.page_size - 1):
+        reasons.append(f"page_size={p.page_size}: cuDNN's paged K/V load takes power-of-two page sizes")
+    if p.s_q == 1 and p.options.causal is not Causal.NONE and p.h_k != p.h_q and platform.cudnn < DECODE_GQA_FIXED:
         # cuDNN release notes, known issue: decode with causal masking and H_q != H_kv gives wrong results.
         reasons.append(
             "S_q = 1 (decode) with a causal mask and GQA/MQA: refused (known wrong results in cuDNN); "

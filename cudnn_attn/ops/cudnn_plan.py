@@ -35,6 +35,7 @@ class CudnnPlan:
         self._bounds = upper_bounds(problem)  # integer inputs clamped on the device (bounds.py)
         self._ordered = True  # the frontend's ordered execute: no per-call dict walk
         self._native: Any = None  # the frontend's native ordered executor, prepared on first run
+        self._empty_fix = empty_sequence_fix(problem)
         import cudnn
 
         self._cudnn = cudnn
@@ -62,6 +63,8 @@ class CudnnPlan:
                 outputs["stats"].fill_(float("-inf"))
         pack = self.variant_pack(inputs, outputs, rng_dump)
         self.execute_ordered(tuple(pack.values()), tuple(pack), stream, workspace, handle)
+        if self._empty_fix is not None:
+            self._empty_fix(inputs, outputs)
 
     def direct_uids(self, input_roles: tuple[str, ...], output_roles: tuple[str, ...]) -> tuple[int, ...] | None:
         """The uids of these roles when the caller's tensors are all the plan binds (no ragged
@@ -173,3 +176,33 @@ def sequence_starts(lengths: torch.Tensor) -> torch.Tensor:
 def element_offsets(start: torch.Tensor, token_stride: int) -> torch.Tensor:
     """Sequence starts in tokens -> in elements of one packed tensor, shaped as cuDNN binds them."""
     return (start * token_stride).view(-1, 1, 1, 1)
+
+
+def empty_sequence_fix(p: AttentionProblem) -> Any:
+    """What cuDNN 9.19 writes wrong for an empty sequence, set right after the run (on the device,
+    no sync); None where nothing needs it. Found by the GPU fuzz campaign on an H100:
+
+    - a forward with S_q = 1 writes row 0 of a sequence whose seq_len_q is 0 (S_q >= 2 leaves it 0);
+    - a backward leaves dQ, dK and dV of a sequence whose seq_len_kv is 0 as garbage (up to 1e37).
+    Dense (4-D) tensors only: an empty sequence has no rows in a packed (THD) tensor.
+    """
+    if not p.options.padding or p.is_thd:
+        return None
+    if p.is_forward and p.s_q == 1 and p.seq_len_q is not None:
+
+        def forward_fix(inputs: RunInputs, outputs: Mapping[str, torch.Tensor]) -> None:
+            empty = (inputs["seq_len_q"] <= 0).view(-1, 1, 1, 1)  # type: ignore[union-attr]
+            outputs["o"].masked_fill_(empty, 0)
+            if "stats" in outputs:
+                outputs["stats"].masked_fill_(empty, float("-inf"))
+
+        return forward_fix
+    if not p.is_forward and p.seq_len_kv is not None:
+
+        def backward_fix(inputs: RunInputs, outputs: Mapping[str, torch.Tensor]) -> None:
+            empty = (inputs["seq_len_kv"] <= 0).view(-1, 1, 1, 1)  # type: ignore[union-attr]
+            for role in ("grad_q", "grad_k", "grad_v"):
+                outputs[role].masked_fill_(empty, 0)
+
+        return backward_fix
+    return None

@@ -61,12 +61,20 @@ def dims_and_strides(role: str, spec: TensorSpec, p: AttentionProblem) -> tuple[
     if role in ("seq_len_q", "seq_len_kv"):
         return [shape[0], 1, 1, 1], [1, 1, 1, 1]
     if role in ("page_table_k", "page_table_v"):
+        # cuDNN takes exactly ceil(max_seq_len_kv / page_size) columns: a wider table is read
+        # through a narrower window of the same memory (its leading columns, its own strides).
         if spec.rank == 2:
-            return [shape[0], 1, shape[1], 1], [stride[0], stride[1] * shape[1], stride[1], 1]
-        return shape, stride
+            columns = _table_columns(shape[1], p)
+            return [shape[0], 1, columns, 1], [stride[0], stride[1] * columns, stride[1], 1]
+        return [*shape[:2], _table_columns(shape[2], p), *shape[3:]], stride
     if role in ("dropout_seed", "dropout_offset"):
         return [1, 1, 1, 1], [1, 1, 1, 1]
     return shape, stride
+
+
+def _table_columns(width: int, p: AttentionProblem) -> int:
+    page = p.page_size or 1
+    return min(width, -(-p.s_kv // page))
 
 
 def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) -> Lowered:
