@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from . import log
+from .errors import ValidationError
 from .options import Causal
 
 WHERE = "cudnn_attn.sdpa"
@@ -37,7 +38,7 @@ NON_POSITIVE_SCALE = "scale <= 0: cuDNN's kernels give NaN there (torch's math k
 def reason(query: torch.Tensor, key: torch.Tensor, dropout_p: float, causal: Causal, train: bool,
            scale: Any = None) -> str | None:  # fmt: skip
     """Why this call cannot run on cudnn_attn's graphs and goes to torch's kernel; None if it can."""
-    if scale is not None and float(scale) <= 0:
+    if scale is not None and float(scale) <= 0 and query.is_cuda:  # the reference backend is exact there
         return NON_POSITIVE_SCALE
     return reason_for(query.dtype, query.is_cuda, query.shape[-2], key.shape[-2], dropout_p, causal, train)
 
@@ -82,6 +83,9 @@ def run(why: str, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: f
     if why not in _said and not torch.compiler.is_compiling():
         _said.add(why)
         log.backend_passed_over(WHERE, "cudnn_attn's graphs", why + "; runs on torch's SDPA kernel")
+    problems = shape_problems(query, key, value, enable_gqa)
+    if problems:  # what torch's kernel would raise a RuntimeError for, said as the graphs say it
+        raise ValidationError(problems, context="sdpa")
     if causal is Causal.BOTTOM_RIGHT:
         attn_mask = causal_lower_right(query.shape[-2], key.shape[-2])
     if query.device.type == "cpu" or why is NON_POSITIVE_SCALE:
@@ -90,6 +94,25 @@ def run(why: str, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: f
         with sdpa_kernel(SDPBackend.MATH):
             return _torch_sdpa(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa)
     return _torch_sdpa(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa)
+
+
+def shape_problems(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool) -> list[str]:
+    """The geometry torch's kernel needs and the graphs check themselves (head dims, lengths, heads)."""
+    problems = []
+    if query.shape[-1] == 0 or value.shape[-1] == 0:
+        problems.append(f"query: head dim {query.shape[-1]} (value {value.shape[-1]}); head dims must be >= 1")
+    if key.shape[-1] != query.shape[-1]:
+        problems.append(f"key: head dim {key.shape[-1]} differs from query's {query.shape[-1]}")
+    if value.shape[-2] != key.shape[-2]:
+        problems.append(f"value: {value.shape[-2]} keys but key has {key.shape[-2]}; they must match")
+    if query.dim() >= 3 and (key.shape[-3] != value.shape[-3] or query.shape[-3] % max(key.shape[-3], 1)):
+        problems.append(
+            f"key: {key.shape[-3]} heads (value {value.shape[-3]}) for query's {query.shape[-3]}; key and value "
+            "share one head count that divides query's" + ("" if enable_gqa else " (and enable_gqa=True for fewer)")
+        )
+    if query.dim() == 4 and not (query.shape[0] == key.shape[0] == value.shape[0]):
+        problems.append(f"key: batch {key.shape[0]} (value {value.shape[0]}) differs from query's {query.shape[0]}")
+    return problems
 
 
 def _torch_sdpa(query, key, value, attn_mask, dropout_p, causal: Causal, scale, enable_gqa) -> torch.Tensor:

@@ -4163,6 +4163,7 @@ def device_description() -> str:
 # hang stay on), in a child process (a crash or a hang there cannot take the campaign with it).
 PROBE_VERDICTS = {
     "runs": "cuDNN runs it and the result matches: the refusal is a defect",
+    "guarded": "cuDNN got this one right, but its rule guards a shape-dependent wrong result (NaN or wrong values)",
     "wrong": "cuDNN runs it but the result is wrong: the refusal guards a cuDNN bug",
     "cudnn-refuses": "cuDNN itself refuses it (no plan builds)",
     "library-refuses": "refused again with the rules off (elsewhere in the library)",
@@ -4191,13 +4192,19 @@ def cudnn_rules_off():
 CUDNN_OWN_REFUSAL = "cuDNN could not build a plan"  # the library's words for cuDNN's own refusal
 
 
+def guards_wrong_results(refusal: str) -> bool:
+    """Whether a capability rule's words say it guards a wrong result, rather than a missing feature."""
+    return any(word in refusal for word in ("NaN", "wrong"))
+
+
 def probe(op: str, seed: int, refusal: str = "") -> dict:
     """Run (op, seed) on the GPU with the library's cuDNN rules off: which ``PROBE_VERDICTS`` it is."""
     with cudnn_rules_off():
         case = make_case(op, seed, "cuda")
         findings = run_case(case)
     if case.outcome == "ran" and not findings:
-        verdict, detail = "runs", refusal
+        # A rule that guards wrong results refuses a class of shapes, some of which cuDNN gets right.
+        verdict, detail = ("guarded" if guards_wrong_results(refusal) else "runs"), refusal
     elif case.outcome == "unsupported":
         hang = "hang" in case.refusal
         verdict = (
