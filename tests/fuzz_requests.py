@@ -864,7 +864,7 @@ class Attn:
         if self.scale is not None:
             parts.append(f"scale={self.scale}({self.scale_form})")
         if self.nan_beyond_len:
-            parts.append("NaN-beyond-lengths")
+            parts.append("garbage-beyond-lengths")
         return " ".join(parts)
 
     # logical references
@@ -968,12 +968,13 @@ def make_tensors(a: Attn, rng: random.Random, gen: torch.Generator) -> None:
         else:
             v = randn(gen, a.b, a.h_kv, a.s_kv, a.d_v, dtype=a.dtype)
         t["clean"] = (q, k, v)  # what the oracle sees
-        if a.nan_beyond_len:
+        if a.nan_beyond_len:  # garbage past the lengths must not reach the result
+            # Large finite values (100x), not NaN: cuDNN reads whole tiles and 0 * NaN is NaN, as in torch's
+            # SDPA under a mask (docs/semantics.md: positions past the lengths hold finite values).
             q, k, v = q.clone(), k.clone(), v.clone()
             for bi in range(a.b):
-                q[bi, :, a.lq[bi] :] = float("nan")
-                k[bi, :, a.lkv[bi] :] = float("nan")
-                v[bi, :, a.lkv[bi] :] = float("nan")
+                for x, length in ((q, a.lq[bi]), (k, a.lkv[bi]), (v, a.lkv[bi])):
+                    x[bi, :, length:] = 100 * torch.randn(x[bi, :, length:].shape, generator=gen).sign().to(x.dtype)
         t["q"], t["k"], t["v"] = (to_layout(x, lay) for x, lay in zip((q, k, v), a.layouts))
     t.setdefault("clean", (t["q"], t["k"], t["v"]))
     if a.bias_shape is not None:
