@@ -1,10 +1,10 @@
 """When ``cudnn_attn.sdpa`` hands a call to torch's own SDPA kernel, and why.
 
-The drop-in refuses nothing torch accepts only because cuDNN lacks it. Where this GPU's cuDNN
-cannot serve a well-formed call (float64; a float32 problem its composite path declines; a bottom-right
-``CausalBias`` with dropout or with more queries than keys), the call runs on
-``torch.nn.functional.scaled_dot_product_attention`` with the caller's own arguments, and the
-choice is logged (``CUDNN_ATTN_LOG_LEVEL=info``) with the reason.
+The drop-in refuses nothing torch accepts only because cuDNN lacks it. Where cuDNN cannot serve
+a well-formed call, or serves it worse (float64; float32 on a GPU, slower forward and no backward;
+a scale <= 0 on a GPU, NaN; a bottom-right ``CausalBias`` with dropout or with more queries than
+keys), the call runs on ``torch.nn.functional.scaled_dot_product_attention`` with the caller's
+arguments, and the choice is logged once per reason (``CUDNN_ATTN_LOG_LEVEL=info``).
 """
 
 from __future__ import annotations
