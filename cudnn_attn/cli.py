@@ -162,10 +162,10 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     if not _needs_gpu("bench"):
         return 2
-    from . import bench
+    from .bench import attention
 
     if args.dtype == "fp8":
-        from . import bench_fp8
+        from .bench import fp8 as bench_fp8
 
         rows = bench_fp8.fp8_rows()
         print(bench_fp8.format_fp8(rows))
@@ -181,13 +181,14 @@ def _bench(args: argparse.Namespace) -> int:
                 json.dump(report, f, indent=2)
         return 0
     if args.context_parallel is not None:
-        from . import bench_context_parallel
+        from .bench import context_parallel as bench_context_parallel
 
         options = ["--gpus", str(args.context_parallel), "--seq", str(args.seq), "--heads", str(args.heads),
                    "--head-dim", str(args.head_dim)] + (["--json", args.json] if args.json else [])  # fmt: skip
         return bench_context_parallel.main(options)
     if args.serving:
-        from . import bench_prefill, bench_serving
+        from .bench import prefill as bench_prefill
+        from .bench import serving as bench_serving
 
         rows = bench_serving.serving_rows()
         print(bench_serving.format_serving(rows))
@@ -200,7 +201,7 @@ def _bench(args: argparse.Namespace) -> int:
                 json.dump({"device": torch.cuda.get_device_name(), "serving": rows, "prefill": prefill}, f, indent=2)
         return 0
     if args.varlen:
-        from . import bench_varlen
+        from .bench import varlen as bench_varlen
 
         mixed, plans = bench_varlen.mixed_batch(), bench_varlen.plans_over_packings()
         llama = bench_varlen.llama_step() if importlib.util.find_spec("transformers") else None
@@ -222,7 +223,7 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         shapes = [Shape(b=args.batch, h=args.heads, hkv=args.kv_heads, sq=args.seq, skv=args.seq, d=args.head_dim,
                         dtype=args.dtype, causal=args.causal, bwd=args.bwd)]  # fmt: skip
-    bench.run(
+    attention.run(
         shapes, json_path=args.json, plot_path=args.plot, overhead=args.overhead, cold=args.cold_start, **sections
     )
     return 0

@@ -16,14 +16,14 @@ from __future__ import annotations
 import torch
 
 from .errors import UnsupportedError, ValidationError
-from .fp8_cast import TENSORS, advance_history, amax_qkv, quantise_qkv, scale_buffer, scale_view, scales_for
+from .kernels.fp8_cast import TENSORS, advance_history, amax_qkv, quantise_qkv, scale_buffer, scale_view, scales_for
 
 
 class Fp8Scaling:
     """The amax history of one attention site's Q, K and V (float32, on their device).
 
     The history, its next column and the next call's scales live on the device and advance
-    there (``fp8_cast.advance_history``): after one call outside capture, calls can be
+    there (``kernels.fp8_cast.advance_history``): after one call outside capture, calls can be
     captured in a CUDA graph, each replay advancing the history as an eager call would.
     """
 

@@ -36,11 +36,12 @@ from typing import Any
 
 import torch
 
-from . import paged_decode, paged_schedule
+from . import paged_schedule
 from .bounds import packed_lengths
 from .errors import UnsupportedError, ValidationError
 from .graph_cache import GraphCache
-from .lse_merge import merge_partials
+from .kernels import paged_decode
+from .kernels.lse_merge import merge_partials
 from .options import default_scale
 from .paged_schedule import Schedule
 

@@ -12,9 +12,9 @@ batch geometry alone (no device values, so no host sync):
   query tokens, run unpacked (the *tail*: at most a page and ``S_q - 1`` keys).
 - **Split-KV** (flash-decoding): the body's pages are cut into ``splits`` chunks, each chunk a
   batch entry of its own, so ``B * H_kv * splits`` blocks run; the partial results are merged
-  by their log-sum-exp (``lse_merge.py``), exactly.
+  by their log-sum-exp (``kernels/lse_merge.py``), exactly.
 - **The kernel** of single-token decode: cuDNN's paged call, or, where the batch gives it too
-  few blocks, ``paged_decode.py`` (one Triton kernel doing both of the above).
+  few blocks, ``kernels/paged_decode.py`` (one Triton kernel doing both of the above).
 
 ``choose`` picks all three; every field can be forced (``PagedAttention(..., splits=, pack=,
 decode_kernel=)``).

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from .fp8_cast import from_fp8
 from .fp8_scaling import Fp8Scaling
 from .graph_cache import GraphCache
+from .kernels.fp8_cast import from_fp8
 from .problem import TensorSpec
 
 _graphs = GraphCache()

@@ -10,8 +10,9 @@ import torch
 from conftest import rel_err
 
 import cudnn_attn
-from cudnn_attn import bench, bench_targets, cli
-from cudnn_attn.bench_targets import DecoderStack, PagedDecodeShape, naive_attention, torch_sdpa
+from cudnn_attn import cli
+from cudnn_attn.bench import attention, targets
+from cudnn_attn.bench.targets import DecoderStack, PagedDecodeShape, naive_attention, torch_sdpa
 
 TINY = {"hidden": 64, "heads": 4, "layers": 4}
 
@@ -34,8 +35,8 @@ def test_stack_in_float32_is_the_same_through_any_equal_attention():
     # float32 (cudnn_attn.sdpa takes fp16/bf16 only): the stack's plumbing, forward and backward,
     # depends on nothing but the attention's values.
     model, x = _stack_and_input(torch.float32)
-    expected = bench_targets.training_step(model, x)
-    actual = bench_targets.training_step(model.with_attention(naive_attention), x)
+    expected = targets.training_step(model, x)
+    actual = targets.training_step(model.with_attention(naive_attention), x)
     assert len(actual) == 2 + len(list(model.parameters()))
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
@@ -44,8 +45,8 @@ def test_stack_in_float32_is_the_same_through_any_equal_attention():
 def test_stack_with_cudnn_attn_sdpa_matches_torch_sdpa_in_bf16():
     # On CPU cudnn_attn.sdpa runs on the reference backend; both attentions round to bf16.
     model, x = _stack_and_input(torch.bfloat16)
-    expected = bench_targets.training_step(model, x)
-    actual = bench_targets.training_step(model.with_attention(cudnn_attn.sdpa), x)
+    expected = targets.training_step(model, x)
+    actual = targets.training_step(model.with_attention(cudnn_attn.sdpa), x)
     for a, e in zip(actual, expected):
         assert rel_err(a, e) < 2e-2
 
@@ -61,18 +62,18 @@ def test_naive_attention_matches_torch_sdpa(is_causal):
 
 def test_paged_graph_matches_the_dense_gather():
     shape = PagedDecodeShape(batch=3, heads=4, kv_heads=2, head_dim=16, seq_kv=64, page_size=16)
-    t = bench_targets.paged_decode_inputs(shape, device="cpu")
+    t = targets.paged_decode_inputs(shape, device="cpu")
     assert t["k_cache"].shape == (12, 16, 2, 16) and t["page_table"].shape == (3, 4)
     assert sorted(t["page_table"].flatten().tolist()) == list(range(12))  # every page used once
-    out = bench_targets.paged_graph(t)(*bench_targets._paged_args(t))
-    assert rel_err(out, bench_targets.dense_paged_attention(t)) < 2e-2
+    out = targets.paged_graph(t)(*targets._paged_args(t))
+    assert rel_err(out, targets.dense_paged_attention(t)) < 2e-2
 
 
 def test_paged_bytes_count_the_pages_read_plus_q_and_o():
-    t = bench_targets.paged_decode_inputs(PagedDecodeShape(batch=2, seq_kv=128), device="cpu")
+    t = targets.paged_decode_inputs(PagedDecodeShape(batch=2, seq_kv=128), device="cpu")
     kv = 2 * (2 * 128) * 8 * 128 * 2  # K and V, tokens of both sequences, Hkv, d, bf16
     q = 2 * 32 * 128 * 2
-    assert bench_targets.paged_bytes(t) == {"kv": kv, "decode": kv + 2 * q, "copy": 2 * kv}
+    assert targets.paged_bytes(t) == {"kv": kv, "decode": kv + 2 * q, "copy": 2 * kv}
 
 
 def _timing(median: float) -> dict[str, float]:
@@ -86,7 +87,7 @@ def test_format_stack():
         "rel_err": {"out": 1e-3, "grad_x": 2e-3, "grad_params_max": 3e-3},
     }
     config = {"layers": 4, "hidden": 2048, "heads": 16, "causal": True, "dtype": "bf16"}
-    text = bench_targets.format_stack({"config": config, "shapes": {"B2 S512": shape}})
+    text = targets.format_stack({"config": config, "shapes": {"B2 S512": shape}})
     assert "B2 S512: ours/torch 0.917" in text
     assert any(line.split()[:3] == ["torch", "sdpa", "12.00"] for line in text.splitlines())
 
@@ -98,12 +99,12 @@ def test_format_paged_decode_reports_each_column_against_frontend_direct():
         "frontend direct": _timing(2.0),
         "copy of the K+V bytes": _timing(2.0),
     }
-    columns = bench_targets._bandwidth_columns(timings, moved, {"frontend direct": 1e-3})
+    columns = targets._bandwidth_columns(timings, moved, {"frontend direct": 1e-3})
     assert columns["frontend direct"]["pct_of_frontend"] == pytest.approx(100.0)
     assert columns["g(q, k, v, table, lengths)"]["pct_of_frontend"] == pytest.approx(100 * 2.0 / 2.2)
     assert columns["copy of the K+V bytes"]["gbps"] == pytest.approx(1.0)  # 2000 bytes in 2 us
     config = {**vars(PagedDecodeShape()), "dtype": "bf16", "bytes": moved}
-    text = bench_targets.format_paged_decode({"config": config, "columns": columns})
+    text = targets.format_paged_decode({"config": config, "columns": columns})
     assert len(text.splitlines()) == 2 + len(timings)
     assert "1.0e-03" in text and "90.9%" in text
 
@@ -117,7 +118,7 @@ def test_format_naive():
         "rel_err": {"naive (3 kernels)": 1e-3, "cudnn_attn.sdpa": 2e-3},
     }
     config = {"batch": 4, "heads": 16, "head_dim": 64, "dtype": "fp16", "causal": False}
-    text = bench_targets.format_naive({"config": config, "seqs": {"512": row}})
+    text = targets.format_naive({"config": config, "seqs": {"512": row}})
     assert "S=512 (50 calls per block)" in text and "4.00x" in text
 
 
@@ -134,7 +135,7 @@ def recorded_run(monkeypatch):
     """``bench.run`` replaced by a recorder, on a machine that claims a GPU."""
     calls: list[tuple[list, dict]] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(bench, "run", lambda shapes, **kw: calls.append((shapes, kw)))
+    monkeypatch.setattr(attention, "run", lambda shapes, **kw: calls.append((shapes, kw)))
     return calls
 
 
@@ -155,10 +156,10 @@ def test_plain_bench_still_runs_the_default_shape(recorded_run):
 
 def test_run_reports_and_prints_each_section(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test GPU")
-    monkeypatch.setattr(bench_targets, "naive_vs_fused", lambda: {"seqs": {}})
-    monkeypatch.setattr(bench_targets, "format_naive", lambda r: "naive section printed")
+    monkeypatch.setattr(targets, "naive_vs_fused", lambda: {"seqs": {}})
+    monkeypatch.setattr(targets, "format_naive", lambda r: "naive section printed")
     path = tmp_path / "report.json"
-    report = bench.run([], json_path=str(path), plot_path=None, overhead=False, cold=False, naive=True)
+    report = attention.run([], json_path=str(path), plot_path=None, overhead=False, cold=False, naive=True)
     assert report["naive"] == {"seqs": {}} and "stack" not in report and "paged_decode" not in report
     assert "naive section printed" in capsys.readouterr().out
     assert json.loads(path.read_text())["naive"] == {"seqs": {}}
@@ -166,7 +167,7 @@ def test_run_reports_and_prints_each_section(monkeypatch, tmp_path, capsys):
 
 def test_rounds_shuffle_the_order_of_columns():
     """No column always follows the same one (a light predecessor leaves the GPU's clocks up)."""
-    from cudnn_attn.bench_host import round_order
+    from cudnn_attn.bench.host import round_order
 
     names = ["a", "b", "c", "d", "e", "f"]
     orders = [round_order(names, r) for r in range(30)]

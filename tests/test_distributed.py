@@ -24,7 +24,7 @@ from conftest import TOLERANCE
 from distributed_workers import Attention, Refusal, RoundTrip
 
 import cudnn_attn
-from cudnn_attn.bench_context_parallel import SINGLE
+from cudnn_attn.bench.context_parallel import SINGLE
 from cudnn_attn.distributed import context_parallel_sdpa, shard, unshard
 
 WORLD_TIMEOUT_S = 240  # every case of a world size, ranks started included; a hang fails, never waits
@@ -185,7 +185,7 @@ def test_bench_runs_on_cpu_ranks(tmp_path):
     its compute-only ring, the transfers alone and the single-device attention."""
     report = tmp_path / "bench.json"
     run = subprocess.run(
-        [sys.executable, "-m", "cudnn_attn.bench_context_parallel", "--cpu", "--gpus", "2", "--seq", "64",
+        [sys.executable, "-m", "cudnn_attn.bench.context_parallel", "--cpu", "--gpus", "2", "--seq", "64",
          "--rounds", "2", "--json", str(report)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

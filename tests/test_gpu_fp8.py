@@ -126,7 +126,7 @@ def test_fp8_plans_are_autotuned_stored_and_loaded(tmp_path):
 def test_fused_casts_equal_the_float32_arithmetic(dtype):
     """The one-pass CUDA kernels give exactly the values of the float32 torch arithmetic the CPU
     runs (saturation included), for contiguous and strided inputs."""
-    from cudnn_attn import fp8_cast
+    from cudnn_attn.kernels import fp8_cast
 
     x = (_randn(2, 300, 8, 64, seed=60) * 3).to(dtype).transpose(1, 2)  # a BSHD view: strided
     for scale in (torch.tensor(40.0), torch.tensor(900.0)):  # in range; far past 448 (saturates)
@@ -142,7 +142,7 @@ def test_one_launch_casts_of_q_k_v_equal_the_cpu_arithmetic():
     """quantise_qkv / amax_qkv / advance_history on CUDA give exactly the values of the torch
     float32 arithmetic the CPU runs: GQA sizes, a strided (BSHD) view kept in its own order,
     scales from amaxes or from a buffer, amaxes recorded in the pass."""
-    from cudnn_attn import fp8_cast
+    from cudnn_attn.kernels import fp8_cast
 
     q = (_randn(2, 300, 8, 64, seed=61) * 3).to(torch.bfloat16).transpose(1, 2)  # BSHD view
     k, v = ((_randn(2, 2, 300, 64, seed=62 + i) * (1 + 40 * i)).to(torch.bfloat16) for i in range(2))

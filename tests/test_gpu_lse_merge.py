@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import rel_err
 
-from cudnn_attn import lse_merge
-from cudnn_attn.lse_merge import merge_partials
+from cudnn_attn.kernels import lse_merge
+from cudnn_attn.kernels.lse_merge import merge_partials
 
 pytestmark = pytest.mark.gpu
 

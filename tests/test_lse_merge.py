@@ -11,7 +11,7 @@ import torch
 from conftest import TOLERANCE, rel_err
 
 from cudnn_attn.errors import ValidationError
-from cudnn_attn.lse_merge import merge_partials
+from cudnn_attn.kernels.lse_merge import merge_partials
 
 B, H, S, KEYS = 2, 3, 5, 40
 LSE_TOL = 1e-6  # stats are float32: L agrees with float64 to float32 rounding

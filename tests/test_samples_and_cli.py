@@ -104,7 +104,7 @@ def test_bench_plot_without_matplotlib_names_the_extra(monkeypatch, capsys):
 
 
 def test_one_shape_bench_prints_fmha_v2_style_lines():
-    from cudnn_attn.bench import fmha_lines
+    from cudnn_attn.bench.attention import fmha_lines
 
     row = {"shape": "b1-h8-s128-d64-bf16", "columns": {
         "cudnn_attn": {"ms": 1.1723, "tflops": 468.94, "gbps": 458.04, "spread_pct": 1.5, "rel_err": 2.5e-3},

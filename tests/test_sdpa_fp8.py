@@ -103,7 +103,7 @@ def test_attention_module_with_fp8():
 
 
 def test_casts_are_the_emulations_quantisation():
-    from cudnn_attn import fp8_cast
+    from cudnn_attn.kernels import fp8_cast
     from cudnn_attn.ops import reference_fp8
 
     x = randn(4, 33, 16) * 50

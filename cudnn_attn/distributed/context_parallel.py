@@ -62,7 +62,7 @@ def compute_only_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
                       layout: str = "zigzag") -> torch.Tensor:  # fmt: skip
     """The p2p ring's schedule and attention calls with every transfer left out: each rank
     attends to its own K/V at every step. Wrong results by design; for the overlap benchmark
-    (``bench_context_parallel``), which times it beside ``context_parallel_sdpa``.
+    (``bench/context_parallel.py``), which times it beside ``context_parallel_sdpa``.
 
     Example::
 

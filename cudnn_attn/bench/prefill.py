@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from . import PagedAttention
-from .bench_serving import LAYERS, _captured, _time
-from .functional import sdpa
+from .. import PagedAttention
+from ..functional import sdpa
+from .serving import LAYERS, _captured, _time
 
 HQ, HKV, D, PAGE = 32, 8, 128, 64
 BATCH, LONGEST_CHUNK, LONGEST_CACHE = 16, 512, 16384

@@ -3,7 +3,7 @@
 Per shape (d128 grid shapes and S = 16384): our bf16 graph, our FP8 graph on pre-quantised
 inputs, ``cudnn_attn.sdpa_fp8`` (amax, scale and quantise of Q, K, V and the dequantised
 output included; current and delayed scaling) and torch's cuDNN backend in bf16; then the bf16 and FP8 backward graphs.
-Columns are timed in shuffled interleaved rounds (``bench_host.round_order``): medians and
+Columns are timed in shuffled interleaved rounds (``host.round_order``): medians and
 spreads. FP8 outputs are checked against the bf16 graph's (relative error of O).
 """
 
@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from . import Fp8Scaling, Graph, PlanCache, sdpa_fp8
-from .bench_host import round_order
-from .functional import sdpa as cudnn_attn_sdpa
-from .ops import autotune
-from .sdpa_fp8 import quantised
+from .. import Fp8Scaling, Graph, PlanCache, sdpa_fp8
+from ..functional import sdpa as cudnn_attn_sdpa
+from ..ops import autotune
+from ..sdpa_fp8 import quantised
+from .host import round_order
 
 SHAPES = ((4, 16, 4096, 128, False), (4, 16, 4096, 128, True), (1, 16, 16384, 128, False),
           (1, 16, 16384, 128, True), (4, 16, 4096, 64, True))  # fmt: skip
@@ -82,8 +82,8 @@ def _columns(b: int, h: int, s: int, d: int, causal: bool) -> tuple[dict[str, Ca
 
 def _frontend_direct(graph: Graph, args: tuple) -> Callable:
     """The FP8 graph's plan through the frontend's own ``execute``, its variant pack prepared once."""
-    from .ops.cudnn_platform import cudnn_handle
-    from .synthetic import empty
+    from ..ops.cudnn_platform import cudnn_handle
+    from ..synthetic import empty
 
     node = graph.nodes[0]
     plan: Any = node.plan

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from . import Graph, PlanCache, synthetic
-from .bench_host import round_order
-from .ops import autotune
-from .shapes import Shape
+from .. import Graph, PlanCache, synthetic
+from ..ops import autotune
+from ..shapes import Shape
+from .host import round_order
 
 COLUMNS = ("cudnn_attn", "cudnn_attn tuned", "frontend direct", "torch cudnn", "torch flash", "torch efficient")
 
@@ -75,7 +75,7 @@ def _frontend_direct(shape: Shape, t: dict, ordered: bool = False) -> Callable:
     outputs = {role: synthetic.empty(h.spec) for role, h in node.outputs.items() if h.spec is not None}
     pack = plan.variant_pack(inputs, outputs)
     workspace = torch.empty(max(plan.workspace_size, 1), dtype=torch.uint8, device="cuda")
-    from .ops.cudnn_backend import cudnn_handle
+    from ..ops.cudnn_backend import cudnn_handle
 
     handle = cudnn_handle(torch.cuda.current_device())
     if ordered:  # the frontend's fastest form: buffers in a tuple, uids given once
@@ -272,16 +272,16 @@ def run(
     if len(shapes) > 1:
         print(format_table(report["rows"]))
     if overhead:
-        from . import bench_host
+        from . import host
 
-        report["host_time"] = bench_host.host_paths()
-        print(bench_host.format_host(report["host_time"], "host time per call, b1 h8 s128 d64 bf16:"))
+        report["host_time"] = host.host_paths()
+        print(host.format_host(report["host_time"], "host time per call, b1 h8 s128 d64 bf16:"))
         for batch, seq in ((2, 512), (8, 2048)):
-            steps = bench_host.layer_steps(batch, seq)
+            steps = host.layer_steps(batch, seq)
             report[f"layer_step_b{batch}_s{seq}"] = steps
-            print(bench_host.format_host(steps, f"nn.Attention training step, B{batch} S{seq}, hidden 2048, 16 heads:"))
+            print(host.format_host(steps, f"nn.Attention training step, B{batch} S{seq}, hidden 2048, 16 heads:"))
     if stack or paged_decode or naive:
-        from . import bench_targets as targets
+        from . import targets
 
         sections: list[tuple[str, bool, Callable[[], dict[str, Any]], Callable[[dict[str, Any]], str]]] = [
             ("stack", stack, targets.stack_steps, targets.format_stack),

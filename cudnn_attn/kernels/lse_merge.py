@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .errors import ValidationError
+from ..errors import ValidationError
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 KERNEL_PARTS = 2  # the kernel's part slots: a body and a tail

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from . import PagedAttention
-from .bench_host import round_order
+from .. import PagedAttention
+from .host import round_order
 
 HQ, HKV, D, PAGE = 32, 8, 128, 64
 LAYERS = 4

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import Graph, bench_host, sdpa, synthetic
+from .. import Graph, sdpa, synthetic
+from . import host
 
 Attend = Callable[..., torch.Tensor]  # torch's scaled_dot_product_attention signature
 Timings = dict[str, dict[str, float]]  # column -> median_us, low_us, high_us
@@ -50,14 +51,14 @@ def _event_us_per_call(fn: Callable[[], object], calls: int) -> float:
 def interleaved_events(
     paths: Mapping[str, Callable[[], object]], rounds: int = 12, calls: int = 50, warmup_calls: int = 50
 ) -> Timings:
-    """``bench_host.interleaved`` with CUDA-event timing: each round times a block of ``calls``
-    of every path in a freshly shuffled order (``bench_host.round_order``), after equal warm-up."""
+    """``host.interleaved`` with CUDA-event timing: each round times a block of ``calls``
+    of every path in a freshly shuffled order (``host.round_order``), after equal warm-up."""
     for fn in paths.values():
         _event_us_per_call(fn, warmup_calls)
     samples: dict[str, list[float]] = {name: [] for name in paths}
     names = list(paths)
     for r in range(rounds):
-        for name in bench_host.round_order(names, r):
+        for name in host.round_order(names, r):
             samples[name].append(_event_us_per_call(paths[name], calls))
     return {
         name: {"median_us": statistics.median(v), "low_us": min(v), "high_us": max(v)} for name, v in samples.items()
@@ -75,7 +76,7 @@ def wall_blocks(paths: Mapping[str, Callable[[], object]], rounds: int, calls: i
 
         return run
 
-    per_block = bench_host.interleaved({name: block(fn) for name, fn in paths.items()}, rounds, 1, sync=True)
+    per_block = host.interleaved({name: block(fn) for name, fn in paths.items()}, rounds, 1, sync=True)
     return {name: {key: us / calls for key, us in r.items()} for name, r in per_block.items()}
 
 
@@ -179,7 +180,7 @@ def stack_step(batch: int, seq: int, rounds: int = 10, calls: int = 10) -> dict[
         "torch sdpa": lambda: training_step(theirs, x),
         "cudnn_attn.sdpa": lambda: training_step(ours, x),
     }
-    timings = bench_host.interleaved(steps, rounds=rounds, calls=calls, sync=True)
+    timings = host.interleaved(steps, rounds=rounds, calls=calls, sync=True)
     ratio = timings["cudnn_attn.sdpa"]["median_us"] / timings["torch sdpa"]["median_us"]
     return {"timings": timings, "ratio_ours_over_torch": ratio, "rel_err": _stack_errors(theirs, ours, x)}
 
@@ -280,7 +281,7 @@ def frontend_direct(g: Graph, args: tuple[torch.Tensor, ...]) -> tuple[Callable[
     """The graph's plan run through the frontend's ``execute`` on a variant pack prepared once
     (page tables and lengths included, clamped once here rather than per call), and the output
     buffer it writes."""
-    from .ops.cudnn_platform import cudnn_handle
+    from ..ops.cudnn_platform import cudnn_handle
 
     node = g.nodes[0]
     plan: Any = node.plan

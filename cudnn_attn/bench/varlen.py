@@ -7,7 +7,7 @@
   Throughput is effective: only the real tokens' attention work counts.
 - Plans built over 1,000 random packings (the plan cache's misses), forward and backward.
 
-Columns are timed in shuffled interleaved rounds (``bench_host.round_order``): medians, spreads.
+Columns are timed in shuffled interleaved rounds (``host.round_order``): medians, spreads.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from . import PlanCache, varlen, varlen_sdpa
-from .bench_host import round_order
-from .functional import sdpa
+from .. import PlanCache, varlen, varlen_sdpa
+from ..functional import sdpa
+from .host import round_order
 
 HEADS, HEAD_DIM = 16, 128
 LENGTHS = (128, 8192)
@@ -130,7 +130,7 @@ def llama_step(budget: int = 16384, longest: int = 4096, seed: int = 2, rounds: 
     Tokens/s counts real tokens only. Needs the ``transformers`` extra."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from .integrations import transformers as hf
+    from ..integrations import transformers as hf
 
     hf.register()
     gen = torch.Generator().manual_seed(seed)
@@ -171,7 +171,7 @@ def llama_step(budget: int = 16384, longest: int = 4096, seed: int = 2, rounds: 
 
 
 def _time(steps: dict[str, Callable], rounds: int) -> dict[str, dict]:
-    from .ops import autotune
+    from ..ops import autotune
 
     device = torch.device("cuda", torch.cuda.current_device())
     samples: dict[str, list[float]] = {name: [] for name in steps}

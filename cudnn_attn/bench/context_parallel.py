@@ -1,6 +1,6 @@
 """Context parallelism benchmark: ``context_parallel_sdpa`` over W GPUs against one GPU.
 
-    python3 -m cudnn_attn.bench_context_parallel --gpus 8 --seq 131072 [--mode p2p] [--json out.json]
+    python3 -m cudnn_attn.bench.context_parallel --gpus 8 --seq 131072 [--mode p2p] [--json out.json]
 
 Spawns one process per GPU (NCCL) and times a causal bf16 training step (forward+backward,
 B1 H16 d128 by default) of the whole sequence S sharded over W GPUs (zigzag), beside the
@@ -10,7 +10,7 @@ ring it also times the overlap evidence: the same ring with every transfer left 
 (``communication only``). With full overlap, p2p takes max(compute, communication), not
 their sum. ``--cpu`` runs the same on gloo CPU processes with tiny shapes (a smoke test).
 
-Columns are timed in short interleaved rounds in a shuffled order (``bench_host.round_order``,
+Columns are timed in short interleaved rounds in a shuffled order (``host.round_order``,
 the same on every rank) after equal warm-up; a round's time is the slowest rank's wall time
 per step (a step ends when every rank's GPU is done); each column reports its median over
 rounds and its spread (lowest to highest round). A difference inside the spread is "same".
@@ -34,12 +34,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .bench_host import round_order
-from .distributed import context_parallel_sdpa, shard, unshard
-from .distributed.context_parallel import compute_only_ring
-from .distributed.exchange import Ring
-from .distributed.process_group import members
-from .functional import sdpa
+from ..distributed import context_parallel_sdpa, shard, unshard
+from ..distributed.context_parallel import compute_only_ring
+from ..distributed.exchange import Ring
+from ..distributed.process_group import members
+from ..functional import sdpa
+from .host import round_order
 
 SINGLE = "single device (cudnn_attn.sdpa)"
 
@@ -48,16 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     """Parse ``argv``, run the ranks, print the table (and write ``--json``). Returns the exit code."""
     args = _parser().parse_args(argv)
     if not args.cpu and torch.cuda.device_count() < 2:
-        print(f"bench_context_parallel: needs 2+ CUDA GPUs ({torch.cuda.device_count()} here); "
+        print(f"bench.context_parallel: needs 2+ CUDA GPUs ({torch.cuda.device_count()} here); "
               "--cpu runs a small smoke test on gloo CPU processes", file=sys.stderr)  # fmt: skip
         return 2
     world = args.gpus or (2 if args.cpu else torch.cuda.device_count())
     if not args.cpu and world > torch.cuda.device_count():
-        print(f"bench_context_parallel: --gpus {world} but {torch.cuda.device_count()} here", file=sys.stderr)
+        print(f"bench.context_parallel: --gpus {world} but {torch.cuda.device_count()} here", file=sys.stderr)
         return 2
     seq = args.seq or (64 if args.cpu else 65536)
     if world < 1 or seq % (2 * world):
-        print(f"bench_context_parallel: --seq {seq} must be a multiple of 2 x {world} ranks (zigzag: 2 chunks each)",
+        print(f"bench.context_parallel: --seq {seq} must be a multiple of 2 x {world} ranks (zigzag: 2 chunks each)",
               file=sys.stderr)  # fmt: skip
         return 2
     report = run(world, vars(args))
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python3 -m cudnn_attn.bench_context_parallel", description=__doc__.split("\n")[0]
+        prog="python3 -m cudnn_attn.bench.context_parallel", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--gpus", type=int, default=None, help="ranks (one per GPU); default: every GPU (2 with --cpu)")
     parser.add_argument("--seq", type=int, default=None, help="whole sequence length (default 65536; 64 with --cpu)")
