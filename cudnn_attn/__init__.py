@@ -20,7 +20,7 @@ from .functional import sdpa
 from .graph import Graph
 from .handle import Handle, create_handle, destroy_handle
 from .heur_mode import heur_mode
-from .ops.autotune import set_autotune
+from .ops.cudnn.autotune import set_autotune
 from .paged_attention import PagedAttention
 from .problem import AttentionProblem, Causal, KVCacheLayout, Op, TensorSpec
 from .sdpa_fp8 import sdpa_fp8

@@ -28,7 +28,7 @@ from .graph_fp8 import Fp8Ops
 from .graph_tensors import InputHandle, OutputHandle, TensorHandle, int_tuple
 from .node import Node
 from .ops import BACKEND_NAMES
-from .ops.autotune import enabled_by_default as autotune_default
+from .ops.cudnn.autotune import enabled_by_default as autotune_default
 from .options import MaskKeywords, collect_keywords, parse_keywords, publishes_mask_keywords, stats_requested
 from .problem import AttentionProblem, Op, TensorSpec, contiguous_strides, device_name
 from .recording_key import RecordingKey

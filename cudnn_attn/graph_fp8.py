@@ -3,7 +3,7 @@ positional parameters and outputs.
 
 Q, K, V (and O, dO in the backward) are FP8 (``torch.float8_e4m3fn`` or ``float8_e5m2``);
 every scale and descale is a float32 ``[1, 1, 1, 1]`` tensor; the amax outputs are float32
-``[1, 1, 1, 1]``. What the ops compute, exactly, is in ``ops/reference_fp8.py``.
+``[1, 1, 1, 1]``. What the ops compute, exactly, is in ``ops/reference/fp8.py``.
 """
 
 from __future__ import annotations

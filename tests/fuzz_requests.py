@@ -678,12 +678,12 @@ def infer_keep(o, v, probs, p):
 
 def check_documented_keep(keep, probs, seed: int, offset: int, p: float) -> None:
     """semantics.md: the reference backend's keep-mask is a pure function of (seed, offset, shape).
-    Where the library still exposes that function (``cudnn_attn.dropout.keep_mask``), the mask read
+    Where the library still exposes that function (``cudnn_attn.ops.reference.dropout.keep_mask``), the mask read
     back from O must be it (a mask that ignores the offset, say, looks random too)."""
     if _running_on == "cuda":
         return  # cuDNN draws its mask from its own Philox stream: checked statistically instead
     try:
-        from cudnn_attn.dropout import keep_mask
+        from cudnn_attn.ops.reference.dropout import keep_mask
     except ImportError:
         return
     expected = keep_mask(seed, offset, tuple(probs.shape), p, "cpu")
@@ -4152,7 +4152,7 @@ def device_description() -> str:
     """The GPU, cuDNN and frontend versions (or "cpu")."""
     if not torch.cuda.is_available():
         return "cpu"
-    from cudnn_attn.ops import cudnn_platform
+    from cudnn_attn.ops.cudnn import platform as cudnn_platform
 
     try:
         return cudnn_platform.platform(torch.cuda.current_device()).describe()
@@ -4176,7 +4176,7 @@ PROBE_VERDICTS = {
 @contextlib.contextmanager
 def cudnn_rules_off():
     """The cuDNN backend asks no capability rule but those that guard a hang."""
-    from cudnn_attn.ops import capabilities
+    from cudnn_attn.ops.cudnn import capabilities
 
     original = capabilities.unsupported_reasons
 

@@ -10,7 +10,7 @@ from conftest import randn, rel_err
 
 import cudnn_attn
 from cudnn_attn import ShapeMismatchError, UnsupportedError, ValidationError
-from cudnn_attn.ops import reference_math
+from cudnn_attn.ops.reference import math as reference_math
 
 LIBRARY_ERRORS = (ValidationError, UnsupportedError, ShapeMismatchError)
 

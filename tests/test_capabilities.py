@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cudnn_attn.ops.capabilities import Platform, unsupported_reasons
+from cudnn_attn.ops.cudnn.capabilities import Platform, unsupported_reasons
 from cudnn_attn.options import Causal, ScoreOptions
 from cudnn_attn.problem import AttentionProblem, KVCacheLayout, Op, TensorSpec
 

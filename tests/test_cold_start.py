@@ -15,7 +15,7 @@ import torch
 from conftest import rel_err
 
 import cudnn_attn
-from cudnn_attn.ops import frontend_internals
+from cudnn_attn.ops.cudnn import frontend_internals
 
 
 def run_fresh(script: str, **env: str) -> list[str]:

@@ -14,9 +14,9 @@ from conftest import randn
 
 import cudnn_attn
 from cudnn_attn import bounds, derived_inputs
-from cudnn_attn.ops.cudnn_plan import CudnnPlan
-from cudnn_attn.ops.lowering import Lowered
-from cudnn_attn.ops.reference import ReferencePlan
+from cudnn_attn.ops.cudnn.lowering import Lowered
+from cudnn_attn.ops.cudnn.plan import CudnnPlan
+from cudnn_attn.ops.reference.backend import ReferencePlan
 
 calls: list[int] = []
 

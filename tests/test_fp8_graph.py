@@ -9,7 +9,7 @@ import torch
 
 import cudnn_attn
 from cudnn_attn.errors import ValidationError
-from cudnn_attn.ops import reference_fp8
+from cudnn_attn.ops.reference import fp8 as reference_fp8
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2

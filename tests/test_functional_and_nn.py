@@ -8,8 +8,8 @@ import torch
 from conftest import randn, rel_err
 
 import cudnn_attn
-from cudnn_attn import dropout
 from cudnn_attn.nn import Attention
+from cudnn_attn.ops.reference import dropout
 
 TOL = 8e-3  # bf16 outputs
 

@@ -12,7 +12,7 @@ import torch
 from conftest import poisoned, rel_err
 
 import cudnn_attn
-from cudnn_attn.ops import reference_fp8
+from cudnn_attn.ops.reference import fp8 as reference_fp8
 
 pytestmark = pytest.mark.gpu
 

@@ -178,7 +178,7 @@ def test_the_boundary_keeps_layouts_aliasing_and_gradients():
 
 
 def test_the_harness_catches_a_wrong_result(monkeypatch):
-    from cudnn_attn.ops import reference_math
+    from cudnn_attn.ops.reference import math as reference_math
 
     forward = reference_math.forward
 

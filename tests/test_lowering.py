@@ -8,7 +8,7 @@ import torch
 from cases import MASK_GRID, Case, keywords, make_inputs
 
 import cudnn_attn
-from cudnn_attn.ops import lowering
+from cudnn_attn.ops.cudnn import lowering
 from cudnn_attn.roles import ROLES
 
 cudnn = pytest.importorskip("cudnn")
@@ -134,7 +134,7 @@ def test_dropout_with_int_seed_is_passed_by_value():
 )  # fmt: skip
 def test_backward_known_nan_shapes_lower_with_full_length_padding(s_q, s_kv, causal, padded):
     """cuDNN 9.19 returns NaN gradients at S_kv % 128 == 64 (no causal) and at S_q = 1 for rows
-    with a low log-sum-exp; a padding mask with full lengths avoids both (ops/workarounds.py)."""
+    with a low log-sum-exp; a padding mask with full lengths avoids both (ops/cudnn/workarounds.py)."""
     q, kv = torch.randn(1, 2, s_q, 64).half(), torch.randn(1, 2, s_kv, 64).half()
     stats = torch.randn(1, 2, s_q, 1)
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import cudnn_attn
-from cudnn_attn.ops import lowering
-from cudnn_attn.ops.capabilities import Platform, unsupported_reasons
+from cudnn_attn.ops.cudnn import lowering
+from cudnn_attn.ops.cudnn.capabilities import Platform, unsupported_reasons
 from cudnn_attn.options import Causal
 from cudnn_attn.problem import AttentionProblem, KVCacheLayout, Op, TensorSpec
 from cudnn_attn.roles import FP8_AMAXES, FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES, UID

@@ -163,7 +163,7 @@ def test_cache_warm_and_bench_need_a_gpu_and_say_so(capsys):
 
 def test_autotune_setting_and_environment(monkeypatch):
     import cudnn_attn
-    from cudnn_attn.ops import autotune
+    from cudnn_attn.ops.cudnn import autotune
 
     monkeypatch.setenv("CUDNN_ATTN_AUTOTUNE", "1")
     assert cudnn_attn.Graph().autotune

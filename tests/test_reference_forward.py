@@ -156,7 +156,7 @@ def test_forward_matches_torch_sdpa(h_kv, causal, use_bias, scale):
 
 def test_float64_reference_is_tighter():
     """The oracle-grade mode: the reference in float64 agrees with the naive oracle to ~1e-12."""
-    from cudnn_attn.ops.reference import ReferenceBackend
+    from cudnn_attn.ops.reference.backend import ReferenceBackend
 
     gen = torch.Generator().manual_seed(4)
     q, k, v = (randn(1, 2, 10, 16, dtype=torch.float16, generator=gen) for _ in range(3))

@@ -1,4 +1,4 @@
-"""The FP8 attention emulation (cudnn_attn/ops/reference_fp8.py) against independent naive
+"""The FP8 attention emulation (cudnn_attn/ops/reference/fp8.py) against independent naive
 float64 implementations of cuDNN's FP8 graph, float64 autograd of the dequantised problem,
 and the algebra of its scales."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import rel_err
 
-from cudnn_attn.ops import reference_fp8 as rf
-from cudnn_attn.ops import reference_math
-from cudnn_attn.ops.reference_math import ScoreTerms
+from cudnn_attn.ops.reference import fp8 as rf
+from cudnn_attn.ops.reference import math as reference_math
+from cudnn_attn.ops.reference.math import ScoreTerms
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 F64 = torch.float64

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .. import Graph, PlanCache, synthetic
-from ..ops import autotune
+from ..ops.cudnn import autotune
 from ..shapes import Shape
 from .host import round_order
 
@@ -75,7 +75,7 @@ def _frontend_direct(shape: Shape, t: dict, ordered: bool = False) -> Callable:
     outputs = {role: synthetic.empty(h.spec) for role, h in node.outputs.items() if h.spec is not None}
     pack = plan.variant_pack(inputs, outputs)
     workspace = torch.empty(max(plan.workspace_size, 1), dtype=torch.uint8, device="cuda")
-    from ..ops.cudnn_backend import cudnn_handle
+    from ..ops.cudnn.backend import cudnn_handle
 
     handle = cudnn_handle(torch.cuda.current_device())
     if ordered:  # the frontend's fastest form: buffers in a tuple, uids given once

@@ -17,7 +17,7 @@ import torch
 
 from .. import Fp8Scaling, Graph, PlanCache, sdpa_fp8
 from ..functional import sdpa as cudnn_attn_sdpa
-from ..ops import autotune
+from ..ops.cudnn import autotune
 from ..sdpa_fp8 import quantised
 from .host import round_order
 
@@ -82,7 +82,7 @@ def _columns(b: int, h: int, s: int, d: int, causal: bool) -> tuple[dict[str, Ca
 
 def _frontend_direct(graph: Graph, args: tuple) -> Callable:
     """The FP8 graph's plan through the frontend's own ``execute``, its variant pack prepared once."""
-    from ..ops.cudnn_platform import cudnn_handle
+    from ..ops.cudnn.platform import cudnn_handle
     from ..synthetic import empty
 
     node = graph.nodes[0]

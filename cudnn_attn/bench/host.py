@@ -67,7 +67,7 @@ def _frontend_runs(graph: Graph, t: dict) -> dict[str, Callable[[], object]]:
     outputs = {role: synthetic.empty(graph.problems[0].o) for role in node.outputs}
     pack = plan.variant_pack({role: t[role] for role in ("q", "k", "v")}, outputs)
     workspace = torch.empty(max(plan.workspace_size, 1), dtype=torch.uint8, device="cuda")
-    from ..ops.cudnn_platform import cudnn_handle
+    from ..ops.cudnn.platform import cudnn_handle
 
     handle = cudnn_handle(torch.cuda.current_device())
     buffers, uids = tuple(pack.values()), tuple(pack)

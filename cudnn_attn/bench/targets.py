@@ -281,7 +281,7 @@ def frontend_direct(g: Graph, args: tuple[torch.Tensor, ...]) -> tuple[Callable[
     """The graph's plan run through the frontend's ``execute`` on a variant pack prepared once
     (page tables and lengths included, clamped once here rather than per call), and the output
     buffer it writes."""
-    from ..ops.cudnn_platform import cudnn_handle
+    from ..ops.cudnn.platform import cudnn_handle
 
     node = g.nodes[0]
     plan: Any = node.plan

@@ -171,7 +171,7 @@ def llama_step(budget: int = 16384, longest: int = 4096, seed: int = 2, rounds: 
 
 
 def _time(steps: dict[str, Callable], rounds: int) -> dict[str, dict]:
-    from ..ops import autotune
+    from ..ops.cudnn import autotune
 
     device = torch.device("cuda", torch.cuda.current_device())
     samples: dict[str, list[float]] = {name: [] for name in steps}

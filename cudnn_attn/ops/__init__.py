@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..errors import UnsupportedError
 from ..problem import AttentionProblem
 from .base import Backend, Plan
-from .reference import ReferenceBackend
+from .reference.backend import ReferenceBackend
 
 BACKEND_NAMES = ("auto", "cudnn", "reference")
 
@@ -18,7 +18,7 @@ def get_backend(name: str) -> Backend:
         if name == "reference":
             _backends[name] = ReferenceBackend()
         elif name == "cudnn":
-            from .cudnn_backend import CudnnBackend  # the frontend is imported lazily
+            from .cudnn.backend import CudnnBackend  # the frontend is imported lazily
 
             _backends[name] = CudnnBackend()
         else:

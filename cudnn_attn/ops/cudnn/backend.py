@@ -5,8 +5,8 @@ support, build; or load the plan from the persistent store, and save what was bu
 One handle serves all of it: the library's own for the thread (the frontend would make a
 default handle of its own beside it for any graph given none).
 cuDNN's own failures are re-raised as ``UnsupportedError`` naming the problem, the GPU and
-the versions. Running a plan is ``cudnn_plan.py``'s business; where cuDNN runs,
-``cudnn_platform.py``'s.
+the versions. Running a plan is ``plan.py``'s business; where cuDNN runs,
+``platform.py``'s.
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedError
-from ..plan_store import PlanStore, entry_key, signature
-from ..problem import AttentionProblem
+from ...errors import UnsupportedError
+from ...plan_store import PlanStore, entry_key, signature
+from ...problem import AttentionProblem
 from . import autotune as autotune_
-from . import capabilities, cudnn_platform, lowering
-from .cudnn_plan import CudnnPlan
-from .cudnn_platform import cudnn_handle, platform, stream_pointer
+from . import capabilities, lowering
+from . import platform as cudnn_platform
 from .frontend_internals import selected_plan_name
 from .lowering import Lowered
+from .plan import CudnnPlan
+from .platform import cudnn_handle, platform, stream_pointer
 
 log = logging.getLogger("cudnn_attn.cudnn")
 
@@ -96,7 +97,7 @@ class CudnnBackend:
         graph = _planned(lowered.graph)
         with torch.cuda.device(device_index):
             if autotune:
-                from .. import synthetic  # tuning only: not imported on the way to a stored plan
+                from ... import synthetic  # tuning only: not imported on the way to a stored plan
 
                 probe = CudnnPlan(problem, lowered, 0, device_index)
                 inputs, outputs = synthetic.run_tensors(problem)

@@ -1,7 +1,7 @@
 """cuDNN's FP8 scaled-dot-product attention, forward and backward, in plain PyTorch.
 
 The emulation oracle for ``sdpa_fp8`` / ``sdpa_fp8_backward``: dense ``[B, H, S, D]`` tensors,
-query rows in blocks (``reference_math.row_blocks``), intermediates in float32 (or float64).
+query rows in blocks (``math.row_blocks``), intermediates in float32 (or float64).
 Every fp8 tensor is used as its raw (scaled) values; each matmul result is descaled after the
 matmul, each fp8 result is made as ``quantise(x * scale)``, and each amax is taken in float32
 *before* that scale, exactly as cuDNN's graph places its nodes.
@@ -58,7 +58,7 @@ from collections.abc import Callable
 
 import torch
 
-from .reference_math import BlockTerms, ScoreTerms, _expand_kv, _reduce_groups, row_blocks
+from .math import BlockTerms, ScoreTerms, _expand_kv, _reduce_groups, row_blocks
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 FP8_DTYPES = tuple(FP8_MAX)
@@ -115,7 +115,7 @@ def forward_fp8(
     stats ``[B, H, S_q, 1]`` and the amaxes ``[1, 1, 1, 1]`` in ``compute_dtype``.
 
     q, k, v hold fp8 values (fp8 tensors, or any float tensor holding them); K/V heads may
-    divide Q's (GQA). The score terms are either ``terms`` (a ``reference_math.ScoreTerms``:
+    divide Q's (GQA). The score terms are either ``terms`` (a ``math.ScoreTerms``:
     masks and ALiBi made per block of rows) or ``attn_scale`` (default 1), ``bias``,
     ``allowed`` (bool, broadcastable to [B, H, S_q, S_kv], False = masked), ``keep`` (dropout
     keep-mask [B, H, S_q, S_kv]) and ``dropout_p``. ``p_dtype`` (P's fp8 format) defaults to

@@ -1,7 +1,7 @@
 """The reference backend: every feature, in plain PyTorch, on CPU or GPU.
 
 It brings every layout to dense [B, H, S, D] (unpacking THD, gathering paged caches),
-runs ``reference_math`` in float32 (float64 on request), and writes the results back in
+runs ``math.py`` (imported as ``reference_math``) in float32 (float64 on request), and writes the results back in
 the outputs' own layouts. Its "plan" precomputes what depends on the problem alone.
 """
 
@@ -12,13 +12,15 @@ from typing import Any
 
 import torch
 
-from .. import dropout, masks, validation
-from ..bounds import clamped, upper_bounds
-from ..errors import ValidationError
-from ..problem import AttentionProblem, KVCacheLayout
-from ..roles import FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES, ROLES
-from . import reference_fp8, reference_math
-from .base import RunInputs
+from ... import validation
+from ...bounds import clamped, upper_bounds
+from ...errors import ValidationError
+from ...problem import AttentionProblem, KVCacheLayout
+from ...roles import FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES, ROLES
+from ..base import RunInputs
+from . import dropout, masks
+from . import fp8 as reference_fp8
+from . import math as reference_math
 
 
 class ReferenceBackend:

@@ -8,15 +8,15 @@ from typing import Any
 
 import torch
 
-from ..bounds import clamped, upper_bounds
-from ..derived_inputs import derived
-from ..problem import AttentionProblem
-from ..roles import UID
+from ...bounds import clamped, upper_bounds
+from ...derived_inputs import derived
+from ...problem import AttentionProblem
+from ...roles import UID
+from ..base import RunInputs
 from . import autotune as autotune_
-from .base import RunInputs
-from .cudnn_platform import cudnn_handle, current_stream, stream_pointer
 from .frontend_internals import native_executor
 from .lowering import Lowered
+from .platform import cudnn_handle, current_stream, stream_pointer
 
 
 class CudnnPlan:
