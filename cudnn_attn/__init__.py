@@ -13,7 +13,8 @@ from __future__ import annotations
 from . import nn
 from .buckets import BucketedAttention
 from .cache import PlanCache, default_cache
-from .data_type import data_type
+from .core.dtypes import data_type
+from .core.problem import AttentionProblem, Causal, KVCacheLayout, Op, TensorSpec
 from .errors import GraphStateError, ShapeMismatchError, UnsupportedError, ValidationError
 from .fp8_scaling import Fp8Scaling
 from .functional import sdpa
@@ -22,7 +23,6 @@ from .handle import Handle, create_handle, destroy_handle
 from .heur_mode import heur_mode
 from .ops.cudnn.autotune import set_autotune
 from .paged_attention import PagedAttention
-from .problem import AttentionProblem, Causal, KVCacheLayout, Op, TensorSpec
 from .sdpa_fp8 import sdpa_fp8
 from .varlen import varlen_sdpa
 

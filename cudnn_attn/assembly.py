@@ -8,10 +8,8 @@ from typing import Any
 
 import torch
 
-from .node import Node
-from .options import default_scale
-from .problem import AttentionProblem, KVCacheLayout, Op, TensorSpec, contiguous_strides, strides_like
-from .roles import (
+from .core.problem import AttentionProblem, KVCacheLayout, Op, TensorSpec, contiguous_strides, strides_like
+from .core.roles import (
     BACKWARD_INPUTS,
     FP8_AMAXES,
     FP8_BACKWARD_AMAXES,
@@ -21,6 +19,8 @@ from .roles import (
     FP8_SCALES,
     SDPA_INPUTS,
 )
+from .node import Node
+from .options import default_scale
 
 # What each op cannot run without (anything else missing is optional or reported by validation).
 REQUIRED = {

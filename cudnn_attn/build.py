@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from . import log, validation
+from . import log
 from .assembly import assemble_problem, missing_inputs
 from .cache import PlanCache
+from .core import validation
 from .errors import UnsupportedError, ValidationError
 from .graph_tensors import InputHandle
 from .node import Node

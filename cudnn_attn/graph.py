@@ -21,7 +21,9 @@ import torch
 from . import interop, lifecycle, recorded_builds
 from .build import plan_nodes, positional_inputs, validate_nodes
 from .cache import PlanCache, default_cache
-from .data_type import to_torch_dtype
+from .core.dtypes import to_torch_dtype
+from .core.problem import AttentionProblem, Op, TensorSpec, contiguous_strides, device_name
+from .core.roles import BACKWARD_INPUTS, PAGED_INPUTS, ROLES, SDPA_INPUTS
 from .errors import GraphStateError, ValidationError
 from .frontend_compat import FrontendSteps
 from .graph_fp8 import Fp8Ops
@@ -30,9 +32,7 @@ from .node import Node
 from .ops import BACKEND_NAMES
 from .ops.cudnn.autotune import enabled_by_default as autotune_default
 from .options import MaskKeywords, collect_keywords, parse_keywords, publishes_mask_keywords, stats_requested
-from .problem import AttentionProblem, Op, TensorSpec, contiguous_strides, device_name
 from .recording_key import RecordingKey
-from .roles import BACKWARD_INPUTS, PAGED_INPUTS, ROLES, SDPA_INPUTS
 from .runner import Runner
 
 # Why a keyword is refused where users might expect it.

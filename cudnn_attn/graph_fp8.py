@@ -10,10 +10,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .core.problem import Op
+from .core.roles import (
+    FP8_AMAXES,
+    FP8_BACKWARD_AMAXES,
+    FP8_BACKWARD_INPUTS,
+    FP8_BACKWARD_SCALES,
+    FP8_INPUTS,
+    FP8_SCALES,
+)
 from .graph_tensors import OutputHandle
 from .options import publishes_mask_keywords, stats_requested
-from .problem import Op
-from .roles import FP8_AMAXES, FP8_BACKWARD_AMAXES, FP8_BACKWARD_INPUTS, FP8_BACKWARD_SCALES, FP8_INPUTS, FP8_SCALES
 
 if TYPE_CHECKING:
     from .node import Node

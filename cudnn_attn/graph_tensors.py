@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .data_type import to_torch_dtype
+from .core.dtypes import to_torch_dtype
+from .core.problem import TensorSpec
 from .errors import GraphStateError, ValidationError, shown
-from .problem import TensorSpec
 
 if TYPE_CHECKING:
     from .graph import Graph

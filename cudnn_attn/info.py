@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from . import __version__, log, plan_store, torch_kernel
+from .core.problem import AttentionProblem, KVCacheLayout, Op, TensorSpec
 from .ops import get_backend
 from .options import Causal, ScoreOptions
-from .problem import AttentionProblem, KVCacheLayout, Op, TensorSpec
 
 
 def _frontend() -> dict[str, Any]:

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .core.problem import AttentionProblem, Op
+from .core.roles import user_name
 from .options import Parsed
-from .problem import AttentionProblem, Op
-from .roles import user_name
 
 if TYPE_CHECKING:
     from .graph_tensors import InputHandle, OutputHandle

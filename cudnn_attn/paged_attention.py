@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from . import paged_schedule
-from .bounds import packed_lengths
+from .core.bounds import packed_lengths
 from .errors import UnsupportedError, ValidationError
 from .graph_cache import GraphCache
 from .kernels import paged_decode

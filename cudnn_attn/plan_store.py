@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 # No torch, no package imports at run time: a process that only reads or writes the store (a
 # writer the fault tests kill) loads this file alone, in milliseconds.
 if TYPE_CHECKING:
-    from .problem import AttentionProblem
+    from .core.problem import AttentionProblem
 
 log = logging.getLogger("cudnn_attn.plan_store")
 

@@ -17,10 +17,10 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .core.problem import TensorSpec
+from .core.validation import value_problems
 from .errors import ValidationError
 from .graph_tensors import InputHandle
-from .problem import TensorSpec
-from .validation import value_problems
 
 if TYPE_CHECKING:
     from .graph import Graph

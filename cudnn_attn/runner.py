@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from . import interop
+from .core.problem import TensorSpec
 from .errors import ShapeMismatchError
 from .graph_tensors import InputHandle, OutputHandle
 from .node import Node
-from .problem import TensorSpec
 
 
 def _device_index(device: str) -> int:

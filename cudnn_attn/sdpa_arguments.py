@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
-from .data_type import FLOATING_IO, dtype_name
+from .core.dtypes import FLOATING_IO, dtype_name
 from .errors import ValidationError, shown
 from .options import Causal
 

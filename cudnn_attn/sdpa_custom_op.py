@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from . import sdpa_graphs
+from .core.problem import strides_like
 from .errors import GraphStateError
-from .problem import strides_like
 
 
 @torch.library.custom_op("cudnn_attn::sdpa_forward", mutates_args=())

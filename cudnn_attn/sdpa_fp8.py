@@ -20,13 +20,13 @@ from typing import Any
 import torch
 
 from . import sdpa_fp8_backward
-from .data_type import dtype_name
+from .core.dtypes import dtype_name
+from .core.problem import TensorSpec
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
 from .fp8_scaling import Fp8Scaling, current_scale
 from .graph_cache import GraphCache
 from .kernels.fp8_cast import E4M3_MAX, amax_qkv, from_fp8, quantise_qkv, scale_view, to_fp8
 from .options import default_scale
-from .problem import TensorSpec
 from .sdpa_arguments import ARGUMENT_NAMES, check_arguments, materialised
 
 BACKWARDS = ("bf16", "fp8")

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
+from .core.problem import TensorSpec
 from .fp8_scaling import Fp8Scaling
 from .graph_cache import GraphCache
 from .kernels.fp8_cast import from_fp8
-from .problem import TensorSpec
 
 _graphs = GraphCache()
 

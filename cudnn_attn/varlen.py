@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .derived_inputs import derived
+from .core.derived import derived
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
 from .graph_cache import GraphCache
 from .options import default_scale

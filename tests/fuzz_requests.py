@@ -27,7 +27,7 @@ the same float64 oracle); only at the library's door are its tensors copied to t
 GPU's own rules: a valid request that cuDNN cannot run must be refused with an
 ``UnsupportedError`` naming why (counted apart, and re-run with the library's rules switched off
 to see whether cuDNN would have run it: ``probe_refusals``); values of lengths and page tables
-on the GPU are clamped, not checked (``bounds.py``), so requests malformed only in those values
+on the GPU are clamped, not checked (``core/bounds.py``), so requests malformed only in those values
 may run there.
 """
 
@@ -501,7 +501,7 @@ def run_seed(op: str, seed: int) -> tuple[Case, list[Finding]]:
 MAKERS: dict[str, Callable[[random.Random, torch.Generator], Case]] = {}  # filled below, op by op
 
 # Malformed only in the values of lengths or page tables: on the GPU those values are clamped on
-# the device, never read on the host (bounds.py), so such a request may run there ("either"; its
+# the device, never read on the host (core/bounds.py), so such a request may run there ("either"; its
 # rows are meaningless, so unchecked). On the CPU they are refused, naming the value.
 DEVICE_VALUE_MUTATIONS = {
     "seq-len-too-big", "seq-len-negative", "run:lengths-range", "sum-over-T", "len-over-max", "len-negative",

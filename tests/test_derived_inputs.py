@@ -13,7 +13,8 @@ from cases import paged_cache
 from conftest import randn
 
 import cudnn_attn
-from cudnn_attn import bounds, derived_inputs
+from cudnn_attn.core import bounds
+from cudnn_attn.core import derived as derived_inputs
 from cudnn_attn.ops.cudnn.lowering import Lowered
 from cudnn_attn.ops.cudnn.plan import CudnnPlan
 from cudnn_attn.ops.reference.backend import ReferencePlan

@@ -26,10 +26,10 @@ from test_paged_attention import HKV, HQ, PAGE, D, expected, make_step
 import cudnn_attn
 import cudnn_attn.cache as cache_module
 from cudnn_attn import plan_store
+from cudnn_attn.core.problem import AttentionProblem, Op, TensorSpec
 from cudnn_attn.ops.reference import backend as reference
 from cudnn_attn.ops.reference import math as reference_math
 from cudnn_attn.plan_store import PlanStore, entry_key
-from cudnn_attn.problem import AttentionProblem, Op, TensorSpec
 
 PLATFORM = {"gpu": "NVIDIA H200", "arch": [9, 0], "cudnn": 91900, "frontend": "1.32.0"}
 # Writer processes load the store's module alone: importing torch would cost them seconds each.

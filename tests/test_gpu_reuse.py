@@ -10,7 +10,7 @@ from cases import paged_cache
 from conftest import poisoned, rel_err
 
 import cudnn_attn
-from cudnn_attn import derived_inputs
+from cudnn_attn.core import derived as derived_inputs
 
 pytestmark = pytest.mark.gpu
 

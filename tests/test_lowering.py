@@ -8,8 +8,8 @@ import torch
 from cases import MASK_GRID, Case, keywords, make_inputs
 
 import cudnn_attn
+from cudnn_attn.core.roles import ROLES
 from cudnn_attn.ops.cudnn import lowering
-from cudnn_attn.roles import ROLES
 
 cudnn = pytest.importorskip("cudnn")
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from cudnn_attn import cli, plan_store
+from cudnn_attn.core.problem import AttentionProblem, Causal, Op, TensorSpec
 from cudnn_attn.plan_store import PlanStore, entry_key, signature
-from cudnn_attn.problem import AttentionProblem, Causal, Op, TensorSpec
 
 PLATFORM = {"gpu": "NVIDIA H200", "arch": [9, 0], "cudnn": 91900, "frontend": "1.32.0"}
 

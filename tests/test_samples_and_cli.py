@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import cudnn_attn
-from cudnn_attn import cli, info, validation
+from cudnn_attn import cli, info
+from cudnn_attn.core import validation
 
 SAMPLES = sorted((Path(__file__).parent.parent / "samples").glob("*.py"))
 # The relative error each sample's results must stay under (what the samples check themselves).

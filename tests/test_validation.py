@@ -244,8 +244,8 @@ def test_multi_node_graph_prefixes_each_problem_with_its_node():
 
 
 def test_validation_is_a_pure_function_of_the_problem():
-    from cudnn_attn import validation
-    from cudnn_attn.problem import AttentionProblem, Op, TensorSpec
+    from cudnn_attn.core import validation
+    from cudnn_attn.core.problem import AttentionProblem, Op, TensorSpec
 
     def problem(k_head_dim):  # built afresh on each call, from fresh tensors
         q = TensorSpec.of(t(B, H, S, D))

@@ -7,7 +7,7 @@ every table uses), ``targets`` (decoder-stack step, paged-decode bandwidth, fuse
 The library never imports this folder; only ``cli.py`` does, one module per section, when that
 section runs. Bench imports public names as a user would, plus the seams it measures: the
 frontend-direct column (``CudnnPlan.variant_pack``, ``cudnn_handle``), ``ops.cudnn.autotune``,
-``shapes.Shape``, ``synthetic``, ``sdpa_fp8.quantised``, and for the compute-only column
+``shapes.Shape``, ``core.synthetic``, ``sdpa_fp8.quantised``, and for the compute-only column
 ``distributed.context_parallel.compute_only_ring`` with ``exchange.Ring`` and
 ``process_group.members``. Nothing is re-exported here: import the module a section lives in.
 """

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from .. import Graph, PlanCache, synthetic
+from .. import Graph, PlanCache
+from ..core import synthetic
 from ..ops.cudnn import autotune
 from ..shapes import Shape
 from .host import round_order

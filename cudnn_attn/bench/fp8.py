@@ -82,8 +82,8 @@ def _columns(b: int, h: int, s: int, d: int, causal: bool) -> tuple[dict[str, Ca
 
 def _frontend_direct(graph: Graph, args: tuple) -> Callable:
     """The FP8 graph's plan through the frontend's own ``execute``, its variant pack prepared once."""
+    from ..core.synthetic import empty
     from ..ops.cudnn.platform import cudnn_handle
-    from ..synthetic import empty
 
     node = graph.nodes[0]
     plan: Any = node.plan

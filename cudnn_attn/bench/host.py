@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from .. import Graph, sdpa, synthetic
+from .. import Graph, sdpa
+from ..core import synthetic
 from ..nn import Attention
 from ..shapes import Shape
 

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import Graph, sdpa, synthetic
+from .. import Graph, sdpa
+from ..core import synthetic
 from . import host
 
 Attend = Callable[..., torch.Tensor]  # torch's scaled_dot_product_attention signature

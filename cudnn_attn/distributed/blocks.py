@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .. import lifecycle, sdpa_graphs
-from ..problem import TensorSpec
+from ..core.problem import TensorSpec
 from ..runner import Runner
 
 MASKS = ("none", "top_left", "bottom_right")

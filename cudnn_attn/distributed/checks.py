@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..data_type import FLOATING_IO, dtype_name
+from ..core.dtypes import FLOATING_IO, dtype_name
 from ..errors import shown
 from ..options import default_scale
 from .agreement import Field, agree, dtype_field, known, shape_fields

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..data_type import FLOATING_IO
+from ..core.dtypes import FLOATING_IO
 from ..errors import UnsupportedError, ValidationError
 from ..functional import sdpa
 from ..sdpa_arguments import autocast_inputs

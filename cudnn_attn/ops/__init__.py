@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from ..core.problem import AttentionProblem
 from ..errors import UnsupportedError
-from ..problem import AttentionProblem
 from .base import Backend, Plan
 from .reference.backend import ReferenceBackend
 

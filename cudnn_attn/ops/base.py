@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..problem import AttentionProblem
+from ..core.problem import AttentionProblem
 
 # Run-time values a plan reads: tensors by role, plus int dropout seeds/offsets.
 RunInputs = Mapping[str, "torch.Tensor | int"]

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
+from ...core.problem import AttentionProblem
 from ...errors import UnsupportedError
 from ...plan_store import PlanStore, entry_key, signature
-from ...problem import AttentionProblem
 from . import autotune as autotune_
 from . import capabilities, lowering
 from . import platform as cudnn_platform
@@ -97,7 +97,7 @@ class CudnnBackend:
         graph = _planned(lowered.graph)
         with torch.cuda.device(device_index):
             if autotune:
-                from ... import synthetic  # tuning only: not imported on the way to a stored plan
+                from ...core import synthetic  # tuning only: not imported on the way to a stored plan
 
                 probe = CudnnPlan(problem, lowered, 0, device_index)
                 inputs, outputs = synthetic.run_tensors(problem)

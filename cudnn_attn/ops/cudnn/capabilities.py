@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ...data_type import FP8
+from ...core.dtypes import FP8
+from ...core.problem import AttentionProblem
+from ...core.roles import user_name
 from ...options import Causal
-from ...problem import AttentionProblem
-from ...roles import user_name
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from ...bounds import clamped, upper_bounds
-from ...derived_inputs import derived
-from ...problem import AttentionProblem
-from ...roles import UID
+from ...core.bounds import clamped, upper_bounds
+from ...core.derived import derived
+from ...core.problem import AttentionProblem
+from ...core.roles import UID
 from ..base import RunInputs
 from . import autotune as autotune_
 from .frontend_internals import native_executor
@@ -32,7 +32,7 @@ class CudnnPlan:
         self.choice = autotune_.Choice(index=-1, name="heuristic")
         self.source = "built"  # or "disk"
         self._workspaces: dict[int, torch.Tensor] = {}
-        self._bounds = upper_bounds(problem)  # integer inputs clamped on the device (bounds.py)
+        self._bounds = upper_bounds(problem)  # integer inputs clamped on the device (core/bounds.py)
         self._ordered = True  # the frontend's ordered execute: no per-call dict walk
         self._native: Any = None  # the frontend's native ordered executor, prepared on first run
         self._empty_fix = empty_sequence_fix(problem)
@@ -155,7 +155,7 @@ class CudnnPlan:
 
     def _bind_ragged_offsets(self, inputs: RunInputs, pack: dict[int, Any]) -> None:
         """THD: each tensor's element offset of every sequence, from the sequence lengths;
-        derived once per content of the lengths (``derived_inputs``), not once per layer."""
+        derived once per content of the lengths (``core.derived``), not once per layer."""
         starts: dict[str, torch.Tensor] = {}  # one prefix sum per lengths tensor, even uncached
         for uid, (lengths_role, token_stride) in self.lowered.ragged.items():
             start = starts.get(lengths_role)

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from ... import validation
-from ...bounds import clamped, upper_bounds
+from ...core import validation
+from ...core.bounds import clamped, upper_bounds
+from ...core.problem import AttentionProblem, KVCacheLayout
+from ...core.roles import FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES, ROLES
 from ...errors import ValidationError
-from ...problem import AttentionProblem, KVCacheLayout
-from ...roles import FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES, ROLES
 from ..base import RunInputs
 from . import dropout, masks
 from . import fp8 as reference_fp8

@@ -18,8 +18,8 @@ import math
 
 import torch
 
+from ...core.problem import AttentionProblem
 from ...options import Causal
-from ...problem import AttentionProblem
 
 
 def allowed_scores(

@@ -4,7 +4,7 @@ Checking their values would read them to the host: a sync per call. Instead they
 clamped into range on the device (no sync, capturable), so whatever values arrive no kernel
 reads or writes outside the tensors. Rows with out-of-range values get meaningless results;
 where values are on the host anyway, ``validation.value_problems`` raises for them instead.
-The clamped tensors are derived once per content of each input (``derived_inputs``), not
+The clamped tensors are derived once per content of each input (``derived``), not
 once per layer.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .derived_inputs import derived
+from .derived import derived
 from .problem import AttentionProblem
 
 
@@ -33,7 +33,7 @@ def upper_bounds(p: AttentionProblem) -> dict[str, int]:
 def clamped(p: AttentionProblem, inputs: Mapping[str, Any], bounds: Mapping[str, int]) -> dict[str, Any]:
     """``inputs`` with every bounded tensor clamped into range, and packed (THD) sequences cut
     so that they end inside the packed tensors. Derived once per content of each input tensor
-    (``derived_inputs``): decode passes the same lengths and page tables to every layer."""
+    (``derived``): decode passes the same lengths and page tables to every layer."""
     safe: dict[str, Any] = dict(inputs)
     # The packed tensors' real token counts: one plan serves every count (problem.for_plan).
     packed_tokens = {"seq_len_q": inputs["q"].shape[0]} if p.is_thd else {}

@@ -1,7 +1,8 @@
-"""``cudnn_attn.data_type``: the frontend's data-type names, mapped to torch dtypes.
+"""``cudnn_attn.core.dtypes``: the frontend's data-type names, mapped to torch dtypes.
 
-Every place that takes a data type accepts a member of this enum, a torch dtype, the
-real frontend's ``cudnn.data_type`` member, or its name as a string.
+The enum is public as ``cudnn_attn.data_type``. Every place that takes a data type accepts a
+member of this enum, a torch dtype, the real frontend's ``cudnn.data_type`` member, or its name
+as a string.
 """
 
 from __future__ import annotations
