@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
-from . import __version__, log, plan_store, torch_kernel
+from . import __version__, log, plan_store
 from .core.problem import AttentionProblem, KVCacheLayout, Op, TensorSpec
+from .functional import torch_kernel
 from .ops import get_backend
 from .options import Causal, ScoreOptions
 

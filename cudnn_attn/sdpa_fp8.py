@@ -24,10 +24,10 @@ from .core.dtypes import dtype_name
 from .core.problem import TensorSpec
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
 from .fp8_scaling import Fp8Scaling, current_scale
+from .functional.arguments import ARGUMENT_NAMES, check_arguments, materialised
 from .graph_cache import GraphCache
 from .kernels.fp8_cast import E4M3_MAX, amax_qkv, from_fp8, quantise_qkv, scale_view, to_fp8
 from .options import default_scale
-from .sdpa_arguments import ARGUMENT_NAMES, check_arguments, materialised
 
 BACKWARDS = ("bf16", "fp8")
 INPUT_DTYPES = (torch.float16, torch.bfloat16)

@@ -30,9 +30,9 @@ import torch
 
 from .core.derived import derived
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
+from .functional.graphs import like
 from .graph_cache import GraphCache
 from .options import default_scale
-from .sdpa_graphs import like
 
 CAUSAL = (None, "top_left", "bottom_right")
 SMALLEST_BUCKET = 16

@@ -71,8 +71,8 @@ def test_sdpa_without_grad_generates_no_stats_and_caches_graphs():
     with torch.no_grad():
         a = cudnn_attn.sdpa(q, q, q)
         b = cudnn_attn.sdpa(q.clone(), q.clone(), q.clone())  # other aliasing: its own graph
-    assert torch.allclose(a, b) and len(cudnn_attn.sdpa_graphs.graphs) == 2
-    assert not cudnn_attn.sdpa_graphs.graphs.graphs()[0].problems[0].generates_stats
+    assert torch.allclose(a, b) and len(cudnn_attn.functional.graphs.graphs) == 2
+    assert not cudnn_attn.functional.graphs.graphs.graphs()[0].problems[0].generates_stats
 
 
 def test_sdpa_three_dim_inputs_and_errors():

@@ -11,7 +11,8 @@ import torch
 from conftest import randn, rel_err
 
 import cudnn_attn
-from cudnn_attn import sdpa_eager, sdpa_graphs
+from cudnn_attn.functional import eager as sdpa_eager
+from cudnn_attn.functional import graphs as sdpa_graphs
 
 
 @pytest.fixture(autouse=True)

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from .. import lifecycle, sdpa_graphs
+from .. import lifecycle
 from ..core.problem import TensorSpec
+from ..functional import graphs as sdpa_graphs
 from ..runner import Runner
 
 MASKS = ("none", "top_left", "bottom_right")

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..sdpa_arguments import materialised
+from ..functional.arguments import materialised
 from . import gather, ring
 from .checks import CONTEXT, checked
 from .exchange import LocalRing, Ring

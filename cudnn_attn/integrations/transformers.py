@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from ..core.dtypes import FLOATING_IO
 from ..errors import UnsupportedError, ValidationError
 from ..functional import sdpa
-from ..sdpa_arguments import autocast_inputs
+from ..functional.arguments import autocast_inputs
 from ..varlen import varlen_attention
 
 try:

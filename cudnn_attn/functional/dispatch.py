@@ -11,23 +11,24 @@ or one of torch's ``CausalBias`` objects (``causal_upper_left``/``causal_lower_r
 top-left and bottom-right causal masks). Inputs are fp16/bf16/fp32 ``[B, H, L, E]`` (or
 ``[H, L, E]``); under ``torch.autocast`` they are cast to its dtype first, as torch does.
 float32 runs on cuDNN's composite float32 path where this GPU's cuDNN serves it, else on
-torch's own kernel (``torch_kernel.py`` says when; the log says which ran). Dropout draws a
+torch's own kernel (``functional/torch_kernel.py`` says when; the log says which ran). Dropout draws a
 fresh seed from torch's default generator on each call, so ``torch.manual_seed`` makes it
 repeatable; the backward reuses the forward's mask.
 
-Eager calls take ``sdpa_eager.py``'s path (a flat key to a prepared run); under
-``torch.compile`` the call is one opaque custom op (``sdpa_custom_op.py``).
+Eager calls take ``functional/eager.py``'s path (a flat key to a prepared run); under
+``torch.compile`` the call is one opaque custom op (``functional/compiled.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import sdpa_eager, sdpa_graphs, torch_kernel
-from .errors import ShapeMismatchError, UnsupportedError, ValidationError
-from .nested import nested_sdpa
-from .options import default_scale
-from .sdpa_arguments import (
+from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
+from ..options import default_scale
+from . import eager as sdpa_eager
+from . import graphs as sdpa_graphs
+from . import torch_kernel
+from .arguments import (
     ARGUMENT_NAMES,
     autocast_inputs,
     causal_from_mask,
@@ -36,7 +37,8 @@ from .sdpa_arguments import (
     mask_as_bias,
     materialised,
 )
-from .sdpa_custom_op import sdpa_forward
+from .compiled import sdpa_forward
+from .nested import nested_sdpa
 
 
 def sdpa(
@@ -50,7 +52,7 @@ def sdpa(
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     """Scaled dot-product attention with torch's signature, on cached cuDNN graphs."""
-    try:  # nested tensors take the varlen door (nested.py)
+    try:  # nested tensors take the varlen door (functional/nested.py)
         nested = query.is_nested or key.is_nested or value.is_nested or attn_mask is not None and attn_mask.is_nested
     except AttributeError:
         nested = False  # not tensors: refused below, naming them

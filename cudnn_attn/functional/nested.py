@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from .errors import ShapeMismatchError, UnsupportedError, ValidationError
-from .sdpa_arguments import ARGUMENT_NAMES, check_arguments, materialised
-from .varlen import varlen_attention
+from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
+from ..varlen import varlen_attention
+from .arguments import ARGUMENT_NAMES, check_arguments, materialised
 
 # How the varlen door's errors name sdpa's arguments: each sequence tensor speaks for its lengths.
 _NAMES = {**ARGUMENT_NAMES, "cu_seqlens_q": "query", "cu_seqlens_k": "key", "max_seqlen_q": "query",

@@ -1,6 +1,6 @@
 """The eager path of ``cudnn_attn.sdpa``: a flat key straight to a prepared run.
 
-The first call of a signature is checked in full and builds its graphs (``sdpa_graphs.py``).
+The first call of a signature is checked in full and builds its graphs (``graphs.py``).
 Its key (shapes, strides, dtypes, devices, flags, aliasing) then proves the geometry of every
 later call with that key, so those pay a tuple, a lock-free dict lookup and the plans' own
 launches: no re-validation, no placeholder tensors, no custom-op dispatch. Training runs
@@ -14,11 +14,13 @@ from typing import Any
 
 import torch
 
-from . import lifecycle, sdpa_graphs, torch_kernel
-from .errors import ShapeMismatchError, UnsupportedError, ValidationError
-from .options import Causal, default_scale
-from .runner import Runner
-from .sdpa_arguments import ARGUMENT_NAMES, causal_kind, check_arguments, mask_as_bias, materialised
+from .. import lifecycle
+from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
+from ..options import Causal, default_scale
+from ..runner import Runner
+from . import graphs as sdpa_graphs
+from . import torch_kernel
+from .arguments import ARGUMENT_NAMES, causal_kind, check_arguments, mask_as_bias, materialised
 
 MAX_ENTRIES = 512
 _prepared: dict[tuple, Prepared | TorchKernel] = {}

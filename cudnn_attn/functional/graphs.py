@@ -1,7 +1,7 @@
 """The functional form's forward and backward, each on a built graph kept per call signature.
 
-Shared by the eager path (``sdpa_eager.py``) and the custom ops ``torch.compile`` sees
-(``sdpa_custom_op.py``). Keys here are full ``TensorSpec`` signatures: the first call of a
+Shared by the eager path (``eager.py``) and the custom ops ``torch.compile`` sees
+(``compiled.py``). Keys here are full ``TensorSpec`` signatures: the first call of a
 signature lands here; the eager path keeps a flat key in front for the calls after it.
 """
 
@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from .core.problem import TensorSpec
-from .graph import Graph
-from .graph_cache import GraphCache
-from .options import Causal
+from ..core.problem import TensorSpec
+from ..graph import Graph
+from ..graph_cache import GraphCache
+from ..options import Causal
 
 graphs = GraphCache()
 

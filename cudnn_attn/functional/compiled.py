@@ -1,14 +1,14 @@
 """The functional form as torch custom ops, for ``torch.compile``: one opaque node each (no
 graph break, ``fullgraph=True`` works), autograd through ``register_autograd``, fake tensors
-with the right strides. Eager calls take the lighter path of ``sdpa_eager.py`` instead."""
+with the right strides. Eager calls take the lighter path of ``eager.py`` instead."""
 
 from __future__ import annotations
 
 import torch
 
-from . import sdpa_graphs
-from .core.problem import strides_like
-from .errors import GraphStateError
+from ..core.problem import strides_like
+from ..errors import GraphStateError
+from . import graphs as sdpa_graphs
 
 
 @torch.library.custom_op("cudnn_attn::sdpa_forward", mutates_args=())
