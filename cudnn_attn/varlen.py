@@ -30,7 +30,6 @@ import torch
 
 from .core.derived import derived
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
-from .functional.graphs import like
 from .graph_cache import GraphCache
 from .options import default_scale
 
@@ -134,6 +133,9 @@ class _Varlen(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out):  # type: ignore[override]
+        # Here, not at import: functional/ imports this module (nested tensors take the varlen door).
+        from .functional.graphs import like
+
         q, k, v, out, stats, lengths_q, lengths_k = ctx.saved_tensors
         d_out = like(d_out, out)
         graph = _backward_graph(q, k, v, out, d_out, stats, lengths_q, lengths_k, ctx.options)
