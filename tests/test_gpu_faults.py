@@ -8,11 +8,11 @@ import gc
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
 from conftest import rel_err
+from test_faults import _in_threads
 from test_paged_attention import HKV, HQ, PAGE, D, expected, make_step
 
 import cudnn_attn
@@ -154,30 +154,19 @@ def default_cache(monkeypatch):
 
 
 def _on_streams(work, count):
-    """``work(i, stream)`` in ``count`` threads started together, each on a stream of its own
-    that first waits for the work already queued; re-raises the first failure."""
-    start = threading.Barrier(count)
-    failures: list[BaseException] = []
+    """``work(i, stream)`` in ``count`` threads started together (``_in_threads``), each on a stream
+    of its own that first waits for the work already queued; re-raises the first failure."""
     main = torch.cuda.current_stream()
-
-    def body(i):
-        stream = torch.cuda.Stream()
+    streams = [torch.cuda.Stream() for _ in range(count)]
+    for stream in streams:
         stream.wait_stream(main)
-        start.wait()
-        try:
-            with torch.cuda.stream(stream):
-                work(i, stream)
-            stream.synchronize()
-        except BaseException as error:  # noqa: BLE001 - re-raised in the main thread
-            failures.append(error)
 
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if failures:
-        raise failures[0]
+    def on_stream(i):
+        with torch.cuda.stream(streams[i]):
+            work(i, streams[i])
+        streams[i].synchronize()
+
+    _in_threads(on_stream, count)
 
 
 def test_threads_on_streams_share_one_graph_with_exact_results(default_cache):
