@@ -10,8 +10,9 @@ tensors, the reference backend on CPU tensors)::
 or one of torch's ``CausalBias`` objects (``causal_upper_left``/``causal_lower_right``: cuDNN's
 top-left and bottom-right causal masks). Inputs are fp16/bf16/fp32 ``[B, H, L, E]`` (or
 ``[H, L, E]``); under ``torch.autocast`` they are cast to its dtype first, as torch does.
-float32 runs on cuDNN's composite float32 path where this GPU's cuDNN serves it, else on
-torch's own kernel (``functional/torch_kernel.py`` says when; the log says which ran). Dropout draws a
+What cuDNN lacks or serves worse (float64; float32 on a GPU; a scale <= 0 on a GPU; bottom-right
+causal with dropout or L > S) runs on torch's own kernel (``functional/torch_kernel.py`` says
+when; the log says which ran). Dropout draws a
 fresh seed from torch's default generator on each call, so ``torch.manual_seed`` makes it
 repeatable; the backward reuses the forward's mask.
 
