@@ -13,17 +13,16 @@ from __future__ import annotations
 from . import nn
 from .buckets import BucketedAttention
 from .cache import PlanCache, default_cache
+from .compat import Handle, create_handle, destroy_handle, heur_mode
 from .core.dtypes import data_type
 from .core.problem import AttentionProblem, Causal, KVCacheLayout, Op, TensorSpec
 from .errors import GraphStateError, ShapeMismatchError, UnsupportedError, ValidationError
+from .fp8 import sdpa_fp8
 from .fp8_scaling import Fp8Scaling
 from .functional import sdpa
 from .graph import Graph
-from .handle import Handle, create_handle, destroy_handle
-from .heur_mode import heur_mode
 from .ops.cudnn.autotune import set_autotune
-from .paged_attention import PagedAttention
-from .sdpa_fp8 import sdpa_fp8
+from .serving.paged_attention import PagedAttention
 from .varlen import varlen_sdpa
 
 __version__ = "0.1.0"

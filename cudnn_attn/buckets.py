@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from .core.mask import default_scale
 from .errors import ValidationError
 from .graph import Graph
 from .graph_cache import GraphCache
-from .options import default_scale
 
 DEFAULT_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 

@@ -17,11 +17,11 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import Any
 
-from . import lifecycle
 from . import log as _log
 from .errors import ValidationError
 from .plan_store import ENV, PlanStore, default_path
-from .recorded_builds import RecordedBuilds
+from .recording.reuse import RecordedBuilds
+from .runtime import lifecycle
 
 DEFAULT_MAXSIZE = 1024
 DEFAULT_MAX_BYTES = 4 << 30  # device memory plans may hold in workspaces and prepared buffers

@@ -18,22 +18,23 @@ from typing import Any
 
 import torch
 
-from . import interop, lifecycle, recorded_builds
-from .build import plan_nodes, positional_inputs, validate_nodes
 from .cache import PlanCache, default_cache
 from .core.dtypes import to_torch_dtype
 from .core.problem import AttentionProblem, Op, TensorSpec, contiguous_strides, device_name
 from .core.roles import BACKWARD_INPUTS, PAGED_INPUTS, ROLES, SDPA_INPUTS
 from .errors import GraphStateError, ValidationError
-from .frontend_compat import FrontendSteps
-from .graph_fp8 import Fp8Ops
-from .graph_tensors import InputHandle, OutputHandle, TensorHandle, int_tuple
-from .node import Node
 from .ops import BACKEND_NAMES
 from .ops.cudnn.autotune import enabled_by_default as autotune_default
-from .options import MaskKeywords, collect_keywords, parse_keywords, publishes_mask_keywords, stats_requested
-from .recording_key import RecordingKey
-from .runner import Runner
+from .recording import reuse as recorded_builds
+from .recording.build import plan_nodes, positional_inputs, validate_nodes
+from .recording.fp8_ops import Fp8Ops
+from .recording.frontend_steps import FrontendSteps
+from .recording.handles import InputHandle, OutputHandle, TensorHandle, int_tuple
+from .recording.key import RecordingKey
+from .recording.keywords import MaskKeywords, collect_keywords, parse_keywords, publishes_mask_keywords, stats_requested
+from .recording.node import Node
+from .runtime import interop, lifecycle
+from .runtime.runner import Runner
 
 # Why a keyword is refused where users might expect it.
 _PAGED_HINTS = {
@@ -243,7 +244,7 @@ class Graph(Fp8Ops, FrontendSteps):
         or ``[T, H, D]`` packed (THD) tensors with ``seq_len_q``/``seq_len_kv``. With
         ``paged_attention_k_table``, ``k``/``v`` are paged caches (see ``sdpa_with_paged_cache``).
         ``attn_scale`` defaults to ``1/sqrt(d_qk)``. ``generate_stats`` defaults to False.
-        The mask keywords are those of ``cudnn_attn.options.MaskKeywords``.
+        The mask keywords are those of ``cudnn_attn.recording.keywords.MaskKeywords``.
         """
         args = (q, k, v, is_inference, generate_stats, paged_attention_k_table, paged_attention_v_table,
                 paged_attention_max_seq_len_kv, kv_cache_layout, compute_data_type)  # fmt: skip

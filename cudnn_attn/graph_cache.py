@@ -12,8 +12,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from . import lifecycle
 from .graph import Graph
+from .runtime import lifecycle
 
 DEFAULT_MAX_GRAPHS = 256
 DEFAULT_MAX_BYTES = 1 << 30

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
+from .fp8 import sdpa_fp8
 from .fp8_scaling import Fp8Scaling
 from .functional import sdpa
-from .sdpa_fp8 import sdpa_fp8
 
 
 class Attention(nn.Module):

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from .core.derived import derived
+from .core.mask import default_scale
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
 from .graph_cache import GraphCache
-from .options import default_scale
 
 CAUSAL = (None, "top_left", "bottom_right")
 SMALLEST_BUCKET = 16

@@ -305,7 +305,7 @@ def test_graph_cache_is_bounded_in_bytes_counted_when_it_evicts(monkeypatch):
 
 
 def test_prepared_eager_runs_are_released_at_exit():
-    from cudnn_attn import lifecycle
     from cudnn_attn.functional import eager as sdpa_eager
+    from cudnn_attn.runtime import lifecycle
 
     assert sdpa_eager.clear in lifecycle._hooks

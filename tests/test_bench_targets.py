@@ -10,9 +10,9 @@ import torch
 from conftest import rel_err
 
 import cudnn_attn
-from cudnn_attn import cli
 from cudnn_attn.bench import attention, targets
 from cudnn_attn.bench.targets import DecoderStack, PagedDecodeShape, naive_attention, torch_sdpa
+from cudnn_attn.cli import commands as cli
 
 TINY = {"hidden": 64, "heads": 4, "layers": 4}
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cudnn_attn.core.mask import Causal, ScoreOptions
 from cudnn_attn.core.problem import AttentionProblem, KVCacheLayout, Op, TensorSpec
 from cudnn_attn.ops.cudnn.capabilities import Platform, unsupported_reasons
-from cudnn_attn.options import Causal, ScoreOptions
 
 H200 = Platform("NVIDIA H200", (9, 0), 91900, "1.32.0")
 A100 = Platform("NVIDIA A100", (8, 0), 91900, "1.32.0")

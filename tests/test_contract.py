@@ -13,7 +13,7 @@ from conftest import randn, rel_err
 
 import cudnn_attn
 from cudnn_attn.core.problem import device_name
-from cudnn_attn.options import MaskKeywords
+from cudnn_attn.recording.keywords import MaskKeywords
 
 
 def _paged(b=2, h=4, h_kv=2, s_kv=24, d=16, page=8, seed=0):

@@ -9,7 +9,7 @@ from conftest import randn, rel_err
 
 import cudnn_attn
 from cudnn_attn.errors import ValidationError
-from cudnn_attn.sdpa_fp8 import quantised
+from cudnn_attn.fp8 import quantised
 
 
 def _inputs(seed, factor=1.0):

@@ -217,7 +217,7 @@ def test_user_handles_are_accepted():
 
 
 def test_info_lists_cudnn_features(capsys):
-    from cudnn_attn import cli
+    from cudnn_attn.cli import commands as cli
 
     cli.main(["info"])
     text = capsys.readouterr().out

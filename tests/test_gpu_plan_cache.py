@@ -101,7 +101,7 @@ def test_buckets_bound_the_plans_on_cudnn():
 
 def test_cache_warm_command_stores_plans_a_second_warm_loads(tmp_path, monkeypatch, capsys):
     import cudnn_attn.cache as cache_module
-    from cudnn_attn import cli
+    from cudnn_attn.cli import commands as cli
 
     monkeypatch.setattr(cache_module, "_default", cudnn_attn.PlanCache(path=tmp_path))
     shape = "b=1,h=8,hkv=2,s=512,d=64,causal,bwd"

@@ -17,7 +17,8 @@ from conftest import randn
 
 import cudnn_attn
 import cudnn_attn.cache as cache_module
-from cudnn_attn import cli, log
+from cudnn_attn import log
+from cudnn_attn.cli import commands as cli
 
 LOGGER = "cudnn_attn"
 

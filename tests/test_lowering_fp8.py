@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import cudnn_attn
+from cudnn_attn.core.mask import Causal
 from cudnn_attn.core.problem import AttentionProblem, KVCacheLayout, Op, TensorSpec
 from cudnn_attn.core.roles import FP8_AMAXES, FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES, UID
 from cudnn_attn.ops.cudnn import lowering
 from cudnn_attn.ops.cudnn.capabilities import Platform, unsupported_reasons
-from cudnn_attn.options import Causal
 
 cudnn = pytest.importorskip("cudnn")
 

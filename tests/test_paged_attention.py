@@ -9,8 +9,8 @@ import torch
 from conftest import rel_err
 
 import cudnn_attn
-from cudnn_attn import paged_schedule
 from cudnn_attn.errors import ValidationError
+from cudnn_attn.serving import schedule as paged_schedule
 
 HQ, HKV, D, PAGE = 8, 2, 32, 16
 
@@ -144,7 +144,7 @@ def test_graph_keys_hold_every_tensor_and_keyword_of_the_call():
     """A paged graph is reused only for the same call: any tensor's geometry (the caches' page
     count, V's strides apart from K's) or keyword changes its key; a packed q's token count
     does not where the problem plans without it (max_seq_len_q given)."""
-    from cudnn_attn.paged_attention import graph_key
+    from cudnn_attn.serving.paged_attention import graph_key
 
     cache = torch.zeros(8, HKV, PAGE, D)
     table, lengths = torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)

@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from cudnn_attn import cli, plan_store
+from cudnn_attn import plan_store
+from cudnn_attn.cli import commands as cli
 from cudnn_attn.core.problem import AttentionProblem, Causal, Op, TensorSpec
 from cudnn_attn.plan_store import PlanStore, entry_key, signature
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import cudnn_attn
-from cudnn_attn import cli, info
+from cudnn_attn.cli import commands as cli
+from cudnn_attn.cli import info
 from cudnn_attn.core import validation
 
 SAMPLES = sorted((Path(__file__).parent.parent / "samples").glob("*.py"))

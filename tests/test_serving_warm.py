@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import cudnn_attn
-from cudnn_attn import cli, serving_shapes
+from cudnn_attn.bench import serving_shapes
+from cudnn_attn.cli import commands as cli
 from cudnn_attn.errors import ValidationError
 
 HQ, HKV, D, PAGE = 8, 2, 32, 16
@@ -86,7 +87,7 @@ def test_warm_needs_the_step_geometry():
 
 SERVE = """
 import torch, cudnn_attn
-from cudnn_attn import serving_shapes
+from cudnn_attn.bench import serving_shapes
 shape = serving_shapes.parse({server!r})
 attn = shape.attention("cuda")  # as the server makes it: no autotune
 gen = torch.Generator().manual_seed(0)

@@ -23,8 +23,8 @@ import torch
 from .. import Graph, PlanCache
 from ..core import synthetic
 from ..ops.cudnn import autotune
-from ..shapes import Shape
 from .host import round_order
+from .shapes import Shape
 
 COLUMNS = ("cudnn_attn", "cudnn_attn tuned", "frontend direct", "torch cudnn", "torch flash", "torch efficient")
 

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from .. import Fp8Scaling, Graph, PlanCache, sdpa_fp8
+from ..fp8 import quantised
 from ..functional import sdpa as cudnn_attn_sdpa
 from ..ops.cudnn import autotune
-from ..sdpa_fp8 import quantised
 from .host import round_order
 
 SHAPES = ((4, 16, 4096, 128, False), (4, 16, 4096, 128, True), (1, 16, 16384, 128, False),

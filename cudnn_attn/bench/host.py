@@ -20,7 +20,7 @@ import torch
 from .. import Graph, sdpa
 from ..core import synthetic
 from ..nn import Attention
-from ..shapes import Shape
+from .shapes import Shape
 
 ROUNDS = 15
 CALLS = 200

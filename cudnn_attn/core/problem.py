@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..options import Causal, ScoreOptions
+from .mask import Causal, ScoreOptions
 
 
 class Op(str, enum.Enum):

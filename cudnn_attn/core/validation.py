@@ -18,8 +18,8 @@ from collections.abc import Mapping
 
 import torch
 
-from ..options import Causal
 from .dtypes import FLOATING_IO, FP8, dtype_name
+from .mask import Causal
 from .problem import AttentionProblem, KVCacheLayout, Op, TensorSpec
 from .roles import (
     BACKWARD_OUTPUTS,

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from .. import lifecycle
 from ..core.problem import TensorSpec
 from ..functional import graphs as sdpa_graphs
-from ..runner import Runner
+from ..runtime import lifecycle
+from ..runtime.runner import Runner
 
 MASKS = ("none", "top_left", "bottom_right")
 MAX_ENTRIES = 512

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from ..core.dtypes import FLOATING_IO, dtype_name
+from ..core.mask import default_scale
 from ..errors import shown
-from ..options import default_scale
 from .agreement import Field, agree, dtype_field, known, shape_fields
 from .layout import LAYOUTS, layout_problems
 from .process_group import Members, collective_device

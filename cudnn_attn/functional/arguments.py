@@ -16,8 +16,8 @@ import torch
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from ..core.dtypes import FLOATING_IO, dtype_name
+from ..core.mask import Causal
 from ..errors import ValidationError, shown
-from ..options import Causal
 
 # What torch's SDPA takes; float64 runs on torch's own kernel (torch_kernel.py).
 TORCH_FLOATING = (*FLOATING_IO, torch.float64)

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from ..core.mask import default_scale
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
-from ..options import default_scale
 from . import eager as sdpa_eager
 from . import graphs as sdpa_graphs
 from . import torch_kernel

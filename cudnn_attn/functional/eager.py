@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from .. import lifecycle
+from ..core.mask import Causal, default_scale
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
-from ..options import Causal, default_scale
-from ..runner import Runner
+from ..runtime import lifecycle
+from ..runtime.runner import Runner
 from . import graphs as sdpa_graphs
 from . import torch_kernel
 from .arguments import ARGUMENT_NAMES, causal_kind, check_arguments, mask_as_bias, materialised

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
+from ..core.mask import Causal
 from ..core.problem import TensorSpec
 from ..graph import Graph
 from ..graph_cache import GraphCache
-from ..options import Causal
 
 graphs = GraphCache()
 

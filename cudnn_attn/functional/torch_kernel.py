@@ -16,8 +16,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from .. import log
+from ..core.mask import Causal
 from ..errors import ValidationError
-from ..options import Causal
 
 WHERE = "cudnn_attn.sdpa"
 _said: set[str] = set()  # each reason is logged once, not per call

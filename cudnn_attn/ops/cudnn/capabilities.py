@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from ...core.dtypes import FP8
+from ...core.mask import Causal
 from ...core.problem import AttentionProblem
 from ...core.roles import user_name
-from ...options import Causal
 
 
 @dataclass(frozen=True)

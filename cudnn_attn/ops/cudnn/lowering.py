@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from ...core.mask import Causal
 from ...core.problem import AttentionProblem, KVCacheLayout, TensorSpec
 from ...core.roles import FP8_AMAXES, FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES, ROLES, UID
-from ...options import Causal
 from .workarounds import full_lengths_reason
 
 

@@ -14,8 +14,8 @@ are unchanged); measured +5% to +34% backward time on the affected shapes only.
 
 from __future__ import annotations
 
+from ...core.mask import Causal
 from ...core.problem import AttentionProblem
-from ...options import Causal
 
 TILE = 128  # the backward kernels' key tile
 

@@ -18,8 +18,8 @@ import math
 
 import torch
 
+from ...core.mask import Causal
 from ...core.problem import AttentionProblem
-from ...options import Causal
 
 
 def allowed_scores(

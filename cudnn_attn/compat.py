@@ -1,9 +1,21 @@
-"""Handles, in the frontend's spelling. The library makes and reuses its own lazily (one per
-device and thread), so passing one is optional everywhere."""
+"""``cudnn_attn.compat``: frontend spellings with no behaviour of their own, accepted so drop-in code
+runs unchanged.
+
+``heur_mode``: the library always asks cuDNN for mode A with FALLBACK behind it; the modes a caller
+passes to ``create_execution_plans`` are accepted and need not be changed. Handles: the library makes
+and reuses its own lazily (one per device and thread), so passing one is optional everywhere.
+"""
 
 from __future__ import annotations
 
+import enum
 from typing import Any
+
+
+class heur_mode(enum.Enum):  # noqa: N801 - the frontend's spelling
+    A = "A"
+    B = "B"
+    FALLBACK = "FALLBACK"
 
 
 class Handle:

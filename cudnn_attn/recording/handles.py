@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .core.dtypes import to_torch_dtype
-from .core.problem import TensorSpec
-from .errors import GraphStateError, ValidationError, shown
+from ..core.dtypes import to_torch_dtype
+from ..core.problem import TensorSpec
+from ..errors import GraphStateError, ValidationError, shown
 
 if TYPE_CHECKING:
-    from .graph import Graph
+    from ..graph import Graph
 
 
 class TensorHandle:

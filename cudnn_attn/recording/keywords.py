@@ -12,7 +12,6 @@ signature, so ``help(g.sdpa)`` and editors list every keyword.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import inspect
 import math
 from collections.abc import Callable
@@ -21,21 +20,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from .errors import shown
-
-# cuDNN reads window lengths and sequence lengths as int32.
-MAX_LENGTH = 2**31 - 1
-
-
-def default_scale(d_qk: int) -> float:
-    """The softmax scale when none is given: 1 / sqrt(head dim), as everywhere."""
-    return 1.0 / math.sqrt(max(d_qk, 1))
-
-
-class Causal(str, enum.Enum):
-    NONE = "none"
-    TOP_LEFT = "top_left"
-    BOTTOM_RIGHT = "bottom_right"
+from ..core.mask import MAX_LENGTH, Causal, ScoreOptions
+from ..errors import shown
 
 
 @dataclass(frozen=True)
@@ -63,27 +49,6 @@ class MaskKeywords:
 
 
 KEYWORDS = tuple(f.name for f in dataclasses.fields(MaskKeywords))
-
-
-@dataclass(frozen=True)
-class ScoreOptions:
-    """How q @ k^T becomes the scores softmax sees: a group of fields of every problem."""
-
-    attn_scale: float = 1.0
-    causal: Causal = Causal.NONE
-    sliding_window: int | None = None
-    alibi: bool = False
-    padding: bool = False
-    dropout_p: float = 0.0
-
-    @property
-    def has_dropout(self) -> bool:
-        return self.dropout_p > 0.0
-
-    @property
-    def masks_scores(self) -> bool:
-        """Whether some score can be masked out (causal, window or padding)."""
-        return self.causal is not Causal.NONE or self.sliding_window is not None or self.padding
 
 
 @dataclass

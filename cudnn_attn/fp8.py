@@ -1,4 +1,4 @@
-"""``cudnn_attn.sdpa_fp8``: FP8 attention with fp16/bf16 in and out, scaling done for the caller.
+"""``cudnn_attn.fp8``: FP8 attention with fp16/bf16 in and out, scaling done for the caller.
 
 Per-tensor current scaling, as TransformerEngine's current-scaling recipe does: each of Q, K,
 V is scaled so that its largest magnitude lands on E4M3's largest value (448), quantised, and
@@ -19,19 +19,19 @@ from typing import Any
 
 import torch
 
-from . import sdpa_fp8_backward
 from .core.dtypes import dtype_name
+from .core.mask import default_scale
 from .core.problem import TensorSpec
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
 from .fp8_scaling import Fp8Scaling, current_scale
 from .functional.arguments import ARGUMENT_NAMES, check_arguments, materialised
 from .graph_cache import GraphCache
 from .kernels.fp8_cast import E4M3_MAX, amax_qkv, from_fp8, quantise_qkv, scale_view, to_fp8
-from .options import default_scale
 
 BACKWARDS = ("bf16", "fp8")
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
 _graphs = GraphCache()
+_backward_graphs = GraphCache()
 
 
 def sdpa_fp8(
@@ -166,7 +166,7 @@ _FP8_SAVED = ("q8", "k8", "v8", "o8", "stats", "descale_q", "descale_k", "descal
 
 class _Fp8Attention(torch.autograd.Function):
     """The FP8 forward; gradients from the 16-bit inputs (``backward="bf16"``) or through the
-    FP8 backward (``backward="fp8"``, ``sdpa_fp8_backward.py``)."""
+    FP8 backward (``backward="fp8"``, ``gradients`` below)."""
 
     @staticmethod
     def forward(ctx, query, key, value, is_causal: bool, attn_scale: float, scaling, fp8_backward: bool):  # type: ignore[override]
@@ -190,7 +190,7 @@ class _Fp8Attention(torch.autograd.Function):
             # gradient scales of its first backward (the history has moved on since, with that
             # backward's own amaxes), so it gives the same gradients, and it records nothing:
             # the history holds one backward per forward, not repeats of it.
-            grads, ctx.gradient_scales = sdpa_fp8_backward.gradients(saved, d_out, scaling, d_out.dtype,
+            grads, ctx.gradient_scales = gradients(saved, d_out, scaling, d_out.dtype,
                                                                      scales=ctx.gradient_scales)  # fmt: skip
             return (*(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad)), None, None, None, None)
         from .functional import sdpa
@@ -203,3 +203,55 @@ class _Fp8Attention(torch.autograd.Function):
             wanted = [x for x in leaves if x.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, d_out))
         return (*(next(grads) if x.requires_grad else None for x in leaves), None, None, None, None)
+
+
+# backward="fp8": gradients through cuDNN's FP8 backward.
+#
+# dO is scaled by its current amax. dS (cast to FP8 inside the kernel) and the gradients dQ, dK,
+# dV are written in FP8 too, so their scales must be known before the kernel runs: they come
+# from the amax histories an ``Fp8Scaling`` keeps (the kernel reports each amax, and every
+# backward records them). The first backward has no history: it runs the kernel once with
+# unit scales to measure the amaxes, then again with their scales.
+
+
+def gradients(saved: dict[str, Any], d_out: torch.Tensor, scaling: Fp8Scaling, dtype: torch.dtype,
+              scales: torch.Tensor | None = None) -> tuple[list, torch.Tensor]:  # fmt: skip
+    """dQ, dK, dV in ``dtype`` from what the FP8 forward kept (``saved``) and ``d_out``, and
+    the gradient scales used ([4]). Given ``scales`` (an earlier backward's), those are used
+    and the history is left as it is."""
+    do8, descale_do = quantised(d_out)
+    if scales is not None:
+        results = _run_backward(saved, do8, descale_do, scales)
+    else:
+        scales = scaling.gradient_scales(d_out.device)
+        if scales is None:  # no history yet: measure this backward's amaxes first
+            scaling.record_gradients(
+                list(_run_backward(saved, do8, descale_do, torch.ones(4, device=d_out.device))[3:])
+            )
+            scales = scaling.gradient_scales(d_out.device)
+            assert scales is not None
+        results = _run_backward(saved, do8, descale_do, scales)
+        scaling.record_gradients(list(results[3:]))
+    return [from_fp8(g8, (1.0 / scales[i]).reshape(1, 1, 1, 1), dtype) for i, g8 in enumerate(results[:3])], scales
+
+
+def _run_backward(saved: dict[str, Any], do8: torch.Tensor, descale_do: torch.Tensor, scales: torch.Tensor) -> tuple:
+    """The FP8 backward with gradient scales ``scales`` (dQ, dK, dV, dS): (dQ, dK, dV, Amax_dQ,
+    Amax_dK, Amax_dV, Amax_dP). Every scale is its own tensor: one given twice would be one input."""
+    q8, k8, v8, o8, stats = saved["q8"], saved["k8"], saved["v8"], saved["o8"], saved["stats"]
+    scale_s = saved["scale_s"]
+    scale_dq, scale_dk, scale_dv, scale_dp = (scales[i].reshape(1, 1, 1, 1).clone() for i in range(4))
+    args = (q8, k8, v8, o8, do8, stats, saved["descale_q"], saved["descale_k"], saved["descale_v"],
+            saved["descale_v"].clone(), descale_do, 1.0 / scale_s, 1.0 / scale_dp, scale_s.clone(), scale_dq,
+            scale_dk, scale_dv, scale_dp)  # fmt: skip
+    graph = _backward_graph(args, saved["is_causal"], saved["attn_scale"])
+    return graph(*args)
+
+
+def _backward_graph(args: tuple, is_causal: bool, attn_scale: float) -> Any:
+    key = (*(TensorSpec.of(t) for t in args[:6]), is_causal, attn_scale)
+
+    def record(g: Any) -> None:
+        g.sdpa_fp8_backward(*args, attn_scale=attn_scale, use_causal_mask=is_causal)
+
+    return _backward_graphs.get_or_build(key, record)

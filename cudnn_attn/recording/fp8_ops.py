@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .core.problem import Op
-from .core.roles import (
+from ..core.problem import Op
+from ..core.roles import (
     FP8_AMAXES,
     FP8_BACKWARD_AMAXES,
     FP8_BACKWARD_INPUTS,
@@ -19,8 +19,8 @@ from .core.roles import (
     FP8_INPUTS,
     FP8_SCALES,
 )
-from .graph_tensors import OutputHandle
-from .options import publishes_mask_keywords, stats_requested
+from ..recording.keywords import publishes_mask_keywords, stats_requested
+from .handles import OutputHandle
 
 if TYPE_CHECKING:
     from .node import Node

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .graph_tensors import InputHandle, OutputHandle
+from .handles import InputHandle, OutputHandle
 
 if TYPE_CHECKING:
-    from .graph import Graph
+    from ..graph import Graph
 
 _SCALARS = (bool, int, float, str)
 

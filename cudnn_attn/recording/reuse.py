@@ -17,13 +17,13 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .core.problem import TensorSpec
-from .core.validation import value_problems
-from .errors import ValidationError
-from .graph_tensors import InputHandle
+from ..core.problem import TensorSpec
+from ..core.validation import value_problems
+from ..errors import ValidationError
+from .handles import InputHandle
 
 if TYPE_CHECKING:
-    from .graph import Graph
+    from ..graph import Graph
 
 MAX_ENTRIES = 256
 # The Node fields a build sets, which a later identical recording adopts.

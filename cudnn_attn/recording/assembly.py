@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
-from .core.problem import AttentionProblem, KVCacheLayout, Op, TensorSpec, contiguous_strides, strides_like
-from .core.roles import (
+from ..core.mask import default_scale
+from ..core.problem import AttentionProblem, KVCacheLayout, Op, TensorSpec, contiguous_strides, strides_like
+from ..core.roles import (
     BACKWARD_INPUTS,
     FP8_AMAXES,
     FP8_BACKWARD_AMAXES,
@@ -20,7 +21,6 @@ from .core.roles import (
     SDPA_INPUTS,
 )
 from .node import Node
-from .options import default_scale
 
 # What each op cannot run without (anything else missing is optional or reported by validation).
 REQUIRED = {

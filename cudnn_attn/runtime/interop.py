@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .core.problem import TensorSpec
+from ..core.problem import TensorSpec
 
 
 def as_torch(value: Any) -> torch.Tensor | None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import ShapeMismatchError, ValidationError
-from .graph_tensors import InputHandle, OutputHandle
+from ..errors import ShapeMismatchError, ValidationError
+from .handles import InputHandle, OutputHandle
 
 
 class FrontendSteps:

@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .core.problem import AttentionProblem, Op
-from .core.roles import user_name
-from .options import Parsed
+from ..core.problem import AttentionProblem, Op
+from ..core.roles import user_name
+from ..recording.keywords import Parsed
 
 if TYPE_CHECKING:
-    from .graph_tensors import InputHandle, OutputHandle
-    from .ops.base import Plan
+    from ..ops.base import Plan
+    from .handles import InputHandle, OutputHandle
 
 
 @dataclass

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from . import __version__, log, plan_store
-from .core.problem import AttentionProblem, KVCacheLayout, Op, TensorSpec
-from .functional import torch_kernel
-from .ops import get_backend
-from .options import Causal, ScoreOptions
+from .. import __version__, log, plan_store
+from ..core.mask import Causal, ScoreOptions
+from ..core.problem import AttentionProblem, KVCacheLayout, Op, TensorSpec
+from ..functional import torch_kernel
+from ..ops import get_backend
 
 
 def _frontend() -> dict[str, Any]:

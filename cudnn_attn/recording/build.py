@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 
-from . import log
+from .. import log
+from ..cache import PlanCache
+from ..core import validation
+from ..errors import UnsupportedError, ValidationError
+from ..ops import select_backend
 from .assembly import assemble_problem, missing_inputs
-from .cache import PlanCache
-from .core import validation
-from .errors import UnsupportedError, ValidationError
-from .graph_tensors import InputHandle
+from .handles import InputHandle
 from .node import Node
-from .ops import select_backend
 
 
 def validate_nodes(nodes: Sequence[Node], dtypes: dict[str, torch.dtype | None], context: str) -> None:

@@ -36,14 +36,14 @@ from typing import Any
 
 import torch
 
-from . import paged_schedule
-from .core.bounds import packed_lengths
-from .errors import UnsupportedError, ValidationError
-from .graph_cache import GraphCache
-from .kernels import paged_decode
-from .kernels.lse_merge import merge_partials
-from .options import default_scale
-from .paged_schedule import Schedule
+from ..core.bounds import packed_lengths
+from ..core.mask import default_scale
+from ..errors import UnsupportedError, ValidationError
+from ..graph_cache import GraphCache
+from ..kernels import paged_decode
+from ..kernels.lse_merge import merge_partials
+from . import schedule as paged_schedule
+from .schedule import Schedule
 
 LAYOUTS = ("NHPD", "NPHD")
 MAX_QUERY_TOKENS = 16

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from .errors import ValidationError
-from .options import default_scale
+from ..core.mask import default_scale
+from ..errors import ValidationError
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -7,9 +7,9 @@ import json
 import sys
 import time
 
+from ..bench.shapes import STANDARD_GRID, Shape, parse
+from ..errors import ValidationError
 from . import info
-from .errors import ValidationError
-from .shapes import STANDARD_GRID, Shape, parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,10 +162,10 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     if not _needs_gpu("bench"):
         return 2
-    from .bench import attention
+    from ..bench import attention
 
     if args.dtype == "fp8":
-        from .bench import fp8 as bench_fp8
+        from ..bench import fp8 as bench_fp8
 
         rows = bench_fp8.fp8_rows()
         print(bench_fp8.format_fp8(rows))
@@ -181,14 +181,14 @@ def _bench(args: argparse.Namespace) -> int:
                 json.dump(report, f, indent=2)
         return 0
     if args.context_parallel is not None:
-        from .bench import context_parallel as bench_context_parallel
+        from ..bench import context_parallel as bench_context_parallel
 
         options = ["--gpus", str(args.context_parallel), "--seq", str(args.seq), "--heads", str(args.heads),
                    "--head-dim", str(args.head_dim)] + (["--json", args.json] if args.json else [])  # fmt: skip
         return bench_context_parallel.main(options)
     if args.serving:
-        from .bench import prefill as bench_prefill
-        from .bench import serving as bench_serving
+        from ..bench import prefill as bench_prefill
+        from ..bench import serving as bench_serving
 
         rows = bench_serving.serving_rows()
         print(bench_serving.format_serving(rows))
@@ -201,7 +201,7 @@ def _bench(args: argparse.Namespace) -> int:
                 json.dump({"device": torch.cuda.get_device_name(), "serving": rows, "prefill": prefill}, f, indent=2)
         return 0
     if args.varlen:
-        from .bench import varlen as bench_varlen
+        from ..bench import varlen as bench_varlen
 
         mixed, plans = bench_varlen.mixed_batch(), bench_varlen.plans_over_packings()
         llama = bench_varlen.llama_step() if importlib.util.find_spec("transformers") else None
@@ -230,8 +230,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _cache(args: argparse.Namespace) -> int:
-    from .cache import default_cache
-    from .plan_store import UnsafeStoreError
+    from ..cache import default_cache
+    from ..plan_store import UnsafeStoreError
 
     store = default_cache().store
     if store is None:
@@ -281,13 +281,13 @@ def _warm(args: argparse.Namespace) -> int:
     if not texts:
         print("cudnn-attn cache warm: give shapes or --file", file=sys.stderr)
         return 2
-    from . import serving_shapes
+    from ..bench import serving_shapes
 
     servers = [serving_shapes.parse(t) for t in texts if serving_shapes.is_serving(t)]
     shapes = [parse(t) for t in texts if not serving_shapes.is_serving(t)]
     if not _needs_gpu("cache warm"):
         return 2
-    from . import Graph
+    from .. import Graph
 
     for server in servers:  # tuned: a server's PagedAttention without autotune loads them as they are
         start = time.perf_counter()

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from .errors import ValidationError
-from .paged_attention import LAYOUTS, PagedAttention
+from ..errors import ValidationError
+from ..serving.paged_attention import LAYOUTS, PagedAttention
 from .shapes import DTYPES, parse_value
 
 MARKER = "paged"

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
+from ..core.problem import TensorSpec
+from ..errors import ShapeMismatchError
+from ..recording.handles import InputHandle, OutputHandle
+from ..recording.node import Node
 from . import interop
-from .core.problem import TensorSpec
-from .errors import ShapeMismatchError
-from .graph_tensors import InputHandle, OutputHandle
-from .node import Node
 
 
 def _device_index(device: str) -> int:
