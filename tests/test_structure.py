@@ -8,14 +8,20 @@ relative and absolute), of ``tests/``, ``samples/`` and the notebooks' code cell
 submodule or a top-level name of that module (defined, imported or assigned there). A lazy import
 inside a function that only runs on a GPU is the import this catches: nothing else runs it here.
 
-Later (ARCHITECTURE.md §3.1): the layer table, who may import whom, walks the same imports; see
-``LAYER RULE`` at the end of this file.
+Then the layout rules of ARCHITECTURE.md §3.1, on the same walk, so the layout cannot drift back:
+every module has a place in the layer table (``LAYERS``) and imports only its own layer or those
+below it (``TYPE_CHECKING`` and function-level imports included); no module reads another
+module's ``_name``; no module is over ``MAX_LINES`` lines; no package ``__init__.py`` binds a name
+that shadows one of its submodules. Each rule is a pure function over sources, tried on a
+synthetic breach below so that it is known to be able to fail.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -99,43 +105,45 @@ def _targets(node: ast.AST) -> list[str]:
     return []
 
 
+def _scope(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """The statements that run in a module's or class's own scope: ``body`` and what is nested in
+    its ``if``, ``for``, ``while``, ``with`` and ``try`` blocks, not in functions or classes."""
+    for node in body:
+        yield node
+        if isinstance(node, (ast.If, ast.For, ast.AsyncFor, ast.While)):
+            yield from _scope(node.body + node.orelse)
+        elif isinstance(node, (ast.With, ast.AsyncWith)):
+            yield from _scope(node.body)
+        elif isinstance(node, ast.Try):
+            yield from _scope(node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body])
+
+
+def _binds(node: ast.stmt) -> list[str]:
+    """The names one statement binds in its scope (``*`` for a star import)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [node.name]
+    if isinstance(node, ast.Assign):
+        return [n for target in node.targets for n in _targets(target)]
+    if isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.For, ast.AsyncFor)):
+        return _targets(node.target)
+    if isinstance(node, (ast.With, ast.AsyncWith)):
+        return [n for item in node.items if item.optional_vars for n in _targets(item.optional_vars)]
+    if isinstance(node, ast.Import):
+        return [a.asname or a.name.split(".")[0] for a in node.names]
+    if isinstance(node, ast.ImportFrom):
+        return [a.asname or a.name for a in node.names]
+    return []
+
+
 @cache
 def top_level_names(module: str, root: Path = ROOT) -> frozenset[str] | None:
-    """The names module ``module`` binds at its top level (including inside top-level ``if``,
-    ``try``, ``with`` and ``for`` blocks, not inside functions or classes); None for any name
-    (a module ``__getattr__``)."""
+    """The names module ``module`` binds at its top level (see ``_scope``); None for any name (a
+    module ``__getattr__``, or a star import: not used in the package, so permissive, not wrong)."""
     path = module_file(module, root)
     assert path is not None, module
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    names: set[str] = set()
-    blocks = [tree.body]
-    while blocks:
-        for node in blocks.pop():
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                names.add(node.name)
-            elif isinstance(node, ast.Assign):
-                names.update(n for target in node.targets for n in _targets(target))
-            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
-                names.update(_targets(node.target))
-            elif isinstance(node, ast.Import):
-                names.update(a.asname or a.name.split(".")[0] for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                for alias in node.names:
-                    if alias.name == "*":
-                        return None  # not used in the package; be permissive rather than wrong
-                    names.add(alias.asname or alias.name)
-            elif isinstance(node, (ast.For, ast.AsyncFor)):
-                names.update(_targets(node.target))
-            if isinstance(node, (ast.If, ast.For, ast.AsyncFor, ast.While)):
-                blocks += [node.body, node.orelse]
-            elif isinstance(node, (ast.With, ast.AsyncWith)):
-                names.update(n for item in node.items if item.optional_vars for n in _targets(item.optional_vars))
-                blocks.append(node.body)
-            elif isinstance(node, ast.Try):
-                blocks += [node.body, node.orelse, node.finalbody] + [h.body for h in node.handlers]
-    if "__getattr__" in names:
-        return None
-    return frozenset(names)
+    names = {n for node in _scope(tree.body) for n in _binds(node)}
+    return None if {"*", "__getattr__"} & names else frozenset(names)
 
 
 def problems(found: list[Import], root: Path = ROOT) -> list[str]:
@@ -173,20 +181,11 @@ def notebook_source(path: Path) -> str:
 
 def sources() -> list[tuple[str, str, str | None, bool]]:
     """(label, source, module name, is a package) for every file whose imports are checked."""
-    out = []
-    for path in (
-        sorted((ROOT / PACKAGE).rglob("*.py"))
-        + sorted((ROOT / "tests").glob("*.py"))
-        + sorted((ROOT / "samples").glob("*.py"))
-    ):
-        out.append(
-            (
-                str(path.relative_to(ROOT)),
-                path.read_text(encoding="utf-8"),
-                module_name(path),
-                path.name == "__init__.py",
-            )
-        )
+    files = [*sorted((ROOT / PACKAGE).rglob("*.py")), *sorted((ROOT / "tests").glob("*.py"))]
+    out = [
+        (str(path.relative_to(ROOT)), path.read_text(encoding="utf-8"), module_name(path), path.name == "__init__.py")
+        for path in files + sorted((ROOT / "samples").glob("*.py"))
+    ]
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         out.append((str(path.relative_to(ROOT)), notebook_source(path), None, False))
     return out
@@ -261,10 +260,7 @@ def test_a_good_import_passes(case):
 def test_a_stale_import_in_a_package_file_fails_the_walk(tmp_path):
     """On a copy of the package with one module's lazy import made stale, the whole walk fails."""
     copy = tmp_path / PACKAGE
-    for path in (ROOT / PACKAGE).rglob("*.py"):
-        target = copy / path.relative_to(ROOT / PACKAGE)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
+    shutil.copytree(ROOT / PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     dispatch = copy / "ops" / "__init__.py"
     text = dispatch.read_text(encoding="utf-8")
     assert "            _backends[name] = CudnnBackend()" in text
@@ -286,7 +282,225 @@ def test_a_stale_import_in_a_package_file_fails_the_walk(tmp_path):
     assert len(stale) == 1 and "no module cudnn_attn.ops.no_longer_here" in stale[0], stale
 
 
-# LAYER RULE (ARCHITECTURE.md §3.1), to come with the layout: a table of the layers as a dict
-# (path prefix -> layer), and a test that every import found by ``imports()`` above points down
-# the table (TYPE_CHECKING imports included); then no module reading another's ``_name``, file
-# length <= 450, and no public top-level name shadowing a submodule (``graph`` excepted).
+# The layer rule (ARCHITECTURE.md §3.1). A module may import its own layer and those below it. The
+# doors are ordered (each may use the doors before it, as fp8 uses functional), so they hold
+# sub-ranks 6.0, 6.1, ...; the root re-exports layers 1-6 and only a tool may import it, as a user
+# would, so it sits after the last door and below the tools; bench (7.0) is below cli (7.1), which
+# runs the bench command. The most specific prefix wins.
+DOORS = ("varlen.py", "functional/", "fp8_scaling.py", "fp8.py", "nn.py", "buckets.py", "serving/", "distributed/")
+DOORS += ("integrations/",)
+ROOT_LAYER = round(6 + len(DOORS) / 10, 1)
+LAYERS: dict[str, float] = {
+    f"{PACKAGE}/{prefix}": layer
+    for prefix, layer in {
+        **dict.fromkeys(("errors.py", "compat.py", "log.py", "core/"), 1),
+        "kernels/": 2,
+        **dict.fromkeys(("ops/", "plan_store.py"), 3),
+        **dict.fromkeys(("runtime/", "cache.py"), 4),
+        **dict.fromkeys(("graph.py", "recording/", "graph_cache.py"), 5),
+        **{door: round(6 + i / 10, 1) for i, door in enumerate(DOORS)},
+        "__init__.py": ROOT_LAYER,
+        "bench/": 7.0,
+        "cli/": 7.1,
+    }.items()
+}
+LAYER_NAMES = {1: "core", 2: "kernels", 3: "backends", 4: "runtime", 5: "graph", 6: "doors", 7: "tools"}
+# Imports the numbers allow but the design does not: a backend gets no help from a Triton kernel,
+# and the recording machinery takes what it needs from Graph as arguments, never by importing it.
+FORBIDDEN = ((f"{PACKAGE}/ops/", f"{PACKAGE}/kernels/"), (f"{PACKAGE}/recording/", f"{PACKAGE}/graph.py"))
+MAX_LINES = 450
+
+
+def layer_of(path: str) -> float | None:
+    """The layer of a file (``cudnn_attn/ops/base.py``): its longest matching prefix in ``LAYERS``
+    (a folder ``x/`` or an exact file); None when it matches none."""
+    matches = [p for p in LAYERS if path == p or (p.endswith("/") and path.startswith(p))]
+    return LAYERS[max(matches, key=len)] if matches else None
+
+
+def layer_label(layer: float) -> str:
+    return "root" if layer == ROOT_LAYER else f"{layer} {LAYER_NAMES[int(layer)]}"
+
+
+def imported_modules(imp: Import) -> list[str]:
+    """The modules an import runs: each name that is a submodule is that submodule (``from .. import
+    errors``), any other name is the module it is taken from (``from .. import Graph``: the root)."""
+    names = [f"{imp.module}.{n}" if module_file(f"{imp.module}.{n}") else imp.module for n in imp.names]
+    return list(dict.fromkeys(names or [imp.module]))
+
+
+def layer_problems(label: str, source: str) -> list[str]:
+    """Each import in file ``label`` (relative to the repository) that goes up the layer table or is
+    forbidden: ``file:line: <its layer> imports <module> (<that module's layer>)``."""
+    importer = layer_of(label)
+    module = module_name(ROOT / label)
+    out = []
+    for imp in imports(source, module, label.endswith("/__init__.py"), label):
+        for target in imported_modules(imp):
+            path = module_file(target)
+            layer = layer_of(path.relative_to(ROOT).as_posix()) if path else None
+            if importer is None or layer is None:
+                continue  # a missing module is the resolution test's; an unplaced one the placement test's
+            target_path = path.relative_to(ROOT).as_posix()
+            if layer > importer or any(label.startswith(a) and target_path.startswith(b) for a, b in FORBIDDEN):
+                out.append(f"{imp.where}: {layer_label(importer)} imports {target} ({layer_label(layer)})")
+    return out
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _on_self(node: ast.Attribute) -> bool:
+    return isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+
+
+def private_definitions(source: str) -> set[str]:
+    """The ``_names`` a module defines: its module-level and class-level names (not those it
+    imports), any ``def``, and the attributes it sets on ``self`` or ``cls``."""
+    tree = ast.parse(source)
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef)):
+            body = [s for s in _scope(node.body) if not isinstance(s, (ast.Import, ast.ImportFrom))]
+            names.update(n for s in body for n in _binds(s))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _on_self(node):
+            names.add(node.attr)
+    return {n for n in names if _is_private(n)}
+
+
+# The one module whose job is calling the cuDNN frontend's private API; what it reads is the frontend's.
+PRIVATE_API_ADAPTERS = {f"{PACKAGE}/ops/cudnn/frontend_internals.py"}
+
+
+def private_read_problems(files: dict[str, str]) -> list[str]:
+    """Each ``x._name`` (``x`` not ``self``/``cls``) in one of ``files`` (label -> source) where
+    ``_name`` is defined by another of them and not by the reader: a reach into another module's
+    state. Third-party privates (``tensor._version``) pass unless a package module reuses the name."""
+    defined = {label: private_definitions(source) for label, source in files.items()}
+    out = []
+    for label, source in files.items():
+        if label in PRIVATE_API_ADAPTERS:
+            continue
+        reads = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute) and _is_private(n.attr)]
+        for node in sorted((n for n in reads if not _on_self(n)), key=lambda n: (n.lineno, n.col_offset)):
+            owner = ast.unparse(node.value)
+            owners = [o for o, names in defined.items() if o != label and node.attr in names]
+            if owners and node.attr not in defined[label]:
+                owners.sort(key=lambda o: (Path(o).stem not in owner, o))  # ``graph._x``: graph.py first
+                shown = ", ".join(owners[:3]) + (", ..." if len(owners) > 3 else "")
+                out.append(f"{label}:{node.lineno}: reads {owner}.{node.attr} (defined in {shown})")
+    return out
+
+
+# ``graph`` is left open: a public ``cudnn_attn.graph()`` function may come (ARCHITECTURE.md §3.4),
+# and it would shadow the module graph.py on purpose.
+ALLOWED_SHADOWS = {(PACKAGE, "graph")}
+
+
+def shadowing_problems(label: str, package: str, source: str, submodules: set[str]) -> list[str]:
+    """Each top-level name the ``__init__.py`` of ``package`` binds that is also one of its
+    ``submodules``, unless it binds that submodule itself (``from . import nn``): otherwise
+    ``import package.name as m`` gives the shadowing object, not the module."""
+    out = []
+    for node in _scope(ast.parse(source).body):
+        of_package = isinstance(node, ast.ImportFrom) and (
+            (node.level == 1 and not node.module) or (node.level == 0 and node.module == package)
+        )
+        aliases = {a.asname or a.name: a.name for a in node.names} if isinstance(node, ast.ImportFrom) else {}
+        for name in _binds(node):
+            if name in submodules and (package, name) not in ALLOWED_SHADOWS:
+                if not (of_package and aliases.get(name) == name):
+                    out.append(f"{label}:{node.lineno}: {package}.{name} is bound to something other than the module")
+    return out
+
+
+@cache
+def package_sources() -> dict[str, str]:
+    """Every module of the package: repository-relative path -> source."""
+    return {
+        p.relative_to(ROOT).as_posix(): p.read_text(encoding="utf-8") for p in sorted((ROOT / PACKAGE).rglob("*.py"))
+    }
+
+
+def test_every_module_has_a_layer():
+    assert [path for path in package_sources() if layer_of(path) is None] == []
+
+
+def test_imports_follow_the_layers():
+    found = [p for label, source in package_sources().items() for p in layer_problems(label, source)]
+    assert not found, "imports against the layer table:\n" + "\n".join(found)
+
+
+def test_no_module_reads_another_modules_private_names():
+    found = private_read_problems(package_sources())
+    assert not found, "reads of another module's _name:\n" + "\n".join(found)
+
+
+def test_no_module_is_too_long():
+    lines = {path: len(source.splitlines()) for path, source in package_sources().items()}
+    found = [f"{path}: {n} lines" for path, n in lines.items() if n > MAX_LINES]
+    assert not found, f"modules over {MAX_LINES} lines:\n" + "\n".join(found)
+
+
+def test_no_package_name_shadows_a_submodule():
+    found = []
+    for label, source in package_sources().items():
+        if label.endswith("/__init__.py"):
+            folder = (ROOT / label).parent
+            subs = {p.stem for p in folder.glob("*.py")} | {p.name for p in folder.iterdir() if p.is_dir()}
+            found += shadowing_problems(label, module_name(ROOT / label), source, subs - {"__init__", "__pycache__"})
+    assert not found, "names that shadow a submodule:\n" + "\n".join(found)
+
+
+# Synthetic sources written in a real file's place, and how many imports the layer rule must refuse.
+LAYER_CASES = {
+    "core imports graph": ("cudnn_attn/core/problem.py", "from ..graph import Graph\n", 1),
+    "a backend imports a kernel": ("cudnn_attn/ops/reference/backend.py", "from ...kernels.lse_merge import x\n", 1),
+    "recording, for types": ("cudnn_attn/recording/node.py", "if TYPE_CHECKING:\n    from ..graph import G\n", 1),
+    "runtime, lazily": ("cudnn_attn/runtime/runner.py", "def f():\n    from ..recording import node\n", 1),
+    "a door imports a later door": ("cudnn_attn/varlen.py", "from .functional import sdpa\n", 1),
+    "a door imports the root": ("cudnn_attn/nn.py", "from . import Graph\n", 1),
+    "the root, absolute": ("cudnn_attn/serving/schedule.py", "import cudnn_attn\n", 1),
+    "a door imports a tool": ("cudnn_attn/integrations/transformers.py", "from ..bench import shapes\n", 1),
+    "the root imports a tool": ("cudnn_attn/__init__.py", "from .cli import main\n", 1),
+    "bench imports cli": ("cudnn_attn/bench/attention.py", "from ..cli import commands\n", 1),
+    "same layer": ("cudnn_attn/core/problem.py", "from .roles import ROLES\n", 0),
+    "earlier doors": ("cudnn_attn/fp8.py", "from .functional import sdpa\nfrom .varlen import x\n", 0),
+    "submodules through the root": ("cudnn_attn/nn.py", "from . import errors, functional\n", 0),
+    "a tool: root and bench": ("cudnn_attn/cli/info.py", "from .. import Graph\nfrom ..bench import shapes\n", 0),
+    "the root re-exports a door": ("cudnn_attn/__init__.py", "from .serving.paged_attention import Paged\n", 0),
+    "graph imports recording": ("cudnn_attn/graph.py", "from .recording import node\n", 0),
+    "not the package": ("cudnn_attn/core/problem.py", "import torch\n", 0),
+}
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=list(LAYER_CASES))
+def test_the_layer_rule_on_a_synthetic_import(case):
+    label, source, refused = LAYER_CASES[case]
+    assert len(layer_problems(label, source)) == refused
+
+
+def test_the_layer_report_names_file_line_and_layers():
+    found = layer_problems("cudnn_attn/core/problem.py", '"""Doc."""\nfrom ..graph import Graph\n')
+    assert found == ["cudnn_attn/core/problem.py:2: 1 core imports cudnn_attn.graph (5 graph)"]
+
+
+def test_a_private_read_across_modules_is_caught():
+    files = {
+        "cudnn_attn/graph.py": "class Graph:\n    def __init__(self):\n        self._runner = None\n",
+        "cudnn_attn/functional/eager.py": "def run(graph, x):\n    return graph._runner(x), x._version, x.__dict__\n",
+        "cudnn_attn/runtime/runner.py": "class Runner:\n    _steps = ()\n\n    def f(self, other):\n        return other._steps\n",
+        "cudnn_attn/ops/cudnn/frontend_internals.py": "def f(graph):\n    return graph._runner\n",
+    }
+    assert private_read_problems(files) == [
+        "cudnn_attn/functional/eager.py:2: reads graph._runner (defined in cudnn_attn/graph.py)"
+    ]
+
+
+def test_a_name_shadowing_a_submodule_is_caught():
+    source = "from . import nn\nfrom .fp8 import fp8\nfrom .core.dtypes import data_type\n\ndef graph(): ...\n"
+    found = shadowing_problems("__init__.py", PACKAGE, source, {"nn", "fp8", "data_type", "graph"})
+    assert [line.split(": ")[1].split()[0] for line in found] == ["cudnn_attn.fp8", "cudnn_attn.data_type"]
