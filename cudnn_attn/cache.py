@@ -20,10 +20,11 @@ from typing import Any
 from . import log as _log
 from .errors import ValidationError
 from .plan_store import ENV, PlanStore, default_path
-from .recording.reuse import RecordedBuilds
 from .runtime import lifecycle
+from .runtime.keyed import KeyedCache
 
 DEFAULT_MAXSIZE = 1024
+RECORDED_BUILDS = 256  # recorded builds kept per cache
 DEFAULT_MAX_BYTES = 4 << 30  # device memory plans may hold in workspaces and prepared buffers
 
 
@@ -62,8 +63,8 @@ class PlanCache:
         self._lock = threading.Lock()
         self._counts = {"hits": 0, "misses": 0, "builds": 0, "evictions": 0, "build_errors": 0}
         self._build_seconds = 0.0
-        # Whole graph builds by what was recorded (recorded_builds.py); forgotten whenever a plan goes.
-        self.recorded = RecordedBuilds()
+        # Whole graph builds by what was recorded (recording/reuse.py); forgotten whenever a plan goes.
+        self.recorded = KeyedCache(RECORDED_BUILDS, release_at_exit=False)
 
     def get_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """The plan for ``key``, calling ``build()`` on a miss (once, however many threads ask)."""

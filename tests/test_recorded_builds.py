@@ -161,7 +161,7 @@ def test_made_handles_adopt_by_name_and_geometry():
         graphs.append(g)
     assert len(cache.recorded) == 1
     assert [h.name for h in graphs[1].inputs] == ["query", "k", "v"]
-    assert graphs[1].inputs[0] is not graphs[0].inputs[0] and graphs[1].inputs[0]._graph is graphs[1]
+    assert graphs[1].inputs[0] is not graphs[0].inputs[0] and graphs[1].inputs[0].recording is graphs[1].recording
     assert torch.equal(graphs[1](q, k, v), graphs[0](q, k, v))
 
 

@@ -1,25 +1,21 @@
 """Building a recorded graph: nodes to problems, problems to plans, plans to a runner.
 
 A pure step over the nodes: every node's problem is assembled and validated (all problems
-of all nodes raised together in one ``ValidationError``), then each problem's backend is
-chosen and its plan taken from the plan cache, built on a miss.
+of all nodes raised together in one ``ValidationError``), then each problem's plan is taken
+through the runtime's planner (backend chosen, plan from the plan cache, built on a miss).
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .. import log
 from ..cache import PlanCache
 from ..core import validation
 from ..errors import UnsupportedError, ValidationError
-from ..ops import select_backend
+from ..runtime import planner
 from .assembly import assemble_problem, missing_inputs
 from .handles import InputHandle
 from .node import Node
@@ -45,7 +41,7 @@ def validate_nodes(nodes: Sequence[Node], dtypes: dict[str, torch.dtype | None],
                 lines += validation.value_problems(problem, _templates(node))
             node.problem = problem
             for role, handle in node.outputs.items():
-                handle._spec = getattr(problem, role)
+                handle.built_spec = getattr(problem, role)
         found += [f"{node.name}: {line}" if prefix else line for line in lines]
     if found:
         raise ValidationError(found, context=context)
@@ -57,43 +53,16 @@ def plan_nodes(nodes: Sequence[Node], backend: str, autotune: bool, cache: PlanC
     alternatives: list[str] = []
     prefix = len(nodes) > 1
     for node in nodes:
-        problem = node.problem
-        assert problem is not None, "plan_nodes runs after validate_nodes"
+        assert node.problem is not None, "plan_nodes runs after validate_nodes"
         try:
-            chosen = select_backend(backend, problem)
+            planned = planner.plan(node.problem, backend, autotune, cache)
         except UnsupportedError as error:
             reasons += [f"{node.name}: {r}" if prefix else r for r in error.problems]
             alternatives = error.alternatives
             continue
-        tune = autotune and chosen.name == "cudnn"  # the reference has nothing to tune
-        planned = problem.for_plan()  # packed tensors' token counts do not split plans
-        key = (chosen.name, chosen.plan_key(planned), planned, tune)
-        node.backend = chosen.name
-        node.cache_key = key
-        start = time.perf_counter()
-        plan, built = cache.obtain(key, functools.partial(chosen.build, planned, autotune=tune, store=cache.store))
-        node.plan = plan
-        if log.logger.isEnabledFor(logging.INFO):
-            source, engine = origin(plan, chosen.name) if built else ("memory", _engine(plan, chosen.name))
-            if built and chosen.name == "cudnn" and cache.store is None and (why := cache.store_unused_reason()):
-                log.store_unused(why)
-            log.plan(planned, chosen.name, source, engine, time.perf_counter() - start)
+        node.plan, node.backend, node.cache_key = planned.plan, planned.backend, planned.cache_key
     if reasons:
         raise UnsupportedError(reasons, context=context, alternatives=alternatives)
-
-
-def origin(plan: Any, backend: str) -> tuple[str, str]:
-    """Where a plan this process just obtained came from (built, tuned or disk), and its engine."""
-    source = getattr(plan, "source", "built")
-    choice = getattr(plan, "choice", None)
-    if source == "built" and getattr(choice, "tuned", False):
-        source = "tuned"
-    return source, _engine(plan, backend)
-
-
-def _engine(plan: Any, backend: str) -> str:
-    """The cuDNN engine (and knobs) where the plan knows it; the backend's name otherwise ("reference")."""
-    return getattr(plan, "engine", None) or backend
 
 
 def positional_inputs(nodes: Sequence[Node]) -> list[InputHandle]:

@@ -19,15 +19,19 @@ from ..core.roles import (
     FP8_INPUTS,
     FP8_SCALES,
 )
-from ..recording.keywords import publishes_mask_keywords, stats_requested
 from .handles import OutputHandle
+from .keywords import publishes_mask_keywords, stats_requested
+from .state import check_compute_dtype
 
 if TYPE_CHECKING:
     from .node import Node
+    from .state import Recording
 
 
 class Fp8Ops:
-    """Mixed into ``Graph`` (whose recording machinery the methods use)."""
+    """Mixed into ``Graph``: the methods record into its ``recording``."""
+
+    recording: Recording
 
     _record_call: Any
     _bind_call: Any
@@ -62,15 +66,10 @@ class Fp8Ops:
         args = (q, k, v, scales, is_inference, generate_stats, compute_data_type)
         stats = stats_requested(is_inference, generate_stats, [])  # its errors are reported at build
         outputs = ("o", "stats", *FP8_AMAXES) if stats else ("o", *FP8_AMAXES)
-        node = self._record_call(Op.FORWARD, name, FP8_INPUTS, "sdpa_fp8", self._interpret_fp8, args, mask, outputs)
+        node = self.recording.record_call(Op.FORWARD, name, FP8_INPUTS, "sdpa_fp8", _interpret_fp8, args, mask,
+                                          outputs)  # fmt: skip
         node.fp8 = True
         return node.outputs["o"], node.outputs.get("stats"), node.outputs["amax_s"], node.outputs["amax_o"]
-
-    def _interpret_fp8(self, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, scales: tuple,
-                       is_inference: Any, generate_stats: Any, compute_data_type: Any) -> None:  # fmt: skip
-        self._bind_call(node, {"q": q, "k": k, "v": v, **dict(zip(FP8_SCALES, scales))}, mask, "sdpa_fp8")
-        stats_requested(is_inference, generate_stats, node.errors)
-        self._check_compute_dtype(compute_data_type, node)
 
     @publishes_mask_keywords
     def sdpa_fp8_backward(
@@ -107,26 +106,34 @@ class Fp8Ops:
                   scale_dK, scale_dV, scale_dP)  # fmt: skip
         args = (q, k, v, o, dO, stats, scales, use_deterministic_algorithm, compute_data_type)
         outputs = ("grad_q", "grad_k", "grad_v", *FP8_BACKWARD_AMAXES)
-        node = self._record_call(
-            Op.BACKWARD, name, FP8_BACKWARD_INPUTS, "sdpa_fp8_backward", self._interpret_fp8_backward, args, mask,
+        node = self.recording.record_call(
+            Op.BACKWARD, name, FP8_BACKWARD_INPUTS, "sdpa_fp8_backward", _interpret_fp8_backward, args, mask,
             outputs,
         )  # fmt: skip
         node.fp8 = True
         return tuple(node.outputs.values())
 
-    def _interpret_fp8_backward(self, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, o: Any, d_o: Any,
-                                stats: Any, scales: tuple, deterministic: Any, compute_data_type: Any) -> None:  # fmt: skip
-        tensors = {
-            "q": q,
-            "k": k,
-            "v": v,
-            "o": o,
-            "grad_o": d_o,
-            "stats": stats,
-            **dict(zip(FP8_BACKWARD_SCALES, scales)),
-        }
-        self._bind_call(node, tensors, mask, "sdpa_fp8_backward")
-        self._check_compute_dtype(compute_data_type, node)
-        if not isinstance(deterministic, (bool, int)) or deterministic not in (0, 1):
-            node.errors.append(f"use_deterministic_algorithm: {deterministic!r}; expected True or False")
-        node.deterministic = deterministic is True or deterministic == 1
+
+def _interpret_fp8(recording: Recording, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, scales: tuple,
+                   is_inference: Any, generate_stats: Any, compute_data_type: Any) -> None:  # fmt: skip
+    recording.bind_call(node, {"q": q, "k": k, "v": v, **dict(zip(FP8_SCALES, scales))}, mask, "sdpa_fp8")
+    stats_requested(is_inference, generate_stats, node.errors)
+    check_compute_dtype(compute_data_type, node)
+
+
+def _interpret_fp8_backward(recording: Recording, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, o: Any, d_o: Any,
+                            stats: Any, scales: tuple, deterministic: Any, compute_data_type: Any) -> None:  # fmt: skip
+    tensors = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "o": o,
+        "grad_o": d_o,
+        "stats": stats,
+        **dict(zip(FP8_BACKWARD_SCALES, scales)),
+    }
+    recording.bind_call(node, tensors, mask, "sdpa_fp8_backward")
+    check_compute_dtype(compute_data_type, node)
+    if not isinstance(deterministic, (bool, int)) or deterministic not in (0, 1):
+        node.errors.append(f"use_deterministic_algorithm: {deterministic!r}; expected True or False")
+    node.deterministic = deterministic is True or deterministic == 1

@@ -52,4 +52,4 @@ class FrontendSteps:
             raise ShapeMismatchError(
                 [f"{name}: missing from the variant pack (outputs are written in place)" for name in missing]
             )
-        self._runner((inputs,), handle, stream, outputs, workspace)  # type: ignore[attr-defined]
+        self(inputs, handle=handle, stream=stream, out=outputs, workspace=workspace)  # type: ignore[operator]

@@ -17,14 +17,14 @@ from ..core.problem import TensorSpec
 from ..errors import GraphStateError, ValidationError, shown
 
 if TYPE_CHECKING:
-    from ..graph import Graph
+    from .state import Recording
 
 
 class TensorHandle:
     """Common face of graph tensors: a name and the frontend's getters."""
 
-    def __init__(self, graph: Graph, name: str):
-        self._graph = graph
+    def __init__(self, recording: Recording, name: str):
+        self.recording = recording  # of the graph it belongs to
         self._name = name
 
     @property
@@ -35,7 +35,8 @@ class TensorHandle:
         return self._name
 
     def set_name(self, name: str) -> TensorHandle:
-        self._graph._rename(self, name)
+        self.recording.claim_name(self._name, name)
+        self._name = name
         return self
 
     @property
@@ -67,8 +68,8 @@ class TensorHandle:
 class InputHandle(TensorHandle):
     """One graph input; ``role`` is the op argument it first fed (q, k, attn_bias, ...)."""
 
-    def __init__(self, graph: Graph, name: str, spec: TensorSpec, role: str, template: torch.Tensor | None):
-        super().__init__(graph, name)
+    def __init__(self, recording: Recording, name: str, spec: TensorSpec, role: str, template: torch.Tensor | None):
+        super().__init__(recording, name)
         self._spec = spec
         self.role = role
         self.template = template  # the data of a template tensor, for build-time value checks
@@ -82,8 +83,8 @@ class InputHandle(TensorHandle):
 class OutputHandle(TensorHandle):
     """An op's output. Setters may be called until the graph is built; each returns self."""
 
-    def __init__(self, graph: Graph, name: str, node: Any, port: str, index: int = 0):
-        super().__init__(graph, name)
+    def __init__(self, recording: Recording, name: str, node: Any, port: str, index: int = 0):
+        super().__init__(recording, name)
         self.node = node
         self.index = index  # its place among the graph's outputs, in creation order
         self.port = port  # the role in the problem: "o", "stats", "d_q", ...
@@ -91,14 +92,14 @@ class OutputHandle(TensorHandle):
         self.dim: tuple[int, ...] | None = None
         self.stride: tuple[int, ...] | None = None
         self.dtype: torch.dtype | None = None
-        self._spec: TensorSpec | None = None  # known once the graph is built
+        self.built_spec: TensorSpec | None = None  # known once the graph is built
 
     @property
     def spec(self) -> TensorSpec | None:
-        return self._spec
+        return self.built_spec
 
     def _check_open(self, what: str) -> None:
-        if self._graph.is_built:
+        if self.recording.built:
             raise GraphStateError(f"{self._name}.{what}: the graph is already built; set it inside the `with` block")
 
     def set_output(self, is_output: bool = True) -> OutputHandle:

@@ -1,4 +1,4 @@
-"""What a graph recorded, as a hashable key (see ``recorded_builds.py`` for its use).
+"""What a graph recorded, as a hashable key (see ``reuse.py`` for its use).
 
 Tensors enter the key by geometry (shape, strides, dtype, device) and by which earlier
 argument they are (aliasing), never by value or identity, so the next call's fresh tensors
@@ -19,7 +19,7 @@ import torch
 from .handles import InputHandle, OutputHandle
 
 if TYPE_CHECKING:
-    from ..graph import Graph
+    from .state import Recording
 
 _SCALARS = (bool, int, float, str)
 
@@ -37,13 +37,13 @@ class RecordingKey:
         self.tensors: list[torch.Tensor] = []
         self._slots: dict[int, int] = {}  # id(tensor) -> index in tensors
 
-    def add(self, graph: Graph, method: str, name: Any, args: tuple, mask: dict[str, Any]) -> None:
+    def add(self, recording: Recording, method: str, name: Any, args: tuple, mask: dict[str, Any]) -> None:
         if not self.keyed:
             return
         try:
             of = self._of
-            part = (method, of(name, graph), tuple([a if a is None else of(a, graph) for a in args]),
-                    tuple([(k, of(v, graph)) for k, v in mask.items()]))  # fmt: skip
+            part = (method, of(name, recording), tuple([a if a is None else of(a, recording) for a in args]),
+                    tuple([(k, of(v, recording)) for k, v in mask.items()]))  # fmt: skip
         except _UnkeyedError:
             self.keyed = False
             return
@@ -53,13 +53,15 @@ class RecordingKey:
         """Which distinct tensor of the recording ``tensor`` is (None: not an argument)."""
         return self._slots.get(id(tensor))
 
-    def key(self, graph: Graph) -> tuple | None:
+    def key(self, recording: Recording) -> tuple | None:
         """The whole recording's key, with the handles' settings as they are now; None if unkeyed."""
         if not self.keyed:
             return None
-        made = tuple([(h.name, h.spec, self.slot(h.template) if h.template is not None else None) for h in graph._made])
+        made = tuple(
+            [(h.name, h.spec, self.slot(h.template) if h.template is not None else None) for h in recording.made]
+        )
         outputs = tuple(
-            [(h.name, h.is_output, h.dim, h.stride, h.dtype) for node in graph.nodes for h in node.outputs.values()]
+            [(h.name, h.is_output, h.dim, h.stride, h.dtype) for node in recording.nodes for h in node.outputs.values()]
         )
         return (*self.parts, made, outputs)
 
@@ -68,10 +70,10 @@ class RecordingKey:
         self.tensors = []
         self._slots = {}
 
-    def _of(self, value: Any, graph: Graph) -> Hashable:
+    def _of(self, value: Any, recording: Recording) -> Hashable:
         kind = type(value)
         if kind is torch.Tensor:
-            made = graph._by_identity.get(id(value))
+            made = recording.by_identity.get(id(value))
             if made is not None:
                 return ("made", made.made_index)
             slot = self._slots.get(id(value))
@@ -85,8 +87,8 @@ class RecordingKey:
         if kind in _SCALARS:
             return (kind, value)
         if kind is tuple:
-            return ("tuple", *[self._of(v, graph) for v in value])
-        if isinstance(value, (InputHandle, OutputHandle)) and value._graph is graph:
+            return ("tuple", *[self._of(v, recording) for v in value])
+        if isinstance(value, (InputHandle, OutputHandle)) and value.recording is recording:
             return ("made", value.made_index) if isinstance(value, InputHandle) else ("output", value.index)
         if isinstance(value, (torch.dtype, enum.Enum)):
             return (kind, value)

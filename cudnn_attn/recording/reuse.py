@@ -6,13 +6,13 @@ the same problems and get the same plans. Its key proves that, so the graph adop
 earlier build instead: no keyword parsing, assembly, validation or runner construction,
 which is what lets code that rebuilds its graph per call pay a few microseconds for it.
 
-Each plan cache keeps its own recorded builds and forgets them all whenever it drops a plan
-(eviction or ``clear``), so a recorded build never holds a plan its cache has let go.
+Each plan cache keeps its own recorded builds (``PlanCache.recorded``, a ``KeyedCache``) and
+forgets them all whenever it drops a plan (eviction or ``clear``), so a recorded build never
+holds a plan its cache has let go.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,9 +23,9 @@ from ..errors import ValidationError
 from .handles import InputHandle
 
 if TYPE_CHECKING:
-    from ..graph import Graph
+    from ..runtime.runner import Runner
+    from .state import Recording
 
-MAX_ENTRIES = 256
 # The Node fields a build sets, which a later identical recording adopts.
 _BUILT_FIELDS = ("parsed", "spelling", "paged", "kv_cache_layout", "deterministic", "problem", "plan", "backend",
                  "cache_key")  # fmt: skip
@@ -64,43 +64,19 @@ class RecordedBuild:
     cache_keys: tuple[Hashable, ...]
 
 
-class RecordedBuilds:
-    """At most ``MAX_ENTRIES`` recorded builds, oldest dropped first."""
-
-    def __init__(self) -> None:
-        self._entries: dict[Hashable, RecordedBuild] = {}
-        self._lock = threading.Lock()
-
-    def get(self, key: Hashable) -> RecordedBuild | None:
-        return self._entries.get(key)
-
-    def put(self, key: Hashable, build: RecordedBuild) -> None:
-        with self._lock:
-            if len(self._entries) >= MAX_ENTRIES:
-                self._entries.pop(next(iter(self._entries)))
-            self._entries[key] = build
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-def recorded(graph: Graph) -> RecordedBuild | None:
-    """``graph``'s build, for later recordings of the same calls to adopt (None: not kept)."""
-    inputs = list(graph.inputs)
+def recorded(recording: Recording, runner: Runner) -> RecordedBuild | None:
+    """A built recording, for later recordings of the same calls to adopt (None: not kept)."""
+    inputs = list(recording.inputs)
     position = {h: i for i, h in enumerate(inputs)}
-    outputs = {h: i for i, h in enumerate(h for node in graph.nodes for h in node.outputs.values())}
+    outputs = {h: i for i, h in enumerate(h for node in recording.nodes for h in node.outputs.values())}
     sources = []
     for handle in inputs:
-        slot = graph._recording.slot(handle.template) if handle.made_index is None else handle.made_index
+        slot = recording.key.slot(handle.template) if handle.made_index is None else handle.made_index
         if slot is None:
             return None
         sources.append(InputSource(handle.name, handle.spec, handle.role, handle.made_index is not None, slot))
     nodes = []
-    for node in graph.nodes:
+    for node in recording.nodes:
         bound: list[tuple[str, str, int]] = []
         for role, source in node.inputs.items():
             if source in position:
@@ -113,33 +89,35 @@ def recorded(graph: Graph) -> RecordedBuild | None:
         value_roles = tuple((role, i) for role, kind, i in bound if kind == "input" and role in _VALUE_ROLES)
         specs = tuple(h.spec for h in node.outputs.values())
         nodes.append(BuiltNode(fields, tuple(bound), specs, value_roles))
-    return RecordedBuild(tuple(nodes), tuple(sources), graph._runner, tuple(n.cache_key for n in graph.nodes))
+    return RecordedBuild(tuple(nodes), tuple(sources), runner, tuple(n.cache_key for n in recording.nodes))
 
 
-def adopt(graph: Graph, earlier: RecordedBuild) -> None:
-    """Give ``graph`` ``earlier``'s build: its key proved this recording makes the same one."""
-    made, tensors = graph._made, graph._recording.tensors
+def adopt(recording: Recording, earlier: RecordedBuild, default_handle: Any) -> Runner:
+    """Give ``recording`` ``earlier``'s build (its key proved this recording makes the same one):
+    its nodes take the built fields, and the runner returned is ``earlier``'s, rebound."""
+    made, tensors = recording.made, recording.key.tensors
     inputs: list[InputHandle] = []
     for source in earlier.inputs:
         if source.made:
             inputs.append(made[source.index])
         else:
-            inputs.append(InputHandle(graph, source.name, source.spec, source.role, tensors[source.index]))
-            graph._names.add(source.name)
-    outputs = [h for node in graph.nodes for h in node.outputs.values()]
+            inputs.append(InputHandle(recording, source.name, source.spec, source.role, tensors[source.index]))
+            recording.names.add(source.name)
+    outputs = [h for node in recording.nodes for h in node.outputs.values()]
     found = []
-    for node, built in zip(graph.nodes, earlier.nodes):
-        node.__dict__.update(built.fields)
+    for node, built in zip(recording.nodes, earlier.nodes):
+        for field, value in built.fields.items():
+            setattr(node, field, value)
         node.inputs = {role: inputs[i] if kind == "input" else outputs[i] for role, kind, i in built.inputs}
         for output, spec in zip(node.outputs.values(), built.output_specs):
-            output._spec = spec
+            output.built_spec = spec
         if built.value_roles:  # the values of integer inputs are this recording's own
             data = {role: t for role, i in built.value_roles if (t := inputs[i].template) is not None}
             assert node.problem is not None
             lines = value_problems(node.problem, data)
-            found += [f"{node.name}: {line}" if len(graph.nodes) > 1 else line for line in lines]
-    graph.inputs = inputs
-    graph._calls, graph._interpreted = [], True
+            found += [f"{node.name}: {line}" if len(recording.nodes) > 1 else line for line in lines]
+    recording.inputs = inputs
+    recording.calls, recording.interpreted = [], True
     if found:
-        raise ValidationError(found, context=graph.name)
-    graph._runner = earlier.runner.rebound(graph.name, inputs, outputs, graph.handle)
+        raise ValidationError(found, context=recording.name)
+    return earlier.runner.rebound(recording.name, inputs, outputs, default_handle)

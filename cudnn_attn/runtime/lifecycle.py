@@ -2,8 +2,9 @@
 
 Built cuDNN plans are native objects. Left to interpreter teardown, they can outlive the
 frontend's native module, which then reports them as leaks. At exit, every registered
-clean-up runs, then every cache and every live graph drops its plans while the frontend
-is still whole. Modules that hold plans register their own clean-up with ``at_exit``.
+clean-up runs, then every tracked holder (graphs, memo tables) releases its plans and every
+plan cache is cleared, while the frontend is still whole. Modules that hold plans register
+their own clean-up with ``at_exit``, or their holders with ``track_releasable``.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-_graphs: weakref.WeakSet[Any] = weakref.WeakSet()
+_holders: weakref.WeakSet[Any] = weakref.WeakSet()  # objects with a release() method
 _caches: weakref.WeakSet[Any] = weakref.WeakSet()
 _hooks: list[Callable[[], None]] = []
 
 
-def track_graph(graph: Any) -> None:
-    _graphs.add(graph)
+def track_releasable(holder: Any) -> None:
+    """Call ``holder.release()`` at exit (held weakly: a holder gone by then needs nothing)."""
+    _holders.add(holder)
 
 
 def track_cache(cache: Any) -> None:
@@ -37,8 +39,8 @@ def at_exit(hook: Callable[[], None]) -> Callable[[], None]:
 def release_plans() -> None:
     for hook in _hooks:
         hook()
-    for graph in list(_graphs):
-        graph._release()
+    for holder in list(_holders):
+        holder.release()
     for cache in list(_caches):
         cache.clear()
     gc.collect()

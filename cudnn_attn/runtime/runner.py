@@ -3,6 +3,10 @@
 Everything that can be resolved once is resolved when the graph is built: each input's
 expected geometry as plain tuples, each node's inputs and outputs as slots in one list.
 A steady-state call then does a few tuple comparisons per tensor and calls the plans.
+
+The runner knows the graph's handles only as keys with a ``name`` and a ``spec`` (outputs
+also ``is_output``), and its nodes only as their plans and input/output handles by role:
+what a handle or a node is belongs to the recording layer above.
 """
 
 from __future__ import annotations
@@ -14,8 +18,6 @@ import torch
 
 from ..core.problem import TensorSpec
 from ..errors import ShapeMismatchError
-from ..recording.handles import InputHandle, OutputHandle
-from ..recording.node import Node
 from . import interop
 
 
@@ -40,7 +42,9 @@ def _mismatch(tensor: torch.Tensor, expected: tuple, spec: Any) -> str | None:
 
 
 class Runner:
-    def __init__(self, name: str, inputs: list[InputHandle], nodes: list[Node], default_handle: Any):
+    def __init__(self, name: str, inputs: list[Any], nodes: list[Any], default_handle: Any):
+        """``inputs``: the input handles in positional order; ``nodes``: each with ``plan``,
+        ``runtime`` (inputs passed by value), and ``inputs``/``outputs`` handles by role."""
         self.name = name
         self.inputs = inputs
         self.default_handle = default_handle
@@ -73,7 +77,7 @@ class Runner:
         self._slot = slot
         self._single = self._single_direct_step(len(inputs))
 
-    def rebound(self, name: str, inputs: list[InputHandle], node_outputs: list[OutputHandle], handle: Any) -> Runner:
+    def rebound(self, name: str, inputs: list[Any], node_outputs: list[Any], handle: Any) -> Runner:
         """This runner for another graph that recorded the same: its handles (inputs in positional
         order, every node's outputs in node order), its name and default handle."""
         runner = object.__new__(Runner)
@@ -124,11 +128,11 @@ class Runner:
 
     def _ordered_from_mapping(self, mapping: Mapping[Any, Any]) -> list[Any]:
         by_name = {h.name: h for h in self.inputs}
-        ordered: dict[InputHandle, Any] = {}
+        ordered: dict[Any, Any] = {}
         problems = []
         for key, value in mapping.items():
-            handle = key if isinstance(key, InputHandle) else by_name.get(key)
-            if handle is None or handle not in self._slot:
+            handle = by_name.get(key) if isinstance(key, str) else key
+            if handle is None or handle not in self._slot or self._slot[handle] >= len(self.inputs):
                 problems.append(f"{key}: not an input of this graph (inputs: {', '.join(by_name)})")
             else:
                 ordered[handle] = value
@@ -148,10 +152,9 @@ class Runner:
             return
         if isinstance(out, Mapping):
             by_name = {h.name: h for h in self.outputs}
-            pairs: list[tuple[Any, Any]] = [
-                (k if isinstance(k, OutputHandle) else by_name.get(k), v) for k, v in out.items()
-            ]
-            if any(h is None or h not in self._slot for h, _ in pairs):
+            outputs = set(self.outputs)
+            pairs: list[tuple[Any, Any]] = [(by_name.get(k) if isinstance(k, str) else k, v) for k, v in out.items()]
+            if any(h is None or h not in outputs for h, _ in pairs):
                 raise ShapeMismatchError([f"out: keys must be output names ({', '.join(by_name)}) or handles"])
         else:
             if isinstance(out, torch.Tensor) or hasattr(out, "__dlpack__"):

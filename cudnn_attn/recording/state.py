@@ -1,0 +1,252 @@
+"""A graph's recording: its nodes, inputs and names, and the calls its ops recorded.
+
+``Graph``'s public methods record here; the build interprets each call (keywords parsed,
+tensors bound to input handles) unless an earlier identical recording's build is adopted
+(``reuse.py``). Recording never raises for bad input: every problem becomes a line of
+``node.errors``, reported together when the graph is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..core.dtypes import to_torch_dtype
+from ..core.problem import Op, TensorSpec
+from ..core.roles import ROLES
+from ..errors import GraphStateError, ValidationError
+from ..runtime import interop
+from .handles import InputHandle, OutputHandle, TensorHandle
+from .key import RecordingKey
+from .keywords import MaskKeywords, collect_keywords, parse_keywords, stats_requested
+from .node import Node
+
+# Why a keyword is refused where users might expect it.
+PAGED_HINTS = {
+    "generate_stats": "paged attention is forward inference: it returns no stats",
+    "is_inference": "paged attention is always inference",
+    "paged_attention_k_table": "pass the page table as the 4th argument, page_table",
+    "paged_attention_v_table": "use page_table_v",
+}
+
+Interpret = Callable[..., None]  # (recording, node, mask, *args) -> None
+
+
+class Recording:
+    """What one graph has recorded so far. ``options`` (backend, autotune, dtypes) start the key."""
+
+    def __init__(self, name: str, options: tuple):
+        self.name = name
+        self.nodes: list[Node] = []
+        self.inputs: list[InputHandle] = []  # in creation order; positional order once built
+        self.by_identity: dict[int, InputHandle] = {}  # id(argument) -> its handle
+        self.names: set[str] = set()
+        self.calls: list[tuple[Interpret, Node, tuple, dict[str, Any]]] = []
+        self.interpreted = False
+        self.made: list[InputHandle] = []  # handles made with tensor()/tensor_like(), in order
+        self.key = RecordingKey(options)
+        self.built = False
+        self._output_count = 0
+
+    # ---- names and inputs ------------------------------------------------------------------------
+
+    def unique_name(self, name: str) -> str:
+        candidate, n = name, 1
+        while candidate in self.names:
+            candidate = f"{name}_{n}"
+            n += 1
+        self.names.add(candidate)
+        return candidate
+
+    def claim_name(self, old: str, name: Any) -> None:
+        """Rename a handle from ``old`` to ``name`` (raises when ``name`` is taken or not a name)."""
+        if not isinstance(name, str) or not name:
+            raise ValidationError([f"name: {name!r}; expected a non-empty string"])
+        if name != old:
+            if name in self.names:
+                raise ValidationError([f"name: {name!r} is already used in this graph"])
+            self.names.discard(old)
+            self.names.add(name)
+
+    def new_input(self, spec: TensorSpec, name: str, template: torch.Tensor | None, role: str = "") -> InputHandle:
+        handle = InputHandle(self, self.unique_name(name), spec, role or name, template)
+        self.inputs.append(handle)
+        return handle
+
+    def made_input(self, spec: TensorSpec, name: str, template: torch.Tensor | None) -> InputHandle:
+        """An input made with ``Graph.tensor``/``tensor_like`` (numbered among those)."""
+        handle = self.new_input(spec, name, template)
+        handle.made_index = len(self.made)
+        self.made.append(handle)
+        return handle
+
+    def check_open(self, what: str) -> None:
+        if self.built:
+            raise GraphStateError(f"{what}: the graph is already built; record ops inside the `with` block")
+
+    # ---- recording calls -------------------------------------------------------------------------
+
+    def record_call(
+        self,
+        op: Op,
+        name: str | None,
+        positional: tuple[str, ...],
+        method: str,
+        interpret: Interpret,
+        args: tuple,
+        mask: dict[str, Any],
+        outputs: tuple[str, ...],
+    ) -> Node:
+        """A new node with its output handles; its call kept for the build to interpret."""
+        self.check_open(method)
+        self.key.add(self, method, name, args, mask)
+        count = sum(1 for n in self.nodes if n.op is op)
+        node = Node(op=op, name=op.value if count == 0 else f"{op.value}_{count}", positional=positional)
+        if name is not None:
+            if isinstance(name, str):
+                node.name = name
+            else:
+                node.errors.append(f"name: {name!r}; expected a string")
+        self.nodes.append(node)
+        for role in outputs:
+            self._new_output(node, role)
+        self.calls.append((interpret, node, args, mask))
+        return node
+
+    def _new_output(self, node: Node, role: str) -> OutputHandle:
+        base = ROLES[role].output or role
+        unique = self.unique_name(base if len(self.nodes) == 1 else f"{node.name}::{base}")
+        handle = OutputHandle(self, unique, node, role, self._output_count)
+        self._output_count += 1
+        node.outputs[role] = handle
+        return handle
+
+    def interpret(self) -> None:
+        """Parse and bind every recorded call (once: a build that failed validation keeps them)."""
+        calls, self.calls, self.interpreted = self.calls, [], True
+        for interpret, node, args, mask in calls:
+            interpret(self, node, mask, *args)
+
+    def forget_tensors(self) -> None:
+        """Built: templates only served the build-time checks; holding them would keep the first
+        call's tensors alive for as long as the graph is cached."""
+        for handle in [*self.inputs, *self.made]:
+            handle.template = None
+        self.by_identity.clear()
+        self.key.forget()
+
+    # ---- interpreting calls ----------------------------------------------------------------------
+
+    def bind(self, node: Node, role: str, value: Any) -> None:
+        """Record ``value`` as ``node``'s input ``role``: a handle, a template tensor or a DLPack array."""
+        if value is None:
+            return
+        if isinstance(value, TensorHandle):
+            if value.recording is not self:
+                node.errors.append(f"{node.argument(role)}: a tensor handle of another graph")
+            else:
+                node.inputs[role] = value  # type: ignore[assignment]
+            return
+        handle = self.by_identity.get(id(value))
+        if handle is None:
+            tensor = interop.as_torch(value)
+            if tensor is None:
+                node.errors.append(
+                    f"{node.argument(role)}: {type(value).__name__}; expected a tensor (torch, or any DLPack array)"
+                )
+                return
+            handle = self.new_input(TensorSpec.of(tensor), node.argument(role), tensor, role)
+            self.by_identity[id(value)] = handle
+        node.inputs[role] = handle
+
+    def bind_call(
+        self,
+        node: Node,
+        tensors: dict[str, Any],
+        mask: dict[str, Any],
+        method: str,
+        hints: dict[str, str] | None = None,
+    ) -> None:
+        """Parse ``node``'s mask keywords and bind its tensors."""
+        keywords = collect_keywords(mask, method, hints)
+        errors = keywords if isinstance(keywords, list) else []
+        q = interop.as_torch(tensors["q"]) if not isinstance(tensors["q"], TensorHandle) else None
+        q_spec = tensors["q"].spec if isinstance(tensors["q"], TensorHandle) else None
+        ragged = (q is not None and q.dim() == 3) or (q_spec is not None and q_spec.rank == 3)
+        parsed = parse_keywords(keywords if isinstance(keywords, MaskKeywords) else MaskKeywords(), ragged=ragged)
+        node.parsed = parsed
+        node.errors += errors + parsed.errors
+        for role, value in [*tensors.items(), *parsed.tensors.items()]:
+            self.bind(node, role, value)
+
+    def bind_paged(self, node: Node, table_k: Any, table_v: Any, max_seq_len_kv: Any, layout: Any) -> None:
+        node.paged = True
+        self.bind(node, "page_table_k", table_k)
+        self.bind(node, "page_table_v", table_v)
+        node.kv_cache_layout = layout
+        assert node.parsed is not None, "bound after the keywords are parsed"
+        if max_seq_len_kv is not None:
+            if isinstance(max_seq_len_kv, bool) or not isinstance(max_seq_len_kv, int) or max_seq_len_kv < 1:
+                node.errors.append(f"max_seq_len_kv: {max_seq_len_kv!r}; expected an int >= 1")
+            else:
+                node.parsed.max_seq_len_kv = max_seq_len_kv
+
+
+def check_compute_dtype(value: Any, node: Node) -> None:
+    try:
+        dtype = to_torch_dtype(value, "compute_data_type")
+    except TypeError as error:
+        node.errors.append(str(error))
+        return
+    if dtype is not None and dtype != torch.float32:
+        node.errors.append(f"compute_data_type: {dtype}; attention accumulates in float32 (data_type.FLOAT)")
+
+
+def flag_true(flag: Any) -> bool:
+    return flag is True or (type(flag) is int and flag == 1)
+
+
+# Each op's interpretation of its recorded call: ``Recording.interpret`` calls them at build.
+
+
+def interpret_sdpa(recording: Recording, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, is_inference: Any,
+                   generate_stats: Any, table_k: Any, table_v: Any, max_seq_len_kv: Any, layout: Any,
+                   compute_data_type: Any) -> None:  # fmt: skip
+    recording.bind_call(node, {"q": q, "k": k, "v": v}, mask, "sdpa")
+    stats_requested(is_inference, generate_stats, node.errors)
+    check_compute_dtype(compute_data_type, node)
+    if table_k is not None or table_v is not None:
+        table_v = table_v if table_v is not None else table_k
+        recording.bind_paged(node, table_k, table_v, max_seq_len_kv, layout)
+    elif max_seq_len_kv is not None:
+        node.errors.append("paged_attention_max_seq_len_kv: given without paged caches (paged_attention_k_table)")
+
+
+def interpret_paged(recording: Recording, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, page_table: Any,
+                    seq_len_q: Any, seq_len_kv: Any, page_table_v: Any, max_seq_len_kv: Any,
+                    layout: Any) -> None:  # fmt: skip
+    mask = dict(mask)
+    padding = mask.pop("use_padding_mask", True)
+    mask.update(seq_len_q=seq_len_q, seq_len_kv=seq_len_kv)
+    recording.bind_call(node, {"q": q, "k": k, "v": v}, mask, "sdpa_with_paged_cache", PAGED_HINTS)
+    node.spelling.update(page_table_k="page_table", page_table_v="page_table_v")
+    if padding is not True:
+        node.errors.append(f"use_padding_mask: {padding!r}; paged caches are always read through seq_len_kv")
+    if page_table is None:
+        node.errors.append("page_table: missing; give the [B, pages_per_seq] int32 page table of the caches")
+    table_v = page_table_v if page_table_v is not None else page_table
+    recording.bind_paged(node, page_table, table_v, max_seq_len_kv, layout)
+
+
+def interpret_backward(recording: Recording, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, o: Any,
+                       d_o: Any, stats: Any, deterministic: Any, bias_grad: Any,
+                       compute_data_type: Any) -> None:  # fmt: skip
+    tensors = {"q": q, "k": k, "v": v, "o": o, "grad_o": d_o, "stats": stats}
+    recording.bind_call(node, tensors, mask, "sdpa_backward")
+    check_compute_dtype(compute_data_type, node)
+    for flag, value in (("use_deterministic_algorithm", deterministic), ("bias_grad", bias_grad)):
+        if not isinstance(value, (bool, int)) or value not in (0, 1):
+            node.errors.append(f"{flag}: {value!r}; expected True or False")
+    node.deterministic = flag_true(deterministic)
