@@ -28,14 +28,15 @@ from typing import Any
 
 import torch
 
+from .core.constructors import backward_problem, forward_problem
 from .core.derived import derived
-from .core.mask import default_scale
+from .core.mask import Causal, ScoreOptions, default_scale
+from .core.problem import TensorSpec
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
-from .graph_cache import GraphCache
+from .runtime.prepared import PreparedRun, prepare
 
 CAUSAL = (None, "top_left", "bottom_right")
 SMALLEST_BUCKET = 16
-_graphs = GraphCache()
 
 
 def varlen_sdpa(
@@ -93,17 +94,19 @@ def varlen_attention(
     slots = _bucket(batch, 1)
     # Derived once per content of each cu_seqlens (every layer of a step passes the same ones).
     lengths_q, lengths_k = (derived(cu, _lengths, slots) for cu in (cu_seqlens_q, cu_seqlens_k))
-    options: dict[str, Any] = dict(
-        attn_scale=float(scale) if scale is not None else default_scale(q.shape[-1]),
-        use_causal_mask=causal == "top_left",
-        use_causal_mask_bottom_right=causal == "bottom_right",
-        sliding_window_length=None if window_left is None else window_left + 1,
-        max_seq_len_q=_bucket(max_seqlen_q, SMALLEST_BUCKET),
-        max_seq_len_kv=_bucket(max_seqlen_k, SMALLEST_BUCKET),
+    options = _Options(
+        ScoreOptions(
+            attn_scale=float(scale) if scale is not None else default_scale(q.shape[-1]),
+            causal=Causal(causal or "none"),
+            sliding_window=None if window_left is None else window_left + 1,
+            padding=True,  # packed sequences are read through their lengths
+            dropout_p=float(dropout_p),
+        ),
+        _bucket(max_seqlen_q, SMALLEST_BUCKET),
+        _bucket(max_seqlen_k, SMALLEST_BUCKET),
     )
     if dropout_p > 0:
-        options.update(dropout=float(dropout_p), dropout_seed=torch.randint(0, 2**62, (1,), dtype=torch.int64),
-                       dropout_offset=torch.zeros(1, dtype=torch.int64))  # fmt: skip
+        options.rng = (torch.randint(0, 2**62, (1,), dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
     try:
         return _Varlen.apply(q, k, v, lengths_q, lengths_k, options)
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
@@ -115,17 +118,31 @@ _NAMES = {"seq_len_q": "cu_seqlens_q", "seq_len_kv": "cu_seqlens_k", "max_seq_le
           "attn_scale": "scale"}  # fmt: skip
 
 
+class _Options:
+    """A call's score options, its bucketed maximum lengths and its dropout seed and offset."""
+
+    def __init__(self, scores: ScoreOptions, max_q: int, max_k: int):
+        self.scores, self.max_q, self.max_k = scores, max_q, max_k
+        self.rng: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def inputs(self, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.rng is not None:
+            tensors.update(dropout_seed=self.rng[0], dropout_offset=self.rng[1])
+        return tensors
+
+    def rng_specs(self) -> dict[str, TensorSpec]:
+        if self.rng is None:
+            return {}
+        return {"dropout_seed": TensorSpec.of(self.rng[0]), "dropout_offset": TensorSpec.of(self.rng[1])}
+
+
 class _Varlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, lengths_q, lengths_k, options):  # type: ignore[override]
         train = any(ctx.needs_input_grad[:3])
-        graph = _forward_graph(q, k, v, lengths_q, lengths_k, options, train)
+        run = _forward_run(q, k, v, lengths_q, lengths_k, options, train)
         out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)  # every row written
-        outputs = {"o": out}
-        if train:
-            outputs["stats"] = torch.empty(lengths_q.shape[0], q.shape[1], options["max_seq_len_q"], 1,
-                                           dtype=torch.float32, device=q.device)  # fmt: skip
-        graph.run_roles(_inputs(options, q=q, k=k, v=v, seq_len_q=lengths_q, seq_len_kv=lengths_k), outputs)
+        outputs = run.run(options.inputs(q=q, k=k, v=v, seq_len_q=lengths_q, seq_len_kv=lengths_k), {"o": out})
         if train:
             ctx.save_for_backward(q, k, v, out, outputs["stats"], lengths_q, lengths_k)
             ctx.options = options
@@ -133,44 +150,33 @@ class _Varlen(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out):  # type: ignore[override]
-        # Here, not at import: functional/ imports this module (nested tensors take the varlen door).
-        from .functional.graphs import like
-
         q, k, v, out, stats, lengths_q, lengths_k = ctx.saved_tensors
-        d_out = like(d_out, out)
-        graph = _backward_graph(q, k, v, out, d_out, stats, lengths_q, lengths_k, ctx.options)
+        if d_out.stride() != out.stride():  # the backward reads dO in O's layout
+            d_out = torch.empty_strided(out.shape, out.stride(), dtype=d_out.dtype, device=d_out.device).copy_(d_out)
+        run = _backward_run(q, k, v, out, d_out, stats, lengths_q, lengths_k, ctx.options)
         grads = [torch.zeros_like(t) for t in (q, k, v)]  # rows no sequence covers stay zero
-        inputs = _inputs(ctx.options, q=q, k=k, v=v, o=out, grad_o=d_out, stats=stats, seq_len_q=lengths_q,
-                         seq_len_kv=lengths_k)  # fmt: skip
-        graph.run_roles(inputs, dict(zip(("grad_q", "grad_k", "grad_v"), grads)))
+        inputs = ctx.options.inputs(q=q, k=k, v=v, o=out, grad_o=d_out, stats=stats, seq_len_q=lengths_q,
+                                    seq_len_kv=lengths_k)  # fmt: skip
+        run.run(inputs, dict(zip(("grad_q", "grad_k", "grad_v"), grads)))
         return (*grads, None, None, None)
 
 
-def _inputs(options: dict[str, Any], **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
-    if "dropout" in options:
-        tensors.update(dropout_seed=options["dropout_seed"], dropout_offset=options["dropout_offset"])
-    return tensors
+def _spec(t: torch.Tensor) -> TensorSpec:
+    return TensorSpec.of(t)
 
 
-def _signature(options: dict[str, Any]) -> tuple:
-    return tuple(sorted((name, value) for name, value in options.items() if not isinstance(value, torch.Tensor)))
+def _forward_run(q, k, v, lengths_q, lengths_k, options: _Options, train: bool) -> PreparedRun:
+    problem = forward_problem(_spec(q), _spec(k), _spec(v), options.scores, stats=train, seq_len_q=_spec(lengths_q),
+                              seq_len_kv=_spec(lengths_k), max_seq_len_q=options.max_q, max_seq_len_kv=options.max_k,
+                              **options.rng_specs())  # fmt: skip
+    return prepare(problem)  # cu_seqlens' values were checked by _check (CPU) or are clamped (GPU)
 
 
-def _geometry(t: torch.Tensor) -> tuple:
-    """A tensor's geometry without its packed token count: one graph serves every count."""
-    return (*t.shape[1:], *t.stride(), t.dtype, t.device)
-
-
-def _forward_graph(q, k, v, lengths_q, lengths_k, options, train: bool) -> Any:
-    key = ("forward", *(_geometry(t) for t in (q, k, v)), lengths_q.shape[0], _signature(options), train)
-    return _graphs.get_or_build(key, lambda g: g.sdpa(q, k, v, seq_len_q=lengths_q, seq_len_kv=lengths_k,
-                                                      generate_stats=train, **options))  # fmt: skip
-
-
-def _backward_graph(q, k, v, out, d_out, stats, lengths_q, lengths_k, options) -> Any:
-    key = ("backward", *(_geometry(t) for t in (q, k, v, out, d_out)), lengths_q.shape[0], _signature(options))
-    return _graphs.get_or_build(key, lambda g: g.sdpa_backward(q, k, v, out, d_out, stats, seq_len_q=lengths_q,
-                                                               seq_len_kv=lengths_k, **options))  # fmt: skip
+def _backward_run(q, k, v, out, d_out, stats, lengths_q, lengths_k, options: _Options) -> PreparedRun:
+    problem = backward_problem(_spec(q), _spec(k), _spec(v), _spec(out), _spec(d_out), _spec(stats), options.scores,
+                               seq_len_q=_spec(lengths_q), seq_len_kv=_spec(lengths_k), max_seq_len_q=options.max_q,
+                               max_seq_len_kv=options.max_k, **options.rng_specs())  # fmt: skip
+    return prepare(problem)
 
 
 def _lengths(cu_seqlens: torch.Tensor, slots: int) -> torch.Tensor:

@@ -3,6 +3,9 @@ clear library error naming the argument (one regression test per finding, and it
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -305,7 +308,14 @@ def test_graph_cache_is_bounded_in_bytes_counted_when_it_evicts(monkeypatch):
 
 
 def test_prepared_eager_runs_are_released_at_exit():
-    from cudnn_attn.functional import eager as sdpa_eager
-    from cudnn_attn.runtime import lifecycle
-
-    assert sdpa_eager.clear in lifecycle._hooks
+    # In a child process: releasing plans leaves this process's graphs unusable.
+    code = (
+        "import torch, cudnn_attn\n"
+        "from cudnn_attn.runtime import lifecycle, prepared\n"
+        "q = torch.randn(1, 2, 8, 16)\n"
+        "cudnn_attn.sdpa(q, q, q)\n"
+        "assert prepared.held() and len(cudnn_attn.default_cache()) == 1\n"
+        "lifecycle.release_plans()  # what runs at interpreter exit\n"
+        "assert not prepared.held() and len(cudnn_attn.default_cache()) == 0\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

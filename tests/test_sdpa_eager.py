@@ -12,7 +12,7 @@ from conftest import randn, rel_err
 
 import cudnn_attn
 from cudnn_attn.functional import eager as sdpa_eager
-from cudnn_attn.functional import graphs as sdpa_graphs
+from cudnn_attn.runtime import prepared
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +32,7 @@ def test_one_prepared_run_per_signature_and_new_ones_for_new_geometry():
     first = cudnn_attn.sdpa(q, k, v, is_causal=True)
     for seed in range(3):  # other data, same signature: no new entry, no new graph
         cudnn_attn.sdpa(*_qkv(1, 2, 8, 16, seed=seed + 1), is_causal=True)
-    assert len(sdpa_eager._prepared) == 1 and len(sdpa_graphs.graphs) == 1
+    assert len(sdpa_eager._prepared) == 1 and len(prepared.held()) == 1
     cudnn_attn.sdpa(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, is_causal=True)  # BSHD q
     cudnn_attn.sdpa(q, k, v)  # not causal
     cudnn_attn.sdpa(q, q, q, is_causal=True)  # aliased

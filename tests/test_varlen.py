@@ -155,24 +155,16 @@ def test_random_packings_build_a_bounded_number_of_plans():
     """Plans depend on the bucketed batch size and longest length, not on the packing: 200
     random packings of 1-8 sequences of length 1-64 build at most 4 x 3 forward and as many
     backward plans."""
-    cache = cudnn_attn.PlanCache(maxsize=1000)
+    cache = cudnn_attn.default_cache()  # varlen plans through it
+    cache.clear()  # counters too
     gen = torch.Generator().manual_seed(9)
-    from cudnn_attn import varlen
-
-    before = varlen._graphs.graph_options
-    varlen._graphs.graph_options = dict(cache=cache)
-    varlen._graphs.clear()
-    try:
-        for _ in range(200):
-            batch = int(torch.randint(1, 9, (1,), generator=gen))
-            lengths = torch.randint(1, 65, (batch,), generator=gen).tolist()
-            q, k, v, cu_q, cu_k = packed(lengths, lengths, h=2, h_kv=2, d=16, seed=int(torch.randint(0, 99, (1,))))
-            q.requires_grad_()
-            longest = max(lengths)
-            cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, longest, longest, is_causal=True).sum().backward()
-    finally:
-        varlen._graphs.graph_options = before
-        varlen._graphs.clear()
+    for _ in range(200):
+        batch = int(torch.randint(1, 9, (1,), generator=gen))
+        lengths = torch.randint(1, 65, (batch,), generator=gen).tolist()
+        q, k, v, cu_q, cu_k = packed(lengths, lengths, h=2, h_kv=2, d=16, seed=int(torch.randint(0, 99, (1,))))
+        q.requires_grad_()
+        longest = max(lengths)
+        cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, longest, longest, is_causal=True).sum().backward()
     # Batch buckets 1, 2, 4, 8; length buckets 16, 32, 64; a forward and a backward plan each.
     assert cache.stats()["size"] <= 2 * 4 * 3
     assert cache.stats()["misses"] == cache.stats()["size"]

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .. import PlanCache, varlen, varlen_sdpa
+from .. import default_cache, varlen_sdpa
 from ..functional import sdpa
 from .host import round_order
 
@@ -95,28 +95,22 @@ def mixed_batch(count: int = 16, seed: int = 0, rounds: int = 10) -> dict[str, A
 def plans_over_packings(packings: int = 1000, token_budget: int = 32768, seed: int = 1) -> dict[str, Any]:
     """Random packings (sequences of 128-8192 tokens until ``token_budget`` is filled), each
     run forward and backward through ``varlen_sdpa``; the plans the run built."""
-    cache = PlanCache(maxsize=10_000)
-    saved = varlen._graphs.graph_options
-    varlen._graphs.graph_options = dict(cache=cache)
-    varlen._graphs.clear()
+    cache = default_cache()  # varlen plans through it; cleared so that its counts are this run's
+    cache.clear()
     gen = torch.Generator().manual_seed(seed)
     batches: dict[int, int] = {}
-    try:
-        for _ in range(packings):
-            lengths: list[int] = []
-            while sum(lengths) < token_budget:
-                lengths += _lengths(gen, 1)
-            lengths[-1] -= sum(lengths) - token_budget  # fill the budget exactly
-            lengths = [n for n in lengths if n > 0]
-            batches[len(lengths)] = batches.get(len(lengths), 0) + 1
-            q, k, v = (torch.randn(token_budget, 1, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            q.requires_grad_()
-            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-            longest = max(lengths)
-            varlen_sdpa(q, k, v, cu, cu, longest, longest, is_causal=True).sum().backward()
-    finally:
-        varlen._graphs.graph_options = saved
-        varlen._graphs.clear()
+    for _ in range(packings):
+        lengths: list[int] = []
+        while sum(lengths) < token_budget:
+            lengths += _lengths(gen, 1)
+        lengths[-1] -= sum(lengths) - token_budget  # fill the budget exactly
+        lengths = [n for n in lengths if n > 0]
+        batches[len(lengths)] = batches.get(len(lengths), 0) + 1
+        q, k, v = (torch.randn(token_budget, 1, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        q.requires_grad_()
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        longest = max(lengths)
+        varlen_sdpa(q, k, v, cu, cu, longest, longest, is_causal=True).sum().backward()
     stats = cache.stats()
     return {"packings": packings, "plans_built": int(stats["builds"]), "batch_sizes_seen": len(batches),
             "build_seconds": stats["build_seconds"]}  # fmt: skip

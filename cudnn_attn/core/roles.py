@@ -9,6 +9,7 @@ the sequence-length input their offsets come from.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -96,3 +97,21 @@ def user_name(role: str) -> str:
 
 def ragged_roles() -> tuple[str, ...]:
     return tuple(name for name, role in ROLES.items() if role.lengths is not None)
+
+
+def problem_inputs(problem: Any) -> tuple[str, ...]:
+    """The run-time inputs ``problem`` has, in its op's parameter order (a prepared run's order)."""
+    if problem.is_forward:
+        order = FP8_INPUTS if problem.is_fp8 else SDPA_INPUTS
+    else:
+        order = FP8_BACKWARD_INPUTS if problem.is_fp8 else BACKWARD_INPUTS
+    return tuple(role for role in order if getattr(problem, role) is not None)
+
+
+def problem_outputs(problem: Any) -> tuple[str, ...]:
+    """The outputs ``problem`` computes, in its op's order (FP8 amaxes after the tensors)."""
+    if problem.is_forward:
+        order = (*FORWARD_OUTPUTS, *FP8_AMAXES)
+    else:
+        order = (*BACKWARD_OUTPUTS, *FP8_BACKWARD_AMAXES)
+    return tuple(role for role in order if getattr(problem, role) is not None)

@@ -1,10 +1,11 @@
 """``cudnn_attn.functional``: ``cudnn_attn.sdpa``, torch's ``scaled_dot_product_attention`` signature
-on cached graphs. ``dispatch`` (``sdpa()``: nested, unbatched, compiling or eager, read top-down),
+on prepared runs. ``dispatch`` (``sdpa()``: nested, unbatched, compiling or eager, read top-down),
 ``eager`` (prepared runs by a flat key; training through an ``autograd.Function``), ``compiled`` (the
 ``torch.library`` custom ops ``cudnn_attn::sdpa_forward`` / ``cudnn_attn::sdpa_backward``, for
 ``torch.compile`` only), ``arguments`` (torch-style checks, mask to bias, materialise,
 ``ARGUMENT_NAMES``), ``nested`` (jagged nested tensors through varlen), ``torch_kernel`` (when and how
-a call leaves cuDNN for torch's own kernel) and ``graphs`` (the functional form's graph cache). Only
+a call leaves cuDNN for torch's own kernel) and ``problems`` (a call as one ``AttentionProblem`` and
+its prepared run). Only
 ``sdpa`` (and ``_clear_graphs``, which the tests use) is re-exported here; ``cudnn_attn.sdpa`` is the
 public door.
 """

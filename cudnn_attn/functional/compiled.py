@@ -8,7 +8,7 @@ import torch
 
 from ..core.problem import strides_like
 from ..errors import GraphStateError
-from . import graphs as sdpa_graphs
+from . import problems
 
 
 @torch.library.custom_op("cudnn_attn::sdpa_forward", mutates_args=())
@@ -24,11 +24,11 @@ def sdpa_forward(
     offset: torch.Tensor | None,
     train: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    graph = sdpa_graphs.forward_graph(q, k, v, bias, scale, causal, dropout_p, seed, offset, train)
-    result = graph(*sdpa_graphs.distinct(sdpa_graphs.forward_inputs(q, k, v, bias, dropout_p, seed, offset)))
+    run = problems.forward_run(q, k, v, bias, scale, causal, dropout_p, seed, offset, train)
+    result = run.run_ordered(problems.forward_inputs(q, k, v, bias, dropout_p, seed, offset))
     if train:
-        return result
-    return result, q.new_empty(0, dtype=torch.float32)
+        return result[0], result[1]
+    return result[0], q.new_empty(0, dtype=torch.float32)
 
 
 @sdpa_forward.register_fake
@@ -55,12 +55,9 @@ def sdpa_backward(
     offset: torch.Tensor | None,
     bias_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    d_out = sdpa_graphs.like(d_out, out)
-    graph = sdpa_graphs.backward_graph(
-        q, k, v, out, d_out, stats, bias, scale, causal, dropout_p, seed, offset, bias_grad
-    )
-    inputs = sdpa_graphs.backward_inputs(q, k, v, out, d_out, stats, bias, dropout_p, seed, offset)
-    grads = graph(*sdpa_graphs.distinct(inputs))
+    d_out = problems.like(d_out, out)
+    run = problems.backward_run(q, k, v, out, d_out, stats, bias, scale, causal, dropout_p, seed, offset, bias_grad)
+    grads = run.run_ordered(problems.backward_inputs(q, k, v, out, d_out, stats, bias, dropout_p, seed, offset))
     return (*grads[:3], grads[3] if bias_grad else q.new_empty(0))
 
 

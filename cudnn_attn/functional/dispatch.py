@@ -26,8 +26,8 @@ import torch
 
 from ..core.mask import default_scale
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
+from ..runtime import prepared
 from . import eager as sdpa_eager
-from . import graphs as sdpa_graphs
 from . import torch_kernel
 from .arguments import (
     ARGUMENT_NAMES,
@@ -92,9 +92,9 @@ def sdpa(
 
 
 def _clear_graphs() -> None:
-    """Drop the functional form's graphs (their plans stay in the plan cache)."""
+    """Drop the functional form's prepared runs (their plans stay in the plan cache)."""
     sdpa_eager.clear()
-    sdpa_graphs.graphs.clear()
+    prepared.clear()
 
 
 __all__ = ["sdpa"]

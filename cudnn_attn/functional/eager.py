@@ -1,6 +1,6 @@
 """The eager path of ``cudnn_attn.sdpa``: a flat key straight to a prepared run.
 
-The first call of a signature is checked in full and builds its graphs (``graphs.py``).
+The first call of a signature is checked in full and prepares its runs (``problems.py``).
 Its key (shapes, strides, dtypes, devices, flags, aliasing) then proves the geometry of every
 later call with that key, so those pay a tuple, a lock-free dict lookup and the plans' own
 launches: no re-validation, no placeholder tensors, no custom-op dispatch. Training runs
@@ -9,22 +9,19 @@ through a plain ``torch.autograd.Function``.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 
 from ..core.mask import Causal, default_scale
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
-from ..runtime import lifecycle
-from ..runtime.runner import Runner
-from . import graphs as sdpa_graphs
-from . import torch_kernel
+from ..runtime.keyed import KeyedCache
+from ..runtime.prepared import PreparedRun
+from . import problems, torch_kernel
 from .arguments import ARGUMENT_NAMES, causal_kind, check_arguments, mask_as_bias, materialised
 
 MAX_ENTRIES = 512
-_prepared: dict[tuple, Prepared | TorchKernel] = {}
-_lock = threading.Lock()
+_prepared = KeyedCache(MAX_ENTRIES)  # flat key -> Prepared | TorchKernel
 _SCALARS = (float, int, type(None))
 _CAUSAL = (bool, Causal)  # a bool, or the variant a CausalBias mask stands for
 
@@ -50,11 +47,8 @@ def run(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_cau
             query is key, key is value, query is value, train)  # fmt: skip
     entry = _prepared.get(flat)
     if entry is None:
-        entry = _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, train)
-        with _lock:
-            if len(_prepared) >= MAX_ENTRIES:
-                _prepared.pop(next(iter(_prepared)))  # the oldest signature
-            _prepared[flat] = entry
+        entry = _prepared.put(flat, _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                             train))  # fmt: skip
     return entry(query, key, value, attn_mask)
 
 
@@ -77,14 +71,11 @@ def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
     # Templates of the seed's geometry: drawing a seed here would shift torch's generator.
     seed, offset = (torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)) if dropout_p else (None, None)
     try:
-        graph = sdpa_graphs.forward_graph(q, k, v, bias, entry.scale, causal.value, entry.dropout_p, seed, offset,
-                                          train)  # fmt: skip
+        entry.forward_run = problems.forward_run(q, k, v, bias, entry.scale, causal, entry.dropout_p, seed, offset,
+                                                 train)  # fmt: skip
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
         raise error.renamed(ARGUMENT_NAMES, context="sdpa") from None
-    inputs = sdpa_graphs.forward_inputs(q, k, v, bias, entry.dropout_p, seed, offset)
-    entry.forward_runner = graph._runner
-    entry.forward_keep = _distinct_positions(inputs)
-    entry.plain = entry.forward_keep == (0, 1, 2)  # three distinct inputs, no mask, no dropout
+    entry.plain = bias is None and not entry.dropout_p  # (q, k, v) alone
     return entry
 
 
@@ -99,22 +90,15 @@ class TorchKernel:
                                 self.enable_gqa)  # fmt: skip
 
 
-def _distinct_positions(tensors: list[Any]) -> tuple[int, ...]:
-    """The positions of first occurrences: which of a call's inputs the graph takes."""
-    pattern = sdpa_graphs.aliasing(tensors)
-    return tuple(i for i, first in enumerate(pattern) if first == i)
-
-
 class Prepared:
     """One call signature: its forward run, and its backward runs as they are needed."""
 
     def __init__(self, scale: float, causal: Causal, dropout_p: float, train: bool, materialise: tuple):
         self.scale, self.causal, self.dropout_p, self.train = scale, causal, dropout_p, train
         self.materialise = materialise if any(materialise) else None
-        self.forward_runner: Runner | None = None
-        self.forward_keep: tuple[int, ...] = ()
+        self.forward_run: PreparedRun | None = None
         self.plain = False
-        self.backward_runs: dict[tuple, tuple[Runner, tuple[int, ...]]] = {}
+        self.backward_runs: dict[bool, PreparedRun] = {}  # by bias_grad
 
     def layouts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.materialise is None:
@@ -130,7 +114,7 @@ class Prepared:
         if self.plain:  # (q, k, v) alone, the common case: straight to the plan
             if self.train:
                 return _Attention.apply(q, k, v, None, self, None)
-            return self.forward_runner.run_trusted((q, k, v))[0]  # type: ignore[union-attr]
+            return self.forward_run.run_ordered((q, k, v))[0]  # type: ignore[union-attr]
         bias = None if attn_mask is None else mask_as_bias(attn_mask, q, k.shape[-2])
         rng = self.rng() if self.dropout_p else None
         if self.train:
@@ -138,24 +122,20 @@ class Prepared:
         return self.forward(q, k, v, bias, rng)[0]
 
     def forward(self, q, k, v, bias, rng) -> list[torch.Tensor]:
-        assert self.forward_runner is not None
+        assert self.forward_run is not None
         if self.plain:
-            return self.forward_runner.run_trusted((q, k, v))
-        inputs = [t for t in (q, k, v, bias, *(rng or ())) if t is not None]
-        return self.forward_runner.run_trusted([inputs[i] for i in self.forward_keep])
+            return self.forward_run.run_ordered((q, k, v))
+        return self.forward_run.run_ordered([t for t in (q, k, v, bias, *(rng or ())) if t is not None])
 
     def backward(self, q, k, v, out, d_out, stats, bias, seed, offset, bias_grad: bool) -> list[torch.Tensor]:
-        d_out = sdpa_graphs.like(d_out, out)
-        inputs = sdpa_graphs.backward_inputs(q, k, v, out, d_out, stats, bias, self.dropout_p, seed, offset)
-        key = (bias_grad, sdpa_graphs.aliasing(inputs))
-        found = self.backward_runs.get(key)
-        if found is None:
-            graph = sdpa_graphs.backward_graph(q, k, v, out, d_out, stats, bias, self.scale, self.causal.value,
-                                               self.dropout_p, seed, offset, bias_grad)  # fmt: skip
-            assert graph._runner is not None
-            found = self.backward_runs[key] = (graph._runner, _distinct_positions(inputs))
-        runner, keep = found
-        return runner.run_trusted([inputs[i] for i in keep])
+        d_out = problems.like(d_out, out)
+        run = self.backward_runs.get(bias_grad)
+        if run is None:
+            run = self.backward_runs[bias_grad] = problems.backward_run(
+                q, k, v, out, d_out, stats, bias, self.scale, self.causal, self.dropout_p, seed, offset, bias_grad
+            )
+        return run.run_ordered(problems.backward_inputs(q, k, v, out, d_out, stats, bias, self.dropout_p, seed,
+                                                        offset))  # fmt: skip
 
 
 class _Attention(torch.autograd.Function):
@@ -177,7 +157,5 @@ class _Attention(torch.autograd.Function):
         return grads[0], grads[1], grads[2], (grads[3] if bias_grad else None), None, None
 
 
-@lifecycle.at_exit  # prepared runs hold native plans: release them while the frontend is whole
 def clear() -> None:
-    with _lock:
-        _prepared.clear()
+    _prepared.clear()
