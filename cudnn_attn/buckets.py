@@ -19,10 +19,14 @@ from typing import Any
 
 import torch
 
-from .core.mask import default_scale
+from .cache import default_cache
+from .core.constructors import forward_problem
+from .core.mask import Causal, ScoreOptions, default_scale
+from .core.problem import TensorSpec
 from .errors import ValidationError
-from .graph import Graph
-from .graph_cache import GraphCache
+from .ops import BACKEND_NAMES
+from .runtime.keyed import KeyedCache
+from .runtime.prepared import PreparedRun, prepare
 
 DEFAULT_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -34,18 +38,31 @@ class BucketedAttention:
         buckets: the padded lengths plans are built for, ascending.
         causal: ``"top_left"`` (``True``), ``"bottom_right"`` or ``False``; bottom-right aligns
             the diagonal with each request's real lengths, as decoding with a cache needs.
-        graph_options: passed to each ``Graph`` (``backend``, ``autotune``, ``cache``).
+        max_plans: how many plans (bucket pairs times batch geometries) to keep at most.
+        graph_options: as ``Graph`` takes them: ``backend``, ``autotune``, ``cache``.
     """
 
-    def __init__(self, buckets: tuple[int, ...] = DEFAULT_BUCKETS, causal: bool | str = False, **graph_options: Any):
+    def __init__(self, buckets: tuple[int, ...] = DEFAULT_BUCKETS, causal: bool | str = False, max_plans: int = 256,
+                 **graph_options: Any):  # fmt: skip
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValidationError([f"buckets: {buckets!r}; give distinct positive lengths in ascending order"])
         self.buckets = tuple(buckets)
         self.causal: str | None = "top_left" if causal is True else (None if causal is False else str(causal))
         if self.causal not in (None, "top_left", "bottom_right"):
             raise ValidationError([f"causal: {causal!r}; allowed False, True/'top_left', 'bottom_right'"])
+        unknown = sorted(set(graph_options) - {"backend", "autotune", "cache"})
+        if unknown:
+            raise ValidationError([f"{name}: not an option of BucketedAttention (backend, autotune, cache)"
+                                   for name in unknown])  # fmt: skip
+        if graph_options.get("backend", "auto") not in BACKEND_NAMES:
+            raise ValidationError(
+                [f"backend: {graph_options['backend']!r}; allowed {', '.join(map(repr, BACKEND_NAMES))}"]
+            )
         self.graph_options = graph_options
-        self._graphs = GraphCache(**graph_options)
+        if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
+            raise ValidationError([f"max_plans: {max_plans!r}; must be an int >= 1"])
+        # By problem: one plan per bucket pair and geometry, the oldest dropped past max_plans.
+        self._runs = KeyedCache(max_plans, release_at_exit=True)
 
     def bucket(self, length: int) -> int:
         i = bisect.bisect_left(self.buckets, length)
@@ -62,27 +79,27 @@ class BucketedAttention:
         lengths_q = torch.full((q.shape[0],), s_q, dtype=torch.int32, device=q.device)
         lengths_kv = torch.full((q.shape[0],), s_kv, dtype=torch.int32, device=q.device)
         scale = attn_scale if attn_scale is not None else default_scale(q.shape[-1])
-        graph = self._graph(padded, lengths_q, lengths_kv, scale)
-        out = graph(*padded, lengths_q, lengths_kv)
+        run = self._run(padded, lengths_q, lengths_kv, scale)
+        out = run.run({"q": padded[0], "k": padded[1], "v": padded[2], "seq_len_q": lengths_q,
+                       "seq_len_kv": lengths_kv})["o"]  # fmt: skip
         return out[:, :, :s_q]
 
-    def _graph(
-        self, padded: list[torch.Tensor], lengths_q: torch.Tensor, lengths_kv: torch.Tensor, scale: float
-    ) -> Graph:
-        key = (*(tuple(t.shape) + tuple(t.stride()) for t in padded), padded[0].dtype, str(padded[0].device), scale)
-
-        def record(graph: Graph) -> None:
-            graph.sdpa(
-                *padded, attn_scale=scale, use_padding_mask=True, seq_len_q=lengths_q, seq_len_kv=lengths_kv,
-                use_causal_mask=self.causal == "top_left", use_causal_mask_bottom_right=self.causal == "bottom_right",
-            )  # fmt: skip
-
-        return self._graphs.get_or_build(key, record)
+    def _run(self, padded: list[torch.Tensor], lengths_q: torch.Tensor, lengths_kv: torch.Tensor,
+             scale: float) -> PreparedRun:  # fmt: skip
+        options = ScoreOptions(attn_scale=scale, causal=Causal(self.causal or "none"), padding=True)
+        q, k, v = (TensorSpec.of(t) for t in padded)
+        problem = forward_problem(q, k, v, options, seq_len_q=TensorSpec.of(lengths_q),
+                                  seq_len_kv=TensorSpec.of(lengths_kv))  # fmt: skip
+        run = self._runs.get(problem)
+        if run is None:
+            run = self._runs.put(problem, prepare(problem, context="BucketedAttention", **self.graph_options))
+            (self.graph_options.get("cache") or default_cache()).on_drop(self._runs.clear)
+        return run
 
     @property
     def plan_count(self) -> int:
-        """How many distinct graphs (one plan each) this object holds."""
-        return len(self._graphs)
+        """How many distinct plans (one per bucket pair and geometry) this object has used."""
+        return len(self._runs)
 
 
 def _pad(t: torch.Tensor, length: int) -> torch.Tensor:

@@ -8,10 +8,12 @@ for one key build once, the others wait for that build.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
@@ -65,6 +67,7 @@ class PlanCache:
         self._build_seconds = 0.0
         # Whole graph builds by what was recorded (recording/reuse.py); forgotten whenever a plan goes.
         self.recorded = KeyedCache(RECORDED_BUILDS, release_at_exit=False)
+        self._drop_hooks: list[Any] = []  # weak references to bound methods, or plain functions
 
     def get_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """The plan for ``key``, calling ``build()`` on a miss (once, however many threads ask)."""
@@ -125,7 +128,25 @@ class PlanCache:
             _, plan = self._entries.popitem(last=False)
             held -= getattr(plan, "nbytes", 0)
             self._counts["evictions"] += 1
-            self.recorded.clear()
+            self._dropped()
+
+    def on_drop(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` whenever this cache drops plans (eviction or ``clear``): tables that keep
+        runs over its plans forget them, so no plan outlives its cache's bounds (once per hook)."""
+        held = weakref.WeakMethod(hook) if inspect.ismethod(hook) else hook  # a table may go before its cache
+        with self._lock:
+            if held not in self._drop_hooks:
+                self._drop_hooks.append(held)
+
+    def _dropped(self) -> None:
+        self.recorded.clear()
+        live = []
+        for held in self._drop_hooks:
+            hook = held() if isinstance(held, weakref.WeakMethod) else held
+            if hook is not None:
+                hook()
+                live.append(held)
+        self._drop_hooks = live
 
     def touch(self, keys: tuple[Hashable, ...]) -> bool:
         """Count a hit on each of ``keys`` and mark them recently used; False (nothing counted)
@@ -159,7 +180,7 @@ class PlanCache:
         """Drop every plan and zero the counters."""
         with self._lock:
             self._entries.clear()
-            self.recorded.clear()
+            self._dropped()
             self._counts = dict.fromkeys(self._counts, 0)
             self._build_seconds = 0.0
 

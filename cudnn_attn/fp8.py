@@ -19,19 +19,19 @@ from typing import Any
 
 import torch
 
+from .core.constructors import backward_problem, forward_problem
 from .core.dtypes import dtype_name
-from .core.mask import default_scale
+from .core.mask import Causal, ScoreOptions, default_scale
 from .core.problem import TensorSpec
+from .core.roles import FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
 from .fp8_scaling import Fp8Scaling, current_scale
 from .functional.arguments import ARGUMENT_NAMES, check_arguments, materialised
-from .graph_cache import GraphCache
 from .kernels.fp8_cast import E4M3_MAX, amax_qkv, from_fp8, quantise_qkv, scale_view, to_fp8
+from .runtime.prepared import PreparedRun, prepare
 
 BACKWARDS = ("bf16", "fp8")
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
-_graphs = GraphCache()
-_backward_graphs = GraphCache()
 
 
 def sdpa_fp8(
@@ -121,11 +121,10 @@ def forward(
     descale_s, scale_s = _softmax_scales(query.device)
     scale_o = scale_view(used, 2)  # V's scale: |O| <= max|V|, so O under it never saturates
     args = (q8, k8, v8, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o)
-    graph = _graph(args, is_causal, attn_scale, stats=keep is not None)
-    if keep is None:
-        out8 = graph(*args)  # the one output, O
-    else:
-        out8, stats = graph(*args)
+    results = _forward_run(args, is_causal, attn_scale, stats=keep is not None).run_ordered(args)
+    out8 = results[0]
+    if keep is not None:
+        stats = results[1]
         keep.update(q8=q8, k8=k8, v8=v8, o8=out8, stats=stats, descale_q=descale_q, descale_k=descale_k,
                     descale_v=descale_v, scale_s=scale_s, is_causal=is_causal, attn_scale=attn_scale)  # fmt: skip
     return from_fp8(out8, descale_v, query.dtype)
@@ -147,16 +146,15 @@ def _softmax_scales(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return _softmax_constants[device]
 
 
-def _graph(args: tuple, is_causal: bool, attn_scale: float, stats: bool = False) -> Any:
-    key = (*(TensorSpec.of(t) for t in args[:3]), is_causal, attn_scale, stats)
+def _scores(is_causal: bool, attn_scale: float) -> ScoreOptions:
+    return ScoreOptions(attn_scale=attn_scale, causal=Causal.TOP_LEFT if is_causal else Causal.NONE)
 
-    def record(g: Any) -> None:
-        _, _, amax_s, amax_o = g.sdpa_fp8(*args, attn_scale=attn_scale, use_causal_mask=is_causal,
-                                          generate_stats=stats)  # fmt: skip
-        amax_s.set_output(False)  # not needed here: O alone (Amax_S also narrows cuDNN's engines)
-        amax_o.set_output(False)
 
-    return _graphs.get_or_build(key, record)
+def _forward_run(args: tuple, is_causal: bool, attn_scale: float, stats: bool = False) -> PreparedRun:
+    """O (and stats) of the FP8 forward; its amaxes are not asked for (Amax_S narrows cuDNN's engines)."""
+    q, k, v, *scales = (TensorSpec.of(t) for t in args)
+    problem = forward_problem(q, k, v, _scores(is_causal, attn_scale), stats=stats, fp8=dict(zip(FP8_SCALES, scales)))
+    return prepare(problem, context="sdpa_fp8")
 
 
 # What the FP8 backward reads from its forward, saved as torch saves tensors: freed by a
@@ -244,14 +242,12 @@ def _run_backward(saved: dict[str, Any], do8: torch.Tensor, descale_do: torch.Te
     args = (q8, k8, v8, o8, do8, stats, saved["descale_q"], saved["descale_k"], saved["descale_v"],
             saved["descale_v"].clone(), descale_do, 1.0 / scale_s, 1.0 / scale_dp, scale_s.clone(), scale_dq,
             scale_dk, scale_dv, scale_dp)  # fmt: skip
-    graph = _backward_graph(args, saved["is_causal"], saved["attn_scale"])
-    return graph(*args)
+    return tuple(_backward_run(args, saved["is_causal"], saved["attn_scale"]).run_ordered(args))
 
 
-def _backward_graph(args: tuple, is_causal: bool, attn_scale: float) -> Any:
-    key = (*(TensorSpec.of(t) for t in args[:6]), is_causal, attn_scale)
-
-    def record(g: Any) -> None:
-        g.sdpa_fp8_backward(*args, attn_scale=attn_scale, use_causal_mask=is_causal)
-
-    return _backward_graphs.get_or_build(key, record)
+def _backward_run(args: tuple, is_causal: bool, attn_scale: float) -> PreparedRun:
+    q, k, v, o, grad_o, stats, *scales = (TensorSpec.of(t) for t in args)
+    amax = TensorSpec.contiguous((1, 1, 1, 1), torch.float32, q.device)
+    fp8 = {**dict(zip(FP8_BACKWARD_SCALES, scales)), **dict.fromkeys(FP8_BACKWARD_AMAXES, amax)}
+    problem = backward_problem(q, k, v, o, grad_o, stats, _scores(is_causal, attn_scale), fp8=fp8)
+    return prepare(problem, context="sdpa_fp8")

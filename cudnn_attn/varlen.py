@@ -130,10 +130,10 @@ class _Options:
             tensors.update(dropout_seed=self.rng[0], dropout_offset=self.rng[1])
         return tensors
 
-    def rng_specs(self) -> dict[str, TensorSpec]:
+    def rng_specs(self) -> tuple[TensorSpec | None, TensorSpec | None]:
         if self.rng is None:
-            return {}
-        return {"dropout_seed": TensorSpec.of(self.rng[0]), "dropout_offset": TensorSpec.of(self.rng[1])}
+            return None, None
+        return TensorSpec.of(self.rng[0]), TensorSpec.of(self.rng[1])
 
 
 class _Varlen(torch.autograd.Function):
@@ -168,14 +168,14 @@ def _spec(t: torch.Tensor) -> TensorSpec:
 def _forward_run(q, k, v, lengths_q, lengths_k, options: _Options, train: bool) -> PreparedRun:
     problem = forward_problem(_spec(q), _spec(k), _spec(v), options.scores, stats=train, seq_len_q=_spec(lengths_q),
                               seq_len_kv=_spec(lengths_k), max_seq_len_q=options.max_q, max_seq_len_kv=options.max_k,
-                              **options.rng_specs())  # fmt: skip
+                              dropout_seed=options.rng_specs()[0], dropout_offset=options.rng_specs()[1])  # fmt: skip
     return prepare(problem)  # cu_seqlens' values were checked by _check (CPU) or are clamped (GPU)
 
 
 def _backward_run(q, k, v, out, d_out, stats, lengths_q, lengths_k, options: _Options) -> PreparedRun:
     problem = backward_problem(_spec(q), _spec(k), _spec(v), _spec(out), _spec(d_out), _spec(stats), options.scores,
                                seq_len_q=_spec(lengths_q), seq_len_kv=_spec(lengths_k), max_seq_len_q=options.max_q,
-                               max_seq_len_kv=options.max_k, **options.rng_specs())  # fmt: skip
+                               max_seq_len_kv=options.max_k, dropout_seed=options.rng_specs()[0], dropout_offset=options.rng_specs()[1])  # fmt: skip
     return prepare(problem)
 
 

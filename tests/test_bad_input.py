@@ -271,8 +271,7 @@ def test_plan_cache_is_bounded_in_bytes():
 
 
 def test_bucketed_attention_keeps_a_bounded_number_of_graphs():
-    attend = cudnn_attn.BucketedAttention(buckets=(4, 8, 16, 32, 64))
-    attend._graphs.maxsize = 2
+    attend = cudnn_attn.BucketedAttention(buckets=(4, 8, 16, 32, 64), max_plans=2)
     for s in (3, 7, 15, 31, 63):
         x = randn(1, 1, s, 16)
         attend(x, x, x)
@@ -293,19 +292,17 @@ def test_a_square_paged_cache_asks_for_its_layout_unless_both_readings_coincide(
     assert g.problems[0].h_k == 1 and g.problems[0].page_size == 1
 
 
-def test_graph_cache_is_bounded_in_bytes_counted_when_it_evicts(monkeypatch):
-    from cudnn_attn.graph_cache import GraphCache
-
-    held = {"bytes": 0}  # what every graph's plans hold: workspaces appear after a first run
-    monkeypatch.setattr(cudnn_attn.Graph, "nbytes", lambda self: held["bytes"])
-    cache = GraphCache(maxsize=100, max_bytes=1000)
-    for i in range(3):
-        cache.get_or_build(i, lambda g, s=4 + 4 * i: g.sdpa(*(randn(1, 1, s, 16) for _ in range(3))))
-    assert len(cache) == 3
-    held["bytes"] = 400  # the plans have run since: 1200 bytes held now
-    cache.get_or_build(3, lambda g: g.sdpa(*(randn(1, 1, 20, 16) for _ in range(3))))
-    assert len(cache) == 2 and cache.nbytes() == 800
-
+def test_prepared_runs_let_go_of_plans_their_cache_drops():
+    """Runs hold plans; the plan cache's bounds bound them too: a run whose plan the cache
+    evicted is prepared afresh (a new plan), never served from a table that outlived it."""
+    cache = cudnn_attn.PlanCache(maxsize=1)
+    attend = cudnn_attn.BucketedAttention(buckets=(8, 16), cache=cache)
+    short, long = randn(1, 1, 5, 16), randn(1, 1, 12, 16)
+    attend(short, short, short)
+    attend(long, long, long)  # the second plan evicts the first
+    attend(short, short, short)  # prepared again: built again
+    stats = cache.stats()
+    assert stats["builds"] == 3 and stats["evictions"] == 2 and len(cache) == 1
 
 def test_prepared_eager_runs_are_released_at_exit():
     # In a child process: releasing plans leaves this process's graphs unusable.

@@ -1,9 +1,10 @@
-"""Run-time integer inputs (sequence lengths, page indices) made safe on the device.
+"""Run-time integer inputs (sequence lengths, page indices): checked on the host where their
+values are at hand (``value_problems``), made safe on the device where they are not.
 
 Checking their values would read them to the host: a sync per call. Instead they are
 clamped into range on the device (no sync, capturable), so whatever values arrive no kernel
 reads or writes outside the tensors. Rows with out-of-range values get meaningless results;
-where values are on the host anyway, ``validation.value_problems`` raises for them instead.
+where values are on the host anyway, ``value_problems`` raises for them instead.
 The clamped tensors are derived once per content of each input (``derived``), not
 once per layer.
 """
@@ -60,3 +61,39 @@ def packed_lengths(lengths: torch.Tensor, high: int | None, tokens: int) -> torc
     ends = torch.cumsum(lengths.reshape(-1).to(torch.int64), 0).clamp(max=tokens)
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     return (ends - starts).to(torch.int32).view(lengths.shape)
+
+
+def value_problems(p: AttentionProblem, data: Mapping[str, torch.Tensor]) -> list[str]:
+    """Problems with the values of the integer inputs in ``data`` (role -> tensor).
+
+    Reads the (small) tensors to the host: call it where that costs nothing (CPU tensors,
+    graph build time), never on a GPU hot path.
+    """
+    found: list[str] = []
+    limits = {"seq_len_q": p.s_q, "seq_len_kv": p.s_kv}
+    for role, limit in limits.items():
+        t = data.get(role)
+        if t is None:
+            continue
+        values = t.detach().reshape(-1).to("cpu", torch.int64)
+        bad = values[(values < 0) | (values > limit)]
+        if bad.numel():
+            found.append(f"{role}: values {bad[:4].tolist()} out of range; each length must be in 0..{limit}")
+    if p.is_thd:
+        packed = [("seq_len_q", p.q.shape[0])] + ([] if p.is_paged else [("seq_len_kv", p.k.shape[0])])
+        for role, tokens in packed:
+            t = data.get(role)
+            if t is not None and int(t.detach().to("cpu", torch.int64).sum()) > tokens:
+                total = int(t.detach().to("cpu", torch.int64).sum())
+                found.append(f"{role}: lengths sum to {total} but the packed tensor holds {tokens} tokens")
+    if p.is_paged:
+        num_pages = p.k.shape[0]
+        for role in ("page_table_k", "page_table_v"):
+            t = data.get(role)
+            if t is None:
+                continue
+            values = t.detach().reshape(-1).to("cpu", torch.int64)
+            bad = values[(values < 0) | (values >= num_pages)]
+            if bad.numel():
+                found.append(f"{role}: page indices {bad[:4].tolist()} out of range; allowed 0..{num_pages - 1}")
+    return found

@@ -8,6 +8,8 @@ problems through these, so a problem means the same wherever it was made.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .mask import ScoreOptions
@@ -62,7 +64,7 @@ def forward_problem(
         stats=default_stats(q, seq_len_q, max_seq_len_q) if stats else None,
         bias=bias, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, page_table_k=page_table_k, page_table_v=page_table_v,
         dropout_seed=dropout_seed, dropout_offset=dropout_offset, options=options, kv_cache_layout=kv_cache_layout,
-        max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv, **(fp8 or {}),
+        max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv, **_fp8_fields(fp8),
     )  # fmt: skip
 
 
@@ -100,5 +102,9 @@ def backward_problem(
         grad_q=like(q, dtype=grad_dtype), grad_k=like(k, dtype=grad_dtype), grad_v=like(v, dtype=grad_dtype),
         bias=bias, grad_bias=grad_bias_spec, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, dropout_seed=dropout_seed,
         dropout_offset=dropout_offset, options=options, max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv,
-        deterministic=deterministic, **(fp8 or {}),
+        deterministic=deterministic, **_fp8_fields(fp8),
     )  # fmt: skip
+
+
+def _fp8_fields(fp8: dict[str, TensorSpec] | None) -> dict[str, Any]:
+    return dict(fp8 or {})

@@ -101,6 +101,7 @@ def ragged_roles() -> tuple[str, ...]:
 
 def problem_inputs(problem: Any) -> tuple[str, ...]:
     """The run-time inputs ``problem`` has, in its op's parameter order (a prepared run's order)."""
+    order: tuple[str, ...]
     if problem.is_forward:
         order = FP8_INPUTS if problem.is_fp8 else SDPA_INPUTS
     else:
@@ -110,6 +111,7 @@ def problem_inputs(problem: Any) -> tuple[str, ...]:
 
 def problem_outputs(problem: Any) -> tuple[str, ...]:
     """The outputs ``problem`` computes, in its op's order (FP8 amaxes after the tensors)."""
+    order: tuple[str, ...]
     if problem.is_forward:
         order = (*FORWARD_OUTPUTS, *FP8_AMAXES)
     else:

@@ -1,9 +1,8 @@
 """Validation: pure functions from a problem to the list of everything wrong with it.
 
-``problems(p)`` checks geometry, dtypes and option combinations; ``value_problems(p, data)``
-checks the values of the small integer inputs (sequence lengths, page tables), which only
-exist where a tensor is at hand. Neither raises: callers collect the lines and raise one
-``ValidationError``. Each line names the argument, what was given and what is allowed.
+``problems(p)`` checks geometry, dtypes and option combinations (the values of the small
+integer inputs, which only exist where a tensor is at hand, are ``bounds.value_problems``).
+It never raises: callers collect the lines and raise one ``ValidationError``. Each line names the argument, what was given and what is allowed.
 
 These are the rules of the operation itself, the same on every backend (they mirror what
 the cuDNN frontend documents as well formed). What a given GPU or cuDNN version can run is
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
 
 import torch
 
@@ -430,45 +428,6 @@ def _check_backward(p: AttentionProblem, found: list[str]) -> None:
         if tuple(spec.shape) != tuple(like.shape):
             source = {"grad_o": "o", "grad_q": "q", "grad_k": "k", "grad_v": "v"}[role]
             found.append(f"{_name(role)}: shape {list(spec.shape)} differs from {source}'s {list(like.shape)}")
-
-
-# ---- values ----------------------------------------------------------------------------------
-
-
-def value_problems(p: AttentionProblem, data: Mapping[str, torch.Tensor]) -> list[str]:
-    """Problems with the values of the integer inputs in ``data`` (role -> tensor).
-
-    Reads the (small) tensors to the host: call it where that costs nothing (CPU tensors,
-    graph build time), never on a GPU hot path.
-    """
-    found: list[str] = []
-    limits = {"seq_len_q": p.s_q, "seq_len_kv": p.s_kv}
-    for role, limit in limits.items():
-        t = data.get(role)
-        if t is None:
-            continue
-        values = t.detach().reshape(-1).to("cpu", torch.int64)
-        bad = values[(values < 0) | (values > limit)]
-        if bad.numel():
-            found.append(f"{role}: values {bad[:4].tolist()} out of range; each length must be in 0..{limit}")
-    if p.is_thd:
-        packed = [("seq_len_q", p.q.shape[0])] + ([] if p.is_paged else [("seq_len_kv", p.k.shape[0])])
-        for role, tokens in packed:
-            t = data.get(role)
-            if t is not None and int(t.detach().to("cpu", torch.int64).sum()) > tokens:
-                total = int(t.detach().to("cpu", torch.int64).sum())
-                found.append(f"{role}: lengths sum to {total} but the packed tensor holds {tokens} tokens")
-    if p.is_paged:
-        num_pages = p.k.shape[0]
-        for role in ("page_table_k", "page_table_v"):
-            t = data.get(role)
-            if t is None:
-                continue
-            values = t.detach().reshape(-1).to("cpu", torch.int64)
-            bad = values[(values < 0) | (values >= num_pages)]
-            if bad.numel():
-                found.append(f"{role}: page indices {bad[:4].tolist()} out of range; allowed 0..{num_pages - 1}")
-    return found
 
 
 # ---- naming helpers --------------------------------------------------------------------------

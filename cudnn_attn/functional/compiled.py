@@ -58,7 +58,7 @@ def sdpa_backward(
     d_out = problems.like(d_out, out)
     run = problems.backward_run(q, k, v, out, d_out, stats, bias, scale, causal, dropout_p, seed, offset, bias_grad)
     grads = run.run_ordered(problems.backward_inputs(q, k, v, out, d_out, stats, bias, dropout_p, seed, offset))
-    return (*grads[:3], grads[3] if bias_grad else q.new_empty(0))
+    return grads[0], grads[1], grads[2], grads[3] if bias_grad else q.new_empty(0)
 
 
 @sdpa_backward.register_fake

@@ -34,7 +34,7 @@ def forward_run(q, k, v, bias, scale: float, causal: Causal | str, dropout_p: fl
                 train: bool) -> PreparedRun:  # fmt: skip
     """The prepared forward of this call (O, plus stats when ``train``); inputs as ``forward_inputs``."""
     seed, offset = (seed, offset) if dropout_p > 0 else (None, None)
-    problem = forward_problem(_spec(q), _spec(k), _spec(v), _options(scale, causal, dropout_p), stats=train,
+    problem = forward_problem(TensorSpec.of(q), TensorSpec.of(k), TensorSpec.of(v), _options(scale, causal, dropout_p), stats=train,
                               bias=_spec(bias), dropout_seed=_spec(seed), dropout_offset=_spec(offset))  # fmt: skip
     return prepare(problem, context="sdpa")
 
@@ -49,7 +49,8 @@ def backward_run(q, k, v, out, d_out, stats, bias, scale: float, causal: Causal 
     """The prepared backward of this call (dQ, dK, dV, plus dBias when ``bias_grad``); inputs as
     ``backward_inputs``. ``d_out`` must have ``out``'s strides (see ``like``)."""
     seed, offset = (seed, offset) if dropout_p > 0 else (None, None)
-    problem = backward_problem(_spec(q), _spec(k), _spec(v), _spec(out), _spec(d_out), _spec(stats),  # type: ignore[arg-type]
+    q_, k_, v_, o_, d_o_, stats_ = (TensorSpec.of(t) for t in (q, k, v, out, d_out, stats))
+    problem = backward_problem(q_, k_, v_, o_, d_o_, stats_,
                                _options(scale, causal, dropout_p), bias=_spec(bias), grad_bias=bias_grad,
                                dropout_seed=_spec(seed), dropout_offset=_spec(offset))  # fmt: skip
     return prepare(problem, context="sdpa")

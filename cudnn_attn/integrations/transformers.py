@@ -167,7 +167,7 @@ class _RecentPackings:
         self._entries: list[tuple[torch.Tensor, int | None, tuple, _Packing | None]] = []
 
     def get(self, source: torch.Tensor, key: tuple, build: Callable[[], _Packing | None]) -> _Packing | None:
-        version = _version(source)
+        version = _tensor_version(source)
         for entry in self._entries:
             if entry[0] is source and entry[1] == version and entry[2] == key:
                 return entry[3]
@@ -179,7 +179,7 @@ class _RecentPackings:
 _recent = _RecentPackings()
 
 
-def _version(t: torch.Tensor) -> int | None:
+def _tensor_version(t: torch.Tensor) -> int | None:
     try:
         return t._version
     except RuntimeError:  # inference tensors keep no version counter

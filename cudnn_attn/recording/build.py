@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..cache import PlanCache
-from ..core import validation
+from ..core import bounds, validation
 from ..errors import UnsupportedError, ValidationError
 from ..runtime import planner
 from .assembly import assemble_problem, missing_inputs
@@ -38,7 +38,7 @@ def validate_nodes(nodes: Sequence[Node], dtypes: dict[str, torch.dtype | None],
             # Structural problems are reported alongside argument errors: all problems at once.
             lines += [line for line in validation.problems(problem) if line not in lines]
             if not lines:
-                lines += validation.value_problems(problem, _templates(node))
+                lines += bounds.value_problems(problem, _templates(node))
             node.problem = problem
             for role, handle in node.outputs.items():
                 handle.built_spec = getattr(problem, role)

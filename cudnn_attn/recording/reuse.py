@@ -17,8 +17,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..core.bounds import value_problems
 from ..core.problem import TensorSpec
-from ..core.validation import value_problems
 from ..errors import ValidationError
 from .handles import InputHandle
 

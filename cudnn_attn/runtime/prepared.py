@@ -5,6 +5,11 @@ buckets, ``PagedAttention``, context parallelism) builds its ``AttentionProblem`
 here for a prepared run: no entry point spells frontend keywords for a graph to parse again,
 and none writes a plan-cache key by hand (the planner derives it from the problem). Prepared
 runs are kept by problem, so an entry point's own fast key in front of this one is optional.
+
+A prepared run holds its plan. This table (and ``BucketedAttention``'s) registers with the plan
+cache's ``on_drop`` and is forgotten whenever the cache drops plans, so a problem asked for again
+gets its plan from the cache's bounds; the hot paths' own tables in front (the eager flat key,
+context parallelism's blocks) are bounded by entries instead, and keep their runs.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any
 import torch
 
 from ..cache import default_cache
-from ..core import validation
+from ..core import bounds, validation
 from ..core.problem import AttentionProblem
 from ..core.roles import problem_inputs, problem_outputs
 from ..errors import UnsupportedError, ValidationError
@@ -97,7 +102,7 @@ def prepare(
     tune = enabled_by_default() if autotune is None else bool(autotune)
     key = (problem, backend, tune, id(cache))
     found = _prepared.get(key)
-    if found is not None and found.cache_key in cache:
+    if found is not None:
         if values:
             _check_values(problem, values, context)
         return found
@@ -110,11 +115,12 @@ def prepare(
         planned = planner.plan(problem, backend, tune, cache)
     except UnsupportedError as error:
         raise UnsupportedError(error.problems, context=context, alternatives=error.alternatives) from None
+    cache.on_drop(_prepared.clear)
     return _prepared.put(key, PreparedRun(problem, planned))
 
 
 def _check_values(problem: AttentionProblem, values: Mapping[str, torch.Tensor], context: str | None) -> None:
-    lines = validation.value_problems(problem, values)
+    lines = bounds.value_problems(problem, values)
     if lines:
         raise ValidationError(lines, context=context)
 

@@ -63,7 +63,7 @@ FP8_MAX_HEAD_DIM = 128
 DECODE_GQA_FIXED = 91900
 
 
-def _version(v: int) -> str:
+def _ver(v: int) -> str:
     major, rest = divmod(v, 10000)
     return f"{major}.{rest // 100}"
 
@@ -83,7 +83,7 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
             f"compute capability {platform.arch[0]}.{platform.arch[1]} < 8.0: fused attention needs Ampere or newer"
         )
     if platform.cudnn < MIN_CUDNN:
-        reasons.append(f"cuDNN {_version(platform.cudnn)} < 9.0: this library lowers to the cuDNN 9 attention graph")
+        reasons.append(f"cuDNN {_ver(platform.cudnn)} < 9.0: this library lowers to the cuDNN 9 attention graph")
     if p.is_fp8:
         reasons += _fp8_reasons(p, platform)
     elif p.q.dtype in FP8:
@@ -96,13 +96,13 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
         if p.q.dtype == torch.float32:
             reasons += _float32_reasons(p, platform)
     if p.is_paged and platform.cudnn < PAGED_MIN_CUDNN:
-        reasons.append(f"paged K/V caches need cuDNN >= 9.5 (have {_version(platform.cudnn)})")
+        reasons.append(f"paged K/V caches need cuDNN >= 9.5 (have {_ver(platform.cudnn)})")
     if p.options.causal is Causal.BOTTOM_RIGHT and platform.cudnn < BOTTOM_RIGHT_MIN_CUDNN:
-        reasons.append(f"bottom-right causal masks need cuDNN >= 9.3 (have {_version(platform.cudnn)})")
+        reasons.append(f"bottom-right causal masks need cuDNN >= 9.3 (have {_ver(platform.cudnn)})")
     if p.options.sliding_window is not None and platform.cudnn < SLIDING_WINDOW_MIN_CUDNN:
-        reasons.append(f"sliding windows need cuDNN >= 9.2 (have {_version(platform.cudnn)})")
+        reasons.append(f"sliding windows need cuDNN >= 9.2 (have {_ver(platform.cudnn)})")
     if p.is_thd and platform.cudnn < RAGGED_INT64_MIN_CUDNN:
-        reasons.append(f"ragged (THD) inputs need cuDNN >= 9.6 (have {_version(platform.cudnn)})")
+        reasons.append(f"ragged (THD) inputs need cuDNN >= 9.6 (have {_ver(platform.cudnn)})")
     if not p.is_forward and p.s_q == 1 and p.s_kv == 1:
         # cuDNN release notes, known issue: "bprop is not supported when both key/value have sequence length of 1".
         reasons.append("sdpa_backward with S_q = S_kv = 1: refused (cuDNN does not support this backward shape)")
@@ -145,7 +145,7 @@ def _fp8_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
         # TransformerEngine get_attention_backend: "FP8 is not supported for compute capability = sm120".
         reasons.append(f"{op} on sm{platform.sm}: refused (FP8 attention is not supported on sm12x); use fp16 or bf16")
     if platform.cudnn < FP8_MIN_CUDNN:
-        reasons.append(f"{op} needs cuDNN >= {_version(FP8_MIN_CUDNN)} (have {_version(platform.cudnn)})")
+        reasons.append(f"{op} needs cuDNN >= {_ver(FP8_MIN_CUDNN)} (have {_ver(platform.cudnn)})")
     elif platform.cudnn in FP8_BAD_CUDNN:
         reasons.append(f"{op} on cuDNN 9.10.0: refused (known bugs in its FP8 attention); use 9.10.2 or newer")
     hopper = platform.arch < (10, 0)
@@ -224,7 +224,7 @@ FLOAT32_MAX_HEAD_DIM_V = 128  # d_v of 160-256 gave O off by 1.1-3.6x, or unwrit
 
 def _float32_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
     reasons = []
-    seen = f"cuDNN {_version(platform.cudnn)}'s float32 path was seen giving wrong O"
+    seen = f"cuDNN {_ver(platform.cudnn)}'s float32 path was seen giving wrong O"
     if not p.is_forward:
         reasons.append("sdpa_backward in float32: cuDNN proposes no float32 backward engine; train in bf16/fp16")
     if p.has_dropout:

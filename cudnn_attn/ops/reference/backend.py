@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 
-from ...core import validation
-from ...core.bounds import clamped, upper_bounds
+from ...core.bounds import clamped, upper_bounds, value_problems
 from ...core.problem import AttentionProblem, KVCacheLayout
 from ...core.roles import FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES, ROLES
 from ...errors import ValidationError
@@ -122,7 +121,7 @@ class ReferencePlan:
         on a GPU clamped on the device instead, as the cuDNN path does (no sync per call)."""
         ints = {role: t for role in self._bounds if isinstance(t := inputs.get(role), torch.Tensor)}
         if all(t.device.type == "cpu" for t in ints.values()):
-            found = validation.value_problems(self.problem, ints)
+            found = value_problems(self.problem, ints)
             if found:
                 raise ValidationError(found, context=self.problem.describe())
             return inputs
