@@ -140,28 +140,36 @@ def test_a_step_over_a_larger_cache_reads_its_own_pages(s_q):
         assert rel_err(attn.run(q, k_cache, v_cache), want) < 1e-2, num_pages
 
 
-def test_graph_keys_hold_every_tensor_and_keyword_of_the_call():
-    """A paged graph is reused only for the same call: any tensor's geometry (the caches' page
-    count, V's strides apart from K's) or keyword changes its key; a packed q's token count
-    does not where the problem plans without it (max_seq_len_q given)."""
-    from cudnn_attn.serving.paged_attention import graph_key
+def test_a_prepared_run_serves_only_its_own_problem():
+    """A paged call's prepared run is reused only for the same problem: any tensor's geometry
+    (the caches' page count, V's strides apart from K's), the dtype, the scale or the plan's
+    longest chunk prepares another; a packed q's token count does not (the plan reads it at run
+    time: ``AttentionProblem.for_plan``)."""
+    from cudnn_attn.runtime import prepared
 
-    cache = torch.zeros(8, HKV, PAGE, D)
-    table, lengths = torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    _, k_cache, v_cache, table, lengths = make_step([40, 60], pages_per_seq=4, seed=7)
+    q = torch.zeros(40, HQ, D, dtype=torch.bfloat16)
+    prepared.clear()  # every problem below is prepared anew
 
-    def key(q=None, k=cache, v=cache, **options):
-        q = torch.zeros(12, HQ, D) if q is None else q
-        inputs = {"q": q, "k": k, "v": v, "page_table_k": table, "page_table_v": table, "seq_len_q": lengths,
-                  "seq_len_kv": lengths}  # fmt: skip
-        return graph_key(inputs, {"o": torch.empty_like(q)}, {"max_seq_len_q": 16, **options})
+    def new_runs(attn, q, k, v, q_lens=(5, 7)):
+        """How many runs one planned step's run() prepares."""
+        before = prepared.held()
+        attn.plan(table, lengths, q_lens=torch.tensor(q_lens, dtype=torch.int32))
+        attn.run(q, k, v)
+        return sum(all(run is not old for old in before) for run in prepared.held())
 
-    base = key()
-    assert key(q=torch.zeros(40, HQ, D)) == base
-    assert key(k=torch.zeros(16, HKV, PAGE, D), v=torch.zeros(16, HKV, PAGE, D)) != base
-    assert key(v=torch.zeros(8, HKV, PAGE, 2 * D)[..., :D]) != base
-    assert key(v=cache.to(torch.bfloat16)) != base
-    assert key(attn_scale=0.5) != base
-    assert key(max_seq_len_q=32) != base
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16)
+    assert new_runs(attn, q[:12], k_cache, v_cache) == 1
+    assert new_runs(attn, q, k_cache, v_cache) == 0  # 40 tokens: the same problem
+    larger = [torch.cat([c, c[:5]]) for c in (k_cache, v_cache)]
+    assert new_runs(attn, q, *larger) == 1
+    strided_v = torch.zeros(*v_cache.shape[:-1], 2 * D, dtype=torch.bfloat16)[..., :D]
+    assert new_runs(attn, q, k_cache, strided_v) == 1
+    assert new_runs(attn, q, k_cache, v_cache, q_lens=(5, 30)) == 1  # longest chunk 30: planned for 32, not 16
+    half = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.float16)
+    assert new_runs(half, q.half(), k_cache.half(), v_cache.half()) == 1
+    scaled = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, scale=0.5)
+    assert new_runs(scaled, q, k_cache, v_cache) == 1
 
 
 BAD_PLANS = {

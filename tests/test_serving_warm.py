@@ -15,6 +15,7 @@ import cudnn_attn
 from cudnn_attn.bench import serving_shapes
 from cudnn_attn.cli import commands as cli
 from cudnn_attn.errors import ValidationError
+from cudnn_attn.runtime import prepared
 
 HQ, HKV, D, PAGE = 8, 2, 32, 16
 SERVER = "paged,h=8,hkv=2,d=64,page=16,batch=4,pages=8,cache=40,sq=1/4,prefill=64"
@@ -62,18 +63,21 @@ def _step(batch, q_lens=None, s_q=1, seed=0):
 @pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "cuda_graph"])
 def test_after_warm_the_servers_steps_build_nothing(cuda_graph):
     """Decode with 1 and 4 query tokens and prefill steps of 64 tokens (chunks of any length) at
-    the warmed geometry find every graph built."""
+    the warmed geometry find every plan built and every run prepared."""
     attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, max_batch=4, max_pages_per_seq=8,
                                      cuda_graph=cuda_graph)  # fmt: skip
+    prepared.clear()  # so that warm prepares each of its runs here
     sources = attn.warm(40, s_q=(1, 4), prefill_tokens=(64,))
-    assert len(sources) == len(attn._graphs) > 0
-    built = len(attn._graphs)
+    warmed = prepared.held()
+    assert len(sources) == len(warmed) > 0
+    misses = cudnn_attn.default_cache().stats()["misses"]
     steps = [_step(4, s_q=1), _step(4, s_q=4, seed=1), _step(4, q_lens=[20, 3, 1, 17], seed=2),
              _step(4, q_lens=[9, 0, 1, 2], seed=3), _step(4, q_lens=[15, 15, 15, 15], seed=4)]  # fmt: skip
     for table, lengths, q_lens, q, k, v in steps:
         attn.plan(table, lengths, q_lens=q_lens)
         assert torch.isfinite(attn.run(q, k, v)).all()
-    assert len(attn._graphs) == built
+    assert cudnn_attn.default_cache().stats()["misses"] == misses  # no plan built
+    assert all(any(run is old for old in warmed) for run in prepared.held())  # no run prepared
 
 
 def test_warm_needs_the_step_geometry():
@@ -88,6 +92,7 @@ def test_warm_needs_the_step_geometry():
 SERVE = """
 import torch, cudnn_attn
 from cudnn_attn.bench import serving_shapes
+from cudnn_attn.runtime import prepared
 shape = serving_shapes.parse({server!r})
 attn = shape.attention("cuda")  # as the server makes it: no autotune
 gen = torch.Generator().manual_seed(0)
@@ -103,7 +108,7 @@ for q, q_lens in ((torch.randn(4, 8, 1, 64), None), (torch.randn(4, 8, 4, 64), N
     ref.plan(table.cpu(), lengths.cpu(), q_lens=q_lens)
     want = ref.run(q.bfloat16(), k.cpu(), v.cpu()).float()
     worst = max(worst, float((got - want).norm() / want.norm()))
-print(" ".join(node.plan.source for g in attn._graphs.graphs() for node in g.nodes), worst)
+print(" ".join(run.plan.source for run in prepared.held() if run.problem.device != "cpu"), worst)
 """
 
 

@@ -31,23 +31,25 @@ the graph replays.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ..core.bounds import packed_lengths
-from ..core.mask import default_scale
-from ..errors import UnsupportedError, ValidationError
-from ..graph_cache import GraphCache
+from ..core.constructors import forward_problem
+from ..core.mask import Causal, ScoreOptions, default_scale
+from ..core.problem import KVCacheLayout, TensorSpec
+from ..errors import ValidationError
 from ..kernels import paged_decode
 from ..kernels.lse_merge import merge_partials
+from ..runtime.keyed import KeyedCache
+from ..runtime.prepared import prepare
 from . import schedule as paged_schedule
 from .schedule import Schedule
+from .step import Step, StepBuffers, StepTables, bucket
 
 LAYOUTS = ("NHPD", "NPHD")
 MAX_QUERY_TOKENS = 16
-SMALLEST_PREFILL_BUCKET = 16  # a prefill plan is built per power of two of the longest chunk
+MAX_RUNS = 256  # the prepared runs one instance keeps: a few per layer geometry
 
 
 class PagedAttention:
@@ -111,11 +113,13 @@ class PagedAttention:
         self.max_batch, self.max_pages_per_seq = max_batch, max_pages_per_seq
         self.device = _device(device) if device is not None else None
         self.scale = float(scale) if scale is not None else default_scale(head_dim)
-        self._splits, self._pack, self._kernel = splits, pack, decode_kernel
-        self._graphs = GraphCache(autotune=bool(autotune))
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._step: dict[str, Any] | None = None  # what plan() prepared
-        self._prepared: dict[tuple, dict[str, Any]] = {}  # per (s_q, num_pages): the step's derived inputs
+        self._autotune = bool(autotune)
+        # Prepared runs by the problem their plan was built for, held as long as this instance (a
+        # captured step replays their plans), not dropped with the plan cache's entries.
+        self._runs = KeyedCache(MAX_RUNS)
+        self._buffers = StepBuffers(cuda_graph)
+        self._tables = StepTables(num_q_heads, num_kv_heads, head_dim, page_size, buffers=self._buffers,
+                                  splits=splits, pack=pack, kernel=decode_kernel)  # fmt: skip
         self.schedule: Schedule | None = None
         self.plans = 0
 
@@ -135,34 +139,7 @@ class PagedAttention:
         rows = self.max_batch if self.cuda_graph else batch
         width = self.max_pages_per_seq if self.cuda_graph else pages
         assert rows is not None and width is not None
-        table = self._buffer("table", (rows, width), torch.int32, device)
-        lengths = self._buffer("lengths", (rows,), torch.int32, device)
-        table.zero_()
-        table[:batch, :pages].copy_(page_table, non_blocking=True)
-        lengths.zero_()  # sequences past the batch are empty
-        torch.clamp(seq_lens_kv.to(device, non_blocking=True), 0, pages * self.page_size, out=lengths[:batch])
-        self._step = {"batch": batch, "rows": rows, "width": width, "device": device, "prefill": q_lens is not None,
-                      "largest_page": _largest_page(page_table)}  # fmt: skip
-        if q_lens is not None:
-            query_lengths = self._buffer("q_lens", (rows,), torch.int32, device)
-            query_lengths.zero_()
-            torch.minimum(q_lens.to(device, non_blocking=True).clamp(min=0), lengths[:batch],
-                          out=query_lengths[:batch])  # fmt: skip
-            host = not q_lens.is_cuda  # then the longest chunk and the tokens are known without a sync
-            self._step["longest_q"] = int(q_lens.max()) if host else None
-            self._step["tokens"] = int(q_lens.sum()) if host else None
-        # Every layer geometry of this kind run before is derived now, into the same buffers: a
-        # captured step reads them in place, and run() launches attention work only. Eager
-        # prefill geometries (one per token count) are derived again by their first run.
-        kind = "prefill" if q_lens is not None else "decode"
-        self._prepared = {
-            key: self._derive(key, self._step) if key[0] == kind else derived
-            for key, derived in self._prepared.items()
-            if key[0] == "decode" or self.cuda_graph
-        }
-        if not self.cuda_graph:  # and their buffers, which would pile up one per token count
-            for name in [name for name in self._buffers if name.startswith("prefill_")]:
-                del self._buffers[name]
+        self._tables.plan(page_table, seq_lens_kv, q_lens, device, rows, width)
         self.plans += 1
 
     def _check_plan(self, page_table: Any, seq_lens_kv: Any, q_lens: Any) -> torch.device:
@@ -215,7 +192,7 @@ class PagedAttention:
         each packed token count of ``prefill_tokens``, for caches of ``num_pages`` pages and
         steps of ``max_batch`` sequences of ``max_pages_per_seq`` pages (required here). With
         ``cuda_graph`` that is every plan a step can need; without it, steps of other sizes
-        build their own. Returns each graph's plan source ("built", "disk"); plan again after.
+        build their own. Returns each plan's source ("built", "disk"); plan again after.
 
         Example, at a server's start (``cudnn-attn cache warm`` does the same from a shape list)::
 
@@ -250,14 +227,14 @@ class PagedAttention:
         for tokens in prefill_tokens:
             q = torch.zeros(tokens, self.num_q_heads, self.head_dim, dtype=self.dtype, device=device)
             most = min(tokens, width * page)  # without cuda_graph, each chunk bucket up to it is a plan
-            buckets = {_bucket(1 << b) for b in range(most.bit_length() + 1)} if not self.cuda_graph else set()
-            for chunk in sorted({min(bucket, most) for bucket in buckets} | {most}):
+            buckets = {bucket(1 << b) for b in range(most.bit_length() + 1)} if not self.cuda_graph else set()
+            for chunk in sorted({min(size, most) for size in buckets} | {most}):
                 q_lens = torch.zeros(rows, dtype=torch.int32)
                 q_lens[: tokens // chunk] = chunk
                 self.plan(table, lengths, q_lens=q_lens)
                 self.run(q, k_cache, v_cache)
-        self._step = None
-        return [getattr(node.plan, "source", "reference") for graph in self._graphs.graphs() for node in graph.nodes]
+        self._tables.step = None
+        return [getattr(run.plan, "source", "reference") for run in self._runs.values()]
 
     # ---- run: per layer -----------------------------------------------------------------------
 
@@ -266,22 +243,20 @@ class PagedAttention:
         plan with ``q_lens``, and the layer's caches; returns ``out`` (or a new tensor) of
         ``q``'s shape. Output rows past ``sum(q_lens)`` are zero. A page table planned on the
         CPU is refused here if it names a page past ``k_cache``'s (``ValidationError``)."""
-        step = self._step
+        step = self._tables.step
         if step is None:
             raise ValidationError(["plan: run() before any plan(); call plan(page_table, seq_lens_kv) each step"],
                                   context="PagedAttention.run")  # fmt: skip
         self._check_run(q, k_cache, v_cache, out, step)
-        if step["prefill"]:
+        if step.prefill:
             return self._run_prefill(q, k_cache, v_cache, out, step)
-        key = ("decode", q.shape[2], k_cache.shape[0])
-        derived = self._prepared.get(key)
-        if derived is None:  # a geometry new to this PagedAttention: derived now, and by every later plan()
-            derived = self._prepared[key] = self._derive(key, step)
+        # A geometry new to this PagedAttention is derived now, and by every later plan().
+        derived = self._tables.get(("decode", q.shape[2], k_cache.shape[0]), step)
         schedule = derived["schedule"]
         self.schedule = schedule
-        rows = step["rows"]
+        rows = step.rows
         if q.shape[0] != rows:  # cuda_graph: the batch is padded to max_batch
-            padded = self._scratch("q_padded", (rows, *q.shape[1:]), q.dtype, q.device)
+            padded = self._buffers.scratch("q_padded", (rows, *q.shape[1:]), q.dtype, q.device)
             padded[: q.shape[0]].copy_(q)
             q_full = padded
         else:
@@ -318,17 +293,18 @@ class PagedAttention:
         rows, splits = q.shape[0], schedule.splits
         partial_o = partial_lse = None
         if splits > 1:  # persistent: a captured step writes and merges the same buffers
-            partial_o = self._scratch("decode_o", (rows, splits, self.num_q_heads, self.head_dim), torch.float32,
+            partial_o = self._buffers.scratch("decode_o", (rows, splits, self.num_q_heads, self.head_dim), torch.float32,
                                       q.device)  # fmt: skip
-            partial_lse = self._scratch("decode_lse", (rows, splits, self.num_q_heads), torch.float32, q.device)
+            partial_lse = self._buffers.scratch("decode_lse", (rows, splits, self.num_q_heads), torch.float32,
+                                                q.device)  # fmt: skip
         paged_decode.paged_decode(q, k_cache, v_cache, derived["table"], self._buffers["lengths"], result,
                                   scale=self.scale, kv_layout=self.kv_layout, splits=splits,
                                   chunk_pages=schedule.chunk_pages, partial_o=partial_o,
                                   partial_lse=partial_lse)  # fmt: skip
 
-    def _check_run(self, q: Any, k_cache: Any, v_cache: Any, out: Any, step: dict[str, Any]) -> None:
+    def _check_run(self, q: Any, k_cache: Any, v_cache: Any, out: Any, step: Step) -> None:
         problems = []
-        q_rank = 3 if step["prefill"] else 4
+        q_rank = 3 if step.prefill else 4
         for name, t, rank in (("q", q, q_rank), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
             if not isinstance(t, torch.Tensor) or t.dim() != rank:
                 form = ("a packed [T, H_q, D] tensor (the step was planned with q_lens)" if name == "q" and rank == 3
@@ -336,22 +312,22 @@ class PagedAttention:
                 problems.append(f"{name}: expected {form}, got {getattr(t, 'shape', type(t).__name__)}")
             elif t.dtype != self.dtype:
                 problems.append(f"{name}: dtype {t.dtype}; this PagedAttention takes {self.dtype}")
-            elif t.device != step["device"]:
-                problems.append(f"{name}: on {t.device}; the step was planned on {step['device']}")
+            elif t.device != step.device:
+                problems.append(f"{name}: on {t.device}; the step was planned on {step.device}")
         if problems:
             raise ValidationError(problems, context="PagedAttention.run")
-        heads, dim = q.shape[-2 if step["prefill"] else 1], q.shape[-1]
+        heads, dim = q.shape[-2 if step.prefill else 1], q.shape[-1]
         if heads != self.num_q_heads or dim != self.head_dim:
             problems.append(f"q: {heads} heads of {dim}; expected {self.num_q_heads} heads of {self.head_dim}")
-        if step["prefill"]:
-            if step["tokens"] is not None and q.shape[0] < step["tokens"]:
-                problems.append(f"q: {q.shape[0]} tokens; the step's q_lens sum to {step['tokens']}")
+        if step.prefill:
+            if step.tokens is not None and q.shape[0] < step.tokens:
+                problems.append(f"q: {q.shape[0]} tokens; the step's q_lens sum to {step.tokens}")
             if q.stride(-1) != 1:
                 problems.append(f"q: strides {list(q.stride())}; the head dim must be contiguous (stride 1)")
         else:
             batch, s_q = q.shape[0], q.shape[2]
-            if batch not in (step["batch"], step["rows"]):  # with cuda_graph, a step of max_batch rows
-                problems.append(f"q: batch {batch}; the step was planned for {step['batch']} sequences")
+            if batch not in (step.batch, step.rows):  # with cuda_graph, a step of max_batch rows
+                problems.append(f"q: batch {batch}; the step was planned for {step.batch} sequences")
             if not 1 <= s_q <= MAX_QUERY_TOKENS:
                 problems.append(f"q: {s_q} query tokens per sequence; allowed 1..{MAX_QUERY_TOKENS}")
         expected = ([None, self.num_kv_heads, self.page_size, self.head_dim] if self.kv_layout == "NHPD"
@@ -362,7 +338,7 @@ class PagedAttention:
                                 f"({self.kv_layout})")  # fmt: skip
         if v_cache.shape[0] != k_cache.shape[0]:
             problems.append(f"v_cache: {v_cache.shape[0]} pages, k_cache has {k_cache.shape[0]}")
-        largest = step["largest_page"]
+        largest = step.largest_page
         if largest is not None and largest[0] >= k_cache.shape[0]:
             page, row, entry = largest
             pages = k_cache.shape[0]
@@ -374,15 +350,12 @@ class PagedAttention:
             raise ValidationError(problems, context="PagedAttention.run")
 
     def _run_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None,
-                     step: dict[str, Any]) -> torch.Tensor:  # fmt: skip
+                     step: Step) -> torch.Tensor:  # fmt: skip
         """Chunked prefill: packed queries, bottom-right causal per sequence, one ragged call.
         Prefill chunks bring query rows enough to fill the GPU: no split, no packing."""
         tokens, num_pages = q.shape[0], k_cache.shape[0]
-        longest = self._longest_chunk(tokens, step)
-        key = ("prefill", tokens, longest, num_pages)
-        derived = self._prepared.get(key)
-        if derived is None:
-            derived = self._prepared[key] = self._derive(key, step)
+        longest = self._tables.longest_chunk(tokens, step)
+        derived = self._tables.get(("prefill", tokens, longest, num_pages), step)
         self.schedule = derived["schedule"]
         result = (
             out if out is not None and out.is_contiguous() else torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -390,88 +363,10 @@ class PagedAttention:
         table, lengths, q_lengths = derived["table"], self._buffers["lengths"], derived["q_lengths"]
         inputs = {"q": q, "k": k_cache, "v": v_cache, "page_table_k": table, "page_table_v": table,
                   "seq_len_q": q_lengths, "seq_len_kv": lengths}  # fmt: skip
-        self._paged_sdpa(inputs, {"o": result}, max_seq_len_q=longest, use_causal_mask_bottom_right=True)
+        self._paged_sdpa(inputs, {"o": result}, causal=True, max_seq_len_q=longest)
         if out is not None and result is not out:
             return out.copy_(result)
         return result
-
-    def _longest_chunk(self, tokens: int, step: dict[str, Any]) -> int:
-        """The prefill plan's bound on a chunk: the longest planned chunk's power of two when
-        known on the host; otherwise (q_lens on the GPU), and always with ``cuda_graph`` (a
-        captured step must hold every later plan's chunks), what the step can hold at most."""
-        most = min(tokens, step["width"] * self.page_size)
-        known = step["longest_q"]
-        return _bucket(most if known is None or self.cuda_graph else min(known, most))
-
-    # ---- the step's derived inputs --------------------------------------------------------------
-
-    def _derive_prefill(self, key: tuple, step: dict[str, Any]) -> dict[str, Any]:
-        """A prefill step's query lengths, cut to the packed tensor's ``tokens`` and bounded by
-        the plan's ``longest`` chunk, so no sequence reads or writes past the tensors."""
-        _, tokens, longest, num_pages = key
-        rows, width = step["rows"], step["width"]
-        name = f"@{tokens},{longest},{num_pages}"  # a geometry's own: one step may run several token counts
-        q_lengths = packed_lengths(self._buffers["q_lens"], longest, tokens)
-        schedule = Schedule(batch=rows, s_q=longest, splits=1, chunk_pages=width, packed=False, tail=False)
-        return {
-            "schedule": schedule,
-            "table": self._store(f"prefill_table{name}", self._buffers["table"].clamp(0, num_pages - 1)),
-            "q_lengths": self._store(f"prefill_q_lengths{name}", q_lengths),
-        }
-
-    def _derive(self, key: tuple, step: dict[str, Any]) -> dict[str, Any]:
-        """This step's tables and lengths for each part of one layer geometry (``key``: decode
-        ``("decode", s_q, num_pages)`` or ``("prefill", tokens, longest, num_pages)``), from the
-        planned table and lengths."""
-        if key[0] == "prefill":
-            return self._derive_prefill(key, step)
-        _, s_q, num_pages = key
-        rows, width, device = step["rows"], step["width"], step["device"]
-        triton = paged_decode.supported(device, self.page_size, self.head_dim)
-        if self._kernel == "triton" and not triton:
-            raise UnsupportedError(["decode_kernel: 'triton' needs a CUDA device, Triton and a power-of-two page of "
-                                    f"16-256 tokens (here {device}, page {self.page_size})"],
-                                   context="PagedAttention", alternatives=["decode_kernel=None or 'cudnn'"])  # fmt: skip
-        # Eager, a Triton launch costs the host more than the kernel saves on the GPU (H200: 102
-        # against 52 us per run), so it is chosen for captured steps only, unless forced.
-        schedule = paged_schedule.choose(
-            rows, width, self.page_size, self.num_q_heads, self.num_kv_heads, s_q, sm_count=_sm_count(device),
-            splits=self._splits, pack=self._pack, kernel=self._kernel if s_q == 1 else None,
-            triton=triton and self.cuda_graph,
-        )  # fmt: skip
-        page = self.page_size
-        if schedule.kernel == "triton":  # the kernel walks the clamped table itself
-            table = self._buffers["table"].clamp(0, num_pages - 1)
-            return {"schedule": schedule, "table": self._store(f"decode_table@{s_q},{num_pages}", table)}
-
-        def store(name: str, value: torch.Tensor) -> torch.Tensor:  # buffers of their own per geometry
-            return self._store(f"{name}@{s_q},{num_pages}", value)
-
-        table = self._buffers["table"].clamp(0, num_pages - 1)  # pages past the cache's end never read
-        lengths = self._buffers["lengths"]
-        body_end = lengths
-        derived: dict[str, Any] = {"schedule": schedule}
-        if schedule.tail:  # keys every query token sees end at a page boundary; the rest is the tail
-            first_hidden = (lengths - s_q + 1).clamp(min=0)
-            body_end = torch.div(first_hidden, page, rounding_mode="floor") * page
-            span = paged_schedule.tail_pages(page, s_q)
-            columns = (torch.div(body_end, page, rounding_mode="floor").unsqueeze(1)
-                       + torch.arange(span, device=device)).clamp(max=width - 1)  # fmt: skip
-            derived["tail_table"] = store("tail_table", torch.gather(table, 1, columns.long()))
-            derived["tail_lengths"] = store("tail_lengths", (lengths - body_end).to(torch.int32))
-            derived["tail_q_lengths"] = store("tail_q_lengths", torch.full((rows,), s_q, dtype=torch.int32,
-                                                                                  device=device))  # fmt: skip
-        splits, chunk = schedule.splits, schedule.chunk_pages
-        padded = torch.zeros(rows, splits * chunk, dtype=torch.int32, device=device)
-        padded[:, :width] = table
-        derived["body_table"] = store("body_table", padded.view(rows * splits, chunk))
-        starts = torch.arange(splits, device=device) * (chunk * page)
-        chunk_lengths = (body_end.unsqueeze(1) - starts).clamp(0, chunk * page)
-        derived["body_lengths"] = store("body_lengths", chunk_lengths.reshape(-1).to(torch.int32))
-        body_rows = (self.num_q_heads // self.num_kv_heads) * s_q if schedule.packed else s_q
-        derived["body_q_lengths"] = store("body_q_lengths", torch.full((rows * splits,), body_rows,
-                                                                              dtype=torch.int32, device=device))  # fmt: skip
-        return derived
 
     # ---- parts ------------------------------------------------------------------------------------
 
@@ -482,7 +377,7 @@ class PagedAttention:
             q = q.reshape(batch, self.num_kv_heads, (heads // self.num_kv_heads) * s_q, dim)
         if schedule.splits == 1:
             return q
-        repeated = self._scratch("body_q", (batch, schedule.splits, *q.shape[1:]), q.dtype, q.device)
+        repeated = self._buffers.scratch("body_q", (batch, schedule.splits, *q.shape[1:]), q.dtype, q.device)
         repeated.copy_(q.unsqueeze(1).expand_as(repeated))
         return repeated.view(batch * schedule.splits, *q.shape[1:])
 
@@ -508,85 +403,33 @@ class PagedAttention:
         outputs = {"o": o}
         if stats:
             outputs["stats"] = torch.empty(*q.shape[:3], 1, dtype=torch.float32, device=q.device)
-        self._paged_sdpa(inputs, outputs, use_causal_mask_bottom_right=part == "tail")
+        self._paged_sdpa(inputs, outputs, causal=part == "tail")
         return (o, outputs["stats"]) if stats else o
 
-    def _paged_sdpa(self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor], **options: Any) -> None:
-        """One paged sdpa call: ``inputs`` and ``outputs`` by role, ``options`` its keywords.
-        Its graph is recorded from these alone and kept under their ``graph_key``, so a graph
-        runs only the problem it was built for (``run_roles`` trusts the caller's geometry)."""
-        options.update(attn_scale=self.scale, kv_cache_layout=self.kv_layout, use_padding_mask=True,
-                       paged_attention_max_seq_len_kv=inputs["page_table_k"].shape[1] * self.page_size)  # fmt: skip
-        graph = self._graphs.get_or_build(graph_key(inputs, outputs, options),
-                                          lambda g: _record_paged_sdpa(g, inputs, outputs, options))  # fmt: skip
-        graph.run_roles(inputs, outputs)
-
-    # ---- buffers ----------------------------------------------------------------------------------
-
-    def _buffer(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A persistent buffer (reused while its geometry holds): captured runs read it in place."""
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.shape != torch.Size(shape) or buffer.dtype != dtype or buffer.device != device:
-            buffer = self._buffers[name] = torch.empty(shape, dtype=dtype, device=device)
-        return buffer
-
-    def _scratch(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A run's working buffer: persistent where steps are captured (a replay reads it in place),
-        else the run's own, so runs on several threads never write one buffer under each other."""
-        if self.cuda_graph:
-            return self._buffer(name, shape, dtype, device)
-        return torch.empty(shape, dtype=dtype, device=device)
-
-    def _store(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        buffer = self._buffer(name, tuple(value.shape), value.dtype, value.device)
-        return buffer.copy_(value)
-
-
-def graph_key(inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor],
-              options: Mapping[str, Any]) -> tuple:  # fmt: skip
-    """The key of a paged call's graph, derived from what its problem is assembled from: every
-    tensor's geometry by role (shape, strides, dtype, device) and every recording keyword. A
-    packed (THD) tensor's token count stays out where the problem plans without it (with
-    ``max_seq_len_q``: ``AttentionProblem.for_plan``); the plan reads the count at run time."""
-    packed = options.get("max_seq_len_q") is not None
-
-    def geometry(role: str, t: torch.Tensor) -> tuple:
-        shape = t.shape[1:] if packed and t.dim() == 3 else t.shape
-        return (role, shape, t.stride(), t.dtype, t.device)
-
-    return (
-        tuple([geometry(role, t) for role, t in inputs.items()]),
-        tuple([geometry(role, t) for role, t in outputs.items()]),
-        tuple(options.items()),
-    )
-
-
-def _record_paged_sdpa(g: Any, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor],
-                       options: Mapping[str, Any]) -> None:  # fmt: skip
-    """Record the call ``graph_key`` keys: these tensors, these keywords, the outputs' own
-    geometry (the token stride enters a packed output's ragged offsets)."""
-    o, stats = g.sdpa(inputs["q"], inputs["k"], inputs["v"], paged_attention_k_table=inputs["page_table_k"],
-                      paged_attention_v_table=inputs["page_table_v"], seq_len_q=inputs["seq_len_q"],
-                      seq_len_kv=inputs["seq_len_kv"], generate_stats="stats" in outputs, **options)  # fmt: skip
-    for role, handle in (("o", o), ("stats", stats)):
-        if role in outputs:
-            handle.set_dim(list(outputs[role].shape)).set_stride(list(outputs[role].stride()))
-
-
-def _largest_page(page_table: torch.Tensor) -> tuple[int, int, int] | None:
-    """A host page table's largest page and where it first is: ``(page, sequence, entry)``,
-    for ``run`` to check against the cache it is given. None on a GPU: reading it would sync
-    (there the pages past the cache are clamped to its last page)."""
-    if page_table.is_cuda:
-        return None
-    at = int(torch.argmax(page_table))  # the first largest entry
-    row, entry = divmod(at, page_table.shape[1])
-    return int(page_table[row, entry]), row, entry
-
-
-def _bucket(n: int) -> int:
-    """The power of two at or above ``n`` (at least ``SMALLEST_PREFILL_BUCKET``)."""
-    return max(SMALLEST_PREFILL_BUCKET, 1 << max(0, n - 1).bit_length())
+    def _paged_sdpa(self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor], *, causal: bool,
+                    max_seq_len_q: int | None = None) -> None:  # fmt: skip
+        """One paged forward: ``inputs`` and ``outputs`` by role, bottom-right ``causal`` or not.
+        Its problem is these tensors' geometry, the outputs' own strides included; the run
+        prepared for it serves every call of that problem (a packed q's token count aside: the
+        plan reads it at run time, ``AttentionProblem.for_plan``), trusting the caller's geometry."""
+        spec = TensorSpec.of
+        options = ScoreOptions(attn_scale=self.scale, causal=Causal.BOTTOM_RIGHT if causal else Causal.NONE,
+                               padding=True)  # fmt: skip
+        problem = forward_problem(
+            spec(inputs["q"]), spec(inputs["k"]), spec(inputs["v"]), options, stats="stats" in outputs,
+            seq_len_q=spec(inputs["seq_len_q"]), seq_len_kv=spec(inputs["seq_len_kv"]), max_seq_len_q=max_seq_len_q,
+            max_seq_len_kv=inputs["page_table_k"].shape[1] * self.page_size, page_table_k=spec(inputs["page_table_k"]),
+            page_table_v=spec(inputs["page_table_v"]), kv_cache_layout=KVCacheLayout(self.kv_layout),
+        )  # fmt: skip
+        o, stats = spec(outputs["o"]), spec(outputs["stats"]) if "stats" in outputs else None
+        if problem.o != o or problem.stats != stats:  # the outputs given are laid out otherwise
+            problem = problem.replace(o=o, stats=stats)
+        key = problem.for_plan()
+        run = self._runs.get(key)
+        if run is None:  # values checked once, as a plan's first build does
+            run = self._runs.put(key, prepare(problem, autotune=self._autotune, values=inputs,
+                                              context="PagedAttention"))  # fmt: skip
+        run.run(inputs, outputs)
 
 
 def _device(device: Any) -> torch.device:
@@ -595,9 +438,3 @@ def _device(device: Any) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -1,0 +1,234 @@
+"""One ``PagedAttention`` step: what ``plan`` derives from the page table and lengths, and the
+persistent buffers it lives in.
+
+``StepTables.plan`` copies the step's page table and lengths into fixed buffers and derives,
+for every layer geometry run before, the tables and lengths of each part of a run (the split
+body, the causal tail, a prefill's clamped table and cut query lengths); ``get`` derives a new
+geometry on its first run. ``StepBuffers`` holds them by name, reused while their geometry holds:
+a captured step reads them in place, and each plan rewrites them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..core.bounds import packed_lengths
+from ..errors import UnsupportedError
+from ..kernels import paged_decode
+from . import schedule as paged_schedule
+from .schedule import Schedule
+
+SMALLEST_PREFILL_BUCKET = 16  # a prefill plan is built per power of two of the longest chunk
+
+
+class StepBuffers(Mapping[str, torch.Tensor]):
+    """Persistent buffers by name (reused while their geometry holds): captured runs read them in
+    place. With ``cuda_graph`` a run's working buffers are persistent too."""
+
+    def __init__(self, cuda_graph: bool):
+        self.cuda_graph = cuda_graph
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def buffer(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The buffer ``name``, made anew where its shape, dtype or device changed."""
+        buffer = self._tensors.get(name)
+        if buffer is None or buffer.shape != torch.Size(shape) or buffer.dtype != dtype or buffer.device != device:
+            buffer = self._tensors[name] = torch.empty(shape, dtype=dtype, device=device)
+        return buffer
+
+    def scratch(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A run's working buffer: persistent where steps are captured (a replay reads it in place),
+        else the run's own, so runs on several threads never write one buffer under each other."""
+        if self.cuda_graph:
+            return self.buffer(name, shape, dtype, device)
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def store(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """``value`` copied into the buffer ``name``."""
+        return self.buffer(name, tuple(value.shape), value.dtype, value.device).copy_(value)
+
+    def forget(self, prefix: str) -> None:
+        """Drop the buffers whose names start with ``prefix``."""
+        for name in [name for name in self._tensors if name.startswith(prefix)]:
+            del self._tensors[name]
+
+
+@dataclass
+class Step:
+    """What ``plan`` prepared: ``batch`` sequences in buffers of ``rows`` by ``width`` pages.
+    ``largest_page``: a host page table's largest page, where it first is (``largest_page``);
+    ``longest_q``/``tokens``: a host ``q_lens``' longest chunk and sum (None otherwise)."""
+
+    batch: int
+    rows: int
+    width: int
+    device: torch.device
+    prefill: bool
+    largest_page: tuple[int, int, int] | None
+    longest_q: int | None = None
+    tokens: int | None = None
+
+
+class StepTables:
+    """The planned step's table and lengths, and each layer geometry's tables and lengths derived
+    from them, in ``buffers``. A geometry (its key): decode ``("decode", s_q, num_pages)`` or
+    prefill ``("prefill", tokens, longest, num_pages)``. ``splits``, ``pack``, ``kernel``: the
+    layout forced (None: ``paged_schedule.choose`` picks it per geometry)."""
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *, buffers: StepBuffers,
+                 splits: int | None, pack: bool | None, kernel: str | None):  # fmt: skip
+        self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size = (num_q_heads, num_kv_heads, head_dim,
+                                                                              page_size)  # fmt: skip
+        self.buffers, self.cuda_graph = buffers, buffers.cuda_graph
+        self.splits, self.pack, self.kernel = splits, pack, kernel
+        self.step: Step | None = None  # the planned step
+        self._derived: dict[tuple, dict[str, Any]] = {}  # per geometry: the step's derived inputs
+
+    def plan(self, page_table: torch.Tensor, seq_lens_kv: torch.Tensor, q_lens: torch.Tensor | None,
+             device: torch.device, rows: int, width: int) -> None:  # fmt: skip
+        """Make a checked step ``step``: copied into the buffers (``rows`` by ``width`` pages),
+        lengths clamped on the device, and every layer geometry of its kind run before derived."""
+        batch, pages = page_table.shape
+        table = self.buffers.buffer("table", (rows, width), torch.int32, device)
+        lengths = self.buffers.buffer("lengths", (rows,), torch.int32, device)
+        table.zero_()
+        table[:batch, :pages].copy_(page_table, non_blocking=True)
+        lengths.zero_()  # sequences past the batch are empty
+        torch.clamp(seq_lens_kv.to(device, non_blocking=True), 0, pages * self.page_size, out=lengths[:batch])
+        step = self.step = Step(batch, rows, width, device, q_lens is not None, largest_page(page_table))
+        if q_lens is not None:
+            query_lengths = self.buffers.buffer("q_lens", (rows,), torch.int32, device)
+            query_lengths.zero_()
+            torch.minimum(q_lens.to(device, non_blocking=True).clamp(min=0), lengths[:batch],
+                          out=query_lengths[:batch])  # fmt: skip
+            host = not q_lens.is_cuda  # then the longest chunk and the tokens are known without a sync
+            step.longest_q = int(q_lens.max()) if host else None
+            step.tokens = int(q_lens.sum()) if host else None
+        # Every layer geometry of this kind run before is derived now, into the same buffers: a
+        # captured step reads them in place, and run() launches attention work only. Eager
+        # prefill geometries (one per token count) are derived again by their first run.
+        kind = "prefill" if step.prefill else "decode"
+        self._derived = {
+            key: self._derive(key, step) if key[0] == kind else derived
+            for key, derived in self._derived.items()
+            if key[0] == "decode" or self.cuda_graph
+        }
+        if not self.cuda_graph:  # and their buffers, which would pile up one per token count
+            self.buffers.forget("prefill_")
+
+    def get(self, key: tuple, step: Step) -> dict[str, Any]:
+        """Geometry ``key``'s derived inputs for ``step``: derived now where it is new to this
+        instance, and by every later plan."""
+        derived = self._derived.get(key)
+        if derived is None:
+            derived = self._derived[key] = self._derive(key, step)
+        return derived
+
+    def longest_chunk(self, tokens: int, step: Step) -> int:
+        """The prefill plan's bound on a chunk: the longest planned chunk's power of two when
+        known on the host; otherwise (q_lens on the GPU), and always with ``cuda_graph`` (a
+        captured step must hold every later plan's chunks), what the step can hold at most."""
+        most = min(tokens, step.width * self.page_size)
+        known = step.longest_q
+        return bucket(most if known is None or self.cuda_graph else min(known, most))
+
+    def _derive_prefill(self, key: tuple, step: Step) -> dict[str, Any]:
+        """A prefill step's query lengths, cut to the packed tensor's ``tokens`` and bounded by
+        the plan's ``longest`` chunk, so no sequence reads or writes past the tensors."""
+        _, tokens, longest, num_pages = key
+        name = f"@{tokens},{longest},{num_pages}"  # a geometry's own: one step may run several token counts
+        q_lengths = packed_lengths(self.buffers["q_lens"], longest, tokens)
+        schedule = Schedule(batch=step.rows, s_q=longest, splits=1, chunk_pages=step.width, packed=False, tail=False)
+        return {
+            "schedule": schedule,
+            "table": self.buffers.store(f"prefill_table{name}", self.buffers["table"].clamp(0, num_pages - 1)),
+            "q_lengths": self.buffers.store(f"prefill_q_lengths{name}", q_lengths),
+        }
+
+    def _derive(self, key: tuple, step: Step) -> dict[str, Any]:
+        """This step's tables and lengths for each part of one layer geometry (``key``), from the
+        planned table and lengths."""
+        if key[0] == "prefill":
+            return self._derive_prefill(key, step)
+        _, s_q, num_pages = key
+        rows, width, device = step.rows, step.width, step.device
+        triton = paged_decode.supported(device, self.page_size, self.head_dim)
+        if self.kernel == "triton" and not triton:
+            raise UnsupportedError(["decode_kernel: 'triton' needs a CUDA device, Triton and a power-of-two page of "
+                                    f"16-256 tokens (here {device}, page {self.page_size})"],
+                                   context="PagedAttention", alternatives=["decode_kernel=None or 'cudnn'"])  # fmt: skip
+        # Eager, a Triton launch costs the host more than the kernel saves on the GPU (H200: 102
+        # against 52 us per run), so it is chosen for captured steps only, unless forced.
+        schedule = paged_schedule.choose(
+            rows, width, self.page_size, self.num_q_heads, self.num_kv_heads, s_q, sm_count=sm_count(device),
+            splits=self.splits, pack=self.pack, kernel=self.kernel if s_q == 1 else None,
+            triton=triton and self.cuda_graph,
+        )  # fmt: skip
+        page = self.page_size
+        if schedule.kernel == "triton":  # the kernel walks the clamped table itself
+            table = self.buffers["table"].clamp(0, num_pages - 1)
+            return {"schedule": schedule, "table": self.buffers.store(f"decode_table@{s_q},{num_pages}", table)}
+
+        def store(name: str, value: torch.Tensor) -> torch.Tensor:  # buffers of their own per geometry
+            return self.buffers.store(f"{name}@{s_q},{num_pages}", value)
+
+        table = self.buffers["table"].clamp(0, num_pages - 1)  # pages past the cache's end never read
+        lengths = self.buffers["lengths"]
+        body_end = lengths
+        derived: dict[str, Any] = {"schedule": schedule}
+        if schedule.tail:  # keys every query token sees end at a page boundary; the rest is the tail
+            first_hidden = (lengths - s_q + 1).clamp(min=0)
+            body_end = torch.div(first_hidden, page, rounding_mode="floor") * page
+            span = paged_schedule.tail_pages(page, s_q)
+            columns = (torch.div(body_end, page, rounding_mode="floor").unsqueeze(1)
+                       + torch.arange(span, device=device)).clamp(max=width - 1)  # fmt: skip
+            derived["tail_table"] = store("tail_table", torch.gather(table, 1, columns.long()))
+            derived["tail_lengths"] = store("tail_lengths", (lengths - body_end).to(torch.int32))
+            derived["tail_q_lengths"] = store("tail_q_lengths", torch.full((rows,), s_q, dtype=torch.int32,
+                                                                                  device=device))  # fmt: skip
+        splits, chunk = schedule.splits, schedule.chunk_pages
+        padded = torch.zeros(rows, splits * chunk, dtype=torch.int32, device=device)
+        padded[:, :width] = table
+        derived["body_table"] = store("body_table", padded.view(rows * splits, chunk))
+        starts = torch.arange(splits, device=device) * (chunk * page)
+        chunk_lengths = (body_end.unsqueeze(1) - starts).clamp(0, chunk * page)
+        derived["body_lengths"] = store("body_lengths", chunk_lengths.reshape(-1).to(torch.int32))
+        body_rows = (self.num_q_heads // self.num_kv_heads) * s_q if schedule.packed else s_q
+        derived["body_q_lengths"] = store("body_q_lengths", torch.full((rows * splits,), body_rows,
+                                                                              dtype=torch.int32, device=device))  # fmt: skip
+        return derived
+
+
+def largest_page(page_table: torch.Tensor) -> tuple[int, int, int] | None:
+    """A host page table's largest page and where it first is: ``(page, sequence, entry)``,
+    for ``run`` to check against the cache it is given. None on a GPU: reading it would sync
+    (there the pages past the cache are clamped to its last page)."""
+    if page_table.is_cuda:
+        return None
+    at = int(torch.argmax(page_table))  # the first largest entry
+    row, entry = divmod(at, page_table.shape[1])
+    return int(page_table[row, entry]), row, entry
+
+
+def bucket(n: int) -> int:
+    """The power of two at or above ``n`` (at least ``SMALLEST_PREFILL_BUCKET``)."""
+    return max(SMALLEST_PREFILL_BUCKET, 1 << max(0, n - 1).bit_length())
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
