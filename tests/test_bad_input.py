@@ -304,6 +304,7 @@ def test_prepared_runs_let_go_of_plans_their_cache_drops():
     stats = cache.stats()
     assert stats["builds"] == 3 and stats["evictions"] == 2 and len(cache) == 1
 
+
 def test_prepared_eager_runs_are_released_at_exit():
     # In a child process: releasing plans leaves this process's graphs unusable.
     code = (

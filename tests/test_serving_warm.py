@@ -66,6 +66,7 @@ def test_after_warm_the_servers_steps_build_nothing(cuda_graph):
     the warmed geometry find every plan built and every run prepared."""
     attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, max_batch=4, max_pages_per_seq=8,
                                      cuda_graph=cuda_graph)  # fmt: skip
+    cudnn_attn.default_cache().clear()  # no eviction from earlier plans while this test counts
     prepared.clear()  # so that warm prepares each of its runs here
     sources = attn.warm(40, s_q=(1, 4), prefill_tokens=(64,))
     warmed = prepared.held()

@@ -297,7 +297,7 @@ LAYERS: dict[str, float] = {
         "kernels/": 2,
         **dict.fromkeys(("ops/", "plan_store.py"), 3),
         **dict.fromkeys(("runtime/", "cache.py"), 4),
-        **dict.fromkeys(("graph.py", "recording/", "graph_cache.py"), 5),
+        **dict.fromkeys(("graph.py", "recording/"), 5),
         **{door: round(6 + i / 10, 1) for i, door in enumerate(DOORS)},
         "__init__.py": ROOT_LAYER,
         "bench/": 7.0,

@@ -42,10 +42,10 @@ from ..errors import ValidationError
 from ..kernels import paged_decode
 from ..kernels.lse_merge import merge_partials
 from ..runtime.keyed import KeyedCache
-from ..runtime.prepared import prepare
+from ..runtime.prepared import PreparedRun, prepare
 from . import schedule as paged_schedule
 from .schedule import Schedule
-from .step import Step, StepBuffers, StepTables, bucket
+from .step import Step, StepBuffers, StepTables, bucket, canonical_device, geometry
 
 LAYOUTS = ("NHPD", "NPHD")
 MAX_QUERY_TOKENS = 16
@@ -111,12 +111,13 @@ class PagedAttention:
                                                                               page_size)  # fmt: skip
         self.dtype, self.kv_layout, self.cuda_graph = dtype, kv_layout, cuda_graph
         self.max_batch, self.max_pages_per_seq = max_batch, max_pages_per_seq
-        self.device = _device(device) if device is not None else None
+        self.device = canonical_device(device) if device is not None else None
         self.scale = float(scale) if scale is not None else default_scale(head_dim)
         self._autotune = bool(autotune)
         # Prepared runs by the problem their plan was built for, held as long as this instance (a
         # captured step replays their plans), not dropped with the plan cache's entries.
-        self._runs = KeyedCache(MAX_RUNS)
+        self._runs = KeyedCache(MAX_RUNS)  # by the problem a plan was built for
+        self._fast = KeyedCache(4 * MAX_RUNS)  # by the call's tensor geometry, in front
         self._buffers = StepBuffers(cuda_graph)
         self._tables = StepTables(num_q_heads, num_kv_heads, head_dim, page_size, buffers=self._buffers,
                                   splits=splits, pack=pack, kernel=decode_kernel)  # fmt: skip
@@ -213,7 +214,7 @@ class PagedAttention:
         if problems:
             raise ValidationError(problems, context="PagedAttention.warm")
         assert self.max_batch is not None and self.max_pages_per_seq is not None
-        device = self.device or _device("cuda" if torch.cuda.is_available() else "cpu")
+        device = self.device or canonical_device("cuda" if torch.cuda.is_available() else "cpu")
         rows, width, page = self.max_batch, self.max_pages_per_seq, self.page_size
         shape = ((num_pages, self.num_kv_heads, page, self.head_dim) if self.kv_layout == "NHPD"
                  else (num_pages, page, self.num_kv_heads, self.head_dim))  # fmt: skip
@@ -412,6 +413,17 @@ class PagedAttention:
         Its problem is these tensors' geometry, the outputs' own strides included; the run
         prepared for it serves every call of that problem (a packed q's token count aside: the
         plan reads it at run time, ``AttentionProblem.for_plan``), trusting the caller's geometry."""
+        # The tensors' geometry leads straight to the run: a step's layers repeat it (the problem's nine
+        # specs, built and hashed, cost several times the tuple).
+        fast = (causal, max_seq_len_q, *geometry(inputs), *geometry(outputs))
+        run = self._fast.get(fast)
+        if run is None:
+            run = self._fast.put(fast, self._prepared_run(inputs, outputs, causal, max_seq_len_q))
+        run.run(inputs, outputs)
+
+    def _prepared_run(self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor], causal: bool,
+                      max_seq_len_q: int | None) -> PreparedRun:  # fmt: skip
+        """The run of these tensors' problem (one per plan: a packed q's token count aside)."""
         spec = TensorSpec.of
         options = ScoreOptions(attn_scale=self.scale, causal=Causal.BOTTOM_RIGHT if causal else Causal.NONE,
                                padding=True)  # fmt: skip
@@ -429,12 +441,4 @@ class PagedAttention:
         if run is None:  # values checked once, as a plan's first build does
             run = self._runs.put(key, prepare(problem, autotune=self._autotune, values=inputs,
                                               context="PagedAttention"))  # fmt: skip
-        run.run(inputs, outputs)
-
-
-def _device(device: Any) -> torch.device:
-    """One spelling per device: a bare "cuda" is the current CUDA device."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
+        return run

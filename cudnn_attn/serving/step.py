@@ -232,3 +232,16 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def geometry(tensors: dict[str, torch.Tensor]) -> tuple:
+    """Roles, shapes, strides, dtypes and devices of a call's tensors: what its problem is made of."""
+    return tuple((role, t.shape, t.stride(), t.dtype, t.device) for role, t in tensors.items())
+
+
+def canonical_device(device: Any) -> torch.device:
+    """One spelling per device: a bare "cuda" is the current CUDA device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
