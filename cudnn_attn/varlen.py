@@ -31,12 +31,15 @@ import torch
 from .core.constructors import backward_problem, forward_problem
 from .core.derived import derived
 from .core.mask import Causal, ScoreOptions, default_scale
-from .core.problem import TensorSpec
+from .core.problem import AttentionProblem, TensorSpec
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
+from .runtime.keyed import KeyedCache
 from .runtime.prepared import PreparedRun, prepare
 
 CAUSAL = (None, "top_left", "bottom_right")
 SMALLEST_BUCKET = 16
+MAX_RUNS = 512
+_runs = KeyedCache(MAX_RUNS)  # by the problem a plan is built for (see _prepared)
 
 
 def varlen_sdpa(
@@ -169,14 +172,26 @@ def _forward_run(q, k, v, lengths_q, lengths_k, options: _Options, train: bool) 
     problem = forward_problem(_spec(q), _spec(k), _spec(v), options.scores, stats=train, seq_len_q=_spec(lengths_q),
                               seq_len_kv=_spec(lengths_k), max_seq_len_q=options.max_q, max_seq_len_kv=options.max_k,
                               dropout_seed=options.rng_specs()[0], dropout_offset=options.rng_specs()[1])  # fmt: skip
-    return prepare(problem)  # cu_seqlens' values were checked by _check (CPU) or are clamped (GPU)
+    return _prepared(problem, lengths_q, lengths_k)
 
 
 def _backward_run(q, k, v, out, d_out, stats, lengths_q, lengths_k, options: _Options) -> PreparedRun:
     problem = backward_problem(_spec(q), _spec(k), _spec(v), _spec(out), _spec(d_out), _spec(stats), options.scores,
                                seq_len_q=_spec(lengths_q), seq_len_kv=_spec(lengths_k), max_seq_len_q=options.max_q,
                                max_seq_len_kv=options.max_k, dropout_seed=options.rng_specs()[0], dropout_offset=options.rng_specs()[1])  # fmt: skip
-    return prepare(problem)
+    return _prepared(problem, lengths_q, lengths_k)
+
+
+def _prepared(problem: AttentionProblem, lengths_q: torch.Tensor, lengths_k: torch.Tensor) -> PreparedRun:
+    """The run of ``problem``'s plan, kept by the problem the plan is built for: one run serves
+    every packing of a geometry (the plan reads the token counts from its inputs). The lengths'
+    values are checked when a geometry is first prepared, as a graph's build checks them; later
+    calls on a GPU are clamped on the device instead (see the module's docstring)."""
+    key = problem.for_plan()
+    run = _runs.get(key)
+    if run is None:
+        run = _runs.put(key, prepare(problem, values={"seq_len_q": lengths_q, "seq_len_kv": lengths_k}))
+    return run
 
 
 def _lengths(cu_seqlens: torch.Tensor, slots: int) -> torch.Tensor:
