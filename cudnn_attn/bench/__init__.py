@@ -4,10 +4,10 @@ lines, plot, cold start), ``host`` (host time per call, and ``round_order``, the
 every table uses), ``targets`` (decoder-stack step, paged-decode bandwidth, fused vs naive),
 ``fp8``, ``varlen``, ``serving`` and ``prefill`` (paged decode and chunked prefill), and
 ``context_parallel`` (ring scaling; also ``python -m cudnn_attn.bench.context_parallel``).
-The library never imports this folder; only ``cli.py`` does, one module per section, when that
+The library never imports this folder; only ``cli/commands.py`` does, one module per section, when that
 section runs. Bench imports public names as a user would, plus the seams it measures: the
 frontend-direct column (``CudnnPlan.variant_pack``, ``cudnn_handle``), ``ops.cudnn.autotune``,
-``shapes.Shape``, ``core.synthetic``, ``sdpa_fp8.quantised``, and for the compute-only column
-``distributed.context_parallel.compute_only_ring`` with ``exchange.Ring`` and
-``process_group.members``. Nothing is re-exported here: import the module a section lives in.
+``shapes.Shape``, ``core.synthetic``, ``fp8.quantised``, and for the compute-only column
+(a ring with its transfers left out, defined here) ``distributed.context_parallel``'s ``attend``
+and ``Setup`` with ``exchange.Ring`` and ``checks.checked``. Nothing is re-exported here: import the module a section lives in.
 """

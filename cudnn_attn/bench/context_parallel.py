@@ -35,13 +35,33 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..distributed import context_parallel_sdpa, shard, unshard
-from ..distributed.context_parallel import compute_only_ring
-from ..distributed.exchange import Ring
-from ..distributed.process_group import members
+from ..distributed.checks import CONTEXT, checked
+from ..distributed.context_parallel import Setup, attend
+from ..distributed.exchange import Pending, Ring
+from ..distributed.process_group import Members, members
 from ..functional import sdpa
 from .host import round_order
 
 SINGLE = "single device (cudnn_attn.sdpa)"
+
+
+class LocalRing(Ring):
+    """The ring's schedule with the transfers left out: each rank receives its own buffer back."""
+
+    def __init__(self, m: Members):
+        self.rank, self.world, self.group = m.rank, m.world, m.group
+
+    def shift(self, buffer: torch.Tensor, tag: int) -> Pending:
+        return Pending([], buffer)
+
+
+def compute_only_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False) -> torch.Tensor:
+    """The p2p ring's schedule and attention calls with every transfer left out: each rank attends
+    to its own K/V at every step. Wrong results by design: the compute-only column, timed beside
+    ``context_parallel_sdpa``, never read."""
+    m = members(None, CONTEXT)
+    resolved = checked(q, k, v, m, is_causal, None, "p2p", False, "zigzag")
+    return attend(q, k, v, Setup(m, resolved, is_causal, "p2p", "zigzag", ring_type=LocalRing))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ import torch
 from ..functional.arguments import materialised
 from . import gather, ring
 from .checks import CONTEXT, checked
-from .exchange import LocalRing, Ring
+from .exchange import Ring
 from .packed_kv import PackedKV
 from .process_group import Members, members
 
@@ -53,41 +53,28 @@ def context_parallel_sdpa(
     """
     m = members(group, CONTEXT)
     resolved = checked(q, k, v, m, is_causal, scale, mode, enable_gqa, layout)
-    setup = Setup(m, resolved, is_causal, mode, layout, communicate=True)
-    return _ContextParallel.apply(materialised(q), k, v, setup)
+    return attend(q, k, v, Setup(m, resolved, is_causal, mode, layout))
 
 
-def compute_only_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any = None,
-                      is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-                      layout: str = "zigzag") -> torch.Tensor:  # fmt: skip
-    """The p2p ring's schedule and attention calls with every transfer left out: each rank
-    attends to its own K/V at every step. Wrong results by design; for the overlap benchmark
-    (``bench/context_parallel.py``), which times it beside ``context_parallel_sdpa``.
-
-    Example::
-
-        compute_only_ring(q, k, v, is_causal=True).backward(d_out)   # time it, never read it
-    """
-    m = members(group, CONTEXT)
-    resolved = checked(q, k, v, m, is_causal, scale, "p2p", enable_gqa, layout)
-    setup = Setup(m, resolved, is_causal, "p2p", layout, communicate=False)
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, setup: Setup) -> torch.Tensor:
+    """``context_parallel_sdpa`` once its arguments are checked and resolved into ``setup``."""
     return _ContextParallel.apply(materialised(q), k, v, setup)
 
 
 @dataclass(frozen=True)
 class Setup:
-    """One call's settings, as the autograd function carries them to the backward.
-    ``communicate=False`` (benchmarks only) keeps each rank's own K/V every ring step."""
+    """One call's settings, as the autograd function carries them to the backward. ``ring_type``:
+    the p2p exchange (a benchmark passes one that leaves the transfers out)."""
 
     members: Members
     scale: float
     is_causal: bool
     mode: str
     layout: str
-    communicate: bool
+    ring_type: type[Ring] = Ring
 
     def ring(self) -> Ring:
-        return Ring(self.members) if self.communicate else LocalRing(self.members)
+        return self.ring_type(self.members)
 
 
 class _ContextParallel(torch.autograd.Function):

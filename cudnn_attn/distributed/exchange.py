@@ -6,9 +6,6 @@ transfer runs on the process group's own CUDA stream, ordered after the work alr
 on the current stream, and ``wait`` makes the current stream (not the host) wait for it, so
 attention kernels queued in between run beside it. With gloo, background threads move the
 bytes while the host computes.
-
-``LocalRing`` is the same schedule with no communication (each rank keeps its own buffer):
-the compute-only baseline of the overlap benchmark, never used for results.
 """
 
 from __future__ import annotations
@@ -60,13 +57,3 @@ class Ring:
             ]
         )
         return Pending(list(requests or []), received)
-
-
-class LocalRing(Ring):
-    """The ring's schedule with the transfers left out: each rank receives its own buffer back."""
-
-    def __init__(self, m: Members):
-        self.rank, self.world, self.group = m.rank, m.world, m.group
-
-    def shift(self, buffer: torch.Tensor, tag: int) -> Pending:
-        return Pending([], buffer)
