@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..core.constructors import default_o, default_stats, like
 from ..core.mask import default_scale
 from ..core.problem import AttentionProblem, KVCacheLayout, Op, TensorSpec, contiguous_strides, strides_like
 from ..core.roles import (
@@ -87,12 +88,10 @@ def assemble_problem(node: Node, dtypes: dict[str, torch.dtype | None]) -> Atten
                 kv_cache_layout=infer_cache_layout(specs["k"], q, node.kv_cache_layout, node.errors),
                 options=dataclasses.replace(options, padding=True),  # caches are read through per-sequence lengths
             )
-        o_default = like(q, last_dim=specs["v"].shape[-1] if specs["v"].shape else 1)
-        o = output_spec(node.outputs["o"], o_default)
+        o = output_spec(node.outputs["o"], default_o(q, specs["v"]))
         stats = None
         if "stats" in node.outputs:
-            shape = (*q.shape[:3], 1) if q.rank == 4 else _thd_stats_shape(specs, node)
-            stats = output_spec(node.outputs["stats"], TensorSpec.contiguous(shape, torch.float32, q.device))
+            stats = output_spec(node.outputs["stats"], default_stats(q, specs.get("seq_len_q"), parsed.max_seq_len_q))
         inputs: dict[str, Any] = {role: spec for role, spec in specs.items() if role in INPUTS[Op.FORWARD, node.fp8]}
         amaxes = _amaxes(node, FP8_AMAXES, q.device)
         return AttentionProblem(op=Op.FORWARD, o=o, stats=stats, **inputs, **amaxes, **common)
@@ -109,16 +108,6 @@ def assemble_problem(node: Node, dtypes: dict[str, torch.dtype | None]) -> Atten
     return AttentionProblem(op=Op.BACKWARD, **inputs, **outs, **common, deterministic=node.deterministic)
 
 
-def _thd_stats_shape(specs: dict[str, TensorSpec], node: Node) -> tuple[int, ...]:
-    """Stats of ragged q: [B, H, S_max, 1], one row per position of the padded sequences."""
-    q = specs["q"]
-    lengths = specs.get("seq_len_q")
-    batch = lengths.shape[0] if lengths is not None and lengths.shape else 1
-    heads = q.shape[1] if q.rank == 3 else 1
-    s_max = (node.parsed.max_seq_len_q if node.parsed else None) or (q.shape[0] if q.shape else 1)
-    return (batch, heads, s_max, 1)
-
-
 def output_spec(handle: Any, default: TensorSpec) -> TensorSpec:
     """An output's geometry: its defaults, then whatever set_dim/set_stride/set_data_type said.
     Validation checks that the result is a layout an output can have."""
@@ -132,12 +121,6 @@ def output_spec(handle: Any, default: TensorSpec) -> TensorSpec:
     else:
         stride = default.stride
     return TensorSpec(tuple(shape), tuple(stride), handle.dtype or default.dtype, default.device)
-
-
-def like(spec: TensorSpec, last_dim: int | None = None, dtype: torch.dtype | None = None) -> TensorSpec:
-    """A dense tensor with ``spec``'s layout (and optionally another last dim or dtype)."""
-    shape = spec.shape if last_dim is None else tuple(spec.shape[:-1]) + (last_dim,)
-    return TensorSpec(shape, strides_like(shape, spec.stride), dtype or spec.dtype, spec.device)
 
 
 def infer_cache_layout(k: TensorSpec, q: TensorSpec, explicit: Any, errors: list[str]) -> KVCacheLayout | None:
