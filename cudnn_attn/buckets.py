@@ -93,7 +93,7 @@ class BucketedAttention:
         run = self._runs.get(problem)
         if run is None:
             run = self._runs.put(problem, prepare(problem, context="BucketedAttention", **self.graph_options))
-            (self.graph_options.get("cache") or default_cache()).on_drop(self._runs.clear)
+            (self.graph_options.get("cache") or default_cache()).on_drop(self._runs.forget_plans)
         return run
 
     @property

@@ -124,27 +124,31 @@ class PlanCache:
         """Drop least recently used plans while over either bound (the newest always stays).
         Bytes are summed afresh: a plan's workspace appears on its first run."""
         held = sum(getattr(plan, "nbytes", 0) for plan in self._entries.values())
+        dropped = set()
         while len(self._entries) > 1 and (len(self._entries) > self.maxsize or held > self.max_bytes):
-            _, plan = self._entries.popitem(last=False)
+            key, plan = self._entries.popitem(last=False)
             held -= getattr(plan, "nbytes", 0)
             self._counts["evictions"] += 1
-            self._dropped()
+            dropped.add(key)
+        if dropped:
+            self._dropped(dropped)
 
-    def on_drop(self, hook: Callable[[], None]) -> None:
-        """Call ``hook()`` whenever this cache drops plans (eviction or ``clear``): tables that keep
-        runs over its plans forget them, so no plan outlives its cache's bounds (once per hook)."""
+    def on_drop(self, hook: Callable[[set[Hashable] | None], None]) -> None:
+        """Call ``hook(keys)`` whenever this cache drops plans: the dropped keys on eviction, None on
+        ``clear`` (all of them). Tables that keep runs over its plans forget those runs, so no plan
+        outlives its cache's bounds. A hook is kept once; a bound method weakly."""
         held = weakref.WeakMethod(hook) if inspect.ismethod(hook) else hook  # a table may go before its cache
         with self._lock:
             if held not in self._drop_hooks:
                 self._drop_hooks.append(held)
 
-    def _dropped(self) -> None:
-        self.recorded.clear()
+    def _dropped(self, keys: set[Hashable] | None) -> None:
+        self.recorded.clear()  # recorded builds hold several plans each: forgotten whole
         live = []
         for held in self._drop_hooks:
             hook = held() if isinstance(held, weakref.WeakMethod) else held
             if hook is not None:
-                hook()
+                hook(keys)
                 live.append(held)
         self._drop_hooks = live
 
@@ -180,7 +184,7 @@ class PlanCache:
         """Drop every plan and zero the counters."""
         with self._lock:
             self._entries.clear()
-            self._dropped()
+            self._dropped(None)
             self._counts = dict.fromkeys(self._counts, 0)
             self._build_seconds = 0.0
 

@@ -23,13 +23,13 @@ from .cache import PlanCache, default_cache
 from .core.dtypes import to_torch_dtype
 from .core.problem import AttentionProblem, Op, TensorSpec, contiguous_strides, device_name
 from .core.roles import BACKWARD_INPUTS, PAGED_INPUTS, SDPA_INPUTS
-from .errors import GraphStateError, ValidationError
+from .errors import GraphStateError, UnsupportedError, ValidationError
 from .ops import BACKEND_NAMES
 from .ops.cudnn.autotune import enabled_by_default as autotune_default
 from .recording import reuse, state
 from .recording.build import plan_nodes, positional_inputs, validate_nodes
 from .recording.fp8_ops import Fp8Ops
-from .recording.frontend_steps import FrontendSteps
+from .recording.frontend_steps import FrontendSteps, frontend_options, frontend_tensor_options
 from .recording.handles import InputHandle, OutputHandle, TensorHandle, int_tuple
 from .recording.keywords import publishes_mask_keywords, stats_requested
 from .recording.node import Node
@@ -48,19 +48,34 @@ class Graph(Fp8Ops, FrontendSteps):
         autotune: time every candidate plan and keep the fastest (cuDNN only); ``None`` follows
             ``cudnn_attn.set_autotune`` / ``CUDNN_ATTN_AUTOTUNE=1``.
         cache: the ``PlanCache`` to use; the process-wide ``default_cache()`` by default.
+
+    The frontend's ``pygraph`` parameters are accepted in its positional order (``name``,
+    ``io_data_type``, ..., ``cuda_graph_retention``); see ``recording/frontend_steps.py`` for what
+    each means here.
     """
+
+    virtual_outputs = False  # every output is produced unless set_output(False); pygraph: the frontend's rule
 
     def __init__(
         self,
-        *,
+        name: str | None = None,
         io_data_type: Any = None,
-        intermediate_data_type: Any = torch.float32,
-        compute_data_type: Any = torch.float32,
+        intermediate_data_type: Any = None,
+        compute_data_type: Any = None,
         handle: Any = None,
+        sm_count: int | None = None,
+        sm_version: int | None = None,
+        kernel_cache: Any = None,
+        device_property: Any = None,
+        is_dynamic_shape_enabled: bool = False,
+        is_override_shape_enabled: bool = False,
+        cuda_graph_retention: Any = None,
+        *,
+        is_cuda_graph_replay_expected: bool = False,
         backend: str = "auto",
         autotune: bool | None = None,
         cache: PlanCache | None = None,
-        name: str | None = None,
+        **kwargs: Any,
     ):
         problems = []
         self._dtypes: dict[str, torch.dtype | None] = {}
@@ -77,8 +92,16 @@ class Graph(Fp8Ops, FrontendSteps):
             problems.append(f"backend: {backend!r}; allowed {', '.join(map(repr, BACKEND_NAMES))}")
         if cache is not None and not isinstance(cache, PlanCache):
             problems.append(f"cache: {type(cache).__name__}; expected a cudnn_attn.PlanCache")
+        problems += frontend_options(sm_count=sm_count, sm_version=sm_version, kernel_cache=kernel_cache,
+                                     device_property=device_property, is_dynamic_shape_enabled=is_dynamic_shape_enabled,
+                                     is_override_shape_enabled=is_override_shape_enabled,
+                                     cuda_graph_retention=cuda_graph_retention,
+                                     is_cuda_graph_replay_expected=is_cuda_graph_replay_expected, **kwargs)  # fmt: skip
+        if name is not None and not isinstance(name, str):
+            problems.append(f"name: {name!r}; expected a string")
         if problems:
             raise ValidationError(problems, context="Graph")
+        self.sm_count, self.sm_version = sm_count, sm_version
         self.backend = backend
         self.autotune = autotune_default() if autotune is None else bool(autotune)
         self.cache = cache if cache is not None else default_cache()
@@ -112,21 +135,44 @@ class Graph(Fp8Ops, FrontendSteps):
     # ---- tensors -----------------------------------------------------------------------------
 
     def tensor(
-        self, *, name: str = "", dim: Sequence[int], stride: Sequence[int], data_type: Any, device: Any = None
+        self,
+        dim: Sequence[int] | None = None,
+        stride: Sequence[int] | None = None,
+        data_type: Any = None,
+        is_virtual: bool = False,
+        is_pass_by_value: bool = False,
+        ragged_offset: Any = None,
+        reordering_type: Any = None,
+        name: str = "",
+        uid: int | None = None,
+        ragged_offset_multiplier: int = 1,
+        alignment_value: int = 1,
+        *,
+        device: Any = None,
     ) -> InputHandle:
-        """An input described without data (the frontend's ``graph.tensor``).
+        """An input described without data (the frontend's ``graph.tensor``, in its positional order).
 
-        ``device`` defaults to the current CUDA device where there is one, else the CPU.
+        ``stride`` defaults to row-major, ``data_type`` to the graph's ``io_data_type``; ``device``
+        to the current CUDA device where there is one, else the CPU. ``alignment_value`` is a
+        promise about the values, accepted as given.
         """
         self.recording.check_open("tensor")
+        unsupported = frontend_tensor_options(is_virtual, ragged_offset, reordering_type, ragged_offset_multiplier)
+        if unsupported:
+            raise UnsupportedError(unsupported, context="Graph.tensor")
         problems: list[str] = []
-        shape, strides = (_ints_or_problem(value, arg, problems) for value, arg in ((dim, "dim"), (stride, "stride")))
+        if dim is None:
+            problems.append("dim: missing; give the tensor's dims")
+        shape = _ints_or_problem(dim, "dim", problems) if dim is not None else None
+        strides = _ints_or_problem(stride, "stride", problems) if stride is not None else None
+        if shape is not None and strides is None:
+            strides = contiguous_strides(shape)
         if shape is not None and strides is not None and len(shape) != len(strides):
             problems.append(f"stride: {len(strides)} strides for {len(shape)} dims; give one stride per dim")
         try:
-            dtype = to_torch_dtype(data_type, "data_type")
+            dtype = to_torch_dtype(data_type, "data_type") or self._dtypes["io_data_type"]
             if dtype is None:
-                problems.append("data_type: NOT_SET; give the tensor's data type")
+                problems.append("data_type: NOT_SET; give the tensor's data type (or the graph's io_data_type)")
         except TypeError as error:
             problems.append(str(error))
         where = "cuda" if device is None and torch.cuda.is_available() else ("cpu" if device is None else device)
@@ -139,7 +185,11 @@ class Graph(Fp8Ops, FrontendSteps):
         if problems:
             raise ValidationError(problems, context="Graph.tensor")
         assert shape is not None and strides is not None and dtype is not None
-        return self.recording.made_input(TensorSpec(shape, strides, dtype, device_str), name or "tensor", None)
+        handle = self.recording.made_input(TensorSpec(shape, strides, dtype, device_str), name or "tensor", None)
+        handle.is_pass_by_value = bool(is_pass_by_value)
+        if uid is not None:
+            handle.set_uid(uid)
+        return handle
 
     def tensor_like(self, template: Any, name: str = "") -> InputHandle:
         """An input with ``template``'s geometry (the frontend's ``graph.tensor_like``): a tensor, a
@@ -257,15 +307,19 @@ class Graph(Fp8Ops, FrontendSteps):
 
     # ---- build and run -------------------------------------------------------------------------
 
-    def build(self) -> Graph:
+    def build(self, heuristics: Any = None) -> Graph:
         """Validate every node, then get each node's plan from the cache (building on a miss).
 
         Called on leaving the ``with`` block; calling it again does nothing. A recording that
         repeats an earlier one (same ops, arguments, geometry, options) adopts that build.
+        ``heuristics``: the frontend's ``build([heur_mode.A, ...])`` list, accepted (the plan
+        cache asks cuDNN for mode A with FALLBACK behind it).
         """
         recording = self.recording
         if recording.built:
             return self
+        if self.virtual_outputs:
+            recording.settle_outputs()
         # A build that failed validation has interpreted its calls already: it is built in full again.
         key = None if recording.interpreted else recording.key.key(recording)
         earlier = self.cache.recorded.get(key) if key is not None else None
@@ -331,6 +385,14 @@ class Graph(Fp8Ops, FrontendSteps):
         status = "built" if self.recording.built else "recording"
         nodes = ", ".join(n.problem.describe() if n.problem else n.name for n in self.nodes)
         return f"<cudnn_attn.Graph {self.name} ({status}): {nodes}>"
+
+
+class pygraph(Graph):  # noqa: N801 - the frontend's spelling
+    """``Graph`` with the frontend's output rule, for code written against ``cudnn.pygraph``: once
+    any output is marked with ``set_output(True)``, the outputs never marked are virtual (not
+    produced, absent from the variant pack). A graph with no output marked produces them all."""
+
+    virtual_outputs = True
 
 
 def _ints_or_problem(values: Any, argument: str, problems: list[str]) -> tuple[int, ...] | None:

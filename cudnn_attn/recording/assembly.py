@@ -90,7 +90,8 @@ def assemble_problem(node: Node, dtypes: dict[str, torch.dtype | None]) -> Atten
             )
         o = output_spec(node.outputs["o"], default_o(q, specs["v"]))
         stats = None
-        if "stats" in node.outputs:
+        wanted = node.outputs.get("stats")
+        if wanted is not None and (wanted.is_output or wanted.consumed):  # virtual stats are not computed
             stats = output_spec(node.outputs["stats"], default_stats(q, specs.get("seq_len_q"), parsed.max_seq_len_q))
         inputs: dict[str, Any] = {role: spec for role, spec in specs.items() if role in INPUTS[Op.FORWARD, node.fp8]}
         amaxes = _amaxes(node, FP8_AMAXES, q.device)

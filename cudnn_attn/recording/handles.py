@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..core.dtypes import to_torch_dtype
-from ..core.problem import TensorSpec
-from ..errors import GraphStateError, ValidationError, shown
+from ..core.problem import TensorSpec, contiguous_strides
+from ..errors import GraphStateError, UnsupportedError, ValidationError, shown
 
 if TYPE_CHECKING:
     from .state import Recording
@@ -26,6 +26,8 @@ class TensorHandle:
     def __init__(self, recording: Recording, name: str):
         self.recording = recording  # of the graph it belongs to
         self._name = name
+        self.uid = recording.new_uid(self)  # the frontend's tensor uid: a key of execute's variant pack
+        self.is_pass_by_value = False
 
     @property
     def name(self) -> str:
@@ -38,6 +40,34 @@ class TensorHandle:
         self.recording.claim_name(self._name, name)
         self._name = name
         return self
+
+    def get_uid(self) -> int:
+        return self.uid
+
+    def set_uid(self, uid: int) -> TensorHandle:
+        """Pin this tensor's uid (a variant pack may then be keyed by it); a uid another tensor
+        of the graph holds is refused."""
+        self.recording.claim_uid(self, uid)
+        self.uid = uid
+        return self
+
+    def get_is_virtual(self) -> bool:
+        return False
+
+    def set_is_pass_by_value(self, value: bool) -> TensorHandle:
+        self.is_pass_by_value = bool(value)
+        return self
+
+    def get_is_pass_by_value(self) -> bool:
+        return self.is_pass_by_value
+
+    def set_ragged_offset(self, offsets: Any) -> TensorHandle:
+        """The frontend's THD form (4-D tensors plus element offsets) is not taken yet: packed
+        sequences are ``[T, H, D]`` tensors with ``seq_len_q``/``seq_len_kv`` (``varlen_sdpa``)."""
+        raise UnsupportedError(
+            [f"{self._name}.set_ragged_offset: ragged offset tensors are not supported yet; pass packed [T, H, D] "
+             "tensors with seq_len_q/seq_len_kv (or cudnn_attn.varlen_sdpa with cu_seqlens)"]
+        )  # fmt: skip
 
     @property
     def spec(self) -> TensorSpec | None:
@@ -79,6 +109,32 @@ class InputHandle(TensorHandle):
     def spec(self) -> TensorSpec:
         return self._spec
 
+    # The frontend's setters on an input: they describe the tensors later runs will pass.
+
+    def set_dim(self, dim: Any) -> InputHandle:
+        self.recording.check_open(f"{self._name}.set_dim")
+        shape = int_tuple(dim, f"{self._name}.set_dim")
+        self._spec = TensorSpec(shape, contiguous_strides(shape), self._spec.dtype, self._spec.device)
+        return self
+
+    def set_stride(self, stride: Any) -> InputHandle:
+        self.recording.check_open(f"{self._name}.set_stride")
+        strides = int_tuple(stride, f"{self._name}.set_stride")
+        if len(strides) != len(self._spec.shape):
+            raise ValidationError([f"{self._name}.set_stride: {len(strides)} strides for {len(self._spec.shape)} dims"])
+        self._spec = TensorSpec(self._spec.shape, strides, self._spec.dtype, self._spec.device)
+        return self
+
+    def set_data_type(self, data_type: Any) -> InputHandle:
+        self.recording.check_open(f"{self._name}.set_data_type")
+        try:
+            dtype = to_torch_dtype(data_type, f"{self._name}.set_data_type")
+        except TypeError as error:
+            raise ValidationError([str(error)]) from None
+        if dtype is not None:
+            self._spec = TensorSpec(self._spec.shape, self._spec.stride, dtype, self._spec.device)
+        return self
+
 
 class OutputHandle(TensorHandle):
     """An op's output. Setters may be called until the graph is built; each returns self."""
@@ -89,6 +145,8 @@ class OutputHandle(TensorHandle):
         self.index = index  # its place among the graph's outputs, in creation order
         self.port = port  # the role in the problem: "o", "stats", "d_q", ...
         self.is_output = True
+        self.marked: bool | None = None  # what set_output said, if it was called
+        self.consumed = False  # an input of a later node: computed even where virtual
         self.dim: tuple[int, ...] | None = None
         self.stride: tuple[int, ...] | None = None
         self.dtype: torch.dtype | None = None
@@ -104,7 +162,7 @@ class OutputHandle(TensorHandle):
 
     def set_output(self, is_output: bool = True) -> OutputHandle:
         self._check_open("set_output")
-        self.is_output = bool(is_output)
+        self.is_output = self.marked = bool(is_output)
         return self
 
     def set_dim(self, dim: Any) -> OutputHandle:
@@ -123,10 +181,6 @@ class OutputHandle(TensorHandle):
             self.dtype = to_torch_dtype(data_type, f"{self._name}.set_data_type")
         except TypeError as error:
             raise ValidationError([str(error)]) from None
-        return self
-
-    def set_uid(self, uid: int) -> OutputHandle:
-        """Accepted for frontend compatibility: uids are assigned by the library."""
         return self
 
 

@@ -49,6 +49,8 @@ class Recording:
         self.key = RecordingKey(options)
         self.built = False
         self._output_count = 0
+        self.uids: dict[int, Any] = {}  # uid -> its handle
+        self._next_uid = 1
 
     # ---- names and inputs ------------------------------------------------------------------------
 
@@ -69,6 +71,32 @@ class Recording:
                 raise ValidationError([f"name: {name!r} is already used in this graph"])
             self.names.discard(old)
             self.names.add(name)
+
+    def new_uid(self, handle: Any) -> int:
+        """A uid for ``handle`` that no tensor of this graph holds (pinned uids are skipped)."""
+        while self._next_uid in self.uids:
+            self._next_uid += 1
+        self.uids[self._next_uid] = handle
+        return self._next_uid
+
+    def claim_uid(self, handle: Any, uid: Any) -> None:
+        """``handle`` takes ``uid``: an int >= 0 no other tensor of the graph holds."""
+        if isinstance(uid, bool) or not isinstance(uid, int) or uid < 0:
+            raise ValidationError([f"{handle.name}.set_uid: {uid!r}; expected an int >= 0"])
+        holder = self.uids.get(uid)
+        if holder is not None and holder is not handle:
+            raise ValidationError([f"{handle.name}.set_uid: uid {uid} is already the uid of {holder.name!r}"])
+        self.uids.pop(handle.uid, None)
+        self.uids[uid] = handle
+
+    def settle_outputs(self) -> None:
+        """The frontend's rule: once any output is marked with ``set_output(True)``, the outputs
+        never marked are virtual (not produced). A graph where none is marked produces them all."""
+        outputs = [h for node in self.nodes for h in node.outputs.values()]
+        if any(h.marked for h in outputs):
+            for h in outputs:
+                if h.marked is None:
+                    h.is_output = False
 
     def new_input(self, spec: TensorSpec, name: str, template: torch.Tensor | None, role: str = "") -> InputHandle:
         handle = InputHandle(self, self.unique_name(name), spec, role or name, template)
@@ -148,6 +176,8 @@ class Recording:
                 node.errors.append(f"{node.argument(role)}: a tensor handle of another graph")
             else:
                 node.inputs[role] = value  # type: ignore[assignment]
+                if isinstance(value, OutputHandle):
+                    value.consumed = True
             return
         handle = self.by_identity.get(id(value))
         if handle is None:

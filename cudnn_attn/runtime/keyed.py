@@ -51,5 +51,15 @@ class KeyedCache:
     def release(self) -> None:
         self.clear()
 
+    def forget_plans(self, keys: set[Hashable] | None) -> None:
+        """Drop the entries whose run holds a plan of ``keys`` (plan-cache keys; None: every entry),
+        for ``PlanCache.on_drop``."""
+        with self._lock:
+            if keys is None:
+                self._entries.clear()
+                return
+            for key in [k for k, run in self._entries.items() if getattr(run, "cache_key", None) in keys]:
+                del self._entries[key]
+
     def __len__(self) -> int:
         return len(self._entries)

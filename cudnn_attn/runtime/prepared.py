@@ -7,8 +7,8 @@ and none writes a plan-cache key by hand (the planner derives it from the proble
 runs are kept by problem, so an entry point's own fast key in front of this one is optional.
 
 A prepared run holds its plan. This table (and ``BucketedAttention``'s) registers with the plan
-cache's ``on_drop`` and is forgotten whenever the cache drops plans, so a problem asked for again
-gets its plan from the cache's bounds; the hot paths' own tables in front (the eager flat key,
+cache's ``on_drop`` and forgets the runs whose plans the cache drops, so a problem asked for again
+gets its plan within the cache's bounds; the hot paths' own tables in front (the eager flat key,
 context parallelism's blocks) are bounded by entries instead, and keep their runs.
 """
 
@@ -115,7 +115,7 @@ def prepare(
         planned = planner.plan(problem, backend, tune, cache)
     except UnsupportedError as error:
         raise UnsupportedError(error.problems, context=context, alternatives=error.alternatives) from None
-    cache.on_drop(_prepared.clear)
+    cache.on_drop(_prepared.forget_plans)
     return _prepared.put(key, PreparedRun(problem, planned))
 
 
