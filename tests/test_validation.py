@@ -161,7 +161,7 @@ MALFORMED = [
     ("dropout-seed-dtype", lambda: fwd(dropout=0.1, dropout_seed=torch.zeros(1)), "dropout_seed", "float32"),
     ("attn-scale-nan", lambda: fwd(attn_scale=float("nan")), "attn_scale", "finite"),
     ("attn-scale-string", lambda: fwd(attn_scale="big"), "attn_scale", "'big'"),
-    ("right-bound", lambda: fwd(diagonal_band_right_bound=3), "diagonal_band_right_bound", "3"),
+    ("right-bound", lambda: fwd(diagonal_band_right_bound=-1), "diagonal_band_right_bound", "-1"),
     (
         "window-disagrees",
         lambda: fwd(use_causal_mask=True, sliding_window_length=3, diagonal_band_left_bound=4),
@@ -280,3 +280,35 @@ def test_cudnn_backend_on_cpu_tensors_is_unsupported_with_an_alternative():
         with cudnn_attn.Graph(backend="cudnn") as g:
             g.sdpa(Q, K, V)
     assert "CUDA" in str(info.value) and 'backend="reference"' in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "keywords,argument",
+    [
+        (dict(diagonal_band_right_bound=3), "diagonal_band_right_bound"),
+        (dict(diagonal_alignment="BOTTOM_RIGHT", diagonal_band_left_bound=4), "diagonal_alignment"),
+        (dict(rng_dump=torch.empty(B, H, S, S)), "rng_dump"),
+    ],
+    ids=["right-bound-past-diagonal", "bottom-right-window-without-causal", "rng-dump"],
+)
+def test_valid_frontend_requests_not_run_yet_are_unsupported_naming_the_argument(keywords, argument):
+    with pytest.raises(cudnn_attn.UnsupportedError) as info:
+        fwd(**keywords)
+    assert any(argument in line for line in info.value.problems), info.value.problems
+
+
+def test_frontend_keywords_passed_on_every_call_are_taken():
+    """The frontend's tests pass these on every call, None or not: they change nothing here."""
+
+    def run(**keywords):
+        with cudnn_attn.Graph(backend="reference") as g:
+            g.sdpa(Q, K, V, **keywords)
+        return g(Q, K, V)
+
+    expected = run()
+    for keywords in (
+        dict(implementation="AUTO", rng_dump=None, max_total_seq_len_q=None, max_total_seq_len_kv=None),
+        dict(implementation="UNIFIED", max_total_seq_len_q=B * S, max_total_seq_len_kv=B * S),
+        dict(diagonal_alignment="BOTTOM_RIGHT"),
+    ):  # an alignment with no bound masks nothing
+        assert torch.equal(run(**keywords), expected), keywords

@@ -54,6 +54,9 @@ def plan_nodes(nodes: Sequence[Node], backend: str, autotune: bool, cache: PlanC
     prefix = len(nodes) > 1
     for node in nodes:
         assert node.problem is not None, "plan_nodes runs after validate_nodes"
+        if node.parsed is not None and node.parsed.unsupported:  # valid keywords this library cannot run yet
+            reasons += [f"{node.name}: {r}" if prefix else r for r in node.parsed.unsupported]
+            continue
         try:
             planned = planner.plan(node.problem, backend, autotune, cache)
         except UnsupportedError as error:

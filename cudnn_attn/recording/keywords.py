@@ -46,6 +46,11 @@ class MaskKeywords:
     dropout: Any = None
     dropout_seed: Any = None
     dropout_offset: Any = None
+    # The frontend's keywords with no effect on the result here (code passes them on every call).
+    implementation: Any = None  # attention_implementation: cuDNN's heuristics choose the engine
+    max_total_seq_len_q: Any = None  # packed token totals: a workspace bound the plans do not need
+    max_total_seq_len_kv: Any = None
+    rng_dump: Any = None  # the dropout keep-mask as an output: not supported yet (None is accepted)
 
 
 KEYWORDS = tuple(f.name for f in dataclasses.fields(MaskKeywords))
@@ -62,6 +67,7 @@ class Parsed:
     tensors: dict[str, Any] = field(default_factory=dict)  # role -> tensor to bind as an input
     runtime: dict[str, int] = field(default_factory=dict)  # int dropout seed/offset, passed by value
     errors: list[str] = field(default_factory=list)
+    unsupported: list[str] = field(default_factory=list)  # valid, but not run here: UnsupportedError
 
 
 def collect_keywords(given: dict[str, Any], op: str, hints: dict[str, str] | None = None) -> MaskKeywords | list[str]:
@@ -77,7 +83,8 @@ def parse_keywords(given: MaskKeywords, *, ragged: bool) -> Parsed:
     """Parse ``given``; ``ragged``: q is THD, which implies the padding mask."""
     errors: list[str] = []
     scale = _scale(given.attn_scale, errors)
-    causal = _causal(given, errors)
+    unsupported: list[str] = []
+    causal = _causal(given, errors, unsupported)
     window = _window(given, errors)
     tensors: dict[str, Any] = {}
     if given.attn_bias is not None and given.bias is not None:
@@ -95,7 +102,9 @@ def parse_keywords(given: MaskKeywords, *, ragged: bool) -> Parsed:
         padding=_flag(given.use_padding_mask, "use_padding_mask", errors) or ragged,
         dropout_p=dropout_p,
     )
+    _frontend_keywords(given, errors, unsupported)
     return Parsed(
+        unsupported=unsupported,
         options=options,
         scale_given=scale is not None,
         max_seq_len_q=_length(given.max_seq_len_q, "max_seq_len_q", errors),
@@ -104,6 +113,16 @@ def parse_keywords(given: MaskKeywords, *, ragged: bool) -> Parsed:
         runtime=runtime,
         errors=errors,
     )
+
+
+def _frontend_keywords(given: MaskKeywords, errors: list[str], unsupported: list[str]) -> None:
+    implementation = getattr(given.implementation, "name", given.implementation)
+    if implementation not in (None, "AUTO", "COMPOSITE", "UNIFIED"):
+        errors.append(f"implementation: {given.implementation!r}; allowed AUTO, COMPOSITE or UNIFIED")
+    for name in ("max_total_seq_len_q", "max_total_seq_len_kv"):
+        _length(getattr(given, name), name, errors)
+    if given.rng_dump is not None:
+        unsupported.append("rng_dump: the dropout keep-mask as an output is not supported yet")
 
 
 def stats_requested(is_inference: Any, generate_stats: Any, errors: list[str]) -> bool:
@@ -175,7 +194,7 @@ def _alignment_name(value: Any) -> str | None:
     return str(name).upper()
 
 
-def _causal(given: MaskKeywords, errors: list[str]) -> Causal:
+def _causal(given: MaskKeywords, errors: list[str], unsupported: list[str]) -> Causal:
     top = _flag(given.use_causal_mask, "use_causal_mask", errors)
     bottom = _flag(given.use_causal_mask_bottom_right, "use_causal_mask_bottom_right", errors)
     if top and bottom:
@@ -187,15 +206,19 @@ def _causal(given: MaskKeywords, errors: list[str]) -> Causal:
         errors.append(f"diagonal_alignment: {given.diagonal_alignment!r}; allowed TOP_LEFT or BOTTOM_RIGHT")
         alignment = None
     right = given.diagonal_band_right_bound
+    windowed = given.sliding_window_length is not None or given.diagonal_band_left_bound is not None
     if right is not None:
-        if not _is_int(right) or right != 0:
-            errors.append(f"diagonal_band_right_bound: {shown(right)}; only 0 (a causal diagonal) is supported")
+        if not _is_int(right) or not 0 <= right <= MAX_LENGTH:
+            errors.append(f"diagonal_band_right_bound: {shown(right)}; expected an int >= 0")
+        elif right > 0:
+            unsupported.append(f"diagonal_band_right_bound: {right}; a band reaching past the diagonal is not "
+                               "supported yet (0, a causal diagonal, or None)")  # fmt: skip
         elif not (top or bottom):
             top, bottom = alignment != "BOTTOM_RIGHT", alignment == "BOTTOM_RIGHT"
-    elif alignment == "BOTTOM_RIGHT" and not bottom:
-        errors.append(
-            "diagonal_alignment: BOTTOM_RIGHT needs diagonal_band_right_bound=0 (or use_causal_mask_bottom_right)"
-        )
+    elif alignment == "BOTTOM_RIGHT" and windowed and not bottom:
+        unsupported.append("diagonal_alignment: a bottom-right aligned window without a causal bound is not "
+                           "supported yet (give diagonal_band_right_bound=0)")  # fmt: skip
+    # An alignment with no bound at all masks nothing, as in the frontend.
     if bottom:
         return Causal.BOTTOM_RIGHT
     return Causal.TOP_LEFT if top else Causal.NONE
