@@ -1,9 +1,43 @@
-"""The library's exceptions: each lists every problem it found, one per line."""
+"""The library's exceptions: each lists every problem it found, one per line.
+
+``UnsupportedError`` is also the cuDNN frontend's ``cudnnGraphNotSupportedError`` (its subclass,
+where the frontend imports): code written for the frontend skips a case with
+``except cudnn.cudnnGraphNotSupportedError`` whichever of the two packages ``cudnn`` names.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+
+def _frontend_not_supported() -> type[Exception]:
+    """The frontend's "this GPU / cuDNN cannot run this graph" exception; where the frontend does
+    not import (it is a dependency, but the reference backend needs none of it) a stand-in of the
+    same name, so the name exists either way."""
+    try:
+        import cudnn
+
+        found = cudnn.cudnnGraphNotSupportedError
+        if isinstance(found, type) and issubclass(found, Exception):
+            return found
+    except Exception as error:  # not installed, or broken: the library still runs on the reference backend
+        logging.getLogger("cudnn_attn").debug(
+            "nvidia-cudnn-frontend unavailable (%s); its exception is stood in", error
+        )
+    return type("cudnnGraphNotSupportedError", (Exception,), {"__module__": __name__})
+
+
+# The frontend's class itself (not a subclass of ours): catching it catches the frontend's own
+# refusals as well as this library's. The type checker sees its shape: an Exception.
+if TYPE_CHECKING:
+
+    class cudnnGraphNotSupportedError(Exception):  # noqa: N801 - the frontend's spelling
+        pass
+
+else:
+    cudnnGraphNotSupportedError = _frontend_not_supported()  # noqa: N816 - the frontend's spelling
 
 
 def shown(value: Any, limit: int = 40) -> str:
@@ -50,10 +84,12 @@ class ValidationError(_ProblemList, ValueError):
         super().__init__(self._format(problems, context))
 
 
-class UnsupportedError(_ProblemList, NotImplementedError):
+class UnsupportedError(_ProblemList, NotImplementedError, cudnnGraphNotSupportedError):
     """Well formed, but this GPU / cuDNN version / backend cannot run it.
 
-    ``.problems`` lists the reasons; ``.alternatives`` what would work, where known.
+    ``.problems`` lists the reasons; ``.alternatives`` what would work, where known. Caught by
+    ``except NotImplementedError`` (and so ``RuntimeError``) and by the frontend's
+    ``except cudnn.cudnnGraphNotSupportedError``.
     """
 
     headline = "reasons"
