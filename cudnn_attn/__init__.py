@@ -43,15 +43,12 @@ from .errors import GraphStateError, ShapeMismatchError, UnsupportedError, Valid
 from .fp8 import sdpa_fp8
 from .fp8_scaling import Fp8Scaling
 from .functional import sdpa
-from .graph import Graph
+from .graph import Graph, pygraph
 from .ops.cudnn.autotune import set_autotune
 from .serving.paged_attention import PagedAttention
 from .varlen import varlen_sdpa
 
 __version__ = "0.1.0"  # this library's version; the frontend's is cudnn.__version__
-
-# The frontend's spelling, for `import cudnn_attn as cudnn` drop-in use.
-pygraph = Graph
 
 
 def __getattr__(name: str) -> Any:

@@ -285,6 +285,7 @@ class Graph(Fp8Ops, FrontendSteps):
         *,
         use_deterministic_algorithm: bool = False,
         bias_grad: bool = False,
+        dBias: Any = None,  # noqa: N803 - the frontend's spelling
         compute_data_type: Any = None,
         name: str | None = None,
         **mask: Any,
@@ -292,17 +293,22 @@ class Graph(Fp8Ops, FrontendSteps):
         """Gradients of sdpa: ``(dQ, dK, dV)``, plus ``dBias`` when ``bias_grad=True``.
 
         Give the same mask, bias, scale and dropout (seed and offset included) as the
-        forward whose ``o`` and ``stats`` are passed.
+        forward whose ``o`` and ``stats`` are passed. ``dBias``: the frontend's form, a tensor
+        the caller made (``g.tensor_like(d_bias)``, any strides) that receives the bias gradient;
+        the call then returns ``(dQ, dK, dV)`` and ``execute`` takes that tensor as an output.
         """
-        args = (q, k, v, o, dO, stats, use_deterministic_algorithm, bias_grad, compute_data_type)
+        args = (q, k, v, o, dO, stats, use_deterministic_algorithm, bias_grad, dBias, compute_data_type)
         roles = (
             ("grad_q", "grad_k", "grad_v", "grad_bias")
-            if state.flag_true(bias_grad)
+            if state.flag_true(bias_grad) or dBias is not None
             else ("grad_q", "grad_k", "grad_v")
         )
         node = self.recording.record_call(
             Op.BACKWARD, name, BACKWARD_INPUTS, "sdpa_backward", state.interpret_backward, args, mask, roles
         )
+        if dBias is not None:
+            self.recording.caller_output(node, "grad_bias", dBias)
+            return tuple(node.outputs[role] for role in ("grad_q", "grad_k", "grad_v"))
         return tuple(node.outputs.values())
 
     # ---- build and run -------------------------------------------------------------------------

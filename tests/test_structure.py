@@ -138,12 +138,15 @@ def _binds(node: ast.stmt) -> list[str]:
 @cache
 def top_level_names(module: str, root: Path = ROOT) -> frozenset[str] | None:
     """The names module ``module`` binds at its top level (see ``_scope``); None for any name (a
-    module ``__getattr__``, or a star import: not used in the package, so permissive, not wrong)."""
+    module ``__getattr__`` that returns something, or a star import: permissive, not wrong). The
+    package root's ``__getattr__`` only words an AttributeError, so it resolves no name."""
     path = module_file(module, root)
     assert path is not None, module
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     names = {n for node in _scope(tree.body) for n in _binds(node)}
-    return None if {"*", "__getattr__"} & names else frozenset(names)
+    hooks = [n for n in _scope(tree.body) if isinstance(n, ast.FunctionDef) and n.name == "__getattr__"]
+    resolves = any(isinstance(r, ast.Return) and r.value is not None for h in hooks for r in ast.walk(h))
+    return None if "*" in names or resolves or ("__getattr__" in names and not hooks) else frozenset(names)
 
 
 def problems(found: list[Import], root: Path = ROOT) -> list[str]:

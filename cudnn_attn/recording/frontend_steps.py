@@ -109,6 +109,8 @@ class FrontendSteps:
                 handle = by_name.get(key)
             elif isinstance(key, int) and not isinstance(key, bool):
                 handle = recording.uids.get(key)
+            if isinstance(handle, InputHandle) and handle.alias_of is not None:
+                handle = handle.alias_of  # a caller-made output (dBias=)
             if handle is None:
                 if key is not None:
                     unknown.append(f"{key!r}: not a tensor of this graph (keys: handles, names or uids)")

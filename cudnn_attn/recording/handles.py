@@ -104,6 +104,7 @@ class InputHandle(TensorHandle):
         self.role = role
         self.template = template  # the data of a template tensor, for build-time value checks
         self.made_index: int | None = None  # its place among handles made with tensor()/tensor_like()
+        self.alias_of: OutputHandle | None = None  # made by the caller to receive an op's output (dBias=)
 
     @property
     def spec(self) -> TensorSpec:

@@ -89,6 +89,23 @@ class Recording:
         self.uids.pop(handle.uid, None)
         self.uids[uid] = handle
 
+    def caller_output(self, node: Node, role: str, given: Any) -> None:
+        """The frontend's caller-made output (``dBias=``): ``node``'s output ``role`` takes the
+        geometry of ``given`` (a tensor handle of this graph, or a tensor), and ``execute`` finds
+        that output under ``given``'s handle, name or uid."""
+        output = node.outputs[role]
+        if isinstance(given, InputHandle) and given.recording is self:
+            spec = given.spec
+            given.alias_of = output
+        else:
+            tensor = interop.as_torch(given) if not isinstance(given, TensorHandle) else None
+            if tensor is None:
+                node.errors.append(f"{node.argument(role)}: {type(given).__name__}; expected a tensor of this graph")
+                return
+            spec = TensorSpec.of(tensor)
+        output.dim, output.stride, output.dtype = spec.shape, spec.stride, spec.dtype
+        output.marked = output.is_output = True
+
     def settle_outputs(self) -> None:
         """The frontend's rule: once any output is marked with ``set_output(True)``, the outputs
         never marked are virtual (not produced). A graph where none is marked produces them all."""
@@ -271,7 +288,7 @@ def interpret_paged(recording: Recording, node: Node, mask: dict[str, Any], q: A
 
 
 def interpret_backward(recording: Recording, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, o: Any,
-                       d_o: Any, stats: Any, deterministic: Any, bias_grad: Any,
+                       d_o: Any, stats: Any, deterministic: Any, bias_grad: Any, d_bias: Any,
                        compute_data_type: Any) -> None:  # fmt: skip
     tensors = {"q": q, "k": k, "v": v, "o": o, "grad_o": d_o, "stats": stats}
     recording.bind_call(node, tensors, mask, "sdpa_backward")

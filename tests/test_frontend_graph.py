@@ -1,0 +1,100 @@
+"""The frontend's graph surface through ``import cudnn_attn as cudnn``: pygraph's constructor,
+``tensor()``, uids, variant packs keyed by handle, name or uid, the output rule of ``pygraph``,
+caller-made ``dBias``. Results are checked against the reference math on fresh random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import rel_err
+
+import cudnn_attn as cudnn
+
+B, H, S, D = 2, 3, 16, 32
+
+
+def randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _attention(q, k, v, scale):
+    return torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=scale)
+
+
+def _qkv(seed: int = 0):
+    return [randn(B, H, S, D, seed=seed * 3 + i) for i in range(3)]
+
+
+def test_pygraph_takes_the_frontends_positional_constructor():
+    g = cudnn.pygraph("g", cudnn.data_type.FLOAT, cudnn.data_type.FLOAT, cudnn.data_type.FLOAT, None, 132, 90)
+    assert g.name == "g" and g.sm_count == 132 and g.sm_version == 90
+    cudnn.pygraph(is_override_shape_enabled=True, is_dynamic_shape_enabled=True, is_cuda_graph_replay_expected=True)
+    with pytest.raises(cudnn.ValidationError, match="sm_version"):
+        cudnn.pygraph(sm_version="sm90")
+    with pytest.raises(cudnn.ValidationError, match="not a parameter of pygraph"):
+        cudnn.pygraph(flavour=1)
+    with pytest.raises(cudnn.UnsupportedError, match="device_property"):
+        cudnn.pygraph(device_property=object())
+
+
+def test_tensor_takes_the_frontends_signature_and_uids_key_the_variant_pack():
+    q, k, v = _qkv(1)
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
+    q_t = g.tensor(list(q.shape), list(q.stride()), uid=7, name="q", device="cpu")  # dtype from io_data_type
+    k_t = g.tensor(list(k.shape), device="cpu")  # row-major strides
+    v_t = g.tensor(dim=list(v.shape), data_type=torch.float32, device="cpu").set_uid(9)
+    o, _ = g.sdpa(q_t, k_t, v_t, is_inference=True, attn_scale=0.125)
+    o.set_output(True).set_uid(11)
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.build_plans()
+    out = torch.full((B, H, S, D), float("nan"))
+    g.execute({7: q, k_t.get_uid(): k, 9: v, 11: out, None: q})  # a None key is ignored, as in the frontend
+    expected = _attention(q, k, v, 0.125)
+    assert rel_err(out, expected) < 1e-5
+    assert q_t.get_uid() == 7 and len({q_t.get_uid(), k_t.get_uid(), v_t.get_uid(), o.get_uid()}) == 4
+    other = cudnn.pygraph()
+    other.tensor([1, 1, 1, 1], data_type=torch.float32, uid=3, device="cpu")
+    with pytest.raises(cudnn.ValidationError, match="already the uid"):
+        other.tensor([1, 1, 1, 1], data_type=torch.float32, device="cpu").set_uid(3)
+
+
+def test_pygraph_outputs_are_virtual_until_marked_and_graph_outputs_are_not():
+    q, k, v = _qkv(2)
+    g = cudnn.pygraph()
+    o, stats = g.sdpa(g.tensor_like(q), g.tensor_like(k), g.tensor_like(v), is_inference=False)
+    o.set_output(True)  # stats never marked: virtual, not produced, not in the pack
+    g.build()
+    assert [h.name for h in g.outputs] == [o.name] and g.problems[0].stats is None
+    out = torch.empty(B, H, S, D)
+    g.execute({g.inputs[0]: q, g.inputs[1]: k, g.inputs[2]: v, o: out})
+    assert rel_err(out, _attention(q, k, v, D**-0.5)) < 1e-5
+    with cudnn.Graph() as ours:  # the library's own Graph produces every output unless told otherwise
+        o2, s2 = ours.sdpa(q, k, v, generate_stats=True)
+        o2.set_output(True)
+    assert len(ours(q, k, v)) == 2
+
+
+def test_caller_made_dbias_receives_the_bias_gradient():
+    q, k, v = _qkv(3)
+    bias = randn(1, H, S, S, seed=40)
+    d_out = randn(B, H, S, D, seed=50)
+    with cudnn.Graph() as fwd:
+        fwd.sdpa(q, k, v, bias=bias, generate_stats=True)
+    out, stats = fwd(q, k, v, bias)
+    d_bias = torch.full((1, H, S, S), float("nan"))
+    g = cudnn.pygraph()
+    handles = [g.tensor_like(t) for t in (q, k, v, out, d_out, stats, bias)]
+    d_bias_t = g.tensor_like(d_bias)
+    dq, dk, dv = g.sdpa_backward(*handles[:6], bias=handles[6], dBias=d_bias_t, attn_scale=D**-0.5)
+    for t in (dq, dk, dv):
+        t.set_output(True)
+    grads = [torch.empty(B, H, S, D) for _ in range(3)]
+    g.execute({**dict(zip(handles, (q, k, v, out, d_out, stats, bias))), dq: grads[0], dk: grads[1], dv: grads[2],
+               d_bias_t: d_bias})  # fmt: skip
+    with cudnn.Graph() as ours:
+        ours.sdpa_backward(q, k, v, out, d_out, stats, bias=bias, bias_grad=True)
+    expected = ours(q, k, v, out, d_out, stats, bias)
+    for got, want in zip((*grads, d_bias), expected):
+        assert rel_err(got, want) < 1e-5
