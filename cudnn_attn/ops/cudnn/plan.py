@@ -85,6 +85,8 @@ class CudnnPlan:
         """Run on ``buffers`` bound to ``uids``: the hot path under every call."""
         try:  # costs nothing unless raised (zero-cost exceptions); inline: no extra call per run
             index = self.device_index
+            if stream is None and handle is not None:  # a handle's stream (set_stream), as the frontend runs
+                stream = getattr(handle, "stream", None)
             stream_ptr = current_stream(index) if stream is None else stream_pointer(stream, index)
             if workspace is None and self.workspace_size:
                 workspace = self._workspace(stream_ptr)
