@@ -284,12 +284,8 @@ def test_cudnn_backend_on_cpu_tensors_is_unsupported_with_an_alternative():
 
 @pytest.mark.parametrize(
     "keywords,argument",
-    [
-        (dict(diagonal_band_right_bound=3), "diagonal_band_right_bound"),
-        (dict(diagonal_alignment="BOTTOM_RIGHT", diagonal_band_left_bound=4), "diagonal_alignment"),
-        (dict(rng_dump=torch.empty(B, H, S, S)), "rng_dump"),
-    ],
-    ids=["right-bound-past-diagonal", "bottom-right-window-without-causal", "rng-dump"],
+    [(dict(rng_dump=torch.empty(B, H, S, S)), "rng_dump")],
+    ids=["rng-dump"],
 )
 def test_valid_frontend_requests_not_run_yet_are_unsupported_naming_the_argument(keywords, argument):
     with pytest.raises(cudnn_attn.UnsupportedError) as info:
@@ -312,3 +308,39 @@ def test_frontend_keywords_passed_on_every_call_are_taken():
         dict(diagonal_alignment="BOTTOM_RIGHT"),
     ):  # an alignment with no bound masks nothing
         assert torch.equal(run(**keywords), expected), keywords
+
+
+def _dense_band(s_q, s_kv, left, right, bottom_right):
+    """Allowed scores of a diagonal band by its definition, for small shapes."""
+    i = torch.arange(s_q).view(-1, 1)
+    j = torch.arange(s_kv).view(1, -1)
+    d = i + (s_kv - s_q if bottom_right else 0)
+    allowed = torch.ones(s_q, s_kv, dtype=torch.bool)
+    if right is not None:
+        allowed &= j <= d + right
+    if left is not None:
+        allowed &= j > d - left
+    return allowed
+
+
+@pytest.mark.parametrize(
+    "alignment,left,right",
+    [("TOP_LEFT", None, 3), ("BOTTOM_RIGHT", None, 3), ("BOTTOM_RIGHT", 4, None), ("TOP_LEFT", 4, 2),
+     ("BOTTOM_RIGHT", 5, 1), ("BOTTOM_RIGHT", 6, 0), ("TOP_LEFT", 3, None)],
+)  # fmt: skip
+def test_any_diagonal_band_is_the_frontends_band(alignment, left, right):
+    """diagonal_alignment with any left and right bounds, against softmax over the band by its
+    definition (S_q = 12 < S_kv = 20, so the two alignments differ)."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, s, 16, generator=gen) for s in (12, 20, 20))
+    keywords = dict(diagonal_alignment=getattr(cudnn_attn.diagonal_alignment, alignment), attn_scale=0.25)
+    if left is not None:
+        keywords["diagonal_band_left_bound"] = left
+    if right is not None:
+        keywords["diagonal_band_right_bound"] = right
+    with cudnn_attn.Graph(backend="reference") as g:
+        g.sdpa(q, k, v, **keywords)
+    allowed = _dense_band(12, 20, left, right, alignment == "BOTTOM_RIGHT")
+    scores = (q.double() @ k.double().transpose(-1, -2) * 0.25).masked_fill(~allowed, float("-inf"))
+    expected = torch.nan_to_num(torch.softmax(scores, -1)) @ v.double()
+    assert (g(q, k, v).double() - expected).abs().max() < 1e-5

@@ -1,6 +1,6 @@
 """How scores are formed, as problem fields: the softmax scale, the causal variants, and
-``ScoreOptions`` (scale, causal, window, ALiBi, padding, dropout), one frozen group of every
-``AttentionProblem``. The keywords users spell them with are parsed in ``recording/keywords.py``.
+``ScoreOptions`` (scale, the diagonal band: causal, left and right bounds and their alignment,
+ALiBi, padding, dropout), one frozen group of every ``AttentionProblem``. The keywords users spell them with are parsed in ``recording/keywords.py``.
 """
 
 from __future__ import annotations
@@ -29,17 +29,29 @@ class ScoreOptions:
     """How q @ k^T becomes the scores softmax sees: a group of fields of every problem."""
 
     attn_scale: float = 1.0
-    causal: Causal = Causal.NONE
-    sliding_window: int | None = None
+    causal: Causal = Causal.NONE  # a right bound of 0, on the top-left or bottom-right diagonal
+    sliding_window: int | None = None  # the left bound W: key j visible iff j > d(i) - W
     alibi: bool = False
     padding: bool = False
     dropout_p: float = 0.0
+    right_bound: int | None = None  # R >= 1 without causal: key j visible iff j <= d(i) + R
+    bottom_right: bool = False  # bounds without a causal variant measure from i + S_kv - S_q
 
     @property
     def has_dropout(self) -> bool:
         return self.dropout_p > 0.0
 
     @property
+    def aligned_bottom_right(self) -> bool:
+        """Whether the diagonal d(i) the bounds measure from is i + S_kv - S_q (else i)."""
+        return self.causal is Causal.BOTTOM_RIGHT or self.bottom_right
+
+    @property
+    def has_band(self) -> bool:
+        """Whether a diagonal bound is set (causal, window or right bound)."""
+        return self.causal is not Causal.NONE or self.sliding_window is not None or self.right_bound is not None
+
+    @property
     def masks_scores(self) -> bool:
-        """Whether some score can be masked out (causal, window or padding)."""
-        return self.causal is not Causal.NONE or self.sliding_window is not None or self.padding
+        """Whether some score can be masked out (a diagonal bound or padding)."""
+        return self.has_band or self.padding

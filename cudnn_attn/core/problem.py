@@ -315,6 +315,10 @@ class AttentionProblem:
             parts.append(f"causal-{options.causal.value}")
         if options.sliding_window is not None:
             parts.append(f"window{options.sliding_window}")
+        if options.right_bound is not None:
+            parts.append(f"right{options.right_bound}")
+        if options.bottom_right:
+            parts.append("bottom-right")
         if options.padding:
             parts.append("padding")
         if options.alibi:

@@ -318,8 +318,9 @@ def _check_masks(p: AttentionProblem, found: list[str]) -> None:
         found.append(
             f"use_alibi_mask: ALiBi needs use_causal_mask=True (top-left causal); given causal={p.options.causal.value}"
         )
-    if p.options.causal is Causal.BOTTOM_RIGHT:
-        if s_q > s_kv and not p.options.padding:
+    if p.options.aligned_bottom_right:
+        what = "use_causal_mask_bottom_right" if p.options.causal is Causal.BOTTOM_RIGHT else "diagonal_alignment"
+        if s_q > s_kv and not p.options.padding and p.options.causal is Causal.BOTTOM_RIGHT:
             found.append(
                 f"use_causal_mask_bottom_right: S_q={s_q} > S_kv={s_kv}; bottom-right causal needs S_q <= S_kv "
                 "(or a padding mask with per-batch lengths)"
@@ -330,7 +331,10 @@ def _check_masks(p: AttentionProblem, found: list[str]) -> None:
             (p.has_dropout, "dropout"),
         ):
             if flag:
-                found.append(f"use_causal_mask_bottom_right: cannot be combined with {name}; use top-left causal")
+                found.append(f"{what}: a bottom-right diagonal cannot be combined with {name}; use a top-left one")
+    if p.options.right_bound is not None and (p.options.right_bound < 1 or p.options.causal is not Causal.NONE):
+        found.append(f"diagonal_band_right_bound: {p.options.right_bound}; a bound past the diagonal is >= 1, "
+                     "without a causal mask (causal is a right bound of 0)")  # fmt: skip
     if p.options.sliding_window is not None:
         if p.options.sliding_window < 1:
             found.append(f"sliding_window_length: {p.options.sliding_window}; must be >= 1")

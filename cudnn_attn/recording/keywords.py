@@ -84,7 +84,7 @@ def parse_keywords(given: MaskKeywords, *, ragged: bool) -> Parsed:
     errors: list[str] = []
     scale = _scale(given.attn_scale, errors)
     unsupported: list[str] = []
-    causal = _causal(given, errors, unsupported)
+    causal, right_bound, bottom_right = _band(given, errors)
     window = _window(given, errors)
     tensors: dict[str, Any] = {}
     if given.attn_bias is not None and given.bias is not None:
@@ -101,6 +101,8 @@ def parse_keywords(given: MaskKeywords, *, ragged: bool) -> Parsed:
         alibi=_flag(given.use_alibi_mask, "use_alibi_mask", errors),
         padding=_flag(given.use_padding_mask, "use_padding_mask", errors) or ragged,
         dropout_p=dropout_p,
+        right_bound=right_bound,
+        bottom_right=bottom_right and (window is not None or right_bound is not None),
     )
     _frontend_keywords(given, errors, unsupported)
     return Parsed(
@@ -194,7 +196,9 @@ def _alignment_name(value: Any) -> str | None:
     return str(name).upper()
 
 
-def _causal(given: MaskKeywords, errors: list[str], unsupported: list[str]) -> Causal:
+def _band(given: MaskKeywords, errors: list[str]) -> tuple[Causal, int | None, bool]:
+    """The diagonal band's causal variant, right bound beyond the diagonal (R >= 1) and whether
+    the bounds measure from the bottom-right diagonal, as the frontend reads its keywords."""
     top = _flag(given.use_causal_mask, "use_causal_mask", errors)
     bottom = _flag(given.use_causal_mask_bottom_right, "use_causal_mask_bottom_right", errors)
     if top and bottom:
@@ -206,22 +210,20 @@ def _causal(given: MaskKeywords, errors: list[str], unsupported: list[str]) -> C
         errors.append(f"diagonal_alignment: {given.diagonal_alignment!r}; allowed TOP_LEFT or BOTTOM_RIGHT")
         alignment = None
     right = given.diagonal_band_right_bound
-    windowed = given.sliding_window_length is not None or given.diagonal_band_left_bound is not None
+    beyond = None
     if right is not None:
         if not _is_int(right) or not 0 <= right <= MAX_LENGTH:
             errors.append(f"diagonal_band_right_bound: {shown(right)}; expected an int >= 0")
-        elif right > 0:
-            unsupported.append(f"diagonal_band_right_bound: {right}; a band reaching past the diagonal is not "
-                               "supported yet (0, a causal diagonal, or None)")  # fmt: skip
-        elif not (top or bottom):
+        elif top or bottom:
+            if right != 0:
+                errors.append(f"diagonal_band_right_bound: {right} with a causal mask; causal is a right bound of 0")
+        elif right == 0:
             top, bottom = alignment != "BOTTOM_RIGHT", alignment == "BOTTOM_RIGHT"
-    elif alignment == "BOTTOM_RIGHT" and windowed and not bottom:
-        unsupported.append("diagonal_alignment: a bottom-right aligned window without a causal bound is not "
-                           "supported yet (give diagonal_band_right_bound=0)")  # fmt: skip
+        else:
+            beyond = int(right)
     # An alignment with no bound at all masks nothing, as in the frontend.
-    if bottom:
-        return Causal.BOTTOM_RIGHT
-    return Causal.TOP_LEFT if top else Causal.NONE
+    causal = Causal.BOTTOM_RIGHT if bottom else (Causal.TOP_LEFT if top else Causal.NONE)
+    return causal, beyond, causal is Causal.NONE and alignment == "BOTTOM_RIGHT"
 
 
 def _window(given: MaskKeywords, errors: list[str]) -> int | None:

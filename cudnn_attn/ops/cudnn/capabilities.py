@@ -99,7 +99,9 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
         reasons.append(f"paged K/V caches need cuDNN >= 9.5 (have {_ver(platform.cudnn)})")
     if p.options.causal is Causal.BOTTOM_RIGHT and platform.cudnn < BOTTOM_RIGHT_MIN_CUDNN:
         reasons.append(f"bottom-right causal masks need cuDNN >= 9.3 (have {_ver(platform.cudnn)})")
-    if p.options.sliding_window is not None and platform.cudnn < SLIDING_WINDOW_MIN_CUDNN:
+    if (p.options.sliding_window is not None or p.options.right_bound is not None) and (
+        platform.cudnn < SLIDING_WINDOW_MIN_CUDNN
+    ):
         reasons.append(f"sliding windows need cuDNN >= 9.2 (have {_ver(platform.cudnn)})")
     if p.is_thd and platform.cudnn < RAGGED_INT64_MIN_CUDNN:
         reasons.append(f"ragged (THD) inputs need cuDNN >= 9.6 (have {_ver(platform.cudnn)})")
@@ -178,7 +180,7 @@ def _fp8_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
             f"{op} with use_alibi_mask: not supported for FP8 (sdpa_fp8_backward has no ALiBi); "
             "use fp16 or bf16 attention"
         )
-    if p.options.causal is Causal.BOTTOM_RIGHT and hopper:
+    if p.options.aligned_bottom_right and hopper:
         # Frontend sdpa_support_surface.h and sdpa_fp8_bwd.h: FP8 bottom-right causal needs Blackwell.
         reasons.append(
             f"{op} with a bottom-right causal mask on sm{platform.sm}: FP8 bottom-right masks need Blackwell "

@@ -197,13 +197,15 @@ def _mask_options(p: AttentionProblem, graph: Any, tensor: Any, lowered: Lowered
     left, right = (
         ("left_bound", "right_bound") if p.is_fp8 else ("diagonal_band_left_bound", "diagonal_band_right_bound")
     )
-    if p.options.causal is not Causal.NONE or p.options.sliding_window is not None:
-        bottom = p.options.causal is Causal.BOTTOM_RIGHT
+    if p.options.has_band:
+        bottom = p.options.aligned_bottom_right
         options["diagonal_alignment"] = (
             cudnn.diagonal_alignment.BOTTOM_RIGHT if bottom else cudnn.diagonal_alignment.TOP_LEFT
         )
         if p.options.causal is not Causal.NONE:
             options[right] = 0
+        elif p.options.right_bound is not None:
+            options[right] = p.options.right_bound
         if p.options.sliding_window is not None:
             options[left] = p.options.sliding_window
     if p.is_fp8 and (p.bias is not None or p.options.alibi):

@@ -2,9 +2,10 @@
 
 Semantics follow the cuDNN frontend. Score (i, j) is row i of q, column j of k/v:
 
-- causal top-left: j <= i; bottom-right: j <= i + (S_kv - S_q), with per-batch lengths
-  under a padding mask;
-- sliding window of length W: also j > i - W (measured from the same diagonal);
+- the diagonal d(i) is i (top-left) or i + (S_kv - S_q) (bottom-right), with per-batch
+  lengths under a padding mask;
+- causal: j <= d(i); a right bound R: j <= d(i) + R;
+- sliding window (left bound) of length W: also j > d(i) - W;
 - padding: rows i >= seq_len_q[b] and columns j >= seq_len_kv[b] are masked;
 - ALiBi: adds slope_h * (j - i), slopes as in the ALiBi paper (extended for head counts
   that are not powers of two).
@@ -44,9 +45,11 @@ def allowed_scores(
     if options.padding:
         allowed &= (row < len_q) & (cols < len_kv)
     # The diagonal sits at column i + shift of row i.
-    shift = (len_kv - len_q) if options.causal is Causal.BOTTOM_RIGHT else torch.zeros_like(len_q)
+    shift = (len_kv - len_q) if options.aligned_bottom_right else torch.zeros_like(len_q)
     if options.causal is not Causal.NONE:
         allowed &= cols <= row + shift
+    if options.right_bound is not None:
+        allowed &= cols <= row + shift + options.right_bound
     if options.sliding_window is not None:
         allowed &= cols > row + shift - options.sliding_window
     return allowed
