@@ -1094,7 +1094,7 @@ def mutate_request(rng: random.Random, gen: torch.Generator, a: Attn, kw: dict, 
         "kv-heads",
         "headdim-12",
         "headdim-0",
-        "headdim-264",
+        "headdim-260",
         "b-0",
         "sq-0",
         "skv-0",
@@ -1209,8 +1209,8 @@ def mutate_request(rng: random.Random, gen: torch.Generator, a: Attn, kw: dict, 
     elif m == "kv-heads":
         hk = 2 if H == 3 else 3
         roles["k"], roles["v"] = fresh(B, hk, SK, D), fresh(B, hk, SK, a.d_v)
-    elif m in ("headdim-12", "headdim-0", "headdim-264"):
-        d = {"headdim-12": 12, "headdim-0": 0, "headdim-264": 264}[m]
+    elif m in ("headdim-12", "headdim-0", "headdim-260"):
+        d = {"headdim-12": 12, "headdim-0": 0, "headdim-260": 260}[m]
         roles["q"], roles["k"], roles["v"] = fresh(B, H, SQ, d), fresh(B, a.h_kv, SK, d), fresh(B, a.h_kv, SK, d)
         if backward:
             roles["o"], roles["dO"] = fresh(B, H, SQ, d), fresh(B, H, SQ, d)
