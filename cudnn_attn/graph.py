@@ -225,6 +225,7 @@ class Graph(Fp8Ops, FrontendSteps):
         paged_attention_max_seq_len_kv: int | None = None,
         kv_cache_layout: str | None = None,
         compute_data_type: Any = None,
+        rng_dump: Any = None,
         name: str | None = None,
         **mask: Any,
     ) -> tuple[OutputHandle, OutputHandle | None]:
@@ -234,13 +235,18 @@ class Graph(Fp8Ops, FrontendSteps):
         or ``[T, H, D]`` packed (THD) tensors with ``seq_len_q``/``seq_len_kv``. With
         ``paged_attention_k_table``, ``k``/``v`` are paged caches (see ``sdpa_with_paged_cache``).
         ``attn_scale`` defaults to ``1/sqrt(d_qk)``. ``generate_stats`` defaults to False.
-        The mask keywords are those of ``cudnn_attn.recording.keywords.MaskKeywords``.
+        The mask keywords are those of ``cudnn_attn.recording.keywords.MaskKeywords``. ``rng_dump``:
+        a float32 ``[B, H_q, S_q, S_kv]`` tensor the caller made (the frontend's debug output) that
+        receives the dropout keep-mask (on the reference backend, its own mask: 1 kept, 0 dropped).
         """
         args = (q, k, v, is_inference, generate_stats, paged_attention_k_table, paged_attention_v_table,
-                paged_attention_max_seq_len_kv, kv_cache_layout, compute_data_type)  # fmt: skip
+                paged_attention_max_seq_len_kv, kv_cache_layout, compute_data_type, rng_dump)  # fmt: skip
         stats = stats_requested(is_inference, generate_stats, [])  # its errors are reported at build
+        outputs = ("o", "stats") if stats else ("o",)
         node = self.recording.record_call(Op.FORWARD, name, SDPA_INPUTS, "sdpa", state.interpret_sdpa, args, mask,
-                                          ("o", "stats") if stats else ("o",))  # fmt: skip
+                                          outputs + (("rng_dump",) if rng_dump is not None else ()))  # fmt: skip
+        if rng_dump is not None:
+            self.recording.caller_output(node, "rng_dump", rng_dump)
         return node.outputs["o"], node.outputs.get("stats")
 
     @publishes_mask_keywords

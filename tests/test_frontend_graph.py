@@ -98,3 +98,24 @@ def test_caller_made_dbias_receives_the_bias_gradient():
     expected = ours(q, k, v, out, d_out, stats, bias)
     for got, want in zip((*grads, d_bias), expected):
         assert rel_err(got, want) < 1e-5
+
+
+def test_rng_dump_receives_the_keep_mask_the_output_was_computed_with():
+    """The frontend's tests rebuild dropout attention from rng_dump: the mask written must be the
+    one the output used (on the reference backend, its own draws)."""
+    q, k, v = _qkv(6)
+    p, scale = 0.3, D**-0.5
+    seed, offset = torch.tensor([123], dtype=torch.int64), torch.tensor([7], dtype=torch.int64)
+    dump = torch.full((B, H, S, S), float("nan"))
+    g = cudnn.pygraph()
+    handles = [g.tensor_like(t) for t in (q, k, v, seed, offset)]
+    dump_t = g.tensor_like(dump)
+    o, _ = g.sdpa(*handles[:3], attn_scale=scale, dropout=(p, handles[3], handles[4]), rng_dump=dump_t,
+                  is_inference=True)  # fmt: skip
+    o.set_output(True)
+    out = torch.empty(B, H, S, D)
+    g.execute({**dict(zip(handles, (q, k, v, seed, offset))), o: out, dump_t: dump})
+    assert set(dump.unique().tolist()) == {0.0, 1.0}
+    attention = torch.softmax(q.double() @ k.double().transpose(-1, -2) * scale, -1)
+    expected = (attention * dump.double() / (1 - p)) @ v.double()
+    assert rel_err(out, expected) < 1e-5

@@ -193,3 +193,26 @@ def test_attention_layer_class():
     expected = layer.out(o.transpose(1, 2).reshape(b, s, H * D))
     assert rel_err(y, expected) < TOL
     assert layer.qkv.weight.grad is not None and torch.isfinite(layer.qkv.weight.grad).all()
+
+
+def test_rng_dump_on_cudnn_is_the_keep_mask_its_output_used():
+    """As the frontend's tests do: rebuild dropout attention from cuDNN's own rng_dump."""
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(2, 4, 128, 64, generator=gen).to("cuda", torch.float16) for _ in range(3))
+    p, scale = 0.25, 0.125
+    seed = torch.full((1, 1, 1, 1), 1234, dtype=torch.int64, device="cuda")
+    offset = torch.full((1, 1, 1, 1), 5, dtype=torch.int64, device="cuda")
+    dump = torch.full((2, 4, 128, 128), float("nan"), device="cuda")
+    out = torch.full_like(q, float("nan"))
+    g = cudnn.pygraph()
+    handles = [g.tensor_like(t) for t in (q, k, v, seed, offset)]
+    dump_t = g.tensor_like(dump)
+    o, _ = g.sdpa(*handles[:3], attn_scale=scale, dropout=(p, handles[3], handles[4]), rng_dump=dump_t,
+                  is_inference=True)  # fmt: skip
+    o.set_output(True)
+    build_and_run(g, {**dict(zip(handles, (q, k, v, seed, offset))), o: out, dump_t: dump})
+    keep = (dump != 0).double()
+    assert 0.6 < keep.mean().item() < 0.9  # about 1 - p kept
+    attention = torch.softmax(q.double() @ k.double().transpose(-1, -2) * scale, -1)
+    expected = (attention * keep / (1 - p)) @ v.double()
+    assert rel_err(out, expected) < TOL

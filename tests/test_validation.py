@@ -285,11 +285,11 @@ def test_cudnn_backend_on_cpu_tensors_is_unsupported_with_an_alternative():
 @pytest.mark.parametrize(
     "keywords,argument",
     [(dict(rng_dump=torch.empty(B, H, S, S)), "rng_dump")],
-    ids=["rng-dump"],
+    ids=["backward-rng-dump"],
 )
 def test_valid_frontend_requests_not_run_yet_are_unsupported_naming_the_argument(keywords, argument):
     with pytest.raises(cudnn_attn.UnsupportedError) as info:
-        fwd(**keywords)
+        bwd(**keywords)
     assert any(argument in line for line in info.value.problems), info.value.problems
 
 

@@ -116,6 +116,7 @@ class AttentionProblem:
     v: TensorSpec
     o: TensorSpec  # forward: output; backward: input
     stats: TensorSpec | None = None  # forward: output when generated; backward: input
+    rng_dump: TensorSpec | None = None  # forward: the dropout keep-mask [B, H_q, S_q, S_kv] float32, when asked
     grad_o: TensorSpec | None = None  # backward only, as are the three below
     grad_q: TensorSpec | None = None
     grad_k: TensorSpec | None = None

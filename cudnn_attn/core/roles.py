@@ -42,7 +42,7 @@ ROLES: dict[str, Role] = {
         Role("page_table_v", 15, "paged_attention_v_table"),
         Role("dropout_seed", 16, "dropout_seed"),
         Role("dropout_offset", 17, "dropout_offset"),
-        Role("rng_dump", 18, "rng_dump"),
+        Role("rng_dump", 18, "rng_dump", output="rng_dump"),
         # FP8 (sdpa_fp8, sdpa_fp8_backward): per-tensor scales in, amaxes out, float32 [1, 1, 1, 1].
         Role("descale_q", 50, "descale_q"),
         Role("descale_k", 51, "descale_k"),
@@ -83,7 +83,7 @@ FP8_BACKWARD_SCALES = ("descale_q", "descale_k", "descale_v", "descale_o", "desc
 FP8_INPUTS = ("q", "k", "v", *FP8_SCALES, *MASK_INPUTS)
 FP8_BACKWARD_INPUTS = ("q", "k", "v", "o", "grad_o", "stats", *FP8_BACKWARD_SCALES, *MASK_INPUTS)
 
-FORWARD_OUTPUTS = ("o", "stats")
+FORWARD_OUTPUTS = ("o", "stats", "rng_dump")
 BACKWARD_OUTPUTS = ("grad_q", "grad_k", "grad_v", "grad_bias")
 FP8_AMAXES = ("amax_s", "amax_o")
 FP8_BACKWARD_AMAXES = ("amax_grad_q", "amax_grad_k", "amax_grad_v", "amax_grad_p")

@@ -128,6 +128,10 @@ def _check_strides(p: AttentionProblem, found: list[str]) -> bool:
                 f"{_name(role)}: last stride {spec.stride[-1]} (strides {list(spec.stride)}); "
                 "the head dimension must be contiguous (stride 1): call .contiguous() or permute a contiguous tensor"
             )
+    if p.rng_dump is not None:
+        want = (p.batch, p.h_q, p.s_q, p.s_kv)
+        if tuple(p.rng_dump.shape) != want or p.rng_dump.dtype != torch.float32 or not p.is_forward:
+            found.append(f"rng_dump: {p.rng_dump.describe()}; the forward's dropout keep-mask is float32 {list(want)}")
     for role in OUTPUT_ROLES[p.op]:
         spec = getattr(p, role)
         if spec is not None and overlaps(spec):

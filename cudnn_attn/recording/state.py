@@ -260,7 +260,7 @@ def flag_true(flag: Any) -> bool:
 
 def interpret_sdpa(recording: Recording, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, is_inference: Any,
                    generate_stats: Any, table_k: Any, table_v: Any, max_seq_len_kv: Any, layout: Any,
-                   compute_data_type: Any) -> None:  # fmt: skip
+                   compute_data_type: Any, rng_dump: Any) -> None:  # fmt: skip
     recording.bind_call(node, {"q": q, "k": k, "v": v}, mask, "sdpa")
     stats_requested(is_inference, generate_stats, node.errors)
     check_compute_dtype(compute_data_type, node)

@@ -128,9 +128,11 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) ->
                 paged_attention_v_table=tensor("page_table_v", p.page_table_v),
                 paged_attention_max_seq_len_kv=p.s_kv,
             )
-        if rng_dump:
-            options["rng_dump"] = graph.tensor(name="rng_dump", dim=[p.batch, p.h_q, p.s_q, p.s_kv],
-                                               stride=[p.h_q * p.s_q * p.s_kv, p.s_q * p.s_kv, p.s_kv, 1],
+        if rng_dump or p.rng_dump is not None:
+            stride = (
+                p.rng_dump.stride if p.rng_dump is not None else [p.h_q * p.s_q * p.s_kv, p.s_q * p.s_kv, p.s_kv, 1]
+            )
+            options["rng_dump"] = graph.tensor(name="rng_dump", dim=[p.batch, p.h_q, p.s_q, p.s_kv], stride=list(stride),
                                                data_type=cudnn.data_type.FLOAT, uid=UID["rng_dump"])  # fmt: skip
         amaxes: dict[str, Any] = {}
         if p.is_fp8:

@@ -74,6 +74,9 @@ class ReferencePlan:
             self._write(outputs["o"], o, inputs, "seq_len_q")
             if "stats" in outputs:
                 outputs["stats"].copy_(stats)
+            if "rng_dump" in outputs:  # this backend's own keep-mask (1 kept, 0 dropped): not cuDNN's Philox draws
+                keep = terms.keep
+                outputs["rng_dump"].copy_(keep if keep is not None else torch.ones_like(outputs["rng_dump"]))
         else:
             d_bias = outputs.get("grad_bias")
             d_q, d_k, d_v, d_b = reference_math.backward(
