@@ -26,11 +26,12 @@ from .core.roles import BACKWARD_INPUTS, PAGED_INPUTS, SDPA_INPUTS
 from .errors import GraphStateError, UnsupportedError, ValidationError
 from .ops import BACKEND_NAMES
 from .ops.cudnn.autotune import enabled_by_default as autotune_default
-from .recording import reuse, state
+from .recording import declared, reuse, state
 from .recording.build import plan_nodes, positional_inputs, validate_nodes
+from .recording.declared import DeclaredIO
 from .recording.fp8_ops import Fp8Ops
 from .recording.frontend_steps import FrontendSteps, frontend_options, frontend_tensor_options
-from .recording.handles import InputHandle, OutputHandle, TensorHandle, int_tuple
+from .recording.handles import InputHandle, OutputHandle, TensorHandle, handle_spec, int_tuple
 from .recording.keywords import publishes_mask_keywords, stats_requested
 from .recording.node import Node
 from .runtime import interop, lifecycle
@@ -51,7 +52,9 @@ class Graph(Fp8Ops, FrontendSteps):
 
     The frontend's ``pygraph`` parameters are accepted in its positional order (``name``,
     ``io_data_type``, ..., ``cuda_graph_retention``); see ``recording/frontend_steps.py`` for what
-    each means here.
+    each means here. ``inputs=``/``outputs=`` make it the frontend's pythonic ``cudnn.Graph``: calls
+    take the declared inputs in order (or a dict by name) and return the declared outputs
+    (``recording/declared.py``); ``heuristics`` and ``workspace_alloc`` are accepted.
     """
 
     virtual_outputs = False  # every output is produced unless set_output(False); pygraph: the frontend's rule
@@ -72,6 +75,10 @@ class Graph(Fp8Ops, FrontendSteps):
         cuda_graph_retention: Any = None,
         *,
         is_cuda_graph_replay_expected: bool = False,
+        inputs: Sequence[Any] | None = None,
+        outputs: Sequence[Any] | None = None,
+        heuristics: Any = None,
+        workspace_alloc: bool = True,
         backend: str = "auto",
         autotune: bool | None = None,
         cache: PlanCache | None = None,
@@ -102,12 +109,18 @@ class Graph(Fp8Ops, FrontendSteps):
         if problems:
             raise ValidationError(problems, context="Graph")
         self.sm_count, self.sm_version = sm_count, sm_version
+        # The frontend's pythonic Graph: call order declared by name (recording/declared.py).
+        self.declared = (list(inputs or ()), list(outputs or ())) if inputs is not None or outputs is not None else None
+        self._io: DeclaredIO | None = None
         self.backend = backend
         self.autotune = autotune_default() if autotune is None else bool(autotune)
         self.cache = cache if cache is not None else default_cache()
         self.handle = handle
         self.name = name or "graph"
-        self.recording = state.Recording(self.name, (self.backend, self.autotune, *self._dtypes.values()))
+        declared_key = tuple(map(tuple, self.declared)) if self.declared is not None else None
+        self.recording = state.Recording(self.name, (self.backend, self.autotune, *self._dtypes.values(), declared_key))
+        if declared_key is not None and not all(isinstance(e, (str, int)) for part in declared_key for e in part):
+            self.recording.key.keyed = False  # tensors named by object: built in full every time
         self._runner: Runner | None = None
 
     # ---- context manager ------------------------------------------------------------------
@@ -196,7 +209,7 @@ class Graph(Fp8Ops, FrontendSteps):
         DLPack array, or another graph tensor (an input, or an output whose dims are set)."""
         self.recording.check_open("tensor_like")
         if isinstance(template, TensorHandle):
-            return self.recording.made_input(_handle_spec(template), name or template.name, None)
+            return self.recording.made_input(handle_spec(template), name or template.name, None)
         tensor = interop.as_torch(template)
         if tensor is None:
             raise ValidationError(
@@ -330,7 +343,12 @@ class Graph(Fp8Ops, FrontendSteps):
         recording = self.recording
         if recording.built:
             return self
-        if self.virtual_outputs:
+        if self.declared is not None:  # declared outputs are marked; the others are virtual
+            for entry in self.declared[1]:
+                handle = declared.resolve(recording, entry)
+                if isinstance(handle, OutputHandle):
+                    handle.marked = handle.is_output = True
+        if self.virtual_outputs or self.declared is not None:
             recording.settle_outputs()
         # A build that failed validation has interpreted its calls already: it is built in full again.
         key = None if recording.interpreted else recording.key.key(recording)
@@ -347,6 +365,8 @@ class Graph(Fp8Ops, FrontendSteps):
             if recorded is not None:
                 self.cache.recorded.put(key, recorded)
         recording.built = True
+        if self.declared is not None:
+            self._io = DeclaredIO(recording, *self.declared, context=self.name)
         lifecycle.track_releasable(self)
         recording.forget_tensors()
         return self
@@ -360,9 +380,13 @@ class Graph(Fp8Ops, FrontendSteps):
         """
         if not self.recording.built:
             self.build()
-        if self._runner is None:
+        runner = self._runner
+        if runner is None:
             raise GraphStateError(f"{self.name}: this graph's plans were released (the interpreter is exiting)")
-        return self._runner(args, handle, stream, out, workspace)
+        if self._io is not None:
+            return self._io.call(lambda given, given_out: runner((given,), handle, stream, given_out, workspace),
+                                 args, out)  # fmt: skip
+        return runner(args, handle, stream, out, workspace)
 
     def run_roles(self, inputs: dict[str, Any], outputs: dict[str, Any]) -> None:
         """Run a one-node graph on tensors named by role, unchecked (``Runner.run_roles``): the
@@ -413,24 +437,3 @@ def _ints_or_problem(values: Any, argument: str, problems: list[str]) -> tuple[i
     except ValidationError as error:
         problems += error.problems
         return None
-
-
-def _handle_spec(template: TensorHandle) -> TensorSpec:
-    """A graph tensor's geometry, for ``tensor_like``: an input's, or an output's as set so far."""
-    spec = template.spec
-    if spec is not None:
-        return spec
-    dim, stride, dtype = (getattr(template, attr, None) for attr in ("dim", "stride", "dtype"))
-    if dim is None or dtype is None:
-        raise ValidationError(
-            [
-                f"template: graph tensor {template.name!r} has no geometry yet (dims and data type are known once the "
-                "graph is built); set_dim() and set_data_type() on it first, or pass a tensor"
-            ],
-            context="Graph.tensor_like",
-        )
-    problem = getattr(getattr(template, "node", None), "problem", None)
-    node_q = problem.q if problem is not None else None
-    device = node_q.device if node_q is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-    strides = stride if stride is not None else contiguous_strides(dim)
-    return TensorSpec(tuple(dim), tuple(strides), dtype, device_name(device))

@@ -119,3 +119,32 @@ def test_rng_dump_receives_the_keep_mask_the_output_was_computed_with():
     attention = torch.softmax(q.double() @ k.double().transpose(-1, -2) * scale, -1)
     expected = (attention * dump.double() / (1 - p)) @ v.double()
     assert rel_err(out, expected) < 1e-5
+
+
+def test_the_pythonic_graph_runs_declared_inputs_and_outputs_by_name():
+    """Notebooks 50 and 51's ``cudnn.Graph(inputs=[...], outputs=[...])`` form, on CPU tensors."""
+    q, k, v = _qkv(7)
+    scale = D**-0.5
+    with cudnn.Graph(io_data_type=cudnn.data_type.FLOAT, inputs=["SDPA::q", "SDPA::k", "SDPA::v"],
+                     outputs=["attn_output", "stats"], workspace_alloc=False) as fwd:  # fmt: skip
+        o, stats = fwd.sdpa(name="SDPA", q=q, k=k, v=v, attn_scale=scale, generate_stats=True, use_causal_mask=True)
+        o.set_output(True).set_name("attn_output").set_dim(q.shape).set_stride(q.stride())
+        stats.set_output(True).set_name("stats").set_data_type(cudnn.data_type.FLOAT)
+    out, lse = fwd(q, k, v)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    assert rel_err(out, expected) < 1e-5 and lse.shape == (B, H, S, 1)
+    d_out = randn(B, H, S, D, seed=70)
+    names = ["d_sdpa::q", "d_sdpa::k", "d_sdpa::v", "d_sdpa::o", "d_sdpa::stats", "d_sdpa::dO"]
+    with cudnn.Graph(inputs=names, outputs=["dQ", "dK", "dV"]) as bwd:  # the frontend's order: o, stats, dO
+        grads = bwd.sdpa_backward(name="d_sdpa", q=q, k=k, v=v, o=out, dO=d_out, stats=lse, attn_scale=scale,
+                                  use_causal_mask=True)  # fmt: skip
+        for g, name in zip(grads, ("dQ", "dK", "dV")):
+            g.set_output(True).set_name(name)
+    d_q, d_k, d_v = bwd(q, k, v, out, lse, d_out)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True).backward(d_out.double())
+    for got, leaf in zip((d_q, d_k, d_v), leaves):
+        assert rel_err(got, leaf.grad) < 1e-5
+    by_name = bwd({"d_sdpa::q": q, "d_sdpa::k": k, "d_sdpa::v": v, "d_sdpa::o": out, "d_sdpa::stats": lse,
+                   "d_sdpa::dO": d_out})  # fmt: skip
+    assert set(by_name) >= {"dQ", "dK", "dV"} and torch.equal(by_name["dQ"], d_q)

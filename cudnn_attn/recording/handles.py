@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..core.dtypes import to_torch_dtype
-from ..core.problem import TensorSpec, contiguous_strides
+from ..core.problem import TensorSpec, contiguous_strides, device_name
 from ..errors import GraphStateError, UnsupportedError, ValidationError, shown
 
 if TYPE_CHECKING:
@@ -196,3 +196,24 @@ def int_tuple(value: Any, argument: str) -> tuple[int, ...]:
     if len(ints) != len(items):
         raise ValidationError([f"{argument}: {shown(value)}; expected a sequence of ints"])
     return ints
+
+
+def handle_spec(template: TensorHandle) -> TensorSpec:
+    """A graph tensor's geometry, for ``tensor_like``: an input's, or an output's as set so far."""
+    spec = template.spec
+    if spec is not None:
+        return spec
+    dim, stride, dtype = (getattr(template, attr, None) for attr in ("dim", "stride", "dtype"))
+    if dim is None or dtype is None:
+        raise ValidationError(
+            [
+                f"template: graph tensor {template.name!r} has no geometry yet (dims and data type are known once the "
+                "graph is built); set_dim() and set_data_type() on it first, or pass a tensor"
+            ],
+            context="Graph.tensor_like",
+        )
+    problem = getattr(getattr(template, "node", None), "problem", None)
+    node_q = problem.q if problem is not None else None
+    device = node_q.device if node_q is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    strides = stride if stride is not None else contiguous_strides(dim)
+    return TensorSpec(tuple(dim), tuple(strides), dtype, device_name(device))

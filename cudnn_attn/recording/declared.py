@@ -1,0 +1,91 @@
+"""The frontend's pythonic ``cudnn.Graph(inputs=[...], outputs=[...])``: a graph whose call order
+is declared by name.
+
+Entries name tensors as the frontend does: ``"<node>::<argument>"`` (``"SDPA::q"``,
+``"d_sdpa::dO"``), a name given with ``set_name``, a uid, or the graph tensor itself. Positional
+calls take the inputs in the declared order and return the declared outputs (one tensor, or a
+tuple); a dict call fills the rest by name and returns the dict with the outputs added.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..errors import ShapeMismatchError, ValidationError
+from .handles import InputHandle, OutputHandle, TensorHandle
+from .state import Recording
+
+
+def resolve(recording: Recording, entry: Any) -> TensorHandle | None:
+    """The graph tensor ``entry`` names (None when it names none)."""
+    if isinstance(entry, TensorHandle):
+        return entry if entry.recording is recording else None
+    if isinstance(entry, int) and not isinstance(entry, bool):
+        return recording.uids.get(entry)
+    if not isinstance(entry, str):
+        return None
+    node_name, _, argument = entry.partition("::")
+    for node in recording.nodes:
+        if argument and node.name == node_name:
+            for role, handle in [*node.inputs.items(), *node.outputs.items()]:
+                if argument in (role, node.argument(role)):
+                    return handle
+    handles = [*recording.inputs, *(h for node in recording.nodes for h in node.outputs.values())]
+    return next((h for h in handles if h.name == entry), None)
+
+
+class DeclaredIO:
+    """The declared inputs and outputs of a built graph, resolved to its tensors."""
+
+    def __init__(self, recording: Recording, inputs: Sequence[Any], outputs: Sequence[Any], context: str):
+        problems = []
+        self.inputs: list[InputHandle] = []
+        self.outputs: list[OutputHandle] = []
+        for argument, entries, kind, into in (("inputs", inputs, InputHandle, self.inputs),
+                                              ("outputs", outputs, OutputHandle, self.outputs)):  # fmt: skip
+            for entry in entries:
+                handle = resolve(recording, entry)
+                if isinstance(handle, InputHandle) and handle.alias_of is not None:
+                    handle = handle.alias_of
+                if not isinstance(handle, kind):
+                    problems.append(f"{argument}: {entry!r} names no {argument[:-1]} of this graph")
+                else:
+                    into.append(handle)  # type: ignore[arg-type]
+        if problems:
+            raise ValidationError(problems, context=context)
+        self.names = {h: str(e) for h, e in zip([*self.inputs, *self.outputs], [*inputs, *outputs])}
+        self.recording = recording
+
+    def call(self, run: Any, args: tuple, out: Any) -> Any:
+        """``run(mapping, out)`` runs the graph on inputs by handle and returns its outputs in node order."""
+        if len(args) == 1 and isinstance(args[0], Mapping):
+            return self._call_with_dict(run, args[0])
+        if len(args) != len(self.inputs):
+            names = ", ".join(self.names[h] for h in self.inputs)
+            raise ShapeMismatchError([f"inputs: {len(args)} given; this graph declares {len(self.inputs)}: {names}"])
+        produced = run(dict(zip(self.inputs, args)), out)
+        results = self._by_output(produced)
+        return results[0] if len(results) == 1 else tuple(results)
+
+    def _by_output(self, produced: Any) -> list[Any]:
+        order = [h for node in self.recording.nodes for h in node.outputs.values() if h.is_output]
+        produced = produced if isinstance(produced, tuple) else (produced,)
+        by_handle = dict(zip(order, produced))
+        return [by_handle[h] for h in self.outputs]
+
+    def _call_with_dict(self, run: Any, given: Mapping[Any, Any]) -> dict[Any, Any]:
+        inputs: dict[Any, Any] = {}
+        outputs: dict[Any, Any] = {}
+        for key, value in given.items():
+            handle = resolve(self.recording, key)
+            if isinstance(handle, InputHandle) and handle.alias_of is not None:
+                handle = handle.alias_of
+            if handle is None:
+                raise ShapeMismatchError([f"{key!r}: names no tensor of this graph"])
+            (outputs if isinstance(handle, OutputHandle) else inputs)[handle] = value
+        produced = run(inputs, outputs or None)
+        result = dict(given)
+        for handle, tensor in zip(self.outputs, self._by_output(produced)):
+            result.setdefault(self.names[handle], tensor)
+        return result
