@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -84,13 +86,6 @@ MALFORMED = [
     ("bias-rank", lambda: fwd(attn_bias=t(S, S)), "attn_bias", "rank 2"),
     ("bias-dtype", lambda: fwd(attn_bias=torch.zeros(1, 1, S, S, dtype=torch.int64)), "attn_bias", "int64"),
     ("bias-given-twice", lambda: fwd(attn_bias=t(1, 1, S, S), bias=t(1, 1, S, S)), "attn_bias", "twice"),
-    ("alibi-needs-causal", lambda: fwd(use_alibi_mask=True), "use_alibi_mask", "causal"),
-    (
-        "alibi-bottom-right",
-        lambda: fwd(use_alibi_mask=True, use_causal_mask_bottom_right=True),
-        "use_alibi_mask",
-        "bottom_right",
-    ),
     ("window-zero", lambda: fwd(use_causal_mask=True, sliding_window_length=0), "sliding_window_length", ">= 1"),
     ("window-not-int", lambda: fwd(sliding_window_length=2.5), "sliding_window_length", "2.5"),
     (
@@ -104,18 +99,6 @@ MALFORMED = [
         lambda: fwd(k=t(B, H, 8, D), v=t(B, H, 8, D), use_causal_mask_bottom_right=True),
         "use_causal_mask_bottom_right",
         "S_q=16 > S_kv=8",
-    ),
-    (
-        "br-with-bias",
-        lambda: fwd(use_causal_mask_bottom_right=True, attn_bias=t(1, 1, S, S)),
-        "use_causal_mask_bottom_right",
-        "attn_bias",
-    ),
-    (
-        "br-with-dropout",
-        lambda: fwd(use_causal_mask_bottom_right=True, dropout=0.1),
-        "use_causal_mask_bottom_right",
-        "dropout",
     ),
     ("padding-without-lengths", lambda: fwd(use_padding_mask=True), "seq_len_q", "missing"),
     (
@@ -344,3 +327,36 @@ def test_any_diagonal_band_is_the_frontends_band(alignment, left, right):
     scores = (q.double() @ k.double().transpose(-1, -2) * 0.25).masked_fill(~allowed, float("-inf"))
     expected = torch.nan_to_num(torch.softmax(scores, -1)) @ v.double()
     assert (g(q, k, v).double() - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "keywords,phrase",
+    [(dict(use_alibi_mask=True), "use_alibi_mask without top-left causal"),
+     (dict(use_alibi_mask=True, use_causal_mask_bottom_right=True), "with use_alibi_mask"),
+     (dict(use_causal_mask_bottom_right=True, attn_bias=t(1, 1, S, S)), "with attn_bias"),
+     (dict(use_causal_mask_bottom_right=True, dropout=0.1), "with dropout")],
+)  # fmt: skip
+def test_masks_cudnn_does_not_combine_run_on_the_reference_and_are_refused_on_cudnn(keywords, phrase):
+    """Well formed (the reference computes them), refused by cuDNN's own support surface: as the
+    frontend, a not-supported error naming the combination, never a ValidationError."""
+    from cudnn_attn.ops.cudnn.capabilities import Platform, unsupported_reasons
+
+    with cudnn_attn.Graph(backend="reference") as g:
+        g.sdpa(Q, K, V, **keywords)
+    problem = g.problems[0]
+    on_gpu = {role: dataclasses.replace(spec, device="cuda:0") for role, spec in problem.tensor_specs().items()}
+    reasons = unsupported_reasons(
+        dataclasses.replace(problem, **on_gpu), Platform("NVIDIA H100", (9, 0), 91900, "1.32.0")
+    )
+    assert any(phrase in reason for reason in reasons), reasons
+
+
+def test_alibi_without_causal_on_the_reference_is_alibi_by_definition():
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 4, 12, 16, generator=gen) for _ in range(3))
+    with cudnn_attn.Graph(backend="reference") as g:
+        g.sdpa(q, k, v, use_alibi_mask=True, attn_scale=0.25)
+    slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / 4) for h in range(4)], dtype=torch.float64).view(1, 4, 1, 1)
+    distance = (torch.arange(12).view(1, -1) - torch.arange(12).view(-1, 1)).double()
+    scores = q.double() @ k.double().transpose(-1, -2) * 0.25 + slopes * distance
+    assert (g(q, k, v).double() - torch.softmax(scores, -1) @ v.double()).abs().max() < 1e-5

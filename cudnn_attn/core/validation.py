@@ -314,26 +314,14 @@ def _check_bias(p: AttentionProblem, found: list[str]) -> None:
 
 
 def _check_masks(p: AttentionProblem, found: list[str]) -> None:
+    # ALiBi without top-left causal and bottom-right causal with a bias, ALiBi or dropout are well
+    # formed: the reference runs them, cuDNN refuses them (ops/cudnn/capabilities.py).
     s_q, s_kv = p.s_q, p.s_kv
-    if p.options.alibi and p.options.causal is not Causal.TOP_LEFT:
+    if p.options.causal is Causal.BOTTOM_RIGHT and s_q > s_kv and not p.options.padding:
         found.append(
-            f"use_alibi_mask: ALiBi needs use_causal_mask=True (top-left causal); given causal={p.options.causal.value}"
+            f"use_causal_mask_bottom_right: S_q={s_q} > S_kv={s_kv}; bottom-right causal needs S_q <= S_kv "
+            "(or a padding mask with per-batch lengths)"
         )
-    if p.options.causal is Causal.BOTTOM_RIGHT:
-        # Bottom-right causal only: cuDNN (9.19, H100) runs bottom-right aligned bands without causality
-        # with a bias or dropout, as the frontend's own tests do.
-        if s_q > s_kv and not p.options.padding:
-            found.append(
-                f"use_causal_mask_bottom_right: S_q={s_q} > S_kv={s_kv}; bottom-right causal needs S_q <= S_kv "
-                "(or a padding mask with per-batch lengths)"
-            )
-        for flag, name in (
-            (p.bias is not None, "attn_bias"),
-            (p.options.alibi, "use_alibi_mask"),
-            (p.has_dropout, "dropout"),
-        ):
-            if flag:
-                found.append(f"use_causal_mask_bottom_right: cannot be combined with {name}; use top-left causal")
     if p.options.right_bound is not None and (p.options.right_bound < 1 or p.options.causal is not Causal.NONE):
         found.append(f"diagonal_band_right_bound: {p.options.right_bound}; a bound past the diagonal is >= 1, "
                      "without a causal mask (causal is a right bound of 0)")  # fmt: skip

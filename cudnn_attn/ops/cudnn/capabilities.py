@@ -95,6 +95,7 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
         reasons += _head_dim_reasons(p, platform)
         if p.q.dtype == torch.float32:
             reasons += _float32_reasons(p, platform)
+    reasons += _mask_reasons(p)
     if p.is_paged and platform.cudnn < PAGED_MIN_CUDNN:
         reasons.append(f"paged K/V caches need cuDNN >= 9.5 (have {_ver(platform.cudnn)})")
     if p.options.causal is Causal.BOTTOM_RIGHT and platform.cudnn < BOTTOM_RIGHT_MIN_CUDNN:
@@ -132,6 +133,21 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
         )
     reasons += _stride_reasons(p)
     return tuple(reasons)
+
+
+def _mask_reasons(p: AttentionProblem) -> list[str]:
+    """Masks cuDNN's attention does not combine (the frontend's support surface refuses them too)."""
+    reasons = []
+    if p.options.alibi and p.options.causal is not Causal.TOP_LEFT:
+        reasons.append(f"use_alibi_mask without top-left causal (given causal={p.options.causal.value}): cuDNN applies "
+                       "ALiBi only with diagonal_band_right_bound=0 on the top-left diagonal")  # fmt: skip
+    if p.options.causal is Causal.BOTTOM_RIGHT:
+        for flag, name in ((p.bias is not None, "attn_bias"), (p.options.alibi, "use_alibi_mask"),
+                           (p.has_dropout, "dropout")):  # fmt: skip
+            if flag:
+                reasons.append(f"use_causal_mask_bottom_right with {name}: cuDNN's bottom-right causal mask takes no "
+                               "bias, ALiBi or dropout")  # fmt: skip
+    return reasons
 
 
 def _fp8_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
