@@ -105,6 +105,11 @@ def _bench_parser() -> argparse.ArgumentParser:
         "arguments or --grid.",
     )
     sections.add_argument(
+        "--frontend-rebuild",
+        action="store_true",
+        help="the frontend's notebook 50 graph rebuilt every call: through the frontend vs through cudnn_attn",
+    )
+    sections.add_argument(
         "--stack",
         action="store_true",
         help="4-layer decoder training step (hidden 2048, 16 heads, causal, bf16), torch SDPA vs cudnn_attn.sdpa",
@@ -199,6 +204,15 @@ def _bench(args: argparse.Namespace) -> int:
 
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "serving": rows, "prefill": prefill}, f, indent=2)
+        return 0
+    if args.frontend_rebuild:
+        from ..bench import frontend_rebuild
+
+        rebuild = frontend_rebuild.rebuild_loop()
+        print(frontend_rebuild.format_rebuild(rebuild))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rebuild, f, indent=2)
         return 0
     if args.varlen:
         from ..bench import varlen as bench_varlen
