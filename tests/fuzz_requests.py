@@ -1122,7 +1122,7 @@ def mutate_request(rng: random.Random, gen: torch.Generator, a: Attn, kw: dict, 
         "alibi-str",
         "padding-no-lengths",
         "lengths-no-padding",
-        "seq-len-int64",
+        "seq-len-int16",
         "seq-len-float",
         "seq-len-shape",
         "seq-len-too-big",
@@ -1280,8 +1280,8 @@ def mutate_request(rng: random.Random, gen: torch.Generator, a: Attn, kw: dict, 
     elif m.startswith("seq-len-"):
         kw["use_padding_mask"] = True
         lq, lk = _int32([SQ] * B), _int32([SK] * B)
-        if m == "seq-len-int64":
-            lq = lq.long()
+        if m == "seq-len-int16":
+            lq = lq.to(torch.int16)
         elif m == "seq-len-float":
             lk = lk.float()
         elif m == "seq-len-shape":
@@ -2599,7 +2599,7 @@ def _paged_case(rng: random.Random, gen: torch.Generator) -> Case:
             "no-seq-len-kv",
             "seq-len-kv-over",
             "seq-len-kv-neg",
-            "seq-len-kv-int64",
+            "seq-len-kv-int16",
             "v-cache-shape",
             "cache-dtype",
             "layout-name",
@@ -2638,8 +2638,8 @@ def _paged_case(rng: random.Random, gen: torch.Generator) -> Case:
         skv = _int32([s_kv + 1] + lkv[1:])
     elif m == "seq-len-kv-neg":
         skv = _int32([-1] + lkv[1:])
-    elif m == "seq-len-kv-int64":
-        skv = _int32(lkv).long()
+    elif m == "seq-len-kv-int16":
+        skv = _int32(lkv).to(torch.int16)
     elif m == "seq-len-q-over":
         sq = _int32([s_q + 1] + lq[1:])
     elif m == "v-cache-shape":

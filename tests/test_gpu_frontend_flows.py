@@ -216,3 +216,17 @@ def test_rng_dump_on_cudnn_is_the_keep_mask_its_output_used():
     attention = torch.softmax(q.double() @ k.double().transpose(-1, -2) * scale, -1)
     expected = (attention * keep / (1 - p)) @ v.double()
     assert rel_err(out, expected) < TOL
+
+
+def test_int64_lengths_on_cudnn_match_int32():
+    """Notebook 52 passes int64 lengths: cuDNN reads them as int32, the result is the same."""
+    gen = torch.Generator().manual_seed(22)
+    q, k, v = (torch.randn(2, 4, 128, 64, generator=gen).to("cuda", torch.float16) for _ in range(3))
+    results = []
+    for dtype in (torch.int32, torch.int64):
+        lq = torch.tensor([100, 128], dtype=dtype, device="cuda").view(2, 1, 1, 1)
+        lkv = torch.tensor([77, 128], dtype=dtype, device="cuda").view(2, 1, 1, 1)
+        with cudnn.Graph() as g:
+            g.sdpa(q, k, v, use_padding_mask=True, seq_len_q=lq, seq_len_kv=lkv, attn_scale=0.125)
+        results.append(g(q, k, v, lq, lkv))
+    assert torch.equal(results[0], results[1]) and torch.isfinite(results[0]).all()

@@ -109,9 +109,9 @@ MALFORMED = [
     ),
     (
         "seq-len-dtype",
-        lambda: fwd(use_padding_mask=True, seq_len_q=lengths(S, S, dtype=torch.int64), seq_len_kv=lengths(S, S)),
+        lambda: fwd(use_padding_mask=True, seq_len_q=lengths(S, S, dtype=torch.int16), seq_len_kv=lengths(S, S)),
         "seq_len_q",
-        "int64",
+        "int16",
     ),
     (
         "seq-len-shape",
@@ -360,3 +360,19 @@ def test_alibi_without_causal_on_the_reference_is_alibi_by_definition():
     distance = (torch.arange(12).view(1, -1) - torch.arange(12).view(-1, 1)).double()
     scores = q.double() @ k.double().transpose(-1, -2) * 0.25 + slopes * distance
     assert (g(q, k, v).double() - torch.softmax(scores, -1) @ v.double()).abs().max() < 1e-5
+
+
+def test_int64_lengths_are_taken_as_the_frontend_takes_them():
+    """The frontend's notebook 52 passes int64 seq_len_q/kv: the same result as int32."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 2, 16, 16, generator=gen) for _ in range(3))
+    results = []
+    for dtype in (torch.int32, torch.int64):
+        lq, lkv = (
+            torch.tensor([9, 16], dtype=dtype).view(2, 1, 1, 1),
+            torch.tensor([5, 12], dtype=dtype).view(2, 1, 1, 1),
+        )
+        with cudnn_attn.Graph(backend="reference") as g:
+            g.sdpa(q, k, v, use_padding_mask=True, seq_len_q=lq, seq_len_kv=lkv, attn_scale=0.25)
+        results.append(g(q, k, v, lq, lkv))
+    assert torch.equal(results[0], results[1]) and results[0].abs().sum() > 0

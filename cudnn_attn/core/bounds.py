@@ -43,7 +43,7 @@ def clamped(p: AttentionProblem, inputs: Mapping[str, Any], bounds: Mapping[str,
     for role, high in bounds.items():
         value = safe.get(role)
         if isinstance(value, torch.Tensor) and role not in packed_tokens:
-            safe[role] = derived(value, clamp_into, high)
+            safe[role] = derived(value, clamp_lengths if role.startswith("seq_len") else clamp_into, high)
     for role, tokens in packed_tokens.items():
         safe[role] = derived(safe[role], packed_lengths, bounds.get(role), tokens)
     return safe
@@ -51,6 +51,11 @@ def clamped(p: AttentionProblem, inputs: Mapping[str, Any], bounds: Mapping[str,
 
 def clamp_into(value: torch.Tensor, high: int) -> torch.Tensor:
     return value.clamp(0, high)
+
+
+def clamp_lengths(value: torch.Tensor, high: int) -> torch.Tensor:
+    """Lengths clamped, as int32 (the dtype cuDNN's plans read; int64 lengths are taken too)."""
+    return value.clamp(0, high).to(torch.int32)
 
 
 def packed_lengths(lengths: torch.Tensor, high: int | None, tokens: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ from .roles import (
 
 OUTPUT_ROLES = {Op.FORWARD: FORWARD_OUTPUTS + FP8_AMAXES, Op.BACKWARD: BACKWARD_OUTPUTS + FP8_BACKWARD_AMAXES}
 HEAD_DIM_MULTIPLE = 8
-SEQ_LEN_DTYPES = (torch.int32,)
+SEQ_LEN_DTYPES = (torch.int32, torch.int64)  # int64 runs as int32 on cuDNN (bounds.clamped)
 PAGE_TABLE_DTYPES = (torch.int32,)
 RNG_DTYPES = (torch.int64, torch.int32)
 

@@ -96,9 +96,8 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) ->
     def tensor(role: str, spec: TensorSpec | None, **extra: Any) -> Any:
         assert spec is not None, f"{role} is required here (validation guarantees it)"
         dim, stride = dims_and_strides(role, spec, p)
-        return graph.tensor(
-            name=role, dim=dim, stride=stride, data_type=cudnn_dtype(spec.dtype), uid=UID[role], **extra
-        )
+        dtype = torch.int32 if role.startswith("seq_len") else spec.dtype  # int64 lengths are bound as int32
+        return graph.tensor(name=role, dim=dim, stride=stride, data_type=cudnn_dtype(dtype), uid=UID[role], **extra)
 
     def ragged(role: str, spec: TensorSpec) -> dict[str, Any]:
         if not p.is_thd or spec.rank != 3:  # paged caches beside a ragged q are not ragged
