@@ -152,3 +152,21 @@ def test_amaxes_not_asked_for_are_not_computed():
         full.sdpa_fp8(*args)
     expected_out, _, expected_amax = full(*args)
     assert torch.equal(out.float(), expected_out.float()) and torch.equal(amax, expected_amax)
+
+
+def test_the_fp8_ops_take_their_own_band_spellings():
+    """The frontend's sdpa_fp8 spells the band left_bound / right_bound / sliding_window (and takes
+    fn=None): the same graph as sdpa's spellings, on the same inputs."""
+    q, k, v = _problem(seed=3)
+    args, _ = _forward_scales(q, k, v, causal=True)
+    results = []
+    for keywords in (dict(diagonal_band_left_bound=8, diagonal_band_right_bound=0),
+                     dict(left_bound=8, right_bound=0, fn=None), dict(sliding_window=8, right_bound=0)):  # fmt: skip
+        with cudnn_attn.Graph() as g:
+            g.sdpa_fp8(*args, generate_stats=True, **keywords)
+        assert g.problems[0].options.sliding_window == 8 and g.problems[0].options.causal.value == "top_left"
+        results.append(g(*args)[0].float())
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    with pytest.raises(cudnn_attn.ValidationError, match="left_bound"):
+        with cudnn_attn.Graph() as g:
+            g.sdpa_fp8(*args, left_bound=8, diagonal_band_left_bound=8)
