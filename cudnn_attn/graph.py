@@ -30,7 +30,7 @@ from .recording import declared, reuse, state
 from .recording.build import plan_nodes, positional_inputs, validate_nodes
 from .recording.declared import DeclaredIO
 from .recording.fp8_ops import Fp8Ops
-from .recording.frontend_steps import FrontendSteps, frontend_options, frontend_tensor_options
+from .recording.frontend_steps import FRONTEND_DEFAULTS, FrontendSteps, frontend_options, frontend_tensor_options
 from .recording.handles import InputHandle, OutputHandle, TensorHandle, handle_spec, int_tuple
 from .recording.keywords import publishes_mask_keywords, stats_requested
 from .recording.node import Node
@@ -99,11 +99,10 @@ class Graph(Fp8Ops, FrontendSteps):
             problems.append(f"backend: {backend!r}; allowed {', '.join(map(repr, BACKEND_NAMES))}")
         if cache is not None and not isinstance(cache, PlanCache):
             problems.append(f"cache: {type(cache).__name__}; expected a cudnn_attn.PlanCache")
-        problems += frontend_options(sm_count=sm_count, sm_version=sm_version, kernel_cache=kernel_cache,
-                                     device_property=device_property, is_dynamic_shape_enabled=is_dynamic_shape_enabled,
-                                     is_override_shape_enabled=is_override_shape_enabled,
-                                     cuda_graph_retention=cuda_graph_retention,
-                                     is_cuda_graph_replay_expected=is_cuda_graph_replay_expected, **kwargs)  # fmt: skip
+        frontend = (sm_count, sm_version, kernel_cache, device_property, is_dynamic_shape_enabled,
+                    is_override_shape_enabled, cuda_graph_retention, is_cuda_graph_replay_expected)  # fmt: skip
+        if kwargs or frontend != FRONTEND_DEFAULTS:  # checked only when given: graphs are made per call
+            problems += frontend_options(*frontend, **kwargs)
         if name is not None and not isinstance(name, str):
             problems.append(f"name: {name!r}; expected a string")
         if problems:

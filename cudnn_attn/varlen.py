@@ -33,6 +33,7 @@ from .core.derived import derived
 from .core.mask import Causal, ScoreOptions, default_scale
 from .core.problem import AttentionProblem, TensorSpec
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
+from .runtime.interop import in_layout_of
 from .runtime.keyed import KeyedCache
 from .runtime.prepared import PreparedRun, prepare
 
@@ -154,8 +155,7 @@ class _Varlen(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):  # type: ignore[override]
         q, k, v, out, stats, lengths_q, lengths_k = ctx.saved_tensors
-        if d_out.stride() != out.stride():  # the backward reads dO in O's layout
-            d_out = torch.empty_strided(out.shape, out.stride(), dtype=d_out.dtype, device=d_out.device).copy_(d_out)
+        d_out = in_layout_of(d_out, out)
         run = _backward_run(q, k, v, out, d_out, stats, lengths_q, lengths_k, ctx.options)
         grads = [torch.zeros_like(t) for t in (q, k, v)]  # rows no sequence covers stay zero
         inputs = ctx.options.inputs(q=q, k=k, v=v, o=out, grad_o=d_out, stats=stats, seq_len_q=lengths_q,

@@ -148,3 +148,25 @@ def test_the_pythonic_graph_runs_declared_inputs_and_outputs_by_name():
     by_name = bwd({"d_sdpa::q": q, "d_sdpa::k": k, "d_sdpa::v": v, "d_sdpa::o": out, "d_sdpa::stats": lse,
                    "d_sdpa::dO": d_out})  # fmt: skip
     assert set(by_name) >= {"dQ", "dK", "dV"} and torch.equal(by_name["dQ"], d_q)
+
+
+def test_bad_frontend_input_is_refused_by_name():
+    q, k, v = _qkv(8)
+    with pytest.raises(cudnn.ValidationError, match="inputs: 'SDPA::x' names no input"):
+        with cudnn.Graph(inputs=["SDPA::q", "SDPA::x"], outputs=["O"]) as g:
+            g.sdpa(name="SDPA", q=q, k=k, v=v)
+    g = cudnn.pygraph()
+    with pytest.raises(cudnn.UnsupportedError, match="is_virtual"):
+        g.tensor([1, 1, 1, 1], data_type=torch.float32, is_virtual=True, device="cpu")
+    with pytest.raises(cudnn.UnsupportedError, match="set_ragged_offset"):
+        g.tensor_like(q).set_ragged_offset(g.tensor([B + 1, 1, 1, 1], data_type=torch.int32, device="cpu"))
+    with pytest.raises(cudnn.ValidationError, match="rng_dump"):
+        with cudnn.Graph() as bad:
+            bad.sdpa(q, k, v, rng_dump=torch.empty(B, H, S, S + 1))
+    with pytest.raises(cudnn.ValidationError, match="dBias"):
+        with cudnn.Graph() as bad:
+            bad.sdpa_backward(q, k, v, q, q, torch.zeros(B, H, S, 1), dBias="not a tensor")
+    with pytest.raises(cudnn.ShapeMismatchError, match="'nope'"):
+        with cudnn.pygraph() as ok:
+            ok.sdpa(q, k, v)
+        ok.execute({"nope": q})

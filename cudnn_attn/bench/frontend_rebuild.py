@@ -4,8 +4,8 @@ The frontend's notebook 50 (``samples/python/50_sdpa_forward.ipynb``) in its pyt
 ``cudnn.Graph(inputs=[...], outputs=[...])``, built and run in a loop, as code that builds its graph
 inside the step does: through the frontend itself, and unchanged but for the import through
 this library, where the rebuild adopts the first build (``recording/reuse.py``). Same process,
-same inputs; milliseconds per iteration (median of rounds, with the spread) and whether the two
-outputs are identical.
+same inputs, the two columns alternating round by round; milliseconds per iteration (median of
+rounds, with the spread) and whether the two outputs are identical.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 B, S, H, D = 4, 1024, 12, 64  # the notebook's shape
-ROUNDS = 3
+ROUNDS = 6
 
 
 def _step(cudnn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: Any) -> torch.Tensor:
@@ -39,21 +39,22 @@ def rebuild_loop(iterations: int = 200, frontend_iterations: int = 20) -> dict[s
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.half, generator=gen).transpose(1, 2)
                for _ in range(3))  # fmt: skip
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "shape": f"b{B} h{H} s{S} d{D} fp16 causal"}
-    outputs = {}
-    for name, count in (("cudnn", frontend_iterations), ("cudnn_attn", iterations)):
-        cudnn = importlib.import_module(name)
-        handle = cudnn.create_handle()
-        outputs[name] = _step(cudnn, q, k, v, handle).clone()  # the first build, outside the timing
-        rounds = []
-        for _ in range(ROUNDS):
+    packages = {name: importlib.import_module(name) for name in ("cudnn", "cudnn_attn")}
+    counts = {"cudnn": frontend_iterations, "cudnn_attn": iterations}
+    handles = {name: cudnn.create_handle() for name, cudnn in packages.items()}
+    outputs = {name: _step(cudnn, q, k, v, handles[name]).clone() for name, cudnn in packages.items()}  # first builds
+    rounds: dict[str, list[float]] = {name: [] for name in packages}
+    for round_ in range(ROUNDS):  # the two columns alternate, round by round, in turns
+        for name in sorted(packages, reverse=round_ % 2 == 1):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            for _ in range(count):
-                _step(cudnn, q, k, v, handle)
+            for _ in range(counts[name]):
+                _step(packages[name], q, k, v, handles[name])
             torch.cuda.synchronize()
-            rounds.append((time.perf_counter() - start) / count * 1e3)
-        report[name] = {"ms_median": statistics.median(rounds), "ms_low": min(rounds), "ms_high": max(rounds),
-                        "iterations": count}  # fmt: skip
+            rounds[name].append((time.perf_counter() - start) / counts[name] * 1e3)
+    for name, times in rounds.items():
+        report[name] = {"ms_median": statistics.median(times), "ms_low": min(times), "ms_high": max(times),
+                        "iterations": counts[name], "rounds": len(times)}  # fmt: skip
     report["identical"] = bool(torch.equal(outputs["cudnn"], outputs["cudnn_attn"]))
     report["speedup"] = report["cudnn"]["ms_median"] / report["cudnn_attn"]["ms_median"]
     return report

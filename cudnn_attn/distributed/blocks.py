@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..functional import problems
+from ..runtime.interop import in_layout_of
 from ..runtime.keyed import KeyedCache
 from ..runtime.prepared import PreparedRun
 
@@ -43,7 +44,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mas
 def backward(q, k, v, out, d_out, stats, scale: float, mask: str) -> list[torch.Tensor]:
     """``[dq, dk, dv]`` of one block, given the whole row's ``out`` and ``stats`` (so the
     block's probabilities and ``rowsum(d_out * out)`` are the global ones, not the block's)."""
-    d_out = problems.like(d_out, out)
+    d_out = in_layout_of(d_out, out)
     inputs = (q, k, v, out, d_out, stats)
     key = ("b", *(g for t in inputs for g in _geometry(t)), scale, mask)
     run: PreparedRun | None = _runs.get(key)

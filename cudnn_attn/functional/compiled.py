@@ -8,6 +8,7 @@ import torch
 
 from ..core.problem import strides_like
 from ..errors import GraphStateError
+from ..runtime.interop import in_layout_of
 from . import problems
 
 
@@ -55,7 +56,7 @@ def sdpa_backward(
     offset: torch.Tensor | None,
     bias_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    d_out = problems.like(d_out, out)
+    d_out = in_layout_of(d_out, out)
     run = problems.backward_run(q, k, v, out, d_out, stats, bias, scale, causal, dropout_p, seed, offset, bias_grad)
     grads = run.run_ordered(problems.backward_inputs(q, k, v, out, d_out, stats, bias, dropout_p, seed, offset))
     return grads[0], grads[1], grads[2], grads[3] if bias_grad else q.new_empty(0)

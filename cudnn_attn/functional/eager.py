@@ -15,6 +15,7 @@ import torch
 
 from ..core.mask import Causal, default_scale
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
+from ..runtime.interop import in_layout_of
 from ..runtime.keyed import KeyedCache
 from ..runtime.prepared import PreparedRun
 from . import problems, torch_kernel
@@ -128,7 +129,7 @@ class Prepared:
         return self.forward_run.run_ordered([t for t in (q, k, v, bias, *(rng or ())) if t is not None])
 
     def backward(self, q, k, v, out, d_out, stats, bias, seed, offset, bias_grad: bool) -> list[torch.Tensor]:
-        d_out = problems.like(d_out, out)
+        d_out = in_layout_of(d_out, out)
         run = self.backward_runs.get(bias_grad)
         if run is None:
             run = self.backward_runs[bias_grad] = problems.backward_run(

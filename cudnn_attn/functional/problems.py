@@ -54,11 +54,3 @@ def backward_run(q, k, v, out, d_out, stats, bias, scale: float, causal: Causal 
                                _options(scale, causal, dropout_p), bias=_spec(bias), grad_bias=bias_grad,
                                dropout_seed=_spec(seed), dropout_offset=_spec(offset))  # fmt: skip
     return prepare(problem, context="sdpa")
-
-
-def like(t: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
-    """``t``'s values in ``template``'s layout (the backward reads dO in O's layout)."""
-    if t.stride() == template.stride():
-        return t
-    out = torch.empty_strided(template.shape, template.stride(), dtype=t.dtype, device=t.device)
-    return out.copy_(t)

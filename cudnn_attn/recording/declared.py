@@ -18,7 +18,15 @@ from .state import Recording
 
 
 def resolve(recording: Recording, entry: Any) -> TensorHandle | None:
-    """The graph tensor ``entry`` names (None when it names none)."""
+    """The graph tensor ``entry`` names (None when it names none); a caller-made output
+    (``dBias=``, ``rng_dump=``) resolves to the op output it receives."""
+    handle = _named(recording, entry)
+    if isinstance(handle, InputHandle) and handle.alias_of is not None:
+        return handle.alias_of
+    return handle
+
+
+def _named(recording: Recording, entry: Any) -> TensorHandle | None:
     if isinstance(entry, TensorHandle):
         return entry if entry.recording is recording else None
     if isinstance(entry, int) and not isinstance(entry, bool):
@@ -46,8 +54,6 @@ class DeclaredIO:
                                               ("outputs", outputs, OutputHandle, self.outputs)):  # fmt: skip
             for entry in entries:
                 handle = resolve(recording, entry)
-                if isinstance(handle, InputHandle) and handle.alias_of is not None:
-                    handle = handle.alias_of
                 if not isinstance(handle, kind):
                     problems.append(f"{argument}: {entry!r} names no {argument[:-1]} of this graph")
                 else:
@@ -79,8 +85,6 @@ class DeclaredIO:
         outputs: dict[Any, Any] = {}
         for key, value in given.items():
             handle = resolve(self.recording, key)
-            if isinstance(handle, InputHandle) and handle.alias_of is not None:
-                handle = handle.alias_of
             if handle is None:
                 raise ShapeMismatchError([f"{key!r}: names no tensor of this graph"])
             (outputs if isinstance(handle, OutputHandle) else inputs)[handle] = value

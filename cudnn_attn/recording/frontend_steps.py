@@ -10,13 +10,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
-from .handles import InputHandle, OutputHandle
+from .declared import resolve
+from .handles import InputHandle
 
 RETENTION = ("PER_GRAPH", "NONE")
 
 
+# pygraph's own parameters at their defaults, in its order (sm_count ... is_cuda_graph_replay_expected).
+FRONTEND_DEFAULTS = (None, None, None, None, False, False, None, False)
+
+
 def frontend_options(
-    *,
     sm_count: Any,
     sm_version: Any,
     kernel_cache: Any,
@@ -25,6 +29,7 @@ def frontend_options(
     is_override_shape_enabled: Any,
     cuda_graph_retention: Any,
     is_cuda_graph_replay_expected: Any,
+    /,
     **unknown: Any,
 ) -> list[str]:
     """The problems with ``pygraph``'s own parameters, one line each. What they mean here:
@@ -99,18 +104,11 @@ class FrontendSteps:
             raise ValidationError([f"variant_pack: {type(variant_pack).__name__}; expected a dict of handle -> tensor"])
         self.build()
         recording = self.recording  # type: ignore[attr-defined]
-        by_name = {h.name: h for h in [*recording.inputs, *self.outputs]}  # type: ignore[attr-defined]
         inputs: dict[Any, Any] = {}
         outputs: dict[Any, Any] = {}
         unknown: list[str] = []
         for key, value in variant_pack.items():
-            handle = key if isinstance(key, (InputHandle, OutputHandle)) else None
-            if isinstance(key, str):
-                handle = by_name.get(key)
-            elif isinstance(key, int) and not isinstance(key, bool):
-                handle = recording.uids.get(key)
-            if isinstance(handle, InputHandle) and handle.alias_of is not None:
-                handle = handle.alias_of  # a caller-made output (dBias=)
+            handle = resolve(recording, key)
             if handle is None:
                 if key is not None:
                     unknown.append(f"{key!r}: not a tensor of this graph (keys: handles, names or uids)")

@@ -50,7 +50,7 @@ class MaskKeywords:
     implementation: Any = None  # attention_implementation: cuDNN's heuristics choose the engine
     max_total_seq_len_q: Any = None  # packed token totals: a workspace bound the plans do not need
     max_total_seq_len_kv: Any = None
-    rng_dump: Any = None  # the dropout keep-mask as an output: not supported yet (None is accepted)
+    rng_dump: Any = None  # sdpa_backward's debug output: not supported yet (None is taken; sdpa's is a parameter)
 
 
 KEYWORDS = tuple(f.name for f in dataclasses.fields(MaskKeywords))

@@ -54,3 +54,11 @@ def geometry_mismatch(tensor: torch.Tensor, spec: TensorSpec) -> str | None:
     if str(tensor.device) != spec.device:
         problems.append(f"device {tensor.device} (graph built for {spec.device})")
     return "; ".join(problems) or None
+
+
+def in_layout_of(t: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in ``template``'s layout (backward plans read dO in O's layout)."""
+    if t.stride() == template.stride():
+        return t
+    out = torch.empty_strided(template.shape, template.stride(), dtype=t.dtype, device=t.device)
+    return out.copy_(t)
