@@ -169,7 +169,7 @@ class Graph(Fp8Ops, FrontendSteps):
         promise about the values, accepted as given.
         """
         self.recording.check_open("tensor")
-        unsupported = frontend_tensor_options(is_virtual, ragged_offset, reordering_type, ragged_offset_multiplier)
+        unsupported = frontend_tensor_options(is_virtual, reordering_type, ragged_offset_multiplier)
         if unsupported:
             raise UnsupportedError(unsupported, context="Graph.tensor")
         problems: list[str] = []
@@ -201,6 +201,8 @@ class Graph(Fp8Ops, FrontendSteps):
         handle.is_pass_by_value = bool(is_pass_by_value)
         if uid is not None:
             handle.set_uid(uid)
+        if ragged_offset is not None:
+            handle.set_ragged_offset(ragged_offset)
         return handle
 
     def tensor_like(self, template: Any, name: str = "") -> InputHandle:

@@ -7,7 +7,8 @@ holds ``samples/python/5[0-3]_*.ipynb`` and ``test/python/``):
   notebook. The one edit is ``import cudnn`` -> ``import cudnn_attn as cudnn`` (``--through
   cudnn_attn``); IPython magic and shell lines (``%``, ``!``) are skipped. ``--device cpu`` also
   edits the device spellings (``.cuda()``, ``device="cuda"``, ``torch.cuda.synchronize()``) and
-  answers the GPU preconditions (``torch.cuda.is_available()``, ``get_device_capability()``); each
+  answers the GPU preconditions (``torch.cuda.is_available()``, ``get_device_capability()``,
+  ``cudnn.backend_version()``: a CPU machine has no cuDNN library to report); each
   edit is listed. Per notebook: cells run, the first failing cell and its exception.
 * ``test_mhas.py``: ``test_sdpa`` (``-k "test_sdpa and not backward"``) and ``test_sdpa_backward``
   under pytest in a subprocess, on copies of the test files whose ``cudnn`` imports are rewritten
@@ -63,6 +64,8 @@ DEVICE_EDITS = [  # --device cpu only: (what the edit does, pattern, replacement
     ("torch.cuda.synchronize() -> no-op", re.compile(r"torch\.cuda\.synchronize\(\)"), "None"),
     ("torch.cuda.is_available() -> True", re.compile(r"torch\.cuda\.is_available\(\)"), "True"),
     ("torch.cuda.get_device_capability() -> (9, 0)", re.compile(r"torch\.cuda\.get_device_capability\(\)"), "(9, 0)"),
+    # The notebooks assert a cuDNN version before anything else; a CPU machine has no cuDNN library.
+    ("cudnn.backend_version() -> 91900", re.compile(r"cudnn\.backend_version\(\)"), "91900"),
     (".cuda() -> .cpu()", re.compile(r"\.cuda\(\)"), ".cpu()"),
     ('device="cuda" -> device="cpu"', re.compile(r"""device\s*=\s*(["'])cuda(:\d+)?\1"""), 'device="cpu"'),
 ]

@@ -158,8 +158,10 @@ def test_bad_frontend_input_is_refused_by_name():
     g = cudnn.pygraph()
     with pytest.raises(cudnn.UnsupportedError, match="is_virtual"):
         g.tensor([1, 1, 1, 1], data_type=torch.float32, is_virtual=True, device="cpu")
-    with pytest.raises(cudnn.UnsupportedError, match="set_ragged_offset"):
-        g.tensor_like(q).set_ragged_offset(g.tensor([B + 1, 1, 1, 1], data_type=torch.int32, device="cpu"))
+    with pytest.raises(cudnn.ValidationError, match="set_ragged_offset: Tensor; expected a tensor of this graph"):
+        g.tensor_like(q).set_ragged_offset(torch.zeros(B + 1, 1, 1, 1, dtype=torch.int32))
+    with pytest.raises(cudnn.UnsupportedError, match="ragged_offset_multiplier"):
+        g.tensor([B, H, S, D], data_type=torch.float32, device="cpu", ragged_offset_multiplier=2)
     with pytest.raises(cudnn.ValidationError, match="rng_dump"):
         with cudnn.Graph() as bad:
             bad.sdpa(q, k, v, rng_dump=torch.empty(B, H, S, S + 1))
@@ -170,3 +172,32 @@ def test_bad_frontend_input_is_refused_by_name():
         with cudnn.pygraph() as ok:
             ok.sdpa(q, k, v)
         ok.execute({"nope": q})
+
+
+def test_a_paged_v_cache_has_its_own_pages_heads_and_head_dim():
+    """test_mhas's paged cases: V's cache and page table are its own (MLA-like: 1 V head, a small d_v)."""
+    gen = torch.Generator().manual_seed(21)
+    b, h_q, h_k, h_v, d_qk, d_v, page, s_kv = 2, 4, 2, 1, 64, 16, 8, 32
+    q = torch.randn(b, h_q, 3, d_qk, generator=gen).half()
+    k = torch.randn(b, h_k, s_kv, d_qk, generator=gen).half()
+    v = torch.randn(b, h_v, s_kv, d_v, generator=gen).half()
+    n = s_kv // page
+    k_cache = k.view(b, h_k, n, page, d_qk).permute(0, 2, 1, 3, 4).reshape(b * n, h_k, page, d_qk)
+    v_cache = torch.cat([torch.zeros(3, h_v, page, d_v).half(),  # V's pages sit elsewhere than K's
+                         v.view(b, h_v, n, page, d_v).permute(0, 2, 1, 3, 4).reshape(b * n, h_v, page, d_v)])  # fmt: skip
+    table_k = torch.arange(b * n, dtype=torch.int32).view(b, 1, n, 1)
+    table_v = table_k + 3
+    lengths = torch.tensor([32, 19], dtype=torch.int32).view(-1, 1, 1, 1)
+    ones = torch.full((b, 1, 1, 1), 3, dtype=torch.int32)
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF)
+    o, _ = g.sdpa(q=q, k=k_cache, v=v_cache, is_inference=True, use_padding_mask=True, seq_len_q=ones,
+                  seq_len_kv=lengths, paged_attention_k_table=table_k, paged_attention_v_table=table_v,
+                  paged_attention_max_seq_len_kv=s_kv)  # fmt: skip
+    out = torch.full((b, h_q, 3, d_v), float("nan")).half()
+    g.execute({"q": q, "k": k_cache, "v": v_cache, "paged_attention_k_table": table_k,
+               "paged_attention_v_table": table_v, "seq_len_q": ones, "seq_len_kv": lengths, o: out})  # fmt: skip
+    mask = torch.arange(s_kv).view(1, 1, 1, -1) < lengths.view(-1, 1, 1, 1)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(4, 1), attn_mask=mask
+    )
+    assert rel_err(out, expected) < 2e-3

@@ -95,6 +95,32 @@ def test_thd_lowers_to_ragged_bshd():
     assert node(info)["params"]["use_padding_mask"] is True
 
 
+def test_caller_ragged_offsets_lower_onto_the_tensors_they_address():
+    """The frontend's THD form: 4-D tensors keep their dims and strides and take the caller's
+    offsets (bound as int64 under the role's offset uid); Stats and O may have their own."""
+    b, h, s, d = 2, 4, 16, 64
+    bshd = (s * h * d, d, h * d, 1)
+    q, k, v = (torch.randn(b * s * h * d).half().as_strided((b, h, s, d), bshd) for _ in range(3))
+    offsets = torch.tensor([0, 5 * h * d, 12 * h * d], dtype=torch.int32).view(-1, 1, 1, 1)
+    lengths = torch.tensor([5, 7], dtype=torch.int32).view(-1, 1, 1, 1)
+    with cudnn_attn.pygraph(io_data_type=cudnn_attn.data_type.HALF, backend="reference") as g:
+        tq, tk, tv, to = (g.tensor_like(x) for x in (q, k, v, offsets))
+        for t in (tq, tk, tv):
+            t.set_ragged_offset(to)
+        o, stats = g.sdpa(q=tq, k=tk, v=tv, generate_stats=True, use_padding_mask=True,
+                          seq_len_q=g.tensor_like(lengths), seq_len_kv=g.tensor_like(lengths))  # fmt: skip
+        o.set_output(True).set_dim([b, h, s, d]).set_stride(list(bshd)).set_ragged_offset(to)
+        stats.set_output(True).set_ragged_offset(g.tensor_like(offsets // d))  # in Stats' own elements
+    p = g.problems[0]
+    assert p.offset_tensors == ("q", "k", "v", "o", "stats") and p.q_offset.dtype == torch.int32
+    _, info = lowered(p)
+    tensors = by_uid(info)
+    assert tensors[lowering.UID["q"]]["dim"] == [b, h, s, d] and tensors[lowering.UID["q"]]["stride"] == list(bshd)
+    for role in ("q", "k", "v", "o", "stats"):
+        offset = tensors[lowering.UID[f"{role}_offset"]]
+        assert offset["dim"] == [b + 1, 1, 1, 1] and offset["dtype"] == "data_type.INT64", role
+
+
 @pytest.mark.parametrize("layout", ["NPHD", "NHPD"])
 def test_paged_caches_lower_to_frontend_containers(layout):
     q = torch.randn(2, 8, 1, 64).half()

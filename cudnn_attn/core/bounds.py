@@ -1,4 +1,4 @@
-"""Run-time integer inputs (sequence lengths, page indices): checked on the host where their
+"""Run-time integer inputs (sequence lengths, page indices, ragged offsets): checked on the host where their
 values are at hand (``value_problems``), made safe on the device where they are not.
 
 Checking their values would read them to the host: a sync per call. Instead they are
@@ -18,6 +18,7 @@ import torch
 
 from .derived import derived
 from .problem import AttentionProblem
+from .ragged import clamp_offsets, gather_rows, offset_bounds, offset_value_problems
 
 
 def upper_bounds(p: AttentionProblem) -> dict[str, int]:
@@ -46,6 +47,11 @@ def clamped(p: AttentionProblem, inputs: Mapping[str, Any], bounds: Mapping[str,
             safe[role] = derived(value, clamp_lengths if role.startswith("seq_len") else clamp_into, high)
     for role, tokens in packed_tokens.items():
         safe[role] = derived(safe[role], packed_lengths, bounds.get(role), tokens)
+    if p.offset_tensors:  # the caller's ragged offsets: every sequence starts inside its tensor
+        for role, (high, last) in offset_bounds(p).items():
+            value = safe.get(role)
+            if isinstance(value, torch.Tensor):
+                safe[role] = derived(value, clamp_offsets, high, last)
     return safe
 
 
@@ -92,13 +98,31 @@ def value_problems(p: AttentionProblem, data: Mapping[str, torch.Tensor]) -> lis
                 total = int(t.detach().to("cpu", torch.int64).sum())
                 found.append(f"{role}: lengths sum to {total} but the packed tensor holds {tokens} tokens")
     if p.is_paged:
-        num_pages = p.k.shape[0]
         for role in ("page_table_k", "page_table_v"):
             t = data.get(role)
             if t is None:
                 continue
-            values = t.detach().reshape(-1).to("cpu", torch.int64)
+            num_pages = (p.k if role == "page_table_k" else p.v).shape[0]
+            values = _read_entries(p, role, t, data)
             bad = values[(values < 0) | (values >= num_pages)]
             if bad.numel():
                 found.append(f"{role}: page indices {bad[:4].tolist()} out of range; allowed 0..{num_pages - 1}")
+    if p.offset_tensors:
+        found += offset_value_problems(p, data)
     return found
+
+
+def _read_entries(
+    p: AttentionProblem, role: str, table: torch.Tensor, data: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """The page-table entries a run reads: all of a table, or of a packed one (ragged offsets)
+    each sequence's own entries, as many as its length needs where the lengths are at hand."""
+    offsets = data.get(f"{role}_offset")
+    if role not in p.offset_tensors or offsets is None or table.dim() != 4:
+        return table.detach().reshape(-1).to("cpu", torch.int64)
+    rows = gather_rows(table.detach().cpu(), offsets.detach().cpu(), None).reshape(table.shape[0], -1)
+    lengths = data.get("seq_len_kv")
+    if lengths is not None and p.page_size:
+        pages = (lengths.detach().reshape(-1, 1).to("cpu", torch.int64) + p.page_size - 1) // p.page_size
+        rows = rows[torch.arange(rows.shape[1]).view(1, -1) < pages]
+    return rows.reshape(-1).to(torch.int64)

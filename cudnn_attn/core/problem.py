@@ -149,6 +149,19 @@ class AttentionProblem:
     amax_grad_k: TensorSpec | None = None
     amax_grad_v: TensorSpec | None = None
     amax_grad_p: TensorSpec | None = None
+    # The caller's ragged offsets (the frontend's ``set_ragged_offset``), int32/int64 [B + 1, 1, 1, 1]:
+    # sequence b of that 4-D tensor starts offset[b] elements into its memory; its batch stride is unused.
+    q_offset: TensorSpec | None = None
+    k_offset: TensorSpec | None = None
+    v_offset: TensorSpec | None = None
+    o_offset: TensorSpec | None = None
+    stats_offset: TensorSpec | None = None
+    grad_o_offset: TensorSpec | None = None
+    grad_q_offset: TensorSpec | None = None
+    grad_k_offset: TensorSpec | None = None
+    grad_v_offset: TensorSpec | None = None
+    page_table_k_offset: TensorSpec | None = None
+    page_table_v_offset: TensorSpec | None = None
     io_dtype: torch.dtype | None = None
     intermediate_dtype: torch.dtype = torch.float32
     compute_dtype: torch.dtype = torch.float32
@@ -200,6 +213,15 @@ class AttentionProblem:
     @property
     def is_thd(self) -> bool:
         return self.q.rank == 3
+
+    @property
+    def offset_tensors(self) -> tuple[str, ...]:
+        """The tensors (roles) whose sequences the caller places with ragged offsets."""
+        cached = self.__dict__.get("_offset_tensors")
+        if cached is None:
+            cached = tuple(role for role in _OFFSET_OF if getattr(self, f"{role}_offset") is not None)
+            object.__setattr__(self, "_offset_tensors", cached)
+        return cached
 
     @property
     def is_paged(self) -> bool:
@@ -322,6 +344,8 @@ class AttentionProblem:
             parts.append("bottom-right")
         if options.padding:
             parts.append("padding")
+        if self.offset_tensors:
+            parts.append("ragged-" + "+".join(self.offset_tensors))
         if options.alibi:
             parts.append("alibi")
         if self.bias is not None:
@@ -331,6 +355,9 @@ class AttentionProblem:
         if self.is_paged:
             parts.append(f"paged{self.page_size}")
         return "-".join(parts)
+
+
+_OFFSET_OF = ("q", "k", "v", "o", "stats", "grad_o", "grad_q", "grad_k", "grad_v", "page_table_k", "page_table_v")
 
 
 def _heads(spec: TensorSpec, problem: AttentionProblem) -> int:

@@ -20,6 +20,7 @@ class Role:
     output: str | None = None  # the frontend's name when the role is an op output
     lengths: str | None = None  # ragged (THD) tensors: the seq_len input their offsets come from
     ragged_uid: int | None = None  # ... and the uid of those offsets
+    offsets_of: str | None = None  # a caller's ragged offsets: the tensor role they address
 
 
 ROLES: dict[str, Role] = {
@@ -63,6 +64,25 @@ ROLES: dict[str, Role] = {
         Role("amax_grad_k", 66, "Amax_dK", output="Amax_dK"),
         Role("amax_grad_v", 67, "Amax_dV", output="Amax_dV"),
         Role("amax_grad_p", 68, "Amax_dP", output="Amax_dP"),
+        # The frontend's ragged offsets given by the caller (``tensor.set_ragged_offset``): int32/int64
+        # [B + 1, 1, 1, 1] element offsets of each sequence in a 4-D tensor. They take the uids a
+        # packed [T, H, D] tensor's computed offsets use: a problem has one kind or the other.
+        *(
+            Role(f"{name}_offset", uid, f"{user}.ragged_offset", offsets_of=name)
+            for name, uid, user in (
+                ("q", 32, "q"),
+                ("k", 33, "k"),
+                ("v", 34, "v"),
+                ("o", 35, "O"),
+                ("grad_o", 36, "dO"),
+                ("grad_q", 37, "dQ"),
+                ("grad_k", 38, "dK"),
+                ("grad_v", 39, "dV"),
+                ("stats", 40, "Stats"),
+                ("page_table_k", 41, "paged_attention_k_table"),
+                ("page_table_v", 42, "paged_attention_v_table"),
+            )  # fmt: skip
+        ),
     )
 }
 
@@ -71,17 +91,22 @@ UID = {name: role.uid for name, role in ROLES.items()}
 # Each op's run-time inputs in the order of that method's own parameters: a graph's positional
 # inputs are its distinct input tensors, node by node, each node's in this order.
 MASK_INPUTS = ("bias", "seq_len_q", "seq_len_kv", "dropout_seed", "dropout_offset")
-SDPA_INPUTS = ("q", "k", "v", *MASK_INPUTS, "page_table_k", "page_table_v")
+# Ragged offsets come last: the tensors they address are set before them (set_ragged_offset).
+FORWARD_OFFSETS = ("q_offset", "k_offset", "v_offset", "page_table_k_offset", "page_table_v_offset", "o_offset",
+                   "stats_offset")  # fmt: skip
+BACKWARD_OFFSETS = ("q_offset", "k_offset", "v_offset", "o_offset", "grad_o_offset", "stats_offset",
+                    "grad_q_offset", "grad_k_offset", "grad_v_offset")  # fmt: skip
+SDPA_INPUTS = ("q", "k", "v", *MASK_INPUTS, "page_table_k", "page_table_v", *FORWARD_OFFSETS)
 PAGED_INPUTS = ("q", "k", "v", "page_table_k", "seq_len_q", "seq_len_kv", "page_table_v", "bias",
-                "dropout_seed", "dropout_offset")  # fmt: skip
-BACKWARD_INPUTS = ("q", "k", "v", "o", "grad_o", "stats", *MASK_INPUTS)
+                "dropout_seed", "dropout_offset", *FORWARD_OFFSETS)  # fmt: skip
+BACKWARD_INPUTS = ("q", "k", "v", "o", "grad_o", "stats", *MASK_INPUTS, *BACKWARD_OFFSETS)
 
 FP8_SCALES = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
 FP8_BACKWARD_SCALES = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_grad_o", "descale_s",
                        "descale_grad_p", "scale_s", "scale_grad_q", "scale_grad_k", "scale_grad_v",
                        "scale_grad_p")  # fmt: skip
-FP8_INPUTS = ("q", "k", "v", *FP8_SCALES, *MASK_INPUTS)
-FP8_BACKWARD_INPUTS = ("q", "k", "v", "o", "grad_o", "stats", *FP8_BACKWARD_SCALES, *MASK_INPUTS)
+FP8_INPUTS = ("q", "k", "v", *FP8_SCALES, *MASK_INPUTS, *FORWARD_OFFSETS)
+FP8_BACKWARD_INPUTS = ("q", "k", "v", "o", "grad_o", "stats", *FP8_BACKWARD_SCALES, *MASK_INPUTS, *BACKWARD_OFFSETS)
 
 FORWARD_OUTPUTS = ("o", "stats", "rng_dump")
 BACKWARD_OUTPUTS = ("grad_q", "grad_k", "grad_v", "grad_bias")
@@ -93,6 +118,20 @@ def user_name(role: str) -> str:
     """How a role is spelled to users: ``grad_o`` -> ``dO``, ``bias`` -> ``attn_bias``."""
     entry = ROLES.get(role)
     return entry.user if entry is not None else role
+
+
+def offset_role(role: str) -> str:
+    """The role of the caller's ragged offsets of tensor ``role``: ``q`` -> ``q_offset``."""
+    return f"{role}_offset"
+
+
+def offset_roles() -> tuple[str, ...]:
+    return tuple(name for name, role in ROLES.items() if role.offsets_of is not None)
+
+
+def sequence_lengths(role: str) -> str:
+    """The seq_len input that says how many rows of tensor ``role`` each sequence has."""
+    return "seq_len_q" if role in ("q", "o", "grad_o", "grad_q", "stats") else "seq_len_kv"
 
 
 def ragged_roles() -> tuple[str, ...]:

@@ -19,6 +19,7 @@ import torch
 from .dtypes import FLOATING_IO, FP8, dtype_name
 from .mask import Causal
 from .problem import AttentionProblem, KVCacheLayout, Op, TensorSpec
+from .ragged import offset_problems
 from .roles import (
     BACKWARD_OUTPUTS,
     FORWARD_OUTPUTS,
@@ -58,6 +59,7 @@ def _problems(p: AttentionProblem) -> tuple[str, ...]:
     _check_bias(p, found)
     _check_masks(p, found)
     _check_padding(p, found)
+    found += offset_problems(p)
     _check_dropout(p, found)
     _check_paging(p, found)
     _check_backward(p, found)
@@ -396,10 +398,10 @@ def _check_paging(p: AttentionProblem, found: list[str]) -> None:
             found.append(f"{role}: shape {list(shape)}; expected [{b}, pages_per_seq] or [{b}, 1, pages_per_seq, 1]")
             continue
         pages = n if pages is None else min(pages, n)
-    if p.k.shape != p.v.shape[:3] + (p.k.shape[3],):
-        found.append(
-            f"v: cache shape {list(p.v.shape)} does not match k's {list(p.k.shape)} in pages, page size and heads"
-        )
+    # V's cache has pages, heads and a head dim of its own (its own page table reads it); one page size.
+    v_page = p.v.shape[1] if p.kv_cache_layout is KVCacheLayout.NPHD else p.v.shape[2]
+    if p.v.rank == 4 and v_page != page_size:
+        found.append(f"v: cache shape {list(p.v.shape)} has page size {v_page}; k's cache has {page_size}")
     if pages is not None and p.max_seq_len_kv is not None and p.max_seq_len_kv > pages * page_size:
         found.append(
             f"paged_attention_max_seq_len_kv: {p.max_seq_len_kv} exceeds pages_per_seq*page_size={pages * page_size}"

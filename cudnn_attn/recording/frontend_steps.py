@@ -56,15 +56,15 @@ def frontend_options(
     return problems
 
 
-def frontend_tensor_options(is_virtual: Any, ragged_offset: Any, reordering_type: Any, multiplier: Any) -> list[str]:
+def frontend_tensor_options(is_virtual: Any, reordering_type: Any, multiplier: Any) -> list[str]:
     """Why a ``tensor(...)`` of the frontend cannot be taken here, one line per reason (none: taken)."""
     reasons = []
     if is_virtual:
         reasons.append("is_virtual: virtual tensors connect the frontend's non-attention ops, which cudnn_attn does "
                        "not provide (use cudnn for such graphs)")  # fmt: skip
-    if ragged_offset is not None or multiplier != 1:
-        reasons.append("ragged_offset: ragged offset tensors are not supported yet; pass packed [T, H, D] tensors "
-                       "with seq_len_q/seq_len_kv (or cudnn_attn.varlen_sdpa)")  # fmt: skip
+    if multiplier != 1:
+        reasons.append(f"ragged_offset_multiplier: {multiplier!r}; ragged offsets are taken in elements (multiplier 1): "
+                       "multiply the offsets tensor instead")  # fmt: skip
     if reordering_type is not None and getattr(reordering_type, "name", reordering_type) != "NONE":
         reasons.append(f"reordering_type: {reordering_type!r}; block-scaled (MXFP8) layouts are not supported")
     return reasons

@@ -14,7 +14,7 @@ import torch
 
 from ..core.dtypes import to_torch_dtype
 from ..core.problem import TensorSpec, contiguous_strides, device_name
-from ..errors import GraphStateError, UnsupportedError, ValidationError, shown
+from ..errors import GraphStateError, ValidationError, shown
 
 if TYPE_CHECKING:
     from .state import Recording
@@ -28,6 +28,7 @@ class TensorHandle:
         self._name = name
         self.uid = recording.new_uid(self)  # the frontend's tensor uid: a key of execute's variant pack
         self.is_pass_by_value = False
+        self.ragged_offset: InputHandle | None = None  # set_ragged_offset: where each sequence starts
 
     @property
     def name(self) -> str:
@@ -62,12 +63,20 @@ class TensorHandle:
         return self.is_pass_by_value
 
     def set_ragged_offset(self, offsets: Any) -> TensorHandle:
-        """The frontend's THD form (4-D tensors plus element offsets) is not taken yet: packed
-        sequences are ``[T, H, D]`` tensors with ``seq_len_q``/``seq_len_kv`` (``varlen_sdpa``)."""
-        raise UnsupportedError(
-            [f"{self._name}.set_ragged_offset: ragged offset tensors are not supported yet; pass packed [T, H, D] "
-             "tensors with seq_len_q/seq_len_kv (or cudnn_attn.varlen_sdpa with cu_seqlens)"]
-        )  # fmt: skip
+        """The frontend's THD form: this 4-D tensor's sequences start at ``offsets`` (an int32/int64
+        ``[B + 1, 1, 1, 1]`` graph tensor of element offsets; see ``cudnn_attn.core.ragged``)."""
+        if not isinstance(offsets, InputHandle) or offsets.recording is not self.recording:
+            raise ValidationError(
+                [f"{self._name}.set_ragged_offset: {type(offsets).__name__}; expected a tensor of this graph "
+                 "(graph.tensor_like(offsets) or graph.tensor(...)) holding B + 1 element offsets"]
+            )  # fmt: skip
+        if self.recording.built:
+            raise GraphStateError(f"{self._name}.set_ragged_offset: the graph is already built")
+        self.ragged_offset = offsets
+        return self
+
+    def get_ragged_offset(self) -> InputHandle | None:
+        return self.ragged_offset
 
     @property
     def spec(self) -> TensorSpec | None:

@@ -28,6 +28,12 @@ class _UnkeyedError(Exception):
     pass
 
 
+def _offsets(handle: InputHandle | OutputHandle) -> int | None:
+    """Which made tensor holds ``handle``'s ragged offsets (they are always made handles)."""
+    offsets = handle.ragged_offset
+    return None if offsets is None else offsets.made_index
+
+
 class RecordingKey:
     """Grows by one part per recorded op; ``tensors`` are the distinct tensors seen, in order."""
 
@@ -57,12 +63,18 @@ class RecordingKey:
         """The whole recording's key, with the handles' settings as they are now; None if unkeyed."""
         if not self.keyed:
             return None
+        for handle in [*recording.inputs, *(h for node in recording.nodes for h in node.outputs.values())]:
+            offsets = handle.ragged_offset
+            if offsets is not None and (offsets.made_index is None or getattr(handle, "made_index", 0) is None):
+                return None  # offsets of (or held by) a tensor known by its data alone: not keyed
         made = tuple(
-            [(h.name, h.spec, self.slot(h.template) if h.template is not None else None) for h in recording.made]
-        )
+            [(h.name, h.spec, self.slot(h.template) if h.template is not None else None, _offsets(h))
+             for h in recording.made]
+        )  # fmt: skip
         outputs = tuple(
-            [(h.name, h.is_output, h.dim, h.stride, h.dtype) for node in recording.nodes for h in node.outputs.values()]
-        )
+            [(h.name, h.is_output, h.dim, h.stride, h.dtype, _offsets(h))
+             for node in recording.nodes for h in node.outputs.values()]
+        )  # fmt: skip
         return (*self.parts, made, outputs)
 
     def forget(self) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.bounds import value_problems
 from ..core.problem import TensorSpec
+from ..core.roles import offset_roles
 from ..errors import ValidationError
 from .handles import InputHandle
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 _BUILT_FIELDS = ("parsed", "spelling", "paged", "kv_cache_layout", "deterministic", "problem", "plan", "backend",
                  "cache_key")  # fmt: skip
 # Integer inputs whose values a build checks where they are given as tensors.
-_VALUE_ROLES = frozenset({"seq_len_q", "seq_len_kv", "page_table_k", "page_table_v"})
+_VALUE_ROLES = frozenset({"seq_len_q", "seq_len_kv", "page_table_k", "page_table_v", *offset_roles()})
 
 
 @dataclass(frozen=True)

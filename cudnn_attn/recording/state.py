@@ -15,7 +15,7 @@ import torch
 
 from ..core.dtypes import to_torch_dtype
 from ..core.problem import Op, TensorSpec
-from ..core.roles import ROLES
+from ..core.roles import ROLES, offset_role
 from ..errors import GraphStateError, ValidationError
 from ..runtime import interop
 from .handles import InputHandle, OutputHandle, TensorHandle
@@ -173,6 +173,8 @@ class Recording:
         calls, self.calls, self.interpreted = self.calls, [], True
         for interpret, node, args, mask in calls:
             interpret(self, node, mask, *args)
+        for node in self.nodes:
+            bind_offsets(node)
 
     def forget_tensors(self) -> None:
         """Built: templates only served the build-time checks; holding them would keep the first
@@ -239,6 +241,15 @@ class Recording:
                 node.errors.append(f"max_seq_len_kv: {max_seq_len_kv!r}; expected an int >= 1")
             else:
                 node.parsed.max_seq_len_kv = max_seq_len_kv
+
+
+def bind_offsets(node: Node) -> None:
+    """The ragged offsets set on the node's tensors (``set_ragged_offset``, on inputs before the
+    op or on its outputs after it) become the node's inputs ``q_offset``, ``o_offset``, ..."""
+    for role, handle in [*node.inputs.items(), *node.outputs.items()]:
+        offsets = handle.ragged_offset
+        if offsets is not None and offset_role(role) in ROLES:
+            node.inputs[offset_role(role)] = offsets
 
 
 def check_compute_dtype(value: Any, node: Node) -> None:

@@ -104,7 +104,7 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
         platform.cudnn < SLIDING_WINDOW_MIN_CUDNN
     ):
         reasons.append(f"sliding windows need cuDNN >= 9.2 (have {_ver(platform.cudnn)})")
-    if p.is_thd and platform.cudnn < RAGGED_INT64_MIN_CUDNN:
+    if (p.is_thd or p.offset_tensors) and platform.cudnn < RAGGED_INT64_MIN_CUDNN:
         reasons.append(f"ragged (THD) inputs need cuDNN >= 9.6 (have {_ver(platform.cudnn)})")
     if not p.is_forward and p.s_q == 1 and p.s_kv == 1:
         # cuDNN release notes, known issue: "bprop is not supported when both key/value have sequence length of 1".
@@ -181,7 +181,7 @@ def _fp8_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
         )
     elif d_qk % 16 or d_v % 16:
         reasons.append(f"{op} with head_dim={d_qk}/{d_v}: FP8 head dims must be multiples of 16")
-    if p.is_thd:
+    if p.is_thd or p.offset_tensors:
         # sdpa_fp8_backward: "with THD is not supported on Hopper"; TransformerEngine runs FP8 on BSHD/SBHD only.
         reasons.append(f"{op} with THD (ragged) tensors: not supported for FP8; pad to [B, H, S, D] with seq_len_q/kv")
     if p.is_paged:

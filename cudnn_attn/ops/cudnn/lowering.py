@@ -6,7 +6,9 @@ the CPU tests check it. Layout translations:
 - THD ``[T, H, D]`` with token stride ``st`` becomes ``[B, H, S_max, D]`` with strides
   ``[S_max*st, sh, st, 1]`` plus a ragged offset per tensor: ``cumsum(seq_len) * st``;
 - paged caches become the frontend's ``[num_pages, H_kv, page_size, D]`` containers;
-- a page table ``[B, n]`` becomes ``[B, 1, n, 1]``; sequence lengths ``[B]`` become ``[B, 1, 1, 1]``.
+- a page table ``[B, n]`` becomes ``[B, 1, n, 1]``; sequence lengths ``[B]`` become ``[B, 1, 1, 1]``;
+- a 4-D tensor with the caller's ragged offsets (``core/ragged.py``) keeps its dims and strides and
+  takes those offsets, bound as int64 under the role's offset uid.
 
 FP8 problems (``p.is_fp8``) lower to ``sdpa_fp8`` / ``sdpa_fp8_backward``: the same tensors and
 masks, plus the float32 ``[1, 1, 1, 1]`` scale inputs and amax outputs, each under its role's
@@ -23,7 +25,7 @@ import torch
 
 from ...core.mask import Causal
 from ...core.problem import AttentionProblem, KVCacheLayout, TensorSpec
-from ...core.roles import FP8_AMAXES, FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES, ROLES, UID
+from ...core.roles import FP8_AMAXES, FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES, ROLES, UID, offset_role
 from .workarounds import full_lengths_reason
 
 
@@ -97,7 +99,15 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) ->
         assert spec is not None, f"{role} is required here (validation guarantees it)"
         dim, stride = dims_and_strides(role, spec, p)
         dtype = torch.int32 if role.startswith("seq_len") else spec.dtype  # int64 lengths are bound as int32
+        if role in p.offset_tensors:
+            extra["ragged_offset"] = caller_offsets(role)
         return graph.tensor(name=role, dim=dim, stride=stride, data_type=cudnn_dtype(dtype), uid=UID[role], **extra)
+
+    def caller_offsets(role: str) -> Any:
+        """The caller's ragged offsets of ``role``: bound as int64 (core/ragged.clamp_offsets)."""
+        name = offset_role(role)
+        return graph.tensor(name=name, dim=[p.batch + 1, 1, 1, 1], stride=[1, 1, 1, 1],
+                            data_type=cudnn.data_type.INT64, uid=UID[name])  # fmt: skip
 
     def ragged(role: str, spec: TensorSpec) -> dict[str, Any]:
         if not p.is_thd or spec.rank != 3:  # paged caches beside a ragged q are not ragged
@@ -117,6 +127,8 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) ->
         )
         if p.is_thd and ROLES[role].lengths is not None:
             handle.set_ragged_offset(ragged(role, spec)["ragged_offset"])
+        elif role in p.offset_tensors:
+            handle.set_ragged_offset(caller_offsets(role))
 
     inputs = {role: tensor(role, getattr(p, role), **ragged(role, getattr(p, role))) for role in ("q", "k", "v")}
     options = _mask_options(p, graph, tensor, lowered)

@@ -36,6 +36,7 @@ class CudnnPlan:
         self._ordered = True  # the frontend's ordered execute: no per-call dict walk
         self._native: Any = None  # the frontend's native ordered executor, prepared on first run
         self._empty_fix = empty_sequence_fix(problem)
+        self._prefill = problem.options.padding and problem.is_forward
         import cudnn
 
         self._cudnn = cudnn
@@ -54,12 +55,14 @@ class CudnnPlan:
         handle: Any = None,
         rng_dump: torch.Tensor | None = None,
     ) -> None:
-        if self.problem.options.padding and self.problem.is_forward:
+        if self._prefill:
             # cuDNN leaves the rows of a sequence with no keys unwritten (O and stats), and packed
             # rows past the last sequence: 0 and -inf first, as the reference backend gives (a
-            # merge by log-sum-exp then weighs such a part 0).
-            outputs["o"].zero_()
-            if "stats" in outputs:
+            # merge by log-sum-exp then weighs such a part 0). Not where the caller's ragged
+            # offsets place the rows: memory between them is the caller's, never written.
+            if "o" not in self.problem.offset_tensors:
+                outputs["o"].zero_()
+            if "stats" in outputs and "stats" not in self.problem.offset_tensors:
                 outputs["stats"].fill_(float("-inf"))
         pack = self.variant_pack(inputs, outputs, rng_dump)
         self.execute_ordered(tuple(pack.values()), tuple(pack), stream, workspace, handle)
@@ -190,7 +193,9 @@ def empty_sequence_fix(p: AttentionProblem) -> Any:
     """
     if not p.options.padding or p.is_thd:
         return None
-    if p.is_forward and p.s_q == 1 and p.seq_len_q is not None:
+    # Rows are found by batch index below: not where the caller's ragged offsets put them.
+    ragged = set(p.offset_tensors)
+    if p.is_forward and p.s_q == 1 and p.seq_len_q is not None and not ragged & {"o", "stats"}:
 
         def forward_fix(inputs: RunInputs, outputs: Mapping[str, torch.Tensor]) -> None:
             empty = (inputs["seq_len_q"] <= 0).view(-1, 1, 1, 1)  # type: ignore[union-attr]
@@ -199,7 +204,7 @@ def empty_sequence_fix(p: AttentionProblem) -> Any:
                 outputs["stats"].masked_fill_(empty, float("-inf"))
 
         return forward_fix
-    if not p.is_forward and p.seq_len_kv is not None:
+    if not p.is_forward and p.seq_len_kv is not None and not ragged & {"grad_q", "grad_k", "grad_v"}:
 
         def backward_fix(inputs: RunInputs, outputs: Mapping[str, torch.Tensor]) -> None:
             empty = (inputs["seq_len_kv"] <= 0).view(-1, 1, 1, 1)  # type: ignore[union-attr]

@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
+from ...core import ragged
 from ...core.bounds import clamped, upper_bounds, value_problems
 from ...core.problem import AttentionProblem, KVCacheLayout
-from ...core.roles import FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES, ROLES
+from ...core.roles import FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES, ROLES, offset_role, sequence_lengths
 from ...errors import ValidationError
 from ..base import RunInputs
 from . import dropout, masks
@@ -71,9 +72,9 @@ class ReferencePlan:
             self._fp8(inputs, dense, terms, outputs)
         elif p.is_forward:
             o, stats = reference_math.forward(dense["q"], dense["k"], dense["v"], terms)
-            self._write(outputs["o"], o, inputs, "seq_len_q")
+            self._write(outputs["o"], o, inputs, "o")
             if "stats" in outputs:
-                outputs["stats"].copy_(stats)
+                self._write(outputs["stats"], stats, inputs, "stats")
             if "rng_dump" in outputs:  # this backend's own keep-mask (1 kept, 0 dropped): not cuDNN's Philox draws
                 keep = terms.keep
                 outputs["rng_dump"].copy_(keep if keep is not None else torch.ones_like(outputs["rng_dump"]))
@@ -83,9 +84,9 @@ class ReferencePlan:
                 dense["q"], dense["k"], dense["v"], dense["o"], dense["grad_o"], dense["stats"], terms,
                 bias_shape=tuple(d_bias.shape) if d_bias is not None else None,
             )  # fmt: skip
-            self._write(outputs["grad_q"], d_q, inputs, "seq_len_q")
-            self._write(outputs["grad_k"], d_k, inputs, "seq_len_kv")
-            self._write(outputs["grad_v"], d_v, inputs, "seq_len_kv")
+            self._write(outputs["grad_q"], d_q, inputs, "grad_q")
+            self._write(outputs["grad_k"], d_k, inputs, "grad_k")
+            self._write(outputs["grad_v"], d_v, inputs, "grad_v")
             if d_bias is not None and d_b is not None:
                 d_bias.copy_(d_b)
 
@@ -99,9 +100,9 @@ class ReferencePlan:
                 dense["q"], dense["k"], dense["v"], *(scales[role] for role in FP8_SCALES),
                 terms=terms, out_dtype=p.o.dtype, p_dtype=p.q.dtype, compute_dtype=dt,
             )  # fmt: skip
-            self._write(outputs["o"], o, inputs, "seq_len_q")
+            self._write(outputs["o"], o, inputs, "o")
             if "stats" in outputs:
-                outputs["stats"].copy_(stats)
+                self._write(outputs["stats"], stats, inputs, "stats")
             for role, amax in (("amax_s", amax_s), ("amax_o", amax_o)):
                 if role in outputs:
                     outputs[role].copy_(amax)
@@ -112,9 +113,9 @@ class ReferencePlan:
             *(scales[role] for role in FP8_BACKWARD_SCALES),
             terms=terms, grad_dtype=p.grad_q.dtype, p_dtype=p.q.dtype, ds_dtype=p.grad_o.dtype, compute_dtype=dt,
         )  # fmt: skip
-        self._write(outputs["grad_q"], d_q, inputs, "seq_len_q")
-        self._write(outputs["grad_k"], d_k, inputs, "seq_len_kv")
-        self._write(outputs["grad_v"], d_v, inputs, "seq_len_kv")
+        self._write(outputs["grad_q"], d_q, inputs, "grad_q")
+        self._write(outputs["grad_k"], d_k, inputs, "grad_k")
+        self._write(outputs["grad_v"], d_v, inputs, "grad_v")
         for role, amax in zip(FP8_BACKWARD_AMAXES, amaxes):
             if role in outputs:
                 outputs[role].copy_(amax)
@@ -122,7 +123,8 @@ class ReferencePlan:
     def _checked(self, inputs: RunInputs) -> RunInputs:
         """Integer inputs checked where they live on the host (an error names bad values);
         on a GPU clamped on the device instead, as the cuDNN path does (no sync per call)."""
-        ints = {role: t for role in self._bounds if isinstance(t := inputs.get(role), torch.Tensor)}
+        checked = (*self._bounds, *(offset_role(role) for role in self.problem.offset_tensors))
+        ints = {role: t for role in checked if isinstance(t := inputs.get(role), torch.Tensor)}
         if all(t.device.type == "cpu" for t in ints.values()):
             found = value_problems(self.problem, ints)
             if found:
@@ -143,8 +145,12 @@ class ReferencePlan:
             assert lengths is not None, "the role table gives every sequence tensor its lengths"
             s_max = p.s_q if lengths == "seq_len_q" else p.s_kv
             if p.is_paged and role in ("k", "v"):
-                table = inputs["page_table_k" if role == "k" else "page_table_v"]
+                table = self._table(inputs, "page_table_k" if role == "k" else "page_table_v")
                 dense[role] = gather_pages(t, table, p.kv_cache_layout, p.s_kv).to(dt)
+            elif role in p.offset_tensors:
+                dense[role] = ragged.gather_rows(
+                    t, _as_tensor(inputs[offset_role(role)]), _lengths_or_none(inputs, lengths)
+                ).to(dt)
             elif p.is_thd:
                 dense[role] = unpack_thd(t.to(dt), _as_tensor(inputs[lengths]), s_max)
             else:
@@ -157,8 +163,20 @@ class ReferencePlan:
                 ).to(t.device)
                 dense[role] = dense[role].masked_fill(~valid, 0.0)
         if "stats" in inputs and not p.is_forward:
-            dense["stats"] = _as_tensor(inputs["stats"]).to(dt)
+            stats = _as_tensor(inputs["stats"])
+            if "stats" in p.offset_tensors:
+                stats = ragged.gather_rows(
+                    stats, _as_tensor(inputs["stats_offset"]), _lengths_or_none(inputs, "seq_len_q")
+                )
+            dense["stats"] = stats.to(dt)
         return dense
+
+    def _table(self, inputs: RunInputs, role: str) -> torch.Tensor:
+        """A page table, packed ones (the caller's ragged offsets) gathered to [B, 1, n, 1]."""
+        table = _as_tensor(inputs[role])
+        if role in self.problem.offset_tensors:
+            table = ragged.gather_rows(table, _as_tensor(inputs[offset_role(role)]), None)
+        return table
 
     def _terms(self, inputs: RunInputs, dropout_keep: torch.Tensor | None) -> reference_math.ScoreTerms:
         p, dt = self.problem, self.compute_dtype
@@ -192,8 +210,12 @@ class ReferencePlan:
 
     # ---- dense to outputs --------------------------------------------------------------
 
-    def _write(self, out: torch.Tensor, dense: torch.Tensor, inputs: RunInputs, lengths: str) -> None:
-        if self.problem.is_thd:
+    def _write(self, out: torch.Tensor, dense: torch.Tensor, inputs: RunInputs, role: str) -> None:
+        p = self.problem
+        lengths = sequence_lengths(role)
+        if role in p.offset_tensors:  # the caller's ragged offsets: each sequence's real rows only
+            ragged.scatter_rows(out, dense, _as_tensor(inputs[offset_role(role)]), _lengths_or_none(inputs, lengths))
+        elif p.is_thd and role != "stats":
             out.copy_(pack_thd(dense, _as_tensor(inputs[lengths]), out.shape[0]))
         else:
             out.copy_(dense)

@@ -1,0 +1,129 @@
+"""The caller's ragged offsets (the frontend's ``tensor.set_ragged_offset``): when they are well
+formed, how far they may reach, and where each sequence's rows live.
+
+A 4-D tensor ``[B, H, S, D]`` (Stats ``[B, H, S, 1]``, a page table ``[B, 1, n, 1]``) with
+offsets keeps sequence ``b`` at ``offset[b]`` elements into its memory: element ``(b, h, s, d)``
+is at ``offset[b] + h*stride[1] + s*stride[2] + d*stride[3]``, and the batch stride is not used.
+Rows past a sequence's length (``seq_len_q``/``seq_len_kv``) are not part of the tensor, so
+sequences may be packed back to back, left with gaps, or placed in any order. Offsets are
+int32 or int64, ``B + 1`` of them (the last, where the last sequence ends, is never read).
+
+This is the frontend's THD form. The library's own packed form, ``[T, H, D]`` tensors whose
+offsets follow from the lengths, needs none of this (``problem.is_thd``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from .problem import AttentionProblem, TensorSpec
+from .roles import ROLES, offset_role, sequence_lengths, user_name
+
+OFFSET_DTYPES = (torch.int32, torch.int64)
+
+
+def offset_problems(p: AttentionProblem) -> list[str]:
+    """What is wrong with the problem's ragged offsets (rules of the op, on every backend)."""
+    found: list[str] = []
+    for name, entry in ROLES.items():
+        spec = getattr(p, name, None)
+        if entry.offsets_of is None or spec is None:
+            continue
+        role, argument = entry.offsets_of, user_name(name)
+        target: TensorSpec | None = getattr(p, role)
+        if target is None:
+            found.append(f"{argument}: given, but this node has no {user_name(role)}")
+            continue
+        if spec.dtype not in OFFSET_DTYPES:
+            found.append(f"{argument}: dtype {str(spec.dtype).removeprefix('torch.')}; must be int32 or int64")
+        if spec.numel != p.batch + 1 or any(size != 1 for size in spec.shape[1:]):
+            found.append(
+                f"{argument}: shape {list(spec.shape)}; expected [{p.batch + 1}, 1, 1, 1] (B + 1 element offsets)"
+            )
+        if role in ("k", "v") and p.is_paged:
+            found.append(
+                f"{argument}: {role} is a paged cache, addressed through its page table; put ragged offsets on "
+                "the page table (packed page tables) instead"
+            )
+        elif target.rank != 4:
+            found.append(
+                f"{argument}: {user_name(role)} has rank {target.rank}; ragged offsets address a 4-D tensor "
+                "(the offsets of a packed [T, H, D] tensor follow from seq_len_q/seq_len_kv)"
+            )
+        lengths = sequence_lengths(role)
+        if not p.options.padding or getattr(p, lengths) is None:
+            found.append(
+                f"{argument}: needs use_padding_mask=True with {lengths}: the rows of a ragged tensor's "
+                f"sequences are as many as {lengths} says"
+            )
+    return found
+
+
+def offset_bounds(p: AttentionProblem) -> dict[str, tuple[int, int]]:
+    """Each offset input's largest safe value, as (first B entries, last entry): a sequence that
+    starts at most ``(B - 1) * batch_stride`` into the tensor ends inside it, whatever its length."""
+    bounds = {}
+    for role in p.offset_tensors:
+        target = getattr(p, role)
+        step = target.stride[0] if target.shape[0] > 1 else 0
+        high = (p.batch - 1) * step
+        bounds[offset_role(role)] = (high, high + step)
+    return bounds
+
+
+def clamp_offsets(offsets: torch.Tensor, high: int, last: int) -> torch.Tensor:
+    """Offsets clamped into the tensor, as the int64 ``[B + 1, 1, 1, 1]`` cuDNN's plans read."""
+    flat = offsets.reshape(-1).to(torch.int64)
+    return torch.cat([flat[:-1].clamp(0, high), flat[-1:].clamp(0, last)]).view(-1, 1, 1, 1)
+
+
+def offset_value_problems(p: AttentionProblem, data: Mapping[str, torch.Tensor]) -> list[str]:
+    """Offsets that would place a sequence outside its tensor (values read to the host)."""
+    found = []
+    for name, (high, _) in offset_bounds(p).items():
+        t = data.get(name)
+        if t is None:
+            continue
+        values = t.detach().reshape(-1)[:-1].to("cpu", torch.int64)
+        bad = values[(values < 0) | (values > high)]
+        if bad.numel():
+            found.append(
+                f"{user_name(name)}: offsets {bad[:4].tolist()} out of range; each sequence must start within "
+                f"0..{high} (B - 1 batch strides) so that it ends inside {user_name(ROLES[name].offsets_of or '')}"
+            )
+    return found
+
+
+def row_positions(tensor: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor | None) -> tuple:
+    """Where each element of the 4-D ``tensor`` lives under ``offsets``: (the tensor's memory as
+    one flat view, the flat index of every element, which elements are real rows)."""
+    b, h, s, d = tensor.shape
+    _, sh, ss, sd = tensor.stride()
+    device = tensor.device
+    starts = offsets.reshape(-1)[:b].to(device=device, dtype=torch.int64).view(b, 1, 1, 1)
+    within = (
+        torch.arange(h, device=device).view(1, h, 1, 1) * sh
+        + torch.arange(s, device=device).view(1, 1, s, 1) * ss
+        + torch.arange(d, device=device).view(1, 1, 1, d) * sd
+    )
+    span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1
+    flat = tensor.as_strided((span,), (1,), tensor.storage_offset())
+    index = starts + within
+    real = index < span
+    if lengths is not None:
+        real = real & (torch.arange(s, device=device).view(1, 1, s, 1) < lengths.reshape(-1, 1, 1, 1).to(device))
+    return flat, torch.where(real, index, torch.zeros_like(index)), real.expand(b, h, s, d)
+
+
+def gather_rows(tensor: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """The ragged ``tensor`` as a dense ``[B, H, S, D]`` copy: each sequence's rows, 0 past its end."""
+    flat, index, real = row_positions(tensor, offsets, lengths)
+    return torch.where(real, flat[index], torch.zeros((), dtype=tensor.dtype, device=tensor.device))
+
+
+def scatter_rows(out: torch.Tensor, dense: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor | None) -> None:
+    """Write ``dense`` ``[B, H, S, D]`` into the ragged ``out``: only each sequence's real rows."""
+    flat, index, real = row_positions(out, offsets, lengths)
+    flat[index[real]] = dense.to(out.dtype)[real]

@@ -1,0 +1,121 @@
+"""The frontend's THD form on the reference backend: 4-D tensors whose sequences the caller
+places with ragged offsets (``set_ragged_offset``), packed, gapped, reordered or mixed with
+padded tensors; ragged Stats; packed page tables; the errors for offsets that cannot work."""
+
+from __future__ import annotations
+
+import pytest
+import ragged_cases
+import torch
+from conftest import TOLERANCE, rel_err
+
+import cudnn_attn as cudnn
+
+LENGTHS_Q, LENGTHS_KV = [5, 16, 9], [12, 16, 3]
+
+
+@pytest.mark.parametrize(
+    "ragged, gap, reverse, stats",
+    [
+        (("q", "k", "v", "o"), 0, False, "dense"),  # the frontend's test_mhas THD case
+        (("q", "k", "v", "o"), 3, True, "ragged"),  # gaps between sequences, stored last first, ragged Stats
+        (("q",), 0, False, None),  # notebook 52: a packed q, padded k, v and O
+        (("k", "v", "o"), 2, False, "dense"),
+    ],
+    ids=["packed", "gapped-reversed-ragged-stats", "packed-q-only", "gapped-kv-o"],
+)
+def test_forward_with_ragged_offsets_matches_dense_attention(ragged, gap, reverse, stats):
+    run = ragged_cases.forward(cudnn, lengths_q=LENGTHS_Q, lengths_kv=LENGTHS_KV, ragged=ragged, gap=gap,
+                               reverse=reverse, stats=stats, causal=True, seed=1)  # fmt: skip
+    assert rel_err(run["result"]["o"], run["expected"]["o"]) < TOLERANCE[torch.float16]
+    if stats is not None:
+        assert rel_err(run["result"]["stats"], run["expected"]["stats"]) < 1e-5
+    for role in ("o", "stats"):
+        t = run["tensors"].get(role)
+        if isinstance(t, ragged_cases.Ragged):
+            assert t.untouched(), f"{role}: written outside its sequences' rows"
+
+
+def test_backward_with_ragged_offsets_matches_autograd():
+    run = ragged_cases.backward(cudnn, lengths_q=LENGTHS_Q, lengths_kv=LENGTHS_KV, gap=2, reverse=True, causal=True,
+                                seed=2)  # fmt: skip
+    for name in ("dQ", "dK", "dV"):
+        assert rel_err(run["result"][name], run["expected"][name]) < 5e-3, name
+        assert run["tensors"][name].untouched(), f"{name}: written outside its sequences' rows"
+
+
+def test_packed_page_tables_read_each_sequence_from_its_offset():
+    """Notebook 53's form: page tables packed back to back, [B, 1, pages, 1] with ragged offsets;
+    the entries no sequence needs hold -1 (never read)."""
+    run = ragged_cases.packed_page_tables(cudnn, seed=3)
+    assert rel_err(run["result"], run["expected"]) < TOLERANCE[torch.float16]
+
+
+def test_a_rebuilt_ragged_graph_adopts_its_build_and_reads_the_new_offsets():
+    """Frontend code rebuilds its graph per call: the second build is a cache hit, and it must read
+    the offsets of its own call; a recording that differs only in its offsets is not adopted."""
+    cache = cudnn.PlanCache()
+    kw = dict(lengths_q=LENGTHS_Q, lengths_kv=LENGTHS_KV, stats="dense", cache=cache)
+    first = ragged_cases.forward(cudnn, seed=4, **kw)
+    second = ragged_cases.forward(cudnn, gap=1, seed=5, **kw)  # other offsets, the same geometry
+    assert len(cache.recorded) == 1 and cache.stats()["builds"] == 1
+    other = ragged_cases.forward(cudnn, ragged=("q", "k", "v"), seed=6, **kw)  # O without offsets
+    assert len(cache.recorded) == 2
+    for run in (first, second, other):
+        assert rel_err(run["result"]["o"], run["expected"]["o"]) < TOLERANCE[torch.float16]
+
+
+def _graph_with(offsets: torch.Tensor, *, q: torch.Tensor | None = None, padding: bool = True):
+    b, h, s, d = 2, 2, 8, 16
+    q = q if q is not None else torch.randn(b, h, s, d).half()
+    lengths = torch.tensor([3, 8], dtype=torch.int32).view(-1, 1, 1, 1)
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF)
+    tq = g.tensor_like(q)
+    tq.set_ragged_offset(g.tensor_like(offsets))
+    kw = dict(use_padding_mask=True, seq_len_q=g.tensor_like(lengths), seq_len_kv=g.tensor_like(lengths))
+    g.sdpa(q=tq, k=g.tensor_like(torch.randn(b, h, s, d).half()), v=g.tensor_like(torch.randn(b, h, s, d).half()),
+           is_inference=True, **(kw if padding else {}))  # fmt: skip
+    return g
+
+
+@pytest.mark.parametrize(
+    "offsets, padding, message",
+    [
+        (torch.zeros(3, 1, 1, 1, dtype=torch.float32), True, "q.ragged_offset: dtype float32; must be int32 or int64"),
+        (torch.zeros(2, 1, 1, 1, dtype=torch.int64), True, r"q.ragged_offset: shape \[2, 1, 1, 1\]; expected \[3, 1"),
+        (torch.zeros(3, 1, 1, 1, dtype=torch.int64), False, "q.ragged_offset: needs use_padding_mask=True"),
+        (torch.tensor([0, 9999, 0], dtype=torch.int64).view(-1, 1, 1, 1), True, r"offsets \[9999\] out of range"),
+    ],
+    ids=["dtype", "count", "no-padding", "out-of-range"],
+)
+def test_malformed_ragged_offsets_are_refused_by_name(offsets, padding, message):
+    with pytest.raises(cudnn.ValidationError, match=message):
+        _graph_with(offsets, padding=padding).build()
+
+
+def test_ragged_offsets_on_a_packed_thd_tensor_or_a_paged_cache_are_refused():
+    lengths = torch.tensor([3, 8], dtype=torch.int32)
+    offsets = torch.zeros(3, 1, 1, 1, dtype=torch.int64)
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF)
+    q, k, v = (g.tensor_like(torch.randn(11, 2, 16).half()) for _ in range(3))
+    q.set_ragged_offset(g.tensor_like(offsets))
+    g.sdpa(q=q, k=k, v=v, is_inference=True, use_padding_mask=True, seq_len_q=g.tensor_like(lengths),
+           seq_len_kv=g.tensor_like(lengths))  # fmt: skip
+    with pytest.raises(cudnn.ValidationError, match="q has rank 3; ragged offsets address a 4-D tensor"):
+        g.build()
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF)
+    cache = g.tensor_like(torch.randn(4, 2, 8, 16).half())
+    cache.set_ragged_offset(g.tensor_like(offsets))
+    table = g.tensor_like(torch.zeros(2, 1, 2, 1, dtype=torch.int32))
+    g.sdpa(q=g.tensor_like(torch.randn(2, 2, 1, 16).half()), k=cache, v=g.tensor_like(torch.randn(4, 2, 8, 16).half()),
+           is_inference=True, use_padding_mask=True, seq_len_q=g.tensor_like(lengths),
+           seq_len_kv=g.tensor_like(lengths), paged_attention_k_table=table, paged_attention_v_table=table)  # fmt: skip
+    with pytest.raises(cudnn.ValidationError, match="k is a paged cache, addressed through its page table"):
+        g.build()
+
+
+def test_graph_tensor_takes_ragged_offset_as_the_frontend_does():
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF)
+    offsets = g.tensor([3, 1, 1, 1], data_type=torch.int64, device="cpu")
+    q = g.tensor([2, 2, 8, 16], [256, 16, 32, 1], device="cpu", ragged_offset=offsets)
+    assert q.get_ragged_offset() is offsets
