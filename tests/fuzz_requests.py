@@ -2642,8 +2642,9 @@ def _paged_case(rng: random.Random, gen: torch.Generator) -> Case:
         skv = _int32(lkv).to(torch.int16)
     elif m == "seq-len-q-over":
         sq = _int32([s_q + 1] + lq[1:])
-    elif m == "v-cache-shape":
-        v2 = randn(gen, num_pages + 1, *shape[1:], dtype=dtype)
+    elif m == "v-cache-shape":  # V's cache may have pages, heads and a head dim of its own, not a page size
+        wrong = (num_pages, page * 2, h_kv, d) if layout == "NPHD" else (num_pages, h_kv, page * 2, d)
+        v2 = randn(gen, *wrong, dtype=dtype)
     elif m == "cache-dtype":
         k2 = k_cache.to(torch.bfloat16 if dtype == torch.float16 else torch.float16)
     elif m == "layout-name":

@@ -48,6 +48,8 @@ def test_a_plain_problem_is_supported_on_hopper_and_ampere():
         (forward(d=256, s_q=1), A100, "head_dim=256 > 128"),
         (backward(d=256), A100, "backward on Ampere/Ada"),
         (backward(d=256), H200, None),
+        (forward(d=512), H200, None),  # cuDNN's forward engines serve large heads on Hopper
+        (backward(d=264), H200, "head_dim=264 > 256: the limit for Hopper backward"),
         (backward(s_q=1, s_kv=1), H200, "S_q = S_kv = 1"),
         (forward(s_q=1, h_kv=2, causal=Causal.BOTTOM_RIGHT), Platform("H100", (9, 0), 91800, "1.32.0"), "decode"),
         (forward(s_q=1, h_kv=2, causal=Causal.BOTTOM_RIGHT), H200, None),  # right on 9.19
@@ -80,6 +82,8 @@ def test_a_plain_problem_is_supported_on_hopper_and_ampere():
         "ampere-d256-decode",
         "ampere-d256-backward",
         "hopper-d256-backward",
+        "hopper-d512-forward",
+        "hopper-d264-backward",
         "backward-s1",
         "decode-causal-gqa-before-9.19",
         "decode-causal-gqa-9.19",

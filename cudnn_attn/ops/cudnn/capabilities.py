@@ -258,8 +258,14 @@ def _float32_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
 
 def _head_dim_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
     d = max(p.d_qk, p.d_v)
+    if platform.arch >= (9, 0) and p.is_forward:
+        # Past 256 cuDNN's own forward engines serve larger heads (d = 264..520 checked against the
+        # reference on an H100, cuDNN 9.19); where they do not, planning says why (UnsupportedError).
+        return []
+    if platform.arch >= (10, 0):
+        return []  # the frontend's own backward engines for large heads run on sm100-103; planning decides
     if platform.arch >= (9, 0):
-        limit, where = 256, "Hopper and newer"
+        limit, where = 256, "Hopper backward (cuDNN's engines and the frontend's decline larger heads)"
     elif not p.is_forward:
         limit, where = 128, "backward on Ampere/Ada"
     elif p.s_q == 1:
