@@ -47,18 +47,26 @@ def test_a_diagonal_band_on_cudnn_matches_the_reference(alignment, left, right):
 
 
 @pytest.mark.parametrize("d_qk,d_v", [(64, 520), (320, 320)])
-def test_head_dims_past_256_are_refused_on_cudnn_and_run_on_the_reference(d_qk, d_v):
-    """cuDNN's kernels stop at 256 on Hopper (the frontend serves (256, 512] with engines of its
-    own): refused by name, catchable as the frontend's not-supported error; the reference runs it."""
+def test_head_dims_past_256_run_forward_on_cudnn_and_backward_is_refused_on_hopper(d_qk, d_v):
+    """Hopper: cuDNN's forward plans heads past 256 (checked against the reference); its backward
+    declines them, as do the frontend's own engines (sm100-103 only): refused by name, catchable
+    as the frontend's not-supported error; the reference runs it."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper rule")
     gen = torch.Generator().manual_seed(12)
-    q, k, v = (torch.randn(1, 2, 96, d, generator=gen) for d in (d_qk, d_qk, d_v))
+    q, k, v = (torch.randn(1, 2, 96, d, generator=gen).to(torch.bfloat16) for d in (d_qk, d_qk, d_v))
+    with cudnn.Graph() as g:
+        g.sdpa(q.cuda(), k.cuda(), v.cuda(), use_causal_mask=True)
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    assert rel_err(g(q.cuda(), k.cuda(), v.cuda()).cpu(), want) < 2 * TOLERANCE[torch.bfloat16]
+    o, d_o = (torch.randn(1, 2, 96, d_v).to("cuda", torch.bfloat16) for _ in range(2))
+    stats = torch.zeros(1, 2, 96, 1, device="cuda")
     with pytest.raises(cudnn.cudnnGraphNotSupportedError, match="head_dim"):
         with cudnn.Graph() as g:
-            g.sdpa(*(t.to("cuda", torch.bfloat16) for t in (q, k, v)))
+            g.sdpa_backward(q.cuda(), k.cuda(), v.cuda(), o, d_o, stats)
     with cudnn.Graph() as g:
-        g.sdpa(q, k, v, use_causal_mask=True)
-    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
-    assert rel_err(g(q, k, v), want) < 1e-5
+        g.sdpa(q.float(), k.float(), v.float(), use_causal_mask=True)
+    assert rel_err(g(q.float(), k.float(), v.float()), want) < 1e-5
 
 
 def test_a_bottom_right_window_with_a_bias_on_cudnn_matches_the_reference():
