@@ -1,7 +1,7 @@
 """Code written for the cuDNN frontend (``import cudnn``), run through cudnn_attn with only the
 import changed: the frontend's low-level graph (pygraph, tensor_like, the build steps, execute
-with a variant pack), its pythonic Graph(inputs=, outputs=) and a training step's forward and
-backward. What stays different: docs/coming_from_the_frontend.md.
+with a variant pack), its pythonic Graph(inputs=, outputs=), a training step's forward and
+backward, and its THD form (sequences packed in one buffer, placed by ragged offsets). What stays different: docs/coming_from_the_frontend.md.
 
     python samples/08_frontend_dropin.py
 
@@ -73,6 +73,33 @@ for _ in range(3):
         o.set_output(True).set_name("o")
     assert rel_err(again(q_t, k_t, v_t, handle=handle), expected) < 2e-2
 print(f"plan cache after three rebuilds: {cudnn.default_cache().stats()['builds']} plans built in all")
+
+# 4. The frontend's THD form: sequences packed back to back in one BSHD buffer, each placed by a
+#    ragged offset (in elements); seq_len_q/seq_len_kv say how many rows each has.
+lengths = torch.tensor([100, 256], dtype=torch.int32, device=device).view(B, 1, 1, 1)
+offsets = (torch.cat([lengths.new_zeros(1, 1, 1, 1), lengths.cumsum(0)]) * H * D).to(torch.int64)
+packed = [torch.randn(B * S * H * D, device=device, dtype=dtype).as_strided((B, H, S, D), (S * H * D, D, H * D, 1))
+          for _ in range(4)]  # q, k, v and O, each one buffer with room for B * S tokens  # fmt: skip
+thd = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+                    compute_data_type=cudnn.data_type.FLOAT)  # fmt: skip
+q, k, v = (thd.tensor_like(t) for t in packed[:3])
+ragged_offset = thd.tensor_like(offsets)
+for t in (q, k, v):
+    t.set_ragged_offset(ragged_offset)
+seq_len = thd.tensor_like(lengths)
+o, _ = thd.sdpa(name="sdpa", q=q, k=k, v=v, is_inference=True, attn_scale=scale, use_causal_mask=True,
+                use_padding_mask=True, seq_len_q=seq_len, seq_len_kv=seq_len)  # fmt: skip
+o.set_output(True).set_dim(packed[3].shape).set_stride(packed[3].stride()).set_ragged_offset(ragged_offset)
+thd.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+thd.execute({q: packed[0], k: packed[1], v: packed[2], o: packed[3], ragged_offset: offsets, seq_len: lengths}, None)
+flat = [t.as_strided((B * S, H, D), (H * D, D, 1)) for t in packed]  # the buffers as [tokens, H, D]
+worst, start = 0.0, 0
+for n in lengths.flatten().tolist():  # each sequence alone, as torch computes it
+    q_s, k_s, v_s = (x[start : start + n].transpose(0, 1).double() for x in flat[:3])
+    want = torch.nn.functional.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True)
+    worst = max(worst, rel_err(flat[3][start : start + n].transpose(0, 1), want))
+    start += n
+print(f"THD with ragged offsets, forward: rel_err={worst:.2e}")
 
 cudnn.destroy_handle(handle)
 print("all results match")

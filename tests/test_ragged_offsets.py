@@ -114,6 +114,16 @@ def test_ragged_offsets_on_a_packed_thd_tensor_or_a_paged_cache_are_refused():
         g.build()
 
 
+def test_ragged_offsets_on_a_tensor_that_takes_none_are_refused():
+    q, bias = torch.randn(2, 2, 8, 16).half(), torch.randn(1, 2, 8, 8).half()
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF)
+    tb = g.tensor_like(bias)
+    tb.set_ragged_offset(g.tensor_like(torch.zeros(3, 1, 1, 1, dtype=torch.int64)))
+    g.sdpa(q=g.tensor_like(q), k=g.tensor_like(q.clone()), v=g.tensor_like(q.clone()), bias=tb, is_inference=True)
+    with pytest.raises(cudnn.ValidationError, match="attn_bias: has ragged offsets .* only q, k, v, o, dO"):
+        g.build()
+
+
 def test_graph_tensor_takes_ragged_offset_as_the_frontend_does():
     g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF)
     offsets = g.tensor([3, 1, 1, 1], data_type=torch.int64, device="cpu")

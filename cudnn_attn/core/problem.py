@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from .mask import Causal, ScoreOptions
+from .roles import ROLES
 
 
 class Op(str, enum.Enum):
@@ -357,7 +358,7 @@ class AttentionProblem:
         return "-".join(parts)
 
 
-_OFFSET_OF = ("q", "k", "v", "o", "stats", "grad_o", "grad_q", "grad_k", "grad_v", "page_table_k", "page_table_v")
+_OFFSET_OF = tuple(role.offsets_of for role in ROLES.values() if role.offsets_of is not None)
 
 
 def _heads(spec: TensorSpec, problem: AttentionProblem) -> int:

@@ -72,6 +72,8 @@ class TensorHandle:
             )  # fmt: skip
         if self.recording.built:
             raise GraphStateError(f"{self._name}.set_ragged_offset: the graph is already built")
+        if offsets.made_index is None or (isinstance(self, InputHandle) and self.made_index is None):
+            self.recording.key.keyed = False  # a tensor known by its data alone: the key cannot name it
         self.ragged_offset = offsets
         return self
 

@@ -63,10 +63,6 @@ class RecordingKey:
         """The whole recording's key, with the handles' settings as they are now; None if unkeyed."""
         if not self.keyed:
             return None
-        for handle in [*recording.inputs, *(h for node in recording.nodes for h in node.outputs.values())]:
-            offsets = handle.ragged_offset
-            if offsets is not None and (offsets.made_index is None or getattr(handle, "made_index", 0) is None):
-                return None  # offsets of (or held by) a tensor known by its data alone: not keyed
         made = tuple(
             [(h.name, h.spec, self.slot(h.template) if h.template is not None else None, _offsets(h))
              for h in recording.made]

@@ -15,7 +15,7 @@ import torch
 
 from ..core.dtypes import to_torch_dtype
 from ..core.problem import Op, TensorSpec
-from ..core.roles import ROLES, offset_role
+from ..core.roles import ROLES, offset_role, user_name
 from ..errors import GraphStateError, ValidationError
 from ..runtime import interop
 from .handles import InputHandle, OutputHandle, TensorHandle
@@ -248,8 +248,15 @@ def bind_offsets(node: Node) -> None:
     op or on its outputs after it) become the node's inputs ``q_offset``, ``o_offset``, ..."""
     for role, handle in [*node.inputs.items(), *node.outputs.items()]:
         offsets = handle.ragged_offset
-        if offsets is not None and offset_role(role) in ROLES:
+        if offsets is None:
+            continue
+        if offset_role(role) in ROLES:
             node.inputs[offset_role(role)] = offsets
+        else:
+            takers = ", ".join(user_name(r.offsets_of) for r in ROLES.values() if r.offsets_of is not None)
+            node.errors.append(
+                f"{node.argument(role)}: has ragged offsets (set_ragged_offset); only {takers} take them"
+            )
 
 
 def check_compute_dtype(value: Any, node: Node) -> None:
