@@ -129,3 +129,31 @@ def test_graph_tensor_takes_ragged_offset_as_the_frontend_does():
     offsets = g.tensor([3, 1, 1, 1], data_type=torch.int64, device="cpu")
     q = g.tensor([2, 2, 8, 16], [256, 16, 32, 1], device="cpu", ragged_offset=offsets)
     assert q.get_ragged_offset() is offsets
+
+
+def test_a_recording_that_differs_only_in_whether_o_has_offsets_is_built_again():
+    """The same tensors made, the same calls: only ``o.set_ragged_offset`` differs. The second
+    must not adopt the first build (its O would then be written at the offsets)."""
+    b, h, s, d = 2, 2, 8, 16
+    lengths = torch.tensor([3, 8], dtype=torch.int32).view(-1, 1, 1, 1)
+    offsets = torch.tensor([0, 3 * h * d, 11 * h * d], dtype=torch.int64).view(-1, 1, 1, 1)
+    bshd = (s * h * d, d, h * d, 1)
+    q, k, v = (torch.randn(b * s * h * d).as_strided((b, h, s, d), bshd) for _ in range(3))
+    cache = cudnn.PlanCache()
+    outs = []
+    for o_ragged in (True, False):
+        g = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT, cache=cache)
+        tq, tk, tv, to, sq = (g.tensor_like(x) for x in (q, k, v, offsets, lengths))
+        for t in (tq, tk, tv):
+            t.set_ragged_offset(to)
+        o, _ = g.sdpa(q=tq, k=tk, v=tv, is_inference=True, use_padding_mask=True, seq_len_q=sq, seq_len_kv=sq)
+        o.set_output(True).set_dim([b, h, s, d]).set_stride(list(bshd))
+        if o_ragged:
+            o.set_ragged_offset(to)
+        out = torch.full((b * s * h * d,), float("nan")).as_strided((b, h, s, d), bshd)
+        g.execute({tq: q, tk: k, tv: v, to: offsets, sq: lengths, o: out})
+        outs.append(out)
+    assert len(cache.recorded) == 2
+    # Padded O: sequence 1's rows at batch 1's own place; ragged O: 3 tokens after sequence 0's.
+    flat = outs[0].as_strided((b * s, h, d), (h * d, d, 1))
+    assert torch.equal(flat[3:11].transpose(0, 1), outs[1][1])
