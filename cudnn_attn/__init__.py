@@ -43,8 +43,9 @@ from .errors import GraphStateError, ShapeMismatchError, UnsupportedError, Valid
 from .fp8 import sdpa_fp8
 from .fp8_scaling import Fp8Scaling
 from .functional import sdpa
-from .graph import Graph, pygraph
+from .graph import Graph, graph, pygraph  # graph: the frontend's function, shadowing the module on purpose
 from .ops.cudnn.autotune import set_autotune
+from .recording.frontend_steps import graph_cache, jit
 from .serving.paged_attention import PagedAttention
 from .varlen import varlen_sdpa
 
@@ -93,8 +94,11 @@ __all__ = [
     "diagonal_alignment",
     "get_last_error_string",
     "get_stream",
+    "graph",
+    "graph_cache",
     "handle",
     "heur_mode",
+    "jit",
     "nn",
     "pygraph",
     "sdpa",

@@ -14,13 +14,14 @@ graph runs the plans (``runtime/runner.py``). This file holds Graph's public met
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from .cache import PlanCache, default_cache
-from .core.dtypes import to_torch_dtype
+from .core.dtypes import data_type, to_torch_dtype
 from .core.problem import AttentionProblem, Op, TensorSpec, contiguous_strides, device_name
 from .core.roles import BACKWARD_INPUTS, PAGED_INPUTS, SDPA_INPUTS
 from .errors import GraphStateError, UnsupportedError, ValidationError
@@ -30,8 +31,9 @@ from .recording import declared, reuse, state
 from .recording.build import plan_nodes, positional_inputs, validate_nodes
 from .recording.declared import DeclaredIO
 from .recording.fp8_ops import Fp8Ops
-from .recording.frontend_steps import FRONTEND_DEFAULTS, FrontendSteps, frontend_options, frontend_tensor_options
-from .recording.handles import InputHandle, OutputHandle, TensorHandle, handle_spec, int_tuple
+from .recording.frontend_steps import FRONTEND_DEFAULTS, FrontendSteps, frontend_options
+from .recording.frontend_steps import frontend_tensor_options, heuristics_problems
+from .recording.handles import InputHandle, OutputHandle, TensorHandle, handle_spec, ints_or_problem
 from .recording.keywords import publishes_mask_keywords, stats_requested
 from .recording.node import Node
 from .runtime import interop, lifecycle
@@ -108,6 +110,7 @@ class Graph(Fp8Ops, FrontendSteps):
         if problems:
             raise ValidationError(problems, context="Graph")
         self.sm_count, self.sm_version = sm_count, sm_version
+        self.is_override_shape_enabled = bool(is_override_shape_enabled)  # execute(override_*) allowed
         # The frontend's pythonic Graph: call order declared by name (recording/declared.py).
         self.declared = (list(inputs or ()), list(outputs or ())) if inputs is not None or outputs is not None else None
         self._io: DeclaredIO | None = None
@@ -165,7 +168,7 @@ class Graph(Fp8Ops, FrontendSteps):
         """An input described without data (the frontend's ``graph.tensor``, in its positional order).
 
         ``stride`` defaults to row-major, ``data_type`` to the graph's ``io_data_type``; ``device``
-        to the current CUDA device where there is one, else the CPU. ``alignment_value`` is a
+        to the current CUDA device where there is one, else (and for pass-by-value scalars) the CPU. ``alignment_value`` is a
         promise about the values, accepted as given.
         """
         self.recording.check_open("tensor")
@@ -175,8 +178,8 @@ class Graph(Fp8Ops, FrontendSteps):
         problems: list[str] = []
         if dim is None:
             problems.append("dim: missing; give the tensor's dims")
-        shape = _ints_or_problem(dim, "dim", problems) if dim is not None else None
-        strides = _ints_or_problem(stride, "stride", problems) if stride is not None else None
+        shape = ints_or_problem(dim, "dim", problems) if dim is not None else None
+        strides = ints_or_problem(stride, "stride", problems) if stride is not None else None
         if shape is not None and strides is None:
             strides = contiguous_strides(shape)
         if shape is not None and strides is not None and len(shape) != len(strides):
@@ -187,7 +190,8 @@ class Graph(Fp8Ops, FrontendSteps):
                 problems.append("data_type: NOT_SET; give the tensor's data type (or the graph's io_data_type)")
         except TypeError as error:
             problems.append(str(error))
-        where = "cuda" if device is None and torch.cuda.is_available() else ("cpu" if device is None else device)
+        on_host = is_pass_by_value or not torch.cuda.is_available()  # pass-by-value scalars live on the host
+        where = device if device is not None else ("cpu" if on_host else "cuda")
         try:
             device_str = device_name(where)
         except (RuntimeError, ValueError, TypeError):
@@ -342,6 +346,8 @@ class Graph(Fp8Ops, FrontendSteps):
         cache asks cuDNN for mode A with FALLBACK behind it).
         """
         recording = self.recording
+        if heuristics is not None and (problems := heuristics_problems(heuristics)):
+            raise ValidationError(problems, context=self.name)
         if recording.built:
             return self
         if self.declared is not None:  # declared outputs are marked; the others are virtual
@@ -432,9 +438,11 @@ class pygraph(Graph):  # noqa: N801 - the frontend's spelling
     virtual_outputs = True
 
 
-def _ints_or_problem(values: Any, argument: str, problems: list[str]) -> tuple[int, ...] | None:
-    try:
-        return int_tuple(values, argument)
-    except ValidationError as error:
-        problems += error.problems
-        return None
+@contextmanager
+def graph(handle: Any, name: str = "cudnn_graph", io_data_type: Any = data_type.HALF,
+          intermediate_data_type: Any = data_type.FLOAT, compute_data_type: Any = data_type.FLOAT,
+          **graph_kwargs: Any) -> Iterator[tuple[pygraph, list]]:  # fmt: skip
+    """The frontend's ``with cudnn.graph(handle) as (g, _):``: a ``pygraph`` (with the frontend's
+    io/intermediate/compute defaults) and an empty list; nothing is built on leaving the block
+    (``cudnn_attn.jit`` builds, or the caller does)."""
+    yield pygraph(name, io_data_type, intermediate_data_type, compute_data_type, handle, **graph_kwargs), []

@@ -435,7 +435,9 @@ def test_ragged_offsets_from_clamped_lengths_chain_under_inference_mode():
 def reference_clamps(monkeypatch):
     """The reference plan clamps on every device, as it does for GPU tensors."""
     monkeypatch.setattr(
-        ReferencePlan, "_checked", lambda self, inputs: bounds.clamped(self.problem, inputs, self._bounds)
+        ReferencePlan,
+        "_checked",
+        lambda self, inputs, outputs: bounds.clamped(self.problem, inputs, self._bounds, outputs),
     )
 
 

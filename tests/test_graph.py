@@ -9,7 +9,7 @@ from conftest import randn, rel_err
 
 import cudnn_attn
 import cudnn_attn as cudnn
-from cudnn_attn import GraphStateError, ShapeMismatchError
+from cudnn_attn import GraphStateError, ShapeMismatchError, ValidationError
 
 
 @pytest.fixture
@@ -176,9 +176,11 @@ def test_frontend_tensor_descriptors_and_variant_pack(qkv):
     o_t, _ = g.sdpa(q_t, k_t, v_t, is_inference=True)
     g.validate()
     g.build_operation_graph()
-    g.create_execution_plans([cudnn.data_type.HALF])
+    with pytest.raises(ValidationError, match=r"heuristics: <data_type.HALF.*expected heur_mode members"):
+        g.create_execution_plans([cudnn.data_type.HALF])
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     g.check_support()
-    g.build_plans()
+    g.build_plans(cudnn.build_plan_policy.ALL)
     assert g.get_workspace_size() == 0
     out = torch.empty_like(q)
     g.execute({q_t: q, k_t: k, v_t: v, o_t: out}, None)

@@ -18,7 +18,16 @@ import torch
 
 from .derived import derived
 from .problem import AttentionProblem
-from .ragged import clamp_offsets, gather_rows, offset_bounds, offset_value_problems
+from .ragged import (
+    clamp_offsets,
+    clamp_packed_offsets,
+    gather_rows,
+    memory_span,
+    offset_bounds,
+    offset_value_problems,  # fmt: skip
+    packed_roles,
+)
+from .roles import offset_role, sequence_lengths
 
 
 def upper_bounds(p: AttentionProblem) -> dict[str, int]:
@@ -32,10 +41,14 @@ def upper_bounds(p: AttentionProblem) -> dict[str, int]:
     return {role: high for role, high in bounds.items() if getattr(p, role) is not None}
 
 
-def clamped(p: AttentionProblem, inputs: Mapping[str, Any], bounds: Mapping[str, int]) -> dict[str, Any]:
+def clamped(
+    p: AttentionProblem, inputs: Mapping[str, Any], bounds: Mapping[str, int], outputs: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """``inputs`` with every bounded tensor clamped into range, and packed (THD) sequences cut
     so that they end inside the packed tensors. Derived once per content of each input tensor
-    (``derived``): decode passes the same lengths and page tables to every layer."""
+    (``derived``): decode passes the same lengths and page tables to every layer. The offsets of
+    a packed tensor given as 4-D (``ragged.packed_roles``) are clamped to the memory bound to it
+    (``outputs`` hold the outputs'), at every run."""
     safe: dict[str, Any] = dict(inputs)
     # The packed tensors' real token counts: one plan serves every count (problem.for_plan).
     packed_tokens = {"seq_len_q": inputs["q"].shape[0]} if p.is_thd else {}
@@ -52,6 +65,12 @@ def clamped(p: AttentionProblem, inputs: Mapping[str, Any], bounds: Mapping[str,
             value = safe.get(role)
             if isinstance(value, torch.Tensor):
                 safe[role] = derived(value, clamp_offsets, high, last)
+        for role in packed_roles(p):
+            value, target = safe.get(offset_role(role)), inputs.get(role, (outputs or {}).get(role))
+            if isinstance(value, torch.Tensor) and isinstance(target, torch.Tensor):
+                lengths = safe.get(sequence_lengths(role))
+                safe[offset_role(role)] = clamp_packed_offsets(value, lengths if isinstance(lengths, torch.Tensor)
+                                                               else None, memory_span(target), getattr(p, role))  # fmt: skip
     return safe
 
 

@@ -130,6 +130,9 @@ class AttentionProblem:
     page_table_v: TensorSpec | None = None
     dropout_seed: TensorSpec | None = None  # a tensor seed/offset is a run input
     dropout_offset: TensorSpec | None = None
+    # attn_scale given as a graph tensor (the frontend's pass-by-value scale): float32, one value,
+    # read at each run; options.attn_scale is then 1 and only keys the plan.
+    scale_tensor: TensorSpec | None = None
     # FP8 nodes only (see roles.FP8_SCALES): float32 [1, 1, 1, 1] scale inputs and amax outputs.
     descale_q: TensorSpec | None = None
     descale_k: TensorSpec | None = None

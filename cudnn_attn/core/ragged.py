@@ -61,11 +61,76 @@ def offset_problems(p: AttentionProblem) -> list[str]:
     return found
 
 
+def sequence_extent(spec: TensorSpec, rows: int | None = None) -> int:
+    """Elements one sequence of ``rows`` rows (all S by default) spans in a 4-D ``spec``."""
+    _, h, s, d = spec.shape
+    _, sh, ss, sd = spec.stride
+    return ((rows if rows is not None else s) - 1) * ss + (h - 1) * sh + (d - 1) * sd + 1
+
+
+def packed_roles(p: AttentionProblem) -> tuple[str, ...]:
+    """Tensors with offsets whose batch stride does not reach past one sequence (THD code gives
+    the packed tensor's token stride): how far they extend is the memory bound at each run."""
+    return tuple(
+        role for role in p.offset_tensors
+        if not role.startswith("page_table") and getattr(p, role).stride[0] < sequence_extent(getattr(p, role))
+    )  # fmt: skip
+
+
+def memory_span(tensor: torch.Tensor) -> int:
+    """Elements from a tensor's first to its last, plus one (what it may address)."""
+    if tensor.numel() == 0:
+        return 0
+    return sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride())) + 1
+
+
+def clamp_packed_offsets(
+    offsets: torch.Tensor, lengths: torch.Tensor | None, span: int, spec: TensorSpec
+) -> torch.Tensor:
+    """Offsets of a packed tensor clamped so each sequence's rows (as many as its length) end
+    inside the ``span`` elements bound at this run; int64 ``[B + 1, 1, 1, 1]``, on the device."""
+    flat = offsets.reshape(-1).to(torch.int64)
+    high = _packed_highs(flat, lengths, span, spec).clamp(min=0)
+    return torch.cat([torch.minimum(flat[:-1].clamp(min=0), high), flat[-1:].clamp(0, span)]).view(-1, 1, 1, 1)
+
+
+def _packed_highs(flat: torch.Tensor, lengths: torch.Tensor | None, span: int, spec: TensorSpec) -> torch.Tensor:
+    """Each sequence's largest start that keeps its rows inside ``span`` elements (< 0: none does)."""
+    b, s = flat.numel() - 1, spec.shape[2]
+    if lengths is None:
+        rows = torch.full((b,), s, dtype=torch.int64, device=flat.device)
+    else:
+        rows = lengths.reshape(-1)[:b].to(device=flat.device, dtype=torch.int64).clamp(1, s)
+    return span - (rows - 1) * spec.stride[2] - sequence_extent(spec, 1)
+
+
+def packed_offset_problems(p: AttentionProblem, inputs: Mapping, outputs: Mapping) -> list[str]:
+    """Offsets (on the host) that would place a packed tensor's sequence past the memory bound."""
+    found = []
+    for role in packed_roles(p):
+        offsets, target = inputs.get(offset_role(role)), inputs.get(role, outputs.get(role))
+        if not isinstance(offsets, torch.Tensor) or not isinstance(target, torch.Tensor):
+            continue
+        lengths = inputs.get(sequence_lengths(role))
+        span = memory_span(target)
+        given = offsets.reshape(-1).to(torch.int64)
+        high = _packed_highs(given, lengths if isinstance(lengths, torch.Tensor) else None, span, getattr(p, role))
+        bad = given[:-1][(given[:-1] < 0) | (given[:-1] > high)]
+        if bad.numel():
+            found.append(f"{user_name(offset_role(role))}: offsets {bad[:4].tolist()} place a sequence outside "
+                         f"{user_name(role)} ({span} elements bound)")  # fmt: skip
+    return found
+
+
 def offset_bounds(p: AttentionProblem) -> dict[str, tuple[int, int]]:
     """Each offset input's largest safe value, as (first B entries, last entry): a sequence that
-    starts at most ``(B - 1) * batch_stride`` into the tensor ends inside it, whatever its length."""
+    starts at most ``(B - 1) * batch_stride`` into the tensor ends inside it, whatever its length.
+    Packed tensors (``packed_roles``) are bounded at each run instead."""
     bounds = {}
+    packed = packed_roles(p)
     for role in p.offset_tensors:
+        if role in packed:
+            continue
         target = getattr(p, role)
         step = target.stride[0] if target.shape[0] > 1 else 0
         high = (p.batch - 1) * step
@@ -96,11 +161,14 @@ def offset_value_problems(p: AttentionProblem, data: Mapping[str, torch.Tensor])
     return found
 
 
-def row_positions(tensor: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor | None) -> tuple:
-    """Where each element of the 4-D ``tensor`` lives under ``offsets``: (the tensor's memory as
-    one flat view, the flat index of every element, which elements are real rows)."""
-    b, h, s, d = tensor.shape
-    _, sh, ss, sd = tensor.stride()
+def row_positions(
+    tensor: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor | None, spec: TensorSpec | None = None
+) -> tuple:
+    """Where each element of the 4-D ``tensor`` (``spec``'s geometry where given: the memory bound
+    may be shaped otherwise, as a packed [T, H, D] tensor) lives under ``offsets``: (the tensor's
+    memory as one flat view, the flat index of every element, which elements are real rows)."""
+    b, h, s, d = spec.shape if spec is not None else tensor.shape
+    _, sh, ss, sd = spec.stride if spec is not None else tensor.stride()
     device = tensor.device
     starts = offsets.reshape(-1)[:b].to(device=device, dtype=torch.int64).view(b, 1, 1, 1)
     within = (
@@ -108,7 +176,7 @@ def row_positions(tensor: torch.Tensor, offsets: torch.Tensor, lengths: torch.Te
         + torch.arange(s, device=device).view(1, 1, s, 1) * ss
         + torch.arange(d, device=device).view(1, 1, 1, d) * sd
     )
-    span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1
+    span = memory_span(tensor)
     flat = tensor.as_strided((span,), (1,), tensor.storage_offset())
     index = starts + within
     real = index < span
@@ -117,13 +185,21 @@ def row_positions(tensor: torch.Tensor, offsets: torch.Tensor, lengths: torch.Te
     return flat, torch.where(real, index, torch.zeros_like(index)), real.expand(b, h, s, d)
 
 
-def gather_rows(tensor: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+def gather_rows(
+    tensor: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor | None, spec: TensorSpec | None = None
+) -> torch.Tensor:
     """The ragged ``tensor`` as a dense ``[B, H, S, D]`` copy: each sequence's rows, 0 past its end."""
-    flat, index, real = row_positions(tensor, offsets, lengths)
+    flat, index, real = row_positions(tensor, offsets, lengths, spec)
     return torch.where(real, flat[index], torch.zeros((), dtype=tensor.dtype, device=tensor.device))
 
 
-def scatter_rows(out: torch.Tensor, dense: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor | None) -> None:
+def scatter_rows(
+    out: torch.Tensor,
+    dense: torch.Tensor,
+    offsets: torch.Tensor,
+    lengths: torch.Tensor | None,
+    spec: TensorSpec | None = None,
+) -> None:
     """Write ``dense`` ``[B, H, S, D]`` into the ragged ``out``: only each sequence's real rows."""
-    flat, index, real = row_positions(out, offsets, lengths)
+    flat, index, real = row_positions(out, offsets, lengths, spec)
     flat[index[real]] = dense.to(out.dtype)[real]

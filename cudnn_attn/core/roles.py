@@ -44,6 +44,7 @@ ROLES: dict[str, Role] = {
         Role("dropout_seed", 16, "dropout_seed"),
         Role("dropout_offset", 17, "dropout_offset"),
         Role("rng_dump", 18, "rng_dump", output="rng_dump"),
+        Role("scale_tensor", 19, "attn_scale"),  # attn_scale given as a graph tensor: read at each run
         # FP8 (sdpa_fp8, sdpa_fp8_backward): per-tensor scales in, amaxes out, float32 [1, 1, 1, 1].
         Role("descale_q", 50, "descale_q"),
         Role("descale_k", 51, "descale_k"),
@@ -90,7 +91,7 @@ UID = {name: role.uid for name, role in ROLES.items()}
 
 # Each op's run-time inputs in the order of that method's own parameters: a graph's positional
 # inputs are its distinct input tensors, node by node, each node's in this order.
-MASK_INPUTS = ("bias", "seq_len_q", "seq_len_kv", "dropout_seed", "dropout_offset")
+MASK_INPUTS = ("bias", "seq_len_q", "seq_len_kv", "dropout_seed", "dropout_offset", "scale_tensor")
 # Ragged offsets come last: the tensors they address are set before them (set_ragged_offset).
 FORWARD_OFFSETS = ("q_offset", "k_offset", "v_offset", "page_table_k_offset", "page_table_v_offset", "o_offset",
                    "stats_offset")  # fmt: skip

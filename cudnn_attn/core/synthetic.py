@@ -47,6 +47,10 @@ def run_tensors(p: AttentionProblem, seed: int = 0) -> tuple[dict, dict]:
             inputs[role] = perm.view(spec.shape).to(device=p.device, dtype=torch.int32)
     if p.has_dropout:
         inputs["dropout_seed"], inputs["dropout_offset"] = 1234, 0
+    if p.scale_tensor is not None:
+        inputs["scale_tensor"] = torch.full(
+            p.scale_tensor.shape, p.d_qk**-0.5, dtype=torch.float32, device=p.scale_tensor.device
+        )
     for role in (*FP8_SCALES, *FP8_BACKWARD_SCALES):  # FP8: unit scales (random data is in range)
         spec = getattr(p, role)
         if spec is not None:

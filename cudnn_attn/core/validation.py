@@ -136,7 +136,8 @@ def _check_strides(p: AttentionProblem, found: list[str]) -> bool:
             found.append(f"rng_dump: {p.rng_dump.describe()}; the forward's dropout keep-mask is float32 {list(want)}")
     for role in OUTPUT_ROLES[p.op]:
         spec = getattr(p, role)
-        if spec is not None and overlaps(spec):
+        # With ragged offsets the batch stride is unused: sequences are placed by the offsets.
+        if spec is not None and role not in p.offset_tensors and overlaps(spec):
             found.append(
                 f"{_name(role)}: strides {list(spec.stride)} for shape {list(spec.shape)} make elements overlap; "
                 "an output needs a layout where every element has its own memory"
@@ -237,11 +238,11 @@ def _check_fp8(p: AttentionProblem, found: list[str]) -> None:
 
 
 def _check_devices(p: AttentionProblem, found: list[str]) -> None:
-    # Dropout seeds and offsets may live on the host: they are passed by value.
+    # Dropout seeds and offsets, and a tensor scale, may live on the host: they are passed by value.
     specs = {
         role: spec
         for role, spec in p.tensor_specs().items()
-        if not (role in ("dropout_seed", "dropout_offset") and spec.device == "cpu")
+        if not (role in ("dropout_seed", "dropout_offset", "scale_tensor") and spec.device == "cpu")
     }
     devices = {spec.device for spec in specs.values()}
     if len(devices) > 1:
@@ -364,6 +365,9 @@ def _check_dropout(p: AttentionProblem, found: list[str]) -> None:
         spec = getattr(p, role)
         if spec is not None and spec.numel != 1:
             found.append(f"{role}: shape {list(spec.shape)}; must hold one value (shape [1] or [1, 1, 1, 1])")
+    if p.scale_tensor is not None and (p.scale_tensor.numel != 1 or p.scale_tensor.dtype != torch.float32):
+        found.append(f"attn_scale: {p.scale_tensor.describe()}; a tensor scale is float32 with one value "
+                     "(shape [1, 1, 1, 1])")  # fmt: skip
 
 
 def _check_paging(p: AttentionProblem, found: list[str]) -> None:

@@ -33,6 +33,15 @@ class Plan(Protocol):
     ) -> None:
         """Compute the node, writing every tensor of ``outputs`` (role -> tensor) in place."""
 
+    def plan_count(self) -> int:
+        """How many candidate plans the backend ranked for the problem (the frontend's plan helpers)."""
+
+    def plan_name_at(self, index: int) -> str:
+        """Candidate ``index``'s name."""
+
+    def at_index(self, index: int) -> Plan:
+        """This plan running candidate ``index`` instead of the chosen one."""
+
 
 class Backend(Protocol):
     name: str

@@ -1,17 +1,25 @@
-"""The cuDNN frontend's build steps and ``execute``, for code written against ``cudnn.pygraph``.
+"""The cuDNN frontend's build steps, plan helpers and ``execute``, for code written against
+``cudnn.pygraph``; and its ``jit`` and ``graph_cache`` decorators.
 
 The frontend builds in steps (validate, build the operation graph, create and check plans,
 build plans); here all of them amount to one ``build()``, so frontend code runs unchanged.
+Its plan helpers (``get_execution_plan_count``, ``execute_plan_at_index``, ...) address the
+candidate plans of a one-node graph, in cuDNN's ranking; the reference backend has one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
+from ..runtime.runner import Runner
 from .declared import resolve
 from .handles import InputHandle
+from .node import Node
+from .overrides import overridden_runner
 
 RETENTION = ("PER_GRAPH", "NONE")
 
@@ -70,6 +78,58 @@ def frontend_tensor_options(is_virtual: Any, reordering_type: Any, multiplier: A
     return reasons
 
 
+HEURISTIC_MODES = ("A", "B", "FALLBACK", "OPENSOURCE")
+
+
+def heuristics_problems(modes: Any, argument: str = "heuristics") -> list[str]:
+    """Why ``modes`` (a heur_mode, or a list of them, ours or the frontend's) is not a list of heuristic modes."""
+    given = modes if isinstance(modes, (list, tuple)) else [modes]
+    bad = [m for m in given if getattr(m, "name", m) not in HEURISTIC_MODES]
+    return [f"{argument}: {m!r}; expected heur_mode members ({', '.join(HEURISTIC_MODES)})" for m in bad]
+
+
+def graph_cache(key_fn: Callable[..., Any], maxsize: int = 256) -> Callable:
+    """The frontend's memo decorator: the wrapped function's result by ``key_fn(*args, **kwargs)``,
+    the oldest entry dropped past ``maxsize``. (The plan cache behind every graph makes it
+    optional here: a graph rebuilt per call is a cache hit.)"""
+
+    def decorator(func: Callable) -> Callable:
+        cache: dict[Any, Any] = {}
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            key = key_fn(*args, **kwargs)
+            if key in cache:
+                return cache[key]
+            result = func(*args, **kwargs)
+            if len(cache) >= maxsize:
+                cache.pop(next(iter(cache)))
+            cache[key] = result
+            return result
+
+        return wrapper
+
+    return decorator
+
+
+def jit(heur_modes: Any = "A", **kwargs: Any) -> Callable:
+    """The frontend's build decorator: the wrapped function returns ``(graph, tensors)``; the graph
+    is built (``build(heur_modes)``) unless it has plans already, and ``(graph, uids)`` returned."""
+    modes = heur_modes if isinstance(heur_modes, list) else [heur_modes]
+
+    def decorator(func: Callable) -> Callable:
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            graph, tensors = func(*args, **kwargs)
+            if graph.get_execution_plan_count() <= 0:
+                graph.build(modes)
+            return graph, [t.get_uid() for t in tensors]
+
+        return wrapper
+
+    return decorator
+
+
 class FrontendSteps:
     """Mixed into ``Graph``: the frontend's method names, each a call of ``build()``."""
 
@@ -83,23 +143,82 @@ class FrontendSteps:
         return self.build()
 
     def create_execution_plans(self, *heuristics: Any) -> Any:
+        """The frontend's modes are checked; the plan cache ranks with mode A, FALLBACK behind it."""
+        problems = [p for modes in heuristics for p in heuristics_problems(modes)]
+        if problems:
+            raise ValidationError(problems, context=self.name)  # type: ignore[attr-defined]
         return self.build()
 
     def check_support(self, *args: Any) -> Any:
         return self.build()
 
-    def build_plans(self, *args: Any) -> Any:
+    def build_plans(self, *args: Any, **kwargs: Any) -> Any:
+        """``build_plan_policy.ALL`` is honoured lazily: a candidate is built when first run by index."""
+        policies = [*args, *kwargs.values()]
+        bad = [p for p in policies if getattr(p, "name", p) not in ("HEURISTICS_CHOICE", "ALL")]
+        if bad or set(kwargs) - {"policy"}:
+            raise ValidationError([f"policy: {p!r}; expected build_plan_policy.HEURISTICS_CHOICE or ALL" for p in bad]
+                                  + [f"{k}: not a parameter of build_plans" for k in set(kwargs) - {"policy"}],
+                                  context=self.name)  # type: ignore[attr-defined]  # fmt: skip
         return self.build()
 
-    def get_workspace_size(self) -> int:
+    def get_workspace_size(self, handle: Any = None, override_uids: Any = None, override_shapes: Any = None,
+                           override_strides: Any = None) -> int:  # fmt: skip
+        """The largest workspace of the graph's plans (the library allocates its own when none is passed)."""
         self.build()
         return max((getattr(node.plan, "workspace_size", 0) for node in self.nodes), default=0)  # type: ignore[attr-defined]
 
-    def execute(
-        self, variant_pack: Mapping[Any, Any], workspace: Any = None, handle: Any = None, stream: Any = None
-    ) -> None:
+    # ---- plan helpers: the candidate plans of a one-node graph ------------------------------
+
+    def get_execution_plan_count(self) -> int:
+        """How many candidate plans the graph has: 0 until it is built."""
+        if not self.recording.built:  # type: ignore[attr-defined]
+            return 0
+        return min(_plan_count(node) for node in self.nodes)  # type: ignore[attr-defined]
+
+    def get_plan_name_at_index(self, index: int) -> str:
+        return _single(self, "get_plan_name_at_index").plan.plan_name_at(_index(self, index))  # type: ignore[union-attr]
+
+    def get_workspace_size_plan_at_index(self, index: int, handle: Any = None, override_uids: Any = None,
+                                         override_shapes: Any = None, override_strides: Any = None) -> int:  # fmt: skip
+        return _single(self, "get_workspace_size_plan_at_index").plan.at_index(_index(self, index)).workspace_size  # type: ignore[union-attr]
+
+    def execute_plan_at_index(self, variant_pack: Mapping[Any, Any], workspace: Any = None, index: int = 0,
+                              handle: Any = None, *, tensor_uids: Any = None) -> None:  # fmt: skip
+        """``execute`` with candidate plan ``index`` (built on first use) instead of the chosen one."""
+        node = _single(self, "execute_plan_at_index")
+        runners = self.__dict__.setdefault("_indexed_runners", {})
+        index = _index(self, index)
+        if index not in runners:
+            indexed = dataclasses.replace(node, plan=node.plan.at_index(index))  # type: ignore[union-attr]
+            runners[index] = Runner(self.name, self.recording.inputs, [indexed], self.handle)  # type: ignore[attr-defined]
+        inputs, outputs = self._variant_pack(variant_pack)
+        runner = runners[index]
+        runner.bind_out(values := runner.bind((inputs,))[0], outputs)
+        runner.run(values, handle, None, workspace)
+
+    def execute(self, variant_pack: Mapping[Any, Any], workspace: Any = None, handle: Any = None,
+                override_uids: Any = None, override_shapes: Any = None, override_strides: Any = None, *,
+                tensor_uids: Any = None, stream: Any = None) -> None:  # fmt: skip
         """The frontend's run: ``variant_pack`` maps every tensor of the graph (inputs and the outputs
-        produced) to its data, keyed by handle, name or uid; ``None`` keys are ignored, as there."""
+        produced) to its data, keyed by handle, name or uid; ``None`` keys are ignored, as there.
+        ``override_*`` (a graph made with ``is_override_shape_enabled=True``): the run's own dims and
+        strides for the tensors of those uids (``overrides.py``)."""
+        found = None
+        if override_uids is not None or override_shapes is not None or override_strides is not None:
+            self.build()
+            found = overridden_runner(self, override_uids, override_shapes, override_strides)
+        inputs, outputs = self._variant_pack(variant_pack)
+        if found is not None:
+            runner, stand_in = found
+            values, _ = runner.bind(({stand_in[h]: t for h, t in inputs.items()},))
+            runner.bind_out(values, {stand_in[h]: t for h, t in outputs.items()})
+            runner.run(values, handle, stream, workspace)
+            return
+        self(inputs, handle=handle, stream=stream, out=outputs, workspace=workspace)  # type: ignore[operator]
+
+    def _variant_pack(self, variant_pack: Mapping[Any, Any]) -> tuple[dict[Any, Any], dict[Any, Any]]:
+        """The pack's inputs and outputs by handle, the graph built; unknown keys and missing outputs raise."""
         if not isinstance(variant_pack, Mapping):
             raise ValidationError([f"variant_pack: {type(variant_pack).__name__}; expected a dict of handle -> tensor"])
         self.build()
@@ -121,4 +240,25 @@ class FrontendSteps:
             raise ShapeMismatchError(
                 [f"{name}: missing from the variant pack (outputs are written in place)" for name in missing]
             )
-        self(inputs, handle=handle, stream=stream, out=outputs, workspace=workspace)  # type: ignore[operator]
+        return inputs, outputs
+
+
+def _plan_count(node: Node) -> int:
+    return node.plan.plan_count() if node.plan is not None else 0
+
+
+def _single(graph: Any, method: str) -> Node:
+    """The graph's one node, built: plan indices address one node's candidates."""
+    graph.build()
+    if len(graph.nodes) != 1:
+        raise UnsupportedError([f"{method}: this graph has {len(graph.nodes)} nodes, each with its own candidate "
+                                "plans; plan indices address a one-node graph"], context=graph.name)  # fmt: skip
+    return graph.nodes[0]
+
+
+def _index(graph: Any, index: Any) -> int:
+    count = graph.get_execution_plan_count()
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+        raise ValidationError([f"index: {index!r}; this graph has {count} candidate plan(s), 0..{count - 1}"],
+                              context=graph.name)  # fmt: skip
+    return index

@@ -209,6 +209,15 @@ def int_tuple(value: Any, argument: str) -> tuple[int, ...]:
     return ints
 
 
+def ints_or_problem(values: Any, argument: str, problems: list[str]) -> tuple[int, ...] | None:
+    """``int_tuple``, its problem appended to ``problems`` (None then) instead of raised."""
+    try:
+        return int_tuple(values, argument)
+    except ValidationError as error:
+        problems += error.problems
+        return None
+
+
 def handle_spec(template: TensorHandle) -> TensorSpec:
     """A graph tensor's geometry, for ``tensor_like``: an input's, or an output's as set so far."""
     spec = template.spec

@@ -22,6 +22,7 @@ import torch
 
 from ..core.mask import MAX_LENGTH, Causal, ScoreOptions
 from ..errors import shown
+from .handles import TensorHandle
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,15 @@ def collect_keywords(given: dict[str, Any], op: str, hints: dict[str, str] | Non
 def parse_keywords(given: MaskKeywords, *, ragged: bool) -> Parsed:
     """Parse ``given``; ``ragged``: q is THD, which implies the padding mask."""
     errors: list[str] = []
-    scale = _scale(given.attn_scale, errors)
+    tensors: dict[str, Any] = {}
+    scale: float | None = 1.0
+    if isinstance(given.attn_scale, TensorHandle):  # a graph tensor: its value is read at each run
+        tensors["scale_tensor"] = given.attn_scale
+    else:
+        scale = _scale(given.attn_scale, errors)
     unsupported: list[str] = []
     causal, right_bound, bottom_right = _band(given, errors)
     window = _window(given, errors)
-    tensors: dict[str, Any] = {}
     if given.attn_bias is not None and given.bias is not None:
         errors.append("attn_bias: given twice (attn_bias= and its alias bias=); give one")
     bias = given.attn_bias if given.attn_bias is not None else given.bias

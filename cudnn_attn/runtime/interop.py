@@ -56,6 +56,20 @@ def geometry_mismatch(tensor: torch.Tensor, spec: TensorSpec) -> str | None:
     return "; ".join(problems) or None
 
 
+def ragged_mismatch(tensor: torch.Tensor, spec: TensorSpec) -> str | None:
+    """Why ``tensor`` cannot be bound where sequences are placed by ragged offsets; None if it can.
+    Only its memory is addressed (the frontend binds a packed [T, H, D] tensor to a 4-D graph
+    tensor): dtype and device must match and its last dimension be contiguous."""
+    problems = []
+    if tensor.dtype != spec.dtype:
+        problems.append(f"dtype {tensor.dtype} (graph built for {spec.dtype})")
+    if str(tensor.device) != spec.device:
+        problems.append(f"device {tensor.device} (graph built for {spec.device})")
+    if tensor.dim() == 0 or (tensor.shape[-1] != 1 and tensor.stride(-1) != 1):
+        problems.append(f"strides {list(tensor.stride())}: the last dimension must be contiguous")
+    return "; ".join(problems) or None
+
+
 def in_layout_of(t: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
     """``t``'s values in ``template``'s layout (backward plans read dO in O's layout)."""
     if t.stride() == template.stride():

@@ -75,6 +75,8 @@ class Runner:
         self._no_outputs = [None] * (len(self._specs) - len(inputs))
         self._returned = [slot[h] for h in self.outputs]
         self._slot = slot
+        # Tensors whose sequences are placed by ragged offsets: bound by their memory (interop.ragged_mismatch).
+        self._loose = frozenset(i for h, i in slot.items() if getattr(h, "ragged_offset", None) is not None)
         self._single = self._single_direct_step(len(inputs))
 
     def rebound(self, name: str, inputs: list[Any], node_outputs: list[Any], handle: Any) -> Runner:
@@ -119,7 +121,8 @@ class Runner:
                 or tensor.dtype is not dtype
                 or tensor.get_device() != device
             ):
-                mismatch = interop.geometry_mismatch(tensor, self.inputs[i].spec)
+                check = interop.ragged_mismatch if i in self._loose else interop.geometry_mismatch
+                mismatch = check(tensor, self.inputs[i].spec)
                 if mismatch:
                     problems = (problems or []) + [f"{self.inputs[i].name}: {mismatch}"]
         if problems:
@@ -145,7 +148,12 @@ class Runner:
         """Place caller-given output tensors (a tensor, a sequence in output order, or a mapping)."""
         if type(out) is torch.Tensor and len(self.outputs) == 1:  # the common case, checked inline
             slot = self._returned[0]
-            mismatch = _mismatch(out, self._out_expect[slot], self.outputs[0].spec)
+            spec = self.outputs[0].spec
+            mismatch = (
+                interop.ragged_mismatch(out, spec)
+                if slot in self._loose
+                else _mismatch(out, self._out_expect[slot], spec)
+            )
             if mismatch:
                 raise ShapeMismatchError([f"out[{self.outputs[0].name}]: {mismatch}"], context=self.name)
             values[slot] = out
@@ -173,7 +181,12 @@ class Runner:
         for handle, value in pairs:
             tensor = value if type(value) is torch.Tensor else interop.as_torch(value)
             slot = self._slot[handle]
-            mismatch = "not a tensor" if tensor is None else _mismatch(tensor, self._out_expect[slot], handle.spec)
+            if tensor is None:
+                mismatch = "not a tensor"
+            elif slot in self._loose:
+                mismatch = interop.ragged_mismatch(tensor, handle.spec)
+            else:
+                mismatch = _mismatch(tensor, self._out_expect[slot], handle.spec)
             if mismatch:
                 problems.append(f"out[{handle.name}]: {mismatch}")
             values[slot] = tensor

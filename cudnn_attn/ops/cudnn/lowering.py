@@ -206,6 +206,10 @@ def _mask_options(p: AttentionProblem, graph: Any, tensor: Any, lowered: Lowered
     import cudnn
 
     options: dict[str, Any] = {"attn_scale": p.options.attn_scale}
+    if p.scale_tensor is not None:  # read at each run: on the host it is passed by value
+        options["attn_scale"] = graph.tensor(name="attn_scale", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1],
+                                             data_type=cudnn.data_type.FLOAT, uid=UID["scale_tensor"],
+                                             is_pass_by_value=p.scale_tensor.device == "cpu")  # fmt: skip
     # sdpa / sdpa_backward: diagonal_band_{left,right}_bound; sdpa_fp8 / sdpa_fp8_backward: {left,right}_bound.
     left, right = (
         ("left_bound", "right_bound") if p.is_fp8 else ("diagonal_band_left_bound", "diagonal_band_right_bound")

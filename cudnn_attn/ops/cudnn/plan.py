@@ -3,6 +3,7 @@ device-side clamps that keep run-time lengths and page indices inside the tensor
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +37,7 @@ class CudnnPlan:
         self._ordered = True  # the frontend's ordered execute: no per-call dict walk
         self._native: Any = None  # the frontend's native ordered executor, prepared on first run
         self._empty_fix = empty_sequence_fix(problem)
+        self._index: int | None = None  # a candidate other than the chosen one (at_index)
         self._prefill = problem.options.padding and problem.is_forward
         import cudnn
 
@@ -96,6 +98,9 @@ class CudnnPlan:
             native = cudnn_handle(index, handle)
             if native.stream != stream_ptr:  # cudnnSetStream is not free: only when it changes
                 self._cudnn.set_stream(native, stream_ptr)
+            if self._index is not None:  # the frontend's execute_plan_at_index: a candidate plan, run as it runs it
+                self.graph.execute_plan_at_index(dict(zip(uids, buffers)), workspace, self._index, handle=native)
+                return
             if self._native is None:
                 self._native = native_executor(self.graph) or False
             if self._native:
@@ -123,6 +128,26 @@ class CudnnPlan:
                 ) from error
             raise
 
+    # ---- the candidate plans (the frontend's plan helpers) --------------------------------------
+
+    def plan_count(self) -> int:
+        """Candidate plans cuDNN ranked for this problem (a plan loaded from the store: that one)."""
+        return max(int(self.graph.get_execution_plan_count()), 1)
+
+    def plan_name_at(self, index: int) -> str:
+        return str(self.graph.get_plan_name_at_index(index)) if self.graph.get_execution_plan_count() else self.engine
+
+    def at_index(self, index: int) -> CudnnPlan:
+        """This plan running candidate ``index`` (built here on first use) instead of the chosen one."""
+        if not self.graph.get_execution_plan_count():
+            return self  # loaded from the store: its one plan
+        plan = copy.copy(self)
+        plan._index, plan._native, plan._workspaces = index, None, {}
+        with torch.cuda.device(self.device_index):
+            self.graph.build_plan_at_index(index)
+            plan.workspace_size = int(self.graph.get_workspace_size_plan_at_index(index))
+        return plan
+
     @property
     def nbytes(self) -> int:
         """Device memory this plan holds (its workspaces and constant inputs), for cache bounds."""
@@ -143,7 +168,7 @@ class CudnnPlan:
     ) -> dict[int, Any]:
         """Every tensor the plan reads or writes, by uid."""
         if self._bounds:
-            inputs = clamped(self.problem, inputs, self._bounds)
+            inputs = clamped(self.problem, inputs, self._bounds, outputs)
         pack: dict[int, Any] = {}
         for role, value in inputs.items():
             if isinstance(value, int):  # a dropout seed/offset given as an int: passed by value

@@ -65,7 +65,7 @@ class ReferencePlan:
         dropout_keep: torch.Tensor | None = None,
     ) -> None:
         p = self.problem
-        inputs = self._checked(inputs)
+        inputs = self._checked(inputs, outputs)
         dense = self._dense_inputs(inputs)
         terms = self._terms(inputs, dropout_keep)
         if p.is_fp8:
@@ -89,6 +89,16 @@ class ReferencePlan:
             self._write(outputs["grad_v"], d_v, inputs, "grad_v")
             if d_bias is not None and d_b is not None:
                 d_bias.copy_(d_b)
+
+    # The frontend's plan helpers: the reference backend has one plan.
+    def plan_count(self) -> int:
+        return 1
+
+    def plan_name_at(self, index: int) -> str:
+        return "reference"
+
+    def at_index(self, index: int) -> ReferencePlan:
+        return self
 
     def _fp8(self, inputs: RunInputs, dense: dict, terms: reference_math.ScoreTerms, outputs: Mapping) -> None:
         """FP8 nodes, emulated as cuDNN computes them (``reference_fp8``): dense holds the FP8
@@ -120,17 +130,17 @@ class ReferencePlan:
             if role in outputs:
                 outputs[role].copy_(amax)
 
-    def _checked(self, inputs: RunInputs) -> RunInputs:
+    def _checked(self, inputs: RunInputs, outputs: Mapping[str, torch.Tensor]) -> RunInputs:
         """Integer inputs checked where they live on the host (an error names bad values);
         on a GPU clamped on the device instead, as the cuDNN path does (no sync per call)."""
         checked = (*self._bounds, *(offset_role(role) for role in self.problem.offset_tensors))
         ints = {role: t for role in checked if isinstance(t := inputs.get(role), torch.Tensor)}
         if all(t.device.type == "cpu" for t in ints.values()):
-            found = value_problems(self.problem, ints)
+            found = value_problems(self.problem, ints) + ragged.packed_offset_problems(self.problem, inputs, outputs)
             if found:
                 raise ValidationError(found, context=self.problem.describe())
             return inputs
-        return clamped(self.problem, inputs, self._bounds)
+        return clamped(self.problem, inputs, self._bounds, outputs)
 
     # ---- inputs to dense ----------------------------------------------------------------
 
@@ -149,7 +159,7 @@ class ReferencePlan:
                 dense[role] = gather_pages(t, table, p.kv_cache_layout, p.s_kv).to(dt)
             elif role in p.offset_tensors:
                 dense[role] = ragged.gather_rows(
-                    t, _as_tensor(inputs[offset_role(role)]), _lengths_or_none(inputs, lengths)
+                    t, _as_tensor(inputs[offset_role(role)]), _lengths_or_none(inputs, lengths), getattr(p, role)
                 ).to(dt)
             elif p.is_thd:
                 dense[role] = unpack_thd(t.to(dt), _as_tensor(inputs[lengths]), s_max)
@@ -166,7 +176,7 @@ class ReferencePlan:
             stats = _as_tensor(inputs["stats"])
             if "stats" in p.offset_tensors:
                 stats = ragged.gather_rows(
-                    stats, _as_tensor(inputs["stats_offset"]), _lengths_or_none(inputs, "seq_len_q")
+                    stats, _as_tensor(inputs["stats_offset"]), _lengths_or_none(inputs, "seq_len_q"), p.stats
                 )
             dense["stats"] = stats.to(dt)
         return dense
@@ -204,7 +214,7 @@ class ReferencePlan:
                 p.device,
             )
         return reference_math.ScoreTerms(
-            scale=p.options.attn_scale, bias=bias, alibi=alibi, allowed=allowed, keep=keep,
+            scale=float(inputs["scale_tensor"]) if p.scale_tensor is not None else p.options.attn_scale, bias=bias, alibi=alibi, allowed=allowed, keep=keep,
             dropout_p=p.options.dropout_p,
         )  # fmt: skip
 
@@ -214,7 +224,8 @@ class ReferencePlan:
         p = self.problem
         lengths = sequence_lengths(role)
         if role in p.offset_tensors:  # the caller's ragged offsets: each sequence's real rows only
-            ragged.scatter_rows(out, dense, _as_tensor(inputs[offset_role(role)]), _lengths_or_none(inputs, lengths))
+            ragged.scatter_rows(out, dense, _as_tensor(inputs[offset_role(role)]), _lengths_or_none(inputs, lengths),
+                                getattr(p, role))  # fmt: skip
         elif p.is_thd and role != "stats":
             out.copy_(pack_thd(dense, _as_tensor(inputs[lengths]), out.shape[0]))
         else:

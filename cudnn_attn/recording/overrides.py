@@ -1,0 +1,113 @@
+"""The frontend's run-time geometry: ``execute(..., override_uids=, override_shapes=, override_strides=)``.
+
+A graph made with ``is_override_shape_enabled=True`` may run on tensors whose dims and strides
+differ from those it was built with (THD code builds one graph for a batch and overrides each
+run's longest sequence). Here each distinct override is its own problem: validated like any
+other, its plan taken from the plan cache, and a runner for it kept on the graph, so a repeated
+override costs a dict lookup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from ..core import validation
+from ..core.problem import TensorSpec
+from ..errors import ValidationError
+from ..runtime import planner
+from ..runtime.runner import Runner
+from .declared import resolve
+from .handles import ints_or_problem
+from .node import Node
+
+
+class StandIn:
+    """A graph tensor as one override sees it: its name and offsets, the overridden geometry."""
+
+    def __init__(self, handle: Any, spec: TensorSpec | None):
+        self.name, self.spec = handle.name, spec
+        self.is_output = getattr(handle, "is_output", False)
+        self.ragged_offset = getattr(handle, "ragged_offset", None)
+
+
+def overridden_runner(graph: Any, uids: Any, shapes: Any, strides: Any) -> tuple[Runner, dict[Any, Any]] | None:
+    """The runner for this override and the graph's handles -> its own; None when the override
+    changes nothing. Bad overrides raise ``ValidationError`` naming the argument."""
+    specs = _overridden_specs(graph, uids, shapes, strides)
+    if all(handle.spec == spec for handle, spec in specs.items()):
+        return None
+    key = tuple((handle.get_uid(), spec.shape, spec.stride) for handle, spec in specs.items())
+    runners = graph.__dict__.setdefault("_override_runners", {})
+    if key not in runners:
+        runners[key] = _runner(graph, specs)
+    return runners[key]
+
+
+def _overridden_specs(graph: Any, uids: Any, shapes: Any, strides: Any) -> dict[Any, TensorSpec]:
+    if not graph.is_override_shape_enabled:
+        raise ValidationError(["override_uids: this graph was made without is_override_shape_enabled=True"],
+                              context=graph.name)  # fmt: skip
+    lists = {"override_uids": uids, "override_shapes": shapes, "override_strides": strides}
+    problems = [f"{name}: {type(v).__name__}; expected a list" for name, v in lists.items()
+                if not isinstance(v, Sequence) or isinstance(v, str)]  # fmt: skip
+    if not problems and not len(uids) == len(shapes) == len(strides):
+        problems.append(f"override_uids: {len(uids)} uids for {len(shapes)} shapes and {len(strides)} strides")
+    if problems:
+        raise ValidationError(problems, context=graph.name)
+    specs: dict[Any, TensorSpec] = {}
+    for uid, shape, stride in zip(uids, shapes, strides):
+        handle = resolve(graph.recording, uid)
+        if handle is None or handle.spec is None:
+            problems.append(f"override_uids: {uid!r} is not a tensor of this graph")
+            continue
+        spec = handle.spec
+        dims = ints_or_problem(shape, f"override_shapes[{uid}]", problems)
+        steps = ints_or_problem(stride, f"override_strides[{uid}]", problems)
+        if dims is None or steps is None:
+            continue
+        if len(dims) != spec.rank:
+            problems.append(f"override_shapes[{uid}]: {list(dims)}; {handle.name} has {spec.rank} dims")
+            continue
+        if len(steps) == spec.rank - 1 and handle.ragged_offset is not None:
+            # The packed [T, H, D] tensor's own strides: tokens, heads, elements (its batch stride is unused).
+            steps = (spec.stride[0], steps[1], steps[0], *steps[2:])
+        if len(steps) != spec.rank:
+            problems.append(f"override_strides[{uid}]: {list(steps)}; {handle.name} has {spec.rank} dims")
+            continue
+        specs[handle] = dataclasses.replace(spec, shape=dims, stride=steps)
+    if problems:
+        raise ValidationError(problems, context=graph.name)
+    return specs
+
+
+def _runner(graph: Any, specs: dict[Any, TensorSpec]) -> tuple[Runner, dict[Any, Any]]:
+    """Each node's problem with the overridden geometry, validated and planned; handles stand-ins
+    carry the new specs (the runner checks every run's tensors against them)."""
+    stand_in: dict[Any, Any] = {}
+    nodes: list[Node] = []
+    found: list[str] = []
+    for node in graph.nodes:
+        changes = {role: specs[h] for role, h in {**node.inputs, **node.outputs}.items() if h in specs}
+        problem = dataclasses.replace(node.problem, **changes)
+        lines = validation.problems(problem)
+        if lines:
+            found += lines
+            continue
+        for role, handle in node.outputs.items():
+            if handle not in stand_in:
+                stand_in[handle] = StandIn(handle, getattr(problem, role, None))
+        for handle in node.inputs.values():
+            if handle not in stand_in:
+                stand_in[handle] = StandIn(handle, specs.get(handle, handle.spec))
+        planned = planner.plan(problem, graph.backend, graph.autotune, graph.cache)
+        nodes.append(dataclasses.replace(
+            node, problem=problem, plan=planned.plan,
+            inputs={role: stand_in[h] for role, h in node.inputs.items()},
+            outputs={role: stand_in[h] for role, h in node.outputs.items()},
+        ))  # fmt: skip
+    if found:
+        raise ValidationError([f"with the overrides: {line}" for line in found], context=graph.name)
+    inputs = [stand_in[h] for h in graph.recording.inputs]
+    return Runner(graph.name, inputs, nodes, graph.handle), stand_in
