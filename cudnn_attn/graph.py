@@ -28,19 +28,17 @@ from .errors import GraphStateError, UnsupportedError, ValidationError
 from .ops import BACKEND_NAMES
 from .ops.cudnn.autotune import enabled_by_default as autotune_default
 from .recording import declared, reuse, state
+from .recording import frontend_steps as steps
 from .recording.build import plan_nodes, positional_inputs, validate_nodes
 from .recording.declared import DeclaredIO
 from .recording.fp8_ops import Fp8Ops
-from .recording.frontend_steps import FRONTEND_DEFAULTS, FrontendSteps, frontend_options
-from .recording.frontend_steps import frontend_tensor_options, heuristics_problems
 from .recording.handles import InputHandle, OutputHandle, TensorHandle, handle_spec, ints_or_problem
 from .recording.keywords import publishes_mask_keywords, stats_requested
-from .recording.node import Node
 from .runtime import interop, lifecycle
 from .runtime.runner import Runner
 
 
-class Graph(Fp8Ops, FrontendSteps):
+class Graph(Fp8Ops, steps.FrontendSteps):
     """A graph of attention nodes, built once and run many times.
 
     Args:
@@ -103,8 +101,8 @@ class Graph(Fp8Ops, FrontendSteps):
             problems.append(f"cache: {type(cache).__name__}; expected a cudnn_attn.PlanCache")
         frontend = (sm_count, sm_version, kernel_cache, device_property, is_dynamic_shape_enabled,
                     is_override_shape_enabled, cuda_graph_retention, is_cuda_graph_replay_expected)  # fmt: skip
-        if kwargs or frontend != FRONTEND_DEFAULTS:  # checked only when given: graphs are made per call
-            problems += frontend_options(*frontend, **kwargs)
+        if kwargs or frontend != steps.FRONTEND_DEFAULTS:  # checked only when given: graphs are made per call
+            problems += steps.frontend_options(*frontend, **kwargs)
         if name is not None and not isinstance(name, str):
             problems.append(f"name: {name!r}; expected a string")
         if problems:
@@ -134,13 +132,8 @@ class Graph(Fp8Ops, FrontendSteps):
         if exc_type is None:
             self.build()
 
-    @property
-    def is_built(self) -> bool:
-        return self.recording.built
-
-    @property
-    def nodes(self) -> list[Node]:
-        return self.recording.nodes
+    is_built = property(lambda self: self.recording.built)
+    nodes = property(lambda self: self.recording.nodes)
 
     @property
     def inputs(self) -> list[InputHandle]:
@@ -172,7 +165,7 @@ class Graph(Fp8Ops, FrontendSteps):
         promise about the values, accepted as given.
         """
         self.recording.check_open("tensor")
-        unsupported = frontend_tensor_options(is_virtual, reordering_type, ragged_offset_multiplier)
+        unsupported = steps.frontend_tensor_options(is_virtual, reordering_type, ragged_offset_multiplier)
         if unsupported:
             raise UnsupportedError(unsupported, context="Graph.tensor")
         problems: list[str] = []
@@ -257,6 +250,8 @@ class Graph(Fp8Ops, FrontendSteps):
         a float32 ``[B, H_q, S_q, S_kv]`` tensor the caller made (the frontend's debug output) that
         receives the dropout keep-mask (on the reference backend, its own mask: 1 kept, 0 dropped).
         """
+        if kv_cache_layout is None and self.virtual_outputs and paged_attention_k_table is not None:
+            kv_cache_layout = "NHPD"  # pygraph: caches are [num_pages, H_kv, page_size, D] by dims, as in the frontend
         args = (q, k, v, is_inference, generate_stats, paged_attention_k_table, paged_attention_v_table,
                 paged_attention_max_seq_len_kv, kv_cache_layout, compute_data_type, rng_dump)  # fmt: skip
         stats = stats_requested(is_inference, generate_stats, [])  # its errors are reported at build
@@ -346,7 +341,7 @@ class Graph(Fp8Ops, FrontendSteps):
         cache asks cuDNN for mode A with FALLBACK behind it).
         """
         recording = self.recording
-        if heuristics is not None and (problems := heuristics_problems(heuristics)):
+        if heuristics is not None and (problems := steps.heuristics_problems(heuristics)):
             raise ValidationError(problems, context=self.name)
         if recording.built:
             return self
@@ -364,7 +359,8 @@ class Graph(Fp8Ops, FrontendSteps):
             self._runner = reuse.adopt(recording, earlier, self.handle)
         else:
             recording.interpret()
-            validate_nodes(recording.nodes, self._dtypes, self.name)
+            dtypes = {**self._dtypes, "io_data_type": None} if self.virtual_outputs else self._dtypes
+            validate_nodes(recording.nodes, dtypes, self.name)
             plan_nodes(recording.nodes, self.backend, self.autotune, self.cache, self.name)
             recording.inputs = positional_inputs(recording.nodes)
             self._runner = Runner(self.name, recording.inputs, recording.nodes, self.handle)
@@ -431,9 +427,10 @@ class Graph(Fp8Ops, FrontendSteps):
 
 
 class pygraph(Graph):  # noqa: N801 - the frontend's spelling
-    """``Graph`` with the frontend's output rule, for code written against ``cudnn.pygraph``: once
-    any output is marked with ``set_output(True)``, the outputs never marked are virtual (not
-    produced, absent from the variant pack). A graph with no output marked produces them all."""
+    """``Graph`` with the frontend's rules, for code written against ``cudnn.pygraph``: once any
+    output is marked with ``set_output(True)``, the outputs never marked are virtual (not
+    produced, absent from the variant pack); a graph with no output marked produces them all.
+    ``io_data_type`` is the type of tensors made without one, never a constraint on the others."""
 
     virtual_outputs = True
 

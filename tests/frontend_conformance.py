@@ -3,24 +3,35 @@
 Measured on the frontend's own SDPA material, read from a copy of its repository (``--frontend-dir``
 holds ``samples/python/5[0-3]_*.ipynb`` and ``test/python/``):
 
-* Notebooks. Each SDPA sample's code cells run in order in one namespace, in a fresh subprocess per
-  notebook. The one edit is ``import cudnn`` -> ``import cudnn_attn as cudnn`` (``--through
-  cudnn_attn``); IPython magic and shell lines (``%``, ``!``) are skipped. ``--device cpu`` also
-  edits the device spellings (``.cuda()``, ``device="cuda"``, ``torch.cuda.synchronize()``) and
-  answers the GPU preconditions (``torch.cuda.is_available()``, ``get_device_capability()``,
-  ``cudnn.backend_version()``: a CPU machine has no cuDNN library to report); each
-  edit is listed. Per notebook: cells run, the first failing cell and its exception.
-* ``test_mhas.py``: ``test_sdpa`` (``-k "test_sdpa and not backward"``) and ``test_sdpa_backward``
-  under pytest in a subprocess, on copies of the test files whose ``cudnn`` imports are rewritten
-  the same way (the module cannot simply be shadowed: cudnn_attn lowers to the real ``cudnn``).
+* Notebooks (``--parts notebooks``). Each SDPA sample's code cells run in order in one namespace, in a
+  fresh subprocess per notebook. The one edit is ``import cudnn`` -> ``import cudnn_attn as cudnn``
+  (``--through cudnn_attn``); IPython magic and shell lines (``%``, ``!``) are skipped. ``--device cpu``
+  also edits the device spellings (``.cuda()``, ``device="cuda"``, ``torch.cuda.synchronize()``, streams)
+  and answers the GPU preconditions as an H100 with cuDNN 9.19.0 does (``torch.cuda.is_available()``,
+  ``get_device_capability()`` (9, 0), ``cudnn.backend_version()`` 91900: a CPU machine has no cuDNN
+  library to report), so the same branches and skips are taken as on that GPU; each edit is listed
+  (``DEVICE_EDITS`` in ``frontend_conformance_pytest.py``). Per notebook: cells run, the first
+  failing cell and its exception.
+* ``test_mhas.py`` (``--parts tests``): ``test_sdpa`` (``-k "test_sdpa and not backward"``) and
+  ``test_sdpa_backward`` under pytest in a subprocess, on copies of the test files (conftest.py,
+  test_utils.py) whose ``cudnn`` imports are rewritten the same way (the module cannot simply be
+  shadowed: cudnn_attn lowers to the real ``cudnn``), with the device edits under ``--device cpu``.
   ``--tests-sample N`` picks N ids, half per test function, by a fixed seed from the ids collected
   through the real frontend, so both ways run the same cases; each case's own ``random`` draws (its
   shapes) are seeded from its id. A plugin logs every report as it happens, so a case that kills
-  the process is recorded and the rest resume. Per test function: selected, collected, run, passed,
-  failed, skipped, errors, and failure and skip messages grouped by their first line.
+  the process is recorded and the rest resume; ``--case-timeout S`` fails a case still running after
+  S seconds. Per test function: selected, collected, run, passed, failed, skipped, errors, and
+  failure and skip messages grouped by their first line.
+* The other SDPA tests (``--parts sdpa_tests``): ``test_sdpa_thd.py``, ``test_sdpa_chunked_prefill.py``,
+  ``test_sdpa_with_caching.py`` and ``test_mhas_v2.py`` (with its ``sdpa/`` package), staged and
+  edited the same way. Per file, ``--sdpa-tests-sample N`` ids drawn by the seed from the real
+  frontend's, split evenly over the file's test functions (an fp8/mxfp8 function of test_mhas_v2 takes
+  one: those kernels need FP8 hardware), run in one pytest session per file within
+  ``--sdpa-tests-timeout`` seconds; reported per function as above.
 
     python tests/frontend_conformance.py --frontend-dir .frontend [--through cudnn_attn|cudnn]
-        [--device cuda|cpu] [--tests-sample N] [--out report.json]
+        [--device cuda|cpu] [--parts notebooks,tests,sdpa_tests] [--tests-sample N]
+        [--sdpa-tests-sample N] [--sdpa-tests-files F,...] [--case-timeout S] [--out report.json]
 
 Every subprocess sees ``PYTHONPATH`` first, then this checkout, so a snapshot of one commit can be
 measured instead of the working tree (``git archive HEAD cudnn_attn | tar -x -C DIR``, DIR first on
@@ -31,13 +42,7 @@ a pytest module; it needs torch and the frontend, and a GPU for ``--device cuda`
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
-import random
-import re
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -47,135 +52,17 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from frontend_conformance_pytest import (  # this script's folder is first on sys.path
+    SDPA_TEST_FILES,
+    TEST_FILE,
+    edit_for_cpu,
+    rewrite_imports,
+    run_child,
+    run_sdpa_tests,
+    run_tests,
+)
+
 NOTEBOOKS = "samples/python/5[0-3]_*.ipynb"
-TEST_DIR = "test/python"
-TEST_FILE = "test_mhas.py"
-SELECTIONS = {"test_sdpa": "test_sdpa and not backward", "test_sdpa_backward": "test_sdpa_backward"}
-
-IMPORT_EDITS: list[tuple[re.Pattern[str], Any]] = [  # the only edit the promise allows
-    (
-        re.compile(r"^(\s*)import cudnn(\s+as\s+\w+)?[ \t]*(?=#|$)", re.M),
-        lambda m: f"{m[1]}import cudnn_attn{m[2] or ' as cudnn'}",
-    ),
-    (re.compile(r"^(\s*)from cudnn import ", re.M), r"\1from cudnn_attn import "),
-]
-DEVICE_EDITS = [  # --device cpu only: (what the edit does, pattern, replacement)
-    ("torch.cuda.synchronize() -> no-op", re.compile(r"torch\.cuda\.synchronize\(\)"), "None"),
-    ("torch.cuda.is_available() -> True", re.compile(r"torch\.cuda\.is_available\(\)"), "True"),
-    ("torch.cuda.get_device_capability() -> (9, 0)", re.compile(r"torch\.cuda\.get_device_capability\(\)"), "(9, 0)"),
-    # The notebooks assert a cuDNN version before anything else; a CPU machine has no cuDNN library.
-    ("cudnn.backend_version() -> 91900", re.compile(r"cudnn\.backend_version\(\)"), "91900"),
-    (".cuda() -> .cpu()", re.compile(r"\.cuda\(\)"), ".cpu()"),
-    ('device="cuda" -> device="cpu"', re.compile(r"""device\s*=\s*(["'])cuda(:\d+)?\1"""), 'device="cpu"'),
-]
-
-PLUGIN = '''"""Logs each pytest report as one JSON line; keeps only the selected ids; seeds each case's random."""
-import json, os, random, zlib
-import pytest
-
-def _write(**record):
-    with open(os.environ["CONFORMANCE_LOG"], "a") as f:
-        f.write(json.dumps(record) + "\\n")
-
-def _message(report):
-    longrepr = report.longrepr
-    if isinstance(longrepr, tuple):
-        return str(longrepr[2])
-    crash = getattr(longrepr, "reprcrash", None)
-    if crash is not None:
-        return crash.message
-    text = str(longrepr or "")
-    errors = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
-    return "\\n".join(errors) or text
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config, items):
-    total = len(items)
-    if os.environ.get("CONFORMANCE_SELECT"):
-        with open(os.environ["CONFORMANCE_SELECT"]) as f:
-            wanted = set(json.load(f))
-        config.hook.pytest_deselected(items=[i for i in items if i.nodeid not in wanted])
-        items[:] = [i for i in items if i.nodeid in wanted]
-    _write(event="collected", total=total, kept=len(items))
-
-def pytest_collectreport(report):
-    if report.failed:
-        _write(event="collect_error", nodeid=report.nodeid, message=_message(report))
-
-def pytest_runtest_logstart(nodeid, location):
-    _write(event="start", nodeid=nodeid)
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_call(item):
-    random.seed(zlib.crc32(item.nodeid.encode()))
-
-def pytest_runtest_logreport(report):
-    _write(event="report", nodeid=report.nodeid, when=report.when, outcome=report.outcome, message=_message(report))
-'''
-
-LOOSEVERSION = '''"""Stand-in for the absent looseversion package: distutils' LooseVersion ordering."""
-import functools, re
-
-@functools.total_ordering
-class LooseVersion:
-    def __init__(self, vstring):
-        self.vstring = str(vstring)
-        parts = re.split(r"(\\d+|[a-z]+|\\.)", self.vstring)
-        self.version = [int(p) if p.isdigit() else p for p in parts if p and p != "."]
-    def _other(self, other):
-        return other if isinstance(other, LooseVersion) else LooseVersion(other)
-    def __eq__(self, other):
-        return self.version == self._other(other).version
-    def __lt__(self, other):
-        return self.version < self._other(other).version
-    def __str__(self):
-        return self.vstring
-'''
-
-
-# ---------------------------------------------------------------- edits
-
-
-def rewrite_imports(source: str) -> tuple[str, int]:
-    """``import cudnn`` / ``from cudnn import`` spelled for cudnn_attn; returns the count of edits."""
-    total = 0
-    for pattern, replacement in IMPORT_EDITS:
-        source, n = pattern.subn(replacement, source)
-        total += n
-    return source, total
-
-
-def edit_for_cpu(source: str) -> tuple[str, Counter]:
-    """The device edits of ``--device cpu``, with how often each applied."""
-    applied: Counter = Counter()
-    for label, pattern, replacement in DEVICE_EDITS:
-        source, n = pattern.subn(replacement, source)
-        if n:
-            applied[label] += n
-    return source, applied
-
-
-def child_env() -> dict[str, str]:
-    """The environment of every subprocess: this checkout's cudnn_attn ahead of an installed one, but after
-    ``PYTHONPATH``, so that another copy (a snapshot of a commit) can be measured by putting it there."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(REPO)) if p)
-    return env
-
-
-def run_child(cmd: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[int | str, str]:
-    """Runs ``cmd`` in its own process group; returns (exit code or "timeout", stdout+stderr)."""
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env or child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=max(timeout, 1))
-        return proc.returncode, out.decode(errors="replace")
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return "timeout", out.decode(errors="replace")
 
 
 # ---------------------------------------------------------------- notebooks
@@ -264,187 +151,6 @@ def run_notebook(path: Path, through: str, device: str, timeout: float) -> dict:
     }
 
 
-# ---------------------------------------------------------------- test_mhas
-
-
-def local_imports(source: str, folder: Path) -> set[str]:
-    """Modules ``source`` imports that are files in ``folder`` (test_utils.py and the like)."""
-    names = re.findall(r"^\s*(?:from|import)\s+(\w+)", source, re.M)
-    return {name for name in names if (folder / f"{name}.py").exists()}
-
-
-def stage_tests(test_dir: Path, dest: Path, through: str) -> dict:
-    """Copies test_mhas.py, conftest.py, pytest.ini and their local imports to ``dest``, imports rewritten."""
-    wanted, seen, edits = [TEST_FILE, "conftest.py"], set(), 0
-    while wanted:
-        name = wanted.pop()
-        if name in seen or not (test_dir / name).exists():
-            continue
-        seen.add(name)
-        source = (test_dir / name).read_text(encoding="utf-8")
-        wanted += [f"{m}.py" for m in local_imports(source, test_dir)]
-        if through == "cudnn_attn":
-            source, n = rewrite_imports(source)
-            edits += n
-        (dest / name).write_text(source, encoding="utf-8")
-    if (test_dir / "pytest.ini").exists():
-        shutil.copy(test_dir / "pytest.ini", dest / "pytest.ini")
-    (dest / "_conformance_plugin.py").write_text(PLUGIN)
-    shims = []
-    if importlib.util.find_spec("looseversion") is None:
-        (dest / "looseversion.py").write_text(LOOSEVERSION)
-        shims.append("looseversion (package absent: a stand-in with distutils' LooseVersion ordering)")
-    return {"files": sorted(seen), "import_edits": edits, "shims": shims}
-
-
-def pytest_cmd(expr: str, *extra: str) -> list[str]:
-    plugins = ["-p", "_conformance_plugin", "-p", "no:cacheprovider"]
-    return [sys.executable, "-m", "pytest", TEST_FILE, "-k", expr, *plugins, *extra]
-
-
-def collect_ids(stage: Path, expr: str) -> list[str]:
-    """The parametrized ids ``expr`` selects, as collected here (no conftest: collecting needs no GPU)."""
-    env = dict(child_env(), CONFORMANCE_LOG=str(stage / "collect.jsonl"))
-    code, output = run_child(pytest_cmd(expr, "--collect-only", "-q", "--noconftest"), stage, 600, env)
-    ids = [line.strip() for line in output.splitlines() if line.startswith(f"{TEST_FILE}::")]
-    if not ids:
-        raise RuntimeError(f"collecting {expr!r} through the real frontend failed (exit {code}):\n{output[-2000:]}")
-    return ids
-
-
-def sample_ids(ids_by_selection: dict[str, list[str]], n: int, seed: int) -> dict[str, list[str]]:
-    """``n`` ids split evenly over the selections (all when n is 0), drawn by ``seed``, in collection order."""
-    if n <= 0:
-        return ids_by_selection
-    rng, picked = random.Random(seed), {}
-    for position, (name, ids) in enumerate(ids_by_selection.items()):
-        share = n // len(ids_by_selection) + (position < n % len(ids_by_selection))
-        picked[name] = [ids[i] for i in sorted(rng.sample(range(len(ids)), min(share, len(ids))))]
-    return picked
-
-
-def read_log(path: Path) -> list[dict]:
-    """The plugin's records; a line cut short by a killed process is dropped."""
-    records = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
-
-
-def case_outcome(reports: dict[str, tuple[str, str]]) -> tuple[str, str]:
-    """(outcome, message) of one case from its setup/call/teardown reports."""
-    setup, call, teardown = (reports.get(w) for w in ("setup", "call", "teardown"))
-    if setup and setup[0] != "passed":
-        return ("error" if setup[0] == "failed" else "skipped"), setup[1]
-    if call is None:
-        return "crashed", ""
-    if call[0] == "passed" and teardown and teardown[0] == "failed":
-        return "error", teardown[1]
-    return call
-
-
-def run_selection(stage: Path, name: str, ids: list[str], deadline: float) -> dict:
-    """Runs ``ids`` under pytest until each has an outcome, resuming after a case that kills the process."""
-    cases: dict[str, tuple[str, str]] = {}
-    collected, session_error, runs, tail = None, None, 0, ""
-    remaining = list(ids)
-    while remaining and time.monotonic() < deadline:
-        runs += 1
-        log, select = stage / f"{name}-{runs}.jsonl", stage / f"{name}-{runs}-select.json"
-        select.write_text(json.dumps(remaining))
-        env = dict(child_env(), CONFORMANCE_LOG=str(log), CONFORMANCE_SELECT=str(select))
-        code, output = run_child(pytest_cmd(SELECTIONS[name], "-q"), stage, deadline - time.monotonic(), env)
-        tail = output[-3000:]
-        reports: dict[str, dict[str, tuple[str, str]]] = {}
-        started = []
-        for record in read_log(log):
-            if record["event"] == "collected" and collected is None:
-                collected = record["total"]
-            elif record["event"] == "collect_error":
-                session_error = record["message"] or f"collection failed (exit {code})"
-            elif record["event"] == "start":
-                started.append(record["nodeid"])
-            elif record["event"] == "report":
-                reports.setdefault(record["nodeid"], {})[record["when"]] = (record["outcome"], record["message"])
-        for nodeid in started:
-            outcome = case_outcome(reports.get(nodeid, {}))
-            if outcome[0] == "crashed":
-                outcome = ("timeout" if code == "timeout" else "crashed", f"process ended (exit {code}) in this case")
-            cases[nodeid] = outcome
-        remaining = [i for i in remaining if i not in cases]
-        if not started and not session_error:
-            last = [line for line in output.splitlines() if line.strip()][-1:] or [""]
-            session_error = f"pytest exited ({code}) before running a case: {last[0].strip()}"
-        if session_error or not started:
-            break
-    for nodeid in remaining:
-        reason = session_error or ("time budget spent" if time.monotonic() >= deadline else "not run")
-        cases[nodeid] = ("blocked" if session_error else "not_run", reason)
-    return summarize(ids, cases, collected or 0, session_error, runs, tail)
-
-
-def grouped(cases: dict[str, tuple[str, str]], outcomes: set[str], top: int = 12) -> list[dict]:
-    """Messages of the cases with these outcomes, grouped by first line, most frequent first."""
-    groups: Counter = Counter()
-    example: dict[str, str] = {}
-    for nodeid, (outcome, message) in cases.items():
-        if outcome in outcomes:
-            first = (message.strip().splitlines() or [""])[0][:300]
-            groups[first] += 1
-            example.setdefault(first, nodeid)
-    return [{"count": n, "message": m, "example": example[m]} for m, n in groups.most_common(top)]
-
-
-def summarize(ids, cases, collected, session_error, runs, tail) -> dict:
-    """Counts: ``run`` cases started; ``errors`` failed outside the test body, crashed or timed out;
-    ``blocked`` never started because the pytest session failed (``session_error``, e.g. a collection error)."""
-    counts = Counter(outcome for outcome, _ in cases.values())
-    return {
-        "selected": len(ids),
-        "collected": collected,
-        "session_error": session_error,
-        "run": len(ids) - counts["not_run"] - counts["blocked"],
-        "passed": counts["passed"],
-        "failed": counts["failed"],
-        "skipped": counts["skipped"],
-        "errors": counts["error"] + counts["crashed"] + counts["timeout"],
-        "blocked": counts["blocked"],
-        "not_run": counts["not_run"],
-        "pytest_processes": runs,
-        "top_failures": grouped(cases, {"failed", "error", "crashed", "timeout", "blocked"}),
-        "top_skips": grouped(cases, {"skipped"}),
-        "cases": {nodeid: {"outcome": o, "message": m[:400]} for nodeid, (o, m) in cases.items()},
-        "output_tail": tail,
-    }
-
-
-def run_tests(frontend: Path, through: str, sample: int, seed: int, budget: float) -> dict:
-    """test_sdpa and test_sdpa_backward: the sample drawn from the real frontend's ids, run through ``through``."""
-    test_dir = frontend / TEST_DIR
-    deadline = time.monotonic() + budget
-    with tempfile.TemporaryDirectory(prefix="conformance-tests-") as tmp:
-        frame, stage = Path(tmp) / "frame", Path(tmp) / "stage"
-        frame.mkdir()
-        stage.mkdir()
-        stage_tests(test_dir, frame, "cudnn")
-        staged = stage_tests(test_dir, stage, through)
-        ids = sample_ids({name: collect_ids(frame, expr) for name, expr in SELECTIONS.items()}, sample, seed)
-        results = {}
-        for name, expr in SELECTIONS.items():
-            results[name] = run_selection(stage, name, ids[name], deadline)
-            results[name]["selection"] = f"-k {expr!r}"
-    return {
-        "sample": sample,
-        "seed": seed,
-        "sampled_from": "ids collected through the real frontend",
-        **staged,
-        "results": results,
-    }
-
-
 # ---------------------------------------------------------------- report
 
 
@@ -497,6 +203,27 @@ def environment(frontend: Path) -> dict:
     return info
 
 
+def edits_lines(device_edits: dict, indent: str) -> list[str]:
+    """The device edits made, one line per staged file."""
+    return [
+        f"{indent}device edits in {name}: " + ", ".join(f"{k} x{n}" for k, n in made.items())
+        for name, made in device_edits.items()
+    ]
+
+
+def function_lines(results: dict, indent: str) -> list[str]:
+    """One line of counts per test function, then its most frequent failure messages."""
+    lines = []
+    for name, r in results.items():
+        lines.append(
+            f"{indent}{name}: selected {r['selected']}, collected {r['collected']}, run {r['run']}, passed {r['passed']},"
+            f" failed {r['failed']}, skipped {r['skipped']}, errors {r['errors']}, blocked {r['blocked']}, not run {r['not_run']}"
+        )
+        for group in r["top_failures"][:6]:
+            lines.append(f"{indent}  {group['count']:>4} x {group['message']}"[:300])
+    return lines
+
+
 def summary_text(report: dict) -> str:
     lines = [f"frontend conformance through {report['through']} on {report['device']}"]
     notebooks = report.get("notebooks")
@@ -516,15 +243,24 @@ def summary_text(report: dict) -> str:
         lines.append(
             f"{TEST_FILE} (sample {tests['sample'] or 'all'}, seed {tests['seed']}; shims: {tests['shims'] or 'none'})"
         )
-        for name, r in tests["results"].items():
-            lines.append(
-                f"  {name}: selected {r['selected']}, collected {r['collected']}, run {r['run']}, passed {r['passed']},"
-                f" failed {r['failed']}, skipped {r['skipped']}, errors {r['errors']}, blocked {r['blocked']}, not run {r['not_run']}"
-            )
-            for group in r["top_failures"][:6]:
-                lines.append(f"    {group['count']:>4} x {group['message']}"[:300])
+        lines += edits_lines(tests.get("device_edits", {}), "  ")
+        lines += function_lines(tests["results"], "  ")
     elif tests is not None:
         lines.append(f"{TEST_FILE}: {tests.get('skipped') or tests.get('error')}")
+    sdpa = report.get("sdpa_tests")
+    if sdpa is not None:
+        timeout = f"case timeout {sdpa['case_timeout']} s" if sdpa["case_timeout"] else "no case timeout"
+        lines.append(
+            f"SDPA tests (sample {sdpa['sample'] or 'all'} per file, seed {sdpa['seed']}; {timeout};"
+            f" shims: {sdpa['shims'] or 'none'})"
+        )
+        lines += edits_lines(sdpa["device_edits"], "  ")
+        for name, record in sdpa["files"].items():
+            if "error" in record:
+                lines.append(f"  {name}: {record['error'].splitlines()[0]}")
+                continue
+            lines.append(f"  {name}: {sum(record['collected_frontend'].values())} ids through the real frontend")
+            lines += function_lines(record["results"], "    ")
     return "\n".join(lines)
 
 
@@ -533,11 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frontend-dir", type=Path, required=True, help="copy of NVIDIA/cudnn-frontend's files")
     parser.add_argument("--through", choices=["cudnn_attn", "cudnn"], default="cudnn_attn")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--parts", default="notebooks,tests", help="comma-separated: notebooks, tests")
-    parser.add_argument("--tests-sample", type=int, default=200, help="test ids to draw (0: all)")
+    parser.add_argument("--parts", default="notebooks,tests", help="comma-separated: notebooks, tests, sdpa_tests")
+    parser.add_argument("--tests-sample", type=int, default=200, help="test_mhas ids to draw (0: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--notebook-timeout", type=float, default=300)
     parser.add_argument("--tests-timeout", type=float, default=900, help="seconds for all test_mhas runs together")
+    parser.add_argument("--case-timeout", type=int, default=0, help="seconds one test case may run (0: no limit)")
+    parser.add_argument("--sdpa-tests-sample", type=int, default=40, help="ids to draw per SDPA test file (0: all)")
+    parser.add_argument("--sdpa-tests-files", default=",".join(SDPA_TEST_FILES), help="comma-separated test files")
+    parser.add_argument("--sdpa-tests-timeout", type=float, default=600, help="seconds for each SDPA test file")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     frontend, parts = args.frontend_dir.resolve(), set(args.parts.split(","))
@@ -546,13 +286,25 @@ def main(argv: list[str] | None = None) -> int:
     if "notebooks" in parts:
         paths = sorted(frontend.glob(NOTEBOOKS))
         report["notebooks"] = [run_notebook(p, args.through, args.device, args.notebook_timeout) for p in paths]
-    if "tests" in parts and args.device == "cpu":
-        report["tests"] = {"skipped": "test_mhas needs a GPU (its conftest asserts torch.cuda.is_available())"}
-    elif "tests" in parts:
+    if "tests" in parts:
         try:
-            report["tests"] = run_tests(frontend, args.through, args.tests_sample, args.seed, args.tests_timeout)
+            report["tests"] = run_tests(
+                frontend, args.through, args.tests_sample, args.seed, args.tests_timeout, args.device, args.case_timeout
+            )
         except RuntimeError as error:
             report["tests"] = {"error": str(error)}
+    if "sdpa_tests" in parts:
+        files = [name for name in args.sdpa_tests_files.split(",") if name]
+        report["sdpa_tests"] = run_sdpa_tests(
+            frontend,
+            args.through,
+            files,
+            args.sdpa_tests_sample,
+            args.seed,
+            args.sdpa_tests_timeout,
+            args.device,
+            args.case_timeout,
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))

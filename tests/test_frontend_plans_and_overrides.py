@@ -231,3 +231,96 @@ def test_a_packed_tensor_binds_to_a_4d_ragged_graph_tensor_and_bad_offsets_are_r
         g.execute({**pack, 50: late}, None)
     with pytest.raises(cudnn.ShapeMismatchError, match=r"Q: dtype torch.float16"):
         g.execute({**pack, 1: q.half()}, None)
+
+
+def test_serialize_and_deserialize_run_the_same_graph_without_building_it_again():
+    b, s = 2, 12
+    dims = (b, H, s, D)
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
+    q, k, v, o_in, d_o = (
+        g.tensor(name=n, dim=dims, uid=i, device="cpu") for i, n in enumerate(("q", "k", "v", "o", "dO"), 1)
+    )
+    stats = g.tensor(name="stats", dim=(b, H, s, 1), uid=6, device="cpu")
+    grads = g.sdpa_backward(q=q, k=k, v=v, o=o_in, dO=d_o, stats=stats, attn_scale=0.3, use_causal_mask=True)
+    for uid, t in enumerate(grads, 7):
+        t.set_output(True).set_uid(uid)
+    g.build()
+    data = g.serialize()
+    assert isinstance(data, list) and bytes(g.serialize(as_bytes=True)) == bytes(data)
+    restored = cudnn.pygraph()
+    restored.deserialize(cudnn.create_handle(), data)  # the frontend's (handle, data) form
+    assert restored.is_built and restored.problems == g.problems
+    tensors = [randn(*dims, seed=60 + i).requires_grad_() for i in range(3)]
+    ref = _attention(*tensors, 0.3, causal=True)
+    grad_out = randn(*dims, seed=70)
+    expected = torch.autograd.grad(ref, tensors, grad_out.double())
+    lse = (
+        (torch.einsum("bhqd,bhkd->bhqk", *(t.detach().double() for t in tensors[:2])) * 0.3)
+        .masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+        .logsumexp(-1, keepdim=True)
+    )
+    got = [torch.full(dims, float("nan")) for _ in range(3)]
+    pack = {1: tensors[0].detach(), 2: tensors[1].detach(), 3: tensors[2].detach(), 4: ref.detach().float(),
+            5: grad_out, 6: lse.float(), **dict(zip((7, 8, 9), got))}  # fmt: skip
+    restored.execute(pack)
+    assert all(rel_err(a, e) < 1e-4 for a, e in zip(got, expected))
+
+
+def test_deserialize_refuses_damaged_data_and_a_graph_in_use():
+    g, q, k, v = _dense_graph(1, 8)
+    g.sdpa(q=q, k=k, v=v, generate_stats=False)
+    data = g.serialize(as_bytes=True)
+    with pytest.raises(cudnn.ValidationError, match="truncated or damaged"):
+        cudnn.pygraph().deserialize(data[:-3])
+    with pytest.raises(cudnn.ValidationError, match="not a graph serialized by cudnn_attn"):
+        cudnn.pygraph().deserialize(b"\x00" * 16)
+    with pytest.raises(cudnn.GraphStateError, match="reads into an empty graph"):
+        g.deserialize(data)
+
+
+FRONTEND_DEFAULTS = dict(block_mask=None, score_mod=None, score_max=None, score_sum_exp=None, sink_token=None,
+                         unfuse_fma=False, cu_seq_len_q=None, cu_seq_len_kv=None, stats_use_log2=False)  # fmt: skip
+
+
+def test_the_frontends_other_sdpa_keywords_take_their_defaults_and_refuse_the_rest_by_name():
+    data = [randn(1, H, 8, D, seed=80 + i) for i in range(3)]
+    g, q, k, v = _dense_graph(1, 8)
+    o, _ = g.sdpa(q=q, k=k, v=v, generate_stats=False, **FRONTEND_DEFAULTS)
+    out = torch.empty_like(data[0])
+    g.execute({q: data[0], k: data[1], v: data[2], o: out})
+    assert rel_err(out, _attention(*data, D**-0.5)) < 1e-5
+    for name, value in (("unfuse_fma", True), ("stats_use_log2", True), ("score_mod", lambda g, s: s)):
+        g, q, k, v = _dense_graph(1, 8)
+        g.sdpa(q=q, k=k, v=v, generate_stats=False, **{name: value})
+        with pytest.raises(cudnn.cudnnGraphNotSupportedError, match=f"{name}: "):
+            g.build()
+
+
+def test_the_fp8_spellings_of_the_band_are_aliases():
+    data = [randn(1, H, 16, D, seed=90 + i) for i in range(3)]
+    results = []
+    for keywords in ({"sliding_window": 4}, {"sliding_window_length": 4}, {"left_bound": 4, "right_bound": 0}):
+        g, q, k, v = _dense_graph(1, 16)
+        o, _ = g.sdpa(q=q, k=k, v=v, generate_stats=False, use_causal_mask="right_bound" not in keywords, **keywords)
+        out = torch.empty_like(data[0])
+        g.execute({q: data[0], k: data[1], v: data[2], o: out})
+        results.append(out)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    g, q, k, v = _dense_graph(1, 16)
+    g.sdpa(q=q, k=k, v=v, generate_stats=False, sliding_window=4, sliding_window_length=4)
+    with pytest.raises(cudnn.ValidationError, match="sliding_window: given with its alias sliding_window_length"):
+        g.build()
+
+
+def test_pygraph_io_data_type_is_the_default_of_untyped_tensors_only():
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF)  # the frontend's graph() default
+    dims = (1, H, 8, D)
+    q, k, v = (g.tensor(dim=dims, data_type=cudnn.data_type.BFLOAT16, device="cpu") for _ in range(3))
+    untyped = g.tensor(dim=dims, device="cpu")
+    assert untyped.spec.dtype == torch.float16
+    o, _ = g.sdpa(q=q, k=k, v=v, generate_stats=False)
+    g.build()
+    assert g.problems[0].q.dtype == torch.bfloat16
+    with pytest.raises(cudnn.ValidationError, match="io_data_type: float16 but q is bfloat16"):
+        with cudnn.Graph(io_data_type=cudnn.data_type.HALF) as own:  # the library's own Graph: a constraint
+            own.sdpa(*(torch.randn(*dims, dtype=torch.bfloat16) for _ in range(3)))

@@ -217,3 +217,29 @@ def test_jit_graph_cache_and_graph_build_once_per_key():
     torch.cuda.synchronize()
     want = _oracle(*data, 0.1, True)
     assert all(rel_err(out[i : i + 1], want[i]) < TOL for i in range(2))
+
+
+def test_a_serialized_cudnn_graph_runs_again_without_planning():
+    b, s = 2, 128
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    data = [torch.randn(b, H, s, D, device="cuda", generator=gen).half() for _ in range(3)]
+    g = cudnn_attn.pygraph(io_data_type=cudnn_attn.data_type.HALF)
+    q, k, v = (g.tensor_like(t).set_uid(i) for i, t in enumerate(data, 1))
+    o, stats = g.sdpa(q=q, k=k, v=v, attn_scale=0.2, use_causal_mask=True, generate_stats=True)
+    o.set_output(True).set_uid(4)
+    stats.set_output(True).set_uid(5)
+    g.build()
+    blob = g.serialize(as_bytes=True)
+    restored = cudnn_attn.pygraph()
+    restored.deserialize(cudnn_attn.create_handle(), blob)
+    assert restored.problems == g.problems and restored.nodes[0].plan.source == "disk"
+    results = []
+    for graph in (g, restored):
+        out = torch.full_like(data[0], float("nan"))
+        lse = torch.full((b, H, s, 1), float("nan"), device="cuda")
+        graph.execute({1: data[0], 2: data[1], 3: data[2], 4: out, 5: lse})
+        results.append((out, lse))
+    torch.cuda.synchronize()
+    want = _oracle(*data, 0.2, True)
+    assert all(rel_err(results[1][0][i : i + 1], want[i]) < TOL for i in range(b))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

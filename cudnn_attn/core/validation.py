@@ -319,23 +319,28 @@ def _check_bias(p: AttentionProblem, found: list[str]) -> None:
 def _check_masks(p: AttentionProblem, found: list[str]) -> None:
     # ALiBi without top-left causal and bottom-right causal with a bias, ALiBi or dropout are well
     # formed: the reference runs them, cuDNN refuses them (ops/cudnn/capabilities.py).
-    s_q, s_kv = p.s_q, p.s_kv
-    if p.options.causal is Causal.BOTTOM_RIGHT and s_q > s_kv and not p.options.padding:
-        found.append(
-            f"use_causal_mask_bottom_right: S_q={s_q} > S_kv={s_kv}; bottom-right causal needs S_q <= S_kv "
-            "(or a padding mask with per-batch lengths)"
-        )
     if p.options.right_bound is not None and (p.options.right_bound < 1 or p.options.causal is not Causal.NONE):
         found.append(f"diagonal_band_right_bound: {p.options.right_bound}; a bound past the diagonal is >= 1, "
                      "without a causal mask (causal is a right bound of 0)")  # fmt: skip
     if p.options.sliding_window is not None:
         if p.options.sliding_window < 1:
             found.append(f"sliding_window_length: {p.options.sliding_window}; must be >= 1")
-        if s_q > s_kv and not p.options.padding:
-            found.append(
-                f"sliding_window_length: S_q={s_q} > S_kv={s_kv}; sliding windows need S_q <= S_kv "
-                "(or a padding mask with per-batch lengths)"
-            )
+
+
+def unrunnable(p: AttentionProblem) -> list[str]:
+    """Well-formed problems no backend runs, as the frontend refuses them (not supported, not
+    invalid): a bottom-right diagonal that leaves the first query rows without keys."""
+    s_q, s_kv = p.s_q, p.s_kv
+    if s_q <= s_kv or p.options.padding:
+        return []
+    found = []
+    if p.options.causal is Causal.BOTTOM_RIGHT:
+        found.append(f"use_causal_mask_bottom_right: S_q={s_q} > S_kv={s_kv}; bottom-right causal needs S_q <= S_kv "
+                     "(or a padding mask with per-batch lengths)")  # fmt: skip
+    if p.options.sliding_window is not None:
+        found.append(f"sliding_window_length: S_q={s_q} > S_kv={s_kv}; sliding windows need S_q <= S_kv "
+                     "(or a padding mask with per-batch lengths)")  # fmt: skip
+    return found
 
 
 def _check_padding(p: AttentionProblem, found: list[str]) -> None:

@@ -52,6 +52,12 @@ class Backend(Protocol):
     def plan_key(self, problem: AttentionProblem) -> tuple:
         """What besides the problem decides the built plan (GPU architecture, library versions)."""
 
+    def from_blob(self, problem: AttentionProblem, blob: bytes) -> Plan:
+        """A plan ``to_blob`` serialized (a graph's ``serialize()``), ready to run again."""
+
+    def to_blob(self, plan: Any) -> bytes:
+        """What ``from_blob`` needs besides the problem to run ``plan`` again."""
+
     def build(self, problem: AttentionProblem, *, autotune: bool = False, store: Any = None) -> Plan:
         """A ready-to-run plan for a problem this backend supports (tuned, and loaded from or
         saved to the persistent ``store``, where the backend has such things)."""

@@ -28,6 +28,8 @@ def validate_nodes(nodes: Sequence[Node], dtypes: dict[str, torch.dtype | None],
     found: list[str] = []
     prefix = len(nodes) > 1
     for node in nodes:
+        if node.parsed is not None and node.parsed.unsupported:
+            continue  # what is not run here is refused as unsupported (plan_nodes), not judged as invalid
         problem = assemble_problem(node, dtypes)
         lines = list(node.errors)
         if problem is None:
@@ -53,10 +55,10 @@ def plan_nodes(nodes: Sequence[Node], backend: str, autotune: bool, cache: PlanC
     alternatives: list[str] = []
     prefix = len(nodes) > 1
     for node in nodes:
-        assert node.problem is not None, "plan_nodes runs after validate_nodes"
         if node.parsed is not None and node.parsed.unsupported:  # valid keywords this library cannot run yet
             reasons += [f"{node.name}: {r}" if prefix else r for r in node.parsed.unsupported]
             continue
+        assert node.problem is not None, "plan_nodes runs after validate_nodes"
         try:
             planned = planner.plan(node.problem, backend, autotune, cache)
         except UnsupportedError as error:

@@ -112,7 +112,7 @@ class Fp8Ops:
 
 def _interpret_fp8(recording: Recording, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, scales: tuple,
                    is_inference: Any, generate_stats: Any, compute_data_type: Any) -> None:  # fmt: skip
-    recording.bind_call(node, {"q": q, "k": k, "v": v, **dict(zip(FP8_SCALES, scales))}, fp8_spellings(mask, node),
+    recording.bind_call(node, {"q": q, "k": k, "v": v, **dict(zip(FP8_SCALES, scales))}, mask,
                         "sdpa_fp8")  # fmt: skip
     stats_requested(is_inference, generate_stats, node.errors)
     check_compute_dtype(compute_data_type, node)
@@ -129,26 +129,8 @@ def _interpret_fp8_backward(recording: Recording, node: Node, mask: dict[str, An
         "stats": stats,
         **dict(zip(FP8_BACKWARD_SCALES, scales)),
     }
-    recording.bind_call(node, tensors, fp8_spellings(mask, node), "sdpa_fp8_backward")
+    recording.bind_call(node, tensors, mask, "sdpa_fp8_backward")
     check_compute_dtype(compute_data_type, node)
-    if not isinstance(deterministic, (bool, int)) or deterministic not in (0, 1):
+    if deterministic is not None and (not isinstance(deterministic, (bool, int)) or deterministic not in (0, 1)):
         node.errors.append(f"use_deterministic_algorithm: {deterministic!r}; expected True or False")
     node.deterministic = deterministic is True or deterministic == 1
-
-
-# The FP8 ops' own spellings of the diagonal band (the frontend's sdpa_fp8 / sdpa_fp8_backward).
-FP8_SPELLINGS = {"sliding_window": "sliding_window_length", "left_bound": "diagonal_band_left_bound",
-                 "right_bound": "diagonal_band_right_bound"}  # fmt: skip
-
-
-def fp8_spellings(mask: dict[str, Any], node: Node) -> dict[str, Any]:
-    """``mask`` with the FP8 ops' spellings read as sdpa's; ``fn=None`` (no score modifier) is taken."""
-    mask = dict(mask)
-    if mask.get("fn", 0) is None:
-        del mask["fn"]
-    for fp8_name, name in FP8_SPELLINGS.items():
-        if fp8_name in mask:
-            if name in mask:
-                node.errors.append(f"{fp8_name}: given with {name}, which it spells; give one")
-            mask[name] = mask.pop(fp8_name)
-    return mask

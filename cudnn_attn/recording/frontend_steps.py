@@ -15,7 +15,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
+from ..runtime import interop, lifecycle
 from ..runtime.runner import Runner
+from . import serialized
 from .declared import resolve
 from .handles import InputHandle
 from .node import Node
@@ -133,6 +135,8 @@ def jit(heur_modes: Any = "A", **kwargs: Any) -> Callable:
 class FrontendSteps:
     """Mixed into ``Graph``: the frontend's method names, each a call of ``build()``."""
 
+    _runner: Runner | None
+
     def build(self) -> Any:
         raise NotImplementedError
 
@@ -167,6 +171,32 @@ class FrontendSteps:
         """The largest workspace of the graph's plans (the library allocates its own when none is passed)."""
         self.build()
         return max((getattr(node.plan, "workspace_size", 0) for node in self.nodes), default=0)  # type: ignore[attr-defined]
+
+    def serialize(self, *, as_bytes: bool = False, include_kernels: bool = True) -> Any:
+        """The built graph as bytes ``deserialize`` reads back (``serialized.py``); a list of byte
+        values unless ``as_bytes``, as the frontend returns. ``include_kernels`` is accepted."""
+        data = serialized.serialize(self)
+        return data if as_bytes else list(data)
+
+    def deserialize(self, *args: Any, **kwargs: Any) -> None:
+        """``deserialize(data)`` or ``deserialize(handle, data, enforce_precompiled=False)``, into
+        an empty graph: it is built from what ``serialize`` wrote, with nothing planned again."""
+        kwargs.pop("enforce_precompiled", None)
+        handle = kwargs.pop("handle", kwargs.pop("handle_", None))
+        data = kwargs.pop("data", None)
+        if kwargs or len(args) > 3:
+            raise ValidationError(
+                [f"{k}: not a parameter of deserialize" for k in kwargs] or ["deserialize: too many arguments"]
+            )
+        if data is None:
+            if len(args) == 1:
+                (data,) = args
+            elif args:
+                handle, data = args[0], args[1]
+        if handle is not None and self.handle is None:  # type: ignore[has-type]
+            self.handle = handle
+        self._runner = serialized.deserialize(self, data)
+        lifecycle.track_releasable(self)
 
     # ---- plan helpers: the candidate plans of a one-node graph ------------------------------
 
@@ -226,13 +256,20 @@ class FrontendSteps:
         inputs: dict[Any, Any] = {}
         outputs: dict[Any, Any] = {}
         unknown: list[str] = []
+        read = set(recording.inputs)
         for key, value in variant_pack.items():
             handle = resolve(recording, key)
             if handle is None:
                 if key is not None:
                     unknown.append(f"{key!r}: not a tensor of this graph (keys: handles, names or uids)")
                 continue
-            (inputs if isinstance(handle, InputHandle) else outputs)[handle] = value
+            if handle.ragged_offset is None:  # a ragged tensor is bound by its memory as it is
+                value = interop.same_memory_view(value, handle.spec)
+            if isinstance(handle, InputHandle):
+                if handle in read:  # a tensor of the graph no node reads is not bound, as in the frontend
+                    inputs[handle] = value
+            else:
+                outputs[handle] = value
         if unknown:
             raise ShapeMismatchError(unknown, context="execute")
         missing = [h.name for h in self.outputs if h not in outputs]  # type: ignore[attr-defined]

@@ -123,6 +123,11 @@ class InputHandle(TensorHandle):
 
     # The frontend's setters on an input: they describe the tensors later runs will pass.
 
+    def set_output(self, is_output: bool = True) -> InputHandle:
+        """Frontend code marks the tensors it makes to receive an op's output (``dBias=``,
+        ``rng_dump=``): the op they are given to makes them outputs; nothing to do here."""
+        return self
+
     def set_dim(self, dim: Any) -> InputHandle:
         self.recording.check_open(f"{self._name}.set_dim")
         shape = int_tuple(dim, f"{self._name}.set_dim")

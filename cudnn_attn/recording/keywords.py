@@ -52,6 +52,47 @@ class MaskKeywords:
     max_total_seq_len_q: Any = None  # packed token totals: a workspace bound the plans do not need
     max_total_seq_len_kv: Any = None
     rng_dump: Any = None  # sdpa_backward's debug output: not supported yet (None is taken; sdpa's is a parameter)
+    # The FP8 ops' own spellings of the band: aliases of sliding_window_length and the diagonal band bounds.
+    sliding_window: Any = None
+    left_bound: Any = None
+    right_bound: Any = None
+    # The frontend's keywords for what is not run here: their defaults are taken (code passes them
+    # on every call); any other value is refused with the reason (NOT_RUN_HERE).
+    block_mask: Any = None
+    score_mod: Any = None
+    score_mod_bprop: Any = None
+    fn: Any = None
+    score_max: Any = None
+    score_sum_exp: Any = None
+    sink_token: Any = None
+    dSink_token: Any = None  # noqa: N815 - the frontend's spelling
+    unfuse_fma: Any = False
+    cu_seq_len_q: Any = None
+    cu_seq_len_kv: Any = None
+    stats_use_log2: Any = False
+    paged_attention_k_table: Any = None  # sdpa_fp8's: sdpa and sdpa_with_paged_cache take their own
+    paged_attention_v_table: Any = None
+    paged_attention_max_seq_len_kv: Any = None
+
+
+ALIASES = (("sliding_window", "sliding_window_length"), ("left_bound", "diagonal_band_left_bound"),
+           ("right_bound", "diagonal_band_right_bound"))  # fmt: skip
+NOT_RUN_HERE = {
+    "block_mask": "block-sparse tile masks need cuDNN's unified engine (cuDNN >= 9.14); not supported here",
+    "score_mod": "score modifier callbacks are not supported here",
+    "score_mod_bprop": "score modifier callbacks are not supported here",
+    "fn": "score modifier callbacks are not supported here",
+    "score_max": "the softmax partials (score_max, score_sum_exp) as outputs are not supported here; use Stats",
+    "score_sum_exp": "the softmax partials (score_max, score_sum_exp) as outputs are not supported here; use Stats",
+    "sink_token": "attention sinks are not supported here yet",
+    "dSink_token": "attention sinks are not supported here yet",
+    "unfuse_fma": "a Blackwell (sm100) engine option; not supported here",
+    "cu_seq_len_q": "cumulative sequence lengths need cuDNN >= 9.24; give seq_len_q with ragged offsets",
+    "cu_seq_len_kv": "cumulative sequence lengths need cuDNN >= 9.24; give seq_len_kv with ragged offsets",
+    "stats_use_log2": "base-2 Stats need cuDNN >= 9.27 or a Blackwell engine; not supported here",
+    "paged_attention_k_table": "FP8 attention over paged caches is not supported here",
+    "paged_attention_v_table": "FP8 attention over paged caches is not supported here",
+}  # paged_attention_max_seq_len_kv: taken, and read only with the tables
 
 
 KEYWORDS = tuple(f.name for f in dataclasses.fields(MaskKeywords))
@@ -83,6 +124,7 @@ def collect_keywords(given: dict[str, Any], op: str, hints: dict[str, str] | Non
 def parse_keywords(given: MaskKeywords, *, ragged: bool) -> Parsed:
     """Parse ``given``; ``ragged``: q is THD, which implies the padding mask."""
     errors: list[str] = []
+    given = _resolved_aliases(given, errors)
     tensors: dict[str, Any] = {}
     scale: float | None = 1.0
     if isinstance(given.attn_scale, TensorHandle):  # a graph tensor: its value is read at each run
@@ -130,6 +172,24 @@ def _frontend_keywords(given: MaskKeywords, errors: list[str], unsupported: list
         _length(getattr(given, name), name, errors)
     if given.rng_dump is not None:
         unsupported.append("rng_dump: the dropout keep-mask as an output is not supported yet")
+    defaults = {f.name: f.default for f in dataclasses.fields(MaskKeywords)}
+    for name, reason in NOT_RUN_HERE.items():
+        value = getattr(given, name)
+        if value is not None and value is not defaults[name]:
+            unsupported.append(f"{name}: {reason}")
+
+
+def _resolved_aliases(given: MaskKeywords, errors: list[str]) -> MaskKeywords:
+    """``given`` with the FP8 ops' spellings moved to the names the parser reads."""
+    changes: dict[str, Any] = {}
+    for alias, name in ALIASES:
+        value = getattr(given, alias)
+        if value is None:
+            continue
+        if getattr(given, name) is not None:
+            errors.append(f"{alias}: given with its alias {name}; give one")
+        changes[name], changes[alias] = value, None
+    return dataclasses.replace(given, **changes) if changes else given
 
 
 def stats_requested(is_inference: Any, generate_stats: Any, errors: list[str]) -> bool:

@@ -50,6 +50,7 @@ class Recording:
         self.built = False
         self._output_count = 0
         self.uids: dict[int, Any] = {}  # uid -> its handle
+        self.pinned: set[int] = set()  # the uids set with set_uid (the others yield to them)
         self._next_uid = 1
 
     # ---- names and inputs ------------------------------------------------------------------------
@@ -85,9 +86,15 @@ class Recording:
             raise ValidationError([f"{handle.name}.set_uid: {uid!r}; expected an int >= 0"])
         holder = self.uids.get(uid)
         if holder is not None and holder is not handle:
-            raise ValidationError([f"{handle.name}.set_uid: uid {uid} is already the uid of {holder.name!r}"])
+            if uid in self.pinned:
+                raise ValidationError([f"{handle.name}.set_uid: uid {uid} is already the uid of {holder.name!r}"])
+            # A uid this graph gave on its own yields, as the frontend assigns its own only at build.
+            self.uids.pop(uid)
+            holder.uid = self.new_uid(holder)
         self.uids.pop(handle.uid, None)
+        self.pinned.discard(handle.uid)
         self.uids[uid] = handle
+        self.pinned.add(uid)
 
     def caller_output(self, node: Node, role: str, given: Any) -> None:
         """The frontend's caller-made output (``dBias=``): ``node``'s output ``role`` takes the
@@ -156,13 +163,13 @@ class Recording:
                 node.errors.append(f"name: {name!r}; expected a string")
         self.nodes.append(node)
         for role in outputs:
-            self._new_output(node, role)
+            self.new_output(node, role)
         self.calls.append((interpret, node, args, mask))
         return node
 
-    def _new_output(self, node: Node, role: str) -> OutputHandle:
+    def new_output(self, node: Node, role: str, name: str | None = None) -> OutputHandle:
         base = ROLES[role].output or role
-        unique = self.unique_name(base if len(self.nodes) == 1 else f"{node.name}::{base}")
+        unique = self.unique_name(name or (base if len(self.nodes) == 1 else f"{node.name}::{base}"))
         handle = OutputHandle(self, unique, node, role, self._output_count)
         self._output_count += 1
         node.outputs[role] = handle
@@ -312,6 +319,6 @@ def interpret_backward(recording: Recording, node: Node, mask: dict[str, Any], q
     recording.bind_call(node, tensors, mask, "sdpa_backward")
     check_compute_dtype(compute_data_type, node)
     for flag, value in (("use_deterministic_algorithm", deterministic), ("bias_grad", bias_grad)):
-        if not isinstance(value, (bool, int)) or value not in (0, 1):
+        if value is not None and (not isinstance(value, (bool, int)) or value not in (0, 1)):  # None: the default
             node.errors.append(f"{flag}: {value!r}; expected True or False")
     node.deterministic = flag_true(deterministic)

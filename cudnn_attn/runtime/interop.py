@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Any
 
 import torch
@@ -54,6 +55,21 @@ def geometry_mismatch(tensor: torch.Tensor, spec: TensorSpec) -> str | None:
     if str(tensor.device) != spec.device:
         problems.append(f"device {tensor.device} (graph built for {spec.device})")
     return "; ".join(problems) or None
+
+
+def same_memory_view(value: Any, spec: TensorSpec | None) -> Any:
+    """``value``'s memory viewed with ``spec``'s dims and strides where it holds every element they
+    address (the frontend binds a tensor by its pointer: a [B + 1] offsets tensor stands for
+    [B + 1, 1, 1, 1], a contiguous [B, S, H, D] tensor for [B, H, S, D] dims with BSHD strides);
+    otherwise ``value`` itself, for the usual checks to judge."""
+    if type(value) is not torch.Tensor or spec is None or tuple(value.shape) == spec.shape:
+        return value
+    if value.dtype != spec.dtype or not value.is_contiguous() or min(spec.stride, default=0) < 0:
+        return value
+    extent = sum((n - 1) * s for n, s in zip(spec.shape, spec.stride)) + 1 if math.prod(spec.shape) else 0
+    if extent > value.numel():
+        return value
+    return value.as_strided(spec.shape, spec.stride)
 
 
 def ragged_mismatch(tensor: torch.Tensor, spec: TensorSpec) -> str | None:

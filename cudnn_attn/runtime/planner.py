@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import log
 from ..core.problem import AttentionProblem
-from ..ops import select_backend
+from ..ops import get_backend, select_backend
 from ..ops.base import Plan
 
 
@@ -57,3 +57,14 @@ def origin(made: Any, backend: str) -> tuple[str, str]:
 def _engine(made: Any, backend: str) -> str:
     """The cuDNN engine (and knobs) where the plan knows it; the backend's name otherwise ("reference")."""
     return getattr(made, "engine", None) or backend
+
+
+def restore(problem: AttentionProblem, backend: str, blob: bytes) -> Planned:
+    """The plan a serialized graph holds (``backend``'s ``to_blob``), ready to run: not taken
+    from or put in the plan cache (it is this graph's own, as the frontend's deserialize gives)."""
+    chosen = get_backend(backend)
+    return Planned(chosen.from_blob(problem, blob), chosen.name, None)
+
+
+def to_blob(planned_backend: str, plan: Plan) -> bytes:
+    return get_backend(planned_backend).to_blob(plan)

@@ -131,14 +131,8 @@ class CudnnBackend:
         entry = store.load(key, record)
         if entry is None:
             return None
-        lowered = lowering.lower(problem)
-        import cudnn
-
         try:
-            handle = cudnn_handle(device_index)
-            graph = cudnn.pygraph(handle=handle)  # the frontend would otherwise make a default handle of its own
-            graph.deserialize(handle, entry.blob)
-            workspace_size = int(graph.get_workspace_size())
+            plan = self.from_blob(problem, entry.blob, device_index)
         except Exception as error:  # a plan this cuDNN cannot load: rebuild and overwrite it
             if autotune_.is_out_of_memory(error):
                 raise  # the plan is fine, the GPU is full: rebuilding would overwrite a good file
@@ -148,7 +142,6 @@ class CudnnBackend:
                 str(error).splitlines()[0] if str(error) else error,
             )
             return None
-        plan = CudnnPlan(problem, dataclasses.replace(lowered, graph=graph), workspace_size, device_index)
         choice = entry.header.get("choice") or {}
         plan.choice = autotune_.Choice(
             **{k: v for k, v in choice.items() if k in autotune_.Choice.__dataclass_fields__}
@@ -156,9 +149,29 @@ class CudnnBackend:
         plan.source = "disk"
         return plan
 
+    def from_blob(self, problem: AttentionProblem, blob: bytes, device_index: int | None = None) -> CudnnPlan:
+        """A plan serialized by ``to_blob``, deserialized into an empty graph: nothing validated,
+        lowered to cuDNN or planned (the lowering only records what running the plan binds)."""
+        import cudnn
+
+        if device_index is None:
+            device_index = cudnn_platform.device_index(problem.device)
+        lowered = lowering.lower(problem)
+        handle = cudnn_handle(device_index)
+        graph = cudnn.pygraph(handle=handle)  # the frontend would otherwise make a default handle of its own
+        graph.deserialize(handle, blob)
+        plan = CudnnPlan(
+            problem, dataclasses.replace(lowered, graph=graph), int(graph.get_workspace_size()), device_index
+        )
+        plan.source = "disk"
+        return plan
+
+    def to_blob(self, plan: Any) -> bytes:
+        return bytes(plan.graph.serialize(as_bytes=True))
+
     def _save(self, plan: CudnnPlan, store: PlanStore, key: str, record: dict, variant: str) -> None:
         try:
-            blob = bytes(plan.graph.serialize(as_bytes=True))
+            blob = self.to_blob(plan)
         except Exception as error:  # some plans cannot be serialized: they are simply not stored
             log.info(
                 "plan store: %s not serializable (%s)",

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...core import validation
 from ...core.dtypes import FP8
 from ...core.mask import Causal
 from ...core.problem import AttentionProblem
@@ -75,7 +76,7 @@ def unsupported_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
 
 @functools.lru_cache(maxsize=4096)  # pure: a rebuilt graph pays a lookup
 def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
-    reasons: list[str] = []
+    reasons: list[str] = validation.unrunnable(p)
     if not p.device.startswith("cuda"):
         return (f"device={p.device}: cuDNN runs on CUDA tensors",)
     if platform.arch < MIN_ARCH:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ...core import ragged
+from ...core import ragged, validation
 from ...core.bounds import clamped, upper_bounds, value_problems
 from ...core.problem import AttentionProblem, KVCacheLayout
 from ...core.roles import FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES, ROLES, offset_role, sequence_lengths
@@ -32,7 +32,7 @@ class ReferenceBackend:
         self.compute_dtype = compute_dtype
 
     def not_supported_reasons(self, problem: AttentionProblem) -> list[str]:
-        return []
+        return validation.unrunnable(problem)
 
     def plan_key(self, problem: AttentionProblem) -> tuple:
         return (str(self.compute_dtype),)
@@ -40,6 +40,13 @@ class ReferenceBackend:
     def build(self, problem: AttentionProblem, *, autotune: bool = False, store: Any = None) -> ReferencePlan:
         """The reference has one way to run a problem: nothing to tune, nothing worth storing."""
         return ReferencePlan(problem, self.compute_dtype)
+
+    def from_blob(self, problem: AttentionProblem, blob: bytes) -> ReferencePlan:
+        """A serialized graph's plan: the problem is all a reference plan holds (``blob`` is empty)."""
+        return ReferencePlan(problem, self.compute_dtype)
+
+    def to_blob(self, plan: Any) -> bytes:
+        return b""
 
 
 class ReferencePlan:
