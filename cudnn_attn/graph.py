@@ -307,6 +307,7 @@ class Graph(Fp8Ops, steps.FrontendSteps):
         dBias: Any = None,  # noqa: N803 - the frontend's spelling
         compute_data_type: Any = None,
         name: str | None = None,
+        dSink_token: Any = None,  # noqa: N803 - the frontend's spelling
         **mask: Any,
     ) -> tuple[OutputHandle, ...]:
         """Gradients of sdpa: ``(dQ, dK, dV)``, plus ``dBias`` when ``bias_grad=True``.
@@ -315,6 +316,7 @@ class Graph(Fp8Ops, steps.FrontendSteps):
         forward whose ``o`` and ``stats`` are passed. ``dBias``: the frontend's form, a tensor
         the caller made (``g.tensor_like(d_bias)``, any strides) that receives the bias gradient;
         the call then returns ``(dQ, dK, dV)`` and ``execute`` takes that tensor as an output.
+        ``dSink_token``: likewise, a ``[1, H_q, 1, 1]`` float32 tensor receiving ``sink_token``'s gradient.
         """
         args = (q, k, v, o, dO, stats, use_deterministic_algorithm, bias_grad, dBias, compute_data_type)
         roles = (
@@ -322,11 +324,12 @@ class Graph(Fp8Ops, steps.FrontendSteps):
             if state.flag_true(bias_grad) or dBias is not None
             else ("grad_q", "grad_k", "grad_v")
         )
-        node = self.recording.record_call(
-            Op.BACKWARD, name, BACKWARD_INPUTS, "sdpa_backward", state.interpret_backward, args, mask, roles
-        )
-        if dBias is not None:
-            self.recording.caller_output(node, "grad_bias", dBias)
+        node = self.recording.record_call(Op.BACKWARD, name, BACKWARD_INPUTS, "sdpa_backward", state.interpret_backward,
+                                          args, mask, roles + (("grad_sink",) if dSink_token is not None else ()))  # fmt: skip
+        for role, given in (("grad_bias", dBias), ("grad_sink", dSink_token)):
+            if given is not None:
+                self.recording.caller_output(node, role, given)
+        if dBias is not None or dSink_token is not None:
             return tuple(node.outputs[role] for role in ("grad_q", "grad_k", "grad_v"))
         return tuple(node.outputs.values())
 

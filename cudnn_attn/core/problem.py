@@ -133,6 +133,10 @@ class AttentionProblem:
     # attn_scale given as a graph tensor (the frontend's pass-by-value scale): float32, one value,
     # read at each run; options.attn_scale is then 1 and only keys the plan.
     scale_tensor: TensorSpec | None = None
+    # Attention sinks (gpt-oss): a float32 [1, H_q, 1, 1] logit per query head, one more term of each
+    # row's softmax denominator (it weighs no value); the backward's dSink_token has its shape.
+    sink_token: TensorSpec | None = None
+    grad_sink: TensorSpec | None = None
     # FP8 nodes only (see roles.FP8_SCALES): float32 [1, 1, 1, 1] scale inputs and amax outputs.
     descale_q: TensorSpec | None = None
     descale_k: TensorSpec | None = None

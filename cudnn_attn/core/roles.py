@@ -45,6 +45,9 @@ ROLES: dict[str, Role] = {
         Role("dropout_offset", 17, "dropout_offset"),
         Role("rng_dump", 18, "rng_dump", output="rng_dump"),
         Role("scale_tensor", 19, "attn_scale"),  # attn_scale given as a graph tensor: read at each run
+        # Attention sinks: a float32 [1, H_q, 1, 1] logit per head in every softmax denominator, and its gradient.
+        Role("sink_token", 20, "sink_token"),
+        Role("grad_sink", 21, "dSink_token", output="dSink_token"),
         # FP8 (sdpa_fp8, sdpa_fp8_backward): per-tensor scales in, amaxes out, float32 [1, 1, 1, 1].
         Role("descale_q", 50, "descale_q"),
         Role("descale_k", 51, "descale_k"),
@@ -91,7 +94,7 @@ UID = {name: role.uid for name, role in ROLES.items()}
 
 # Each op's run-time inputs in the order of that method's own parameters: a graph's positional
 # inputs are its distinct input tensors, node by node, each node's in this order.
-MASK_INPUTS = ("bias", "seq_len_q", "seq_len_kv", "dropout_seed", "dropout_offset", "scale_tensor")
+MASK_INPUTS = ("bias", "seq_len_q", "seq_len_kv", "dropout_seed", "dropout_offset", "scale_tensor", "sink_token")
 # Ragged offsets come last: the tensors they address are set before them (set_ragged_offset).
 FORWARD_OFFSETS = ("q_offset", "k_offset", "v_offset", "page_table_k_offset", "page_table_v_offset", "o_offset",
                    "stats_offset")  # fmt: skip
@@ -110,7 +113,7 @@ FP8_INPUTS = ("q", "k", "v", *FP8_SCALES, *MASK_INPUTS, *FORWARD_OFFSETS)
 FP8_BACKWARD_INPUTS = ("q", "k", "v", "o", "grad_o", "stats", *FP8_BACKWARD_SCALES, *MASK_INPUTS, *BACKWARD_OFFSETS)
 
 FORWARD_OUTPUTS = ("o", "stats", "rng_dump")
-BACKWARD_OUTPUTS = ("grad_q", "grad_k", "grad_v", "grad_bias")
+BACKWARD_OUTPUTS = ("grad_q", "grad_k", "grad_v", "grad_bias", "grad_sink")
 FP8_AMAXES = ("amax_s", "amax_o")
 FP8_BACKWARD_AMAXES = ("amax_grad_q", "amax_grad_k", "amax_grad_v", "amax_grad_p")
 

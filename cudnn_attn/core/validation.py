@@ -29,6 +29,7 @@ from .roles import (
     FP8_SCALES,
     user_name,
 )
+from .score_inputs import score_input_problems
 
 OUTPUT_ROLES = {Op.FORWARD: FORWARD_OUTPUTS + FP8_AMAXES, Op.BACKWARD: BACKWARD_OUTPUTS + FP8_BACKWARD_AMAXES}
 HEAD_DIM_MULTIPLE = 8
@@ -60,6 +61,7 @@ def _problems(p: AttentionProblem) -> tuple[str, ...]:
     _check_masks(p, found)
     _check_padding(p, found)
     found += offset_problems(p)
+    found += score_input_problems(p)
     _check_dropout(p, found)
     _check_paging(p, found)
     _check_backward(p, found)
@@ -370,9 +372,6 @@ def _check_dropout(p: AttentionProblem, found: list[str]) -> None:
         spec = getattr(p, role)
         if spec is not None and spec.numel != 1:
             found.append(f"{role}: shape {list(spec.shape)}; must hold one value (shape [1] or [1, 1, 1, 1])")
-    if p.scale_tensor is not None and (p.scale_tensor.numel != 1 or p.scale_tensor.dtype != torch.float32):
-        found.append(f"attn_scale: {p.scale_tensor.describe()}; a tensor scale is float32 with one value "
-                     "(shape [1, 1, 1, 1])")  # fmt: skip
 
 
 def _check_paging(p: AttentionProblem, found: list[str]) -> None:

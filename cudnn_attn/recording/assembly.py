@@ -108,6 +108,10 @@ def assemble_problem(node: Node, dtypes: dict[str, torch.dtype | None]) -> Atten
         bias = specs.get("bias")
         default = like(bias) if bias is not None else TensorSpec.contiguous((1, 1, 1, 1), torch.float32, q.device)
         outs["grad_bias"] = output_spec(node.outputs["grad_bias"], default)
+    if "grad_sink" in node.outputs:
+        outs["grad_sink"] = output_spec(
+            node.outputs["grad_sink"], TensorSpec.contiguous((1, q.shape[1], 1, 1), torch.float32, q.device)
+        )
     outs.update(_amaxes(node, FP8_BACKWARD_AMAXES, q.device))
     inputs = {role: spec for role, spec in specs.items() if role in INPUTS[Op.BACKWARD, node.fp8]}
     return AttentionProblem(op=Op.BACKWARD, **inputs, **outs, **common, deterministic=node.deterministic)

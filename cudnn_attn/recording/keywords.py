@@ -52,6 +52,7 @@ class MaskKeywords:
     max_total_seq_len_q: Any = None  # packed token totals: a workspace bound the plans do not need
     max_total_seq_len_kv: Any = None
     rng_dump: Any = None  # sdpa_backward's debug output: not supported yet (None is taken; sdpa's is a parameter)
+    sink_token: Any = None  # attention sinks: a float32 [1, H_q, 1, 1] tensor, one logit per head
     # The FP8 ops' own spellings of the band: aliases of sliding_window_length and the diagonal band bounds.
     sliding_window: Any = None
     left_bound: Any = None
@@ -64,8 +65,7 @@ class MaskKeywords:
     fn: Any = None
     score_max: Any = None
     score_sum_exp: Any = None
-    sink_token: Any = None
-    dSink_token: Any = None  # noqa: N815 - the frontend's spelling
+    dSink_token: Any = None  # noqa: N815 - the FP8 backward's (sdpa_backward takes its own)
     unfuse_fma: Any = False
     cu_seq_len_q: Any = None
     cu_seq_len_kv: Any = None
@@ -84,8 +84,7 @@ NOT_RUN_HERE = {
     "fn": "score modifier callbacks are not supported here",
     "score_max": "the softmax partials (score_max, score_sum_exp) as outputs are not supported here; use Stats",
     "score_sum_exp": "the softmax partials (score_max, score_sum_exp) as outputs are not supported here; use Stats",
-    "sink_token": "attention sinks are not supported here yet",
-    "dSink_token": "attention sinks are not supported here yet",
+    "dSink_token": "the FP8 backward's sink gradient is not supported here",
     "unfuse_fma": "a Blackwell (sm100) engine option; not supported here",
     "cu_seq_len_q": "cumulative sequence lengths need cuDNN >= 9.24; give seq_len_q with ragged offsets",
     "cu_seq_len_kv": "cumulative sequence lengths need cuDNN >= 9.24; give seq_len_kv with ragged offsets",
@@ -137,7 +136,8 @@ def parse_keywords(given: MaskKeywords, *, ragged: bool) -> Parsed:
     if given.attn_bias is not None and given.bias is not None:
         errors.append("attn_bias: given twice (attn_bias= and its alias bias=); give one")
     bias = given.attn_bias if given.attn_bias is not None else given.bias
-    for role, value in (("bias", bias), ("seq_len_q", given.seq_len_q), ("seq_len_kv", given.seq_len_kv)):
+    for role, value in (("bias", bias), ("seq_len_q", given.seq_len_q), ("seq_len_kv", given.seq_len_kv),
+                        ("sink_token", given.sink_token)):  # fmt: skip
         if value is not None:
             tensors[role] = value
     dropout_p, runtime = _dropout(given, tensors, errors)

@@ -51,6 +51,7 @@ PAGED_MIN_CUDNN = 90500
 BOTTOM_RIGHT_MIN_CUDNN = 90300
 SLIDING_WINDOW_MIN_CUDNN = 90200
 RAGGED_INT64_MIN_CUDNN = 90600  # ragged offsets are passed as int64
+SINK_MIN_CUDNN = 91300  # sink_token / dSink_token
 # FP8: the frontend accepts cuDNN >= 9.1, but TransformerEngine uses cuDNN's FP8 attention for
 # any sequence length, head dims that are multiples of 16 and padding masks only from 9.7 on
 # (9.2.1 covered d = 128 with S % 128 == 0 and no padding). Both skip 9.10.0 (known bugs).
@@ -107,6 +108,13 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
         reasons.append(f"sliding windows need cuDNN >= 9.2 (have {_ver(platform.cudnn)})")
     if (p.is_thd or p.offset_tensors) and platform.cudnn < RAGGED_INT64_MIN_CUDNN:
         reasons.append(f"ragged (THD) inputs need cuDNN >= 9.6 (have {_ver(platform.cudnn)})")
+    if p.sink_token is not None:
+        if platform.cudnn < SINK_MIN_CUDNN:
+            reasons.append(f"attention sinks need cuDNN >= 9.13 (have {_ver(platform.cudnn)})")
+        if p.is_forward and p.s_q == 1:  # cuDNN 9.19: "decode only mode ... not supported with sink_token"
+            reasons.append("sink_token with S_q = 1 (decode): cuDNN's decode kernels take no sink")
+        if p.is_fp8:
+            reasons.append("sink_token with FP8: not supported here")
     if not p.is_forward and p.s_q == 1 and p.s_kv == 1:
         # cuDNN release notes, known issue: "bprop is not supported when both key/value have sequence length of 1".
         reasons.append("sdpa_backward with S_q = S_kv = 1: refused (cuDNN does not support this backward shape)")

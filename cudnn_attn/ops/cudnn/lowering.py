@@ -169,6 +169,9 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) ->
         d_bias = graph.tensor(name="grad_bias", dim=list(p.grad_bias.shape), stride=list(p.grad_bias.stride),
                               data_type=cudnn_dtype(p.grad_bias.dtype), uid=UID["grad_bias"])  # fmt: skip
         options["dBias"] = d_bias
+    if p.grad_sink is not None:
+        options["dSink_token"] = graph.tensor(name="grad_sink", dim=list(p.grad_sink.shape), stride=list(p.grad_sink.stride),
+                                              data_type=cudnn.data_type.FLOAT, uid=UID["grad_sink"])  # fmt: skip
     if p.is_fp8:
         d_q, d_k, d_v, *amax_handles = graph.sdpa_fp8_backward(
             inputs["q"], inputs["k"], inputs["v"], extra["o"], extra["grad_o"], stats,
@@ -230,6 +233,8 @@ def _mask_options(p: AttentionProblem, graph: Any, tensor: Any, lowered: Lowered
         raise ValueError(f"{p.describe()}: FP8 attention takes no attn_bias or ALiBi")
     if p.bias is not None:
         options["bias"] = tensor("bias", p.bias)
+    if p.sink_token is not None:
+        options["sink_token"] = tensor("sink_token", p.sink_token)
     if p.options.alibi:
         options["use_alibi_mask"] = True
     # Full lengths work around NaNs seen in the fp16/bf16 backward kernels (workarounds.py); the FP8

@@ -96,6 +96,10 @@ class ReferencePlan:
             self._write(outputs["grad_v"], d_v, inputs, "grad_v")
             if d_bias is not None and d_b is not None:
                 d_bias.copy_(d_b)
+            if "grad_sink" in outputs:
+                assert terms.sink is not None, "validation: dSink_token needs sink_token"
+                d_sink = reference_math.sink_gradient(dense["o"], dense["grad_o"], dense["stats"], terms.sink)
+                outputs["grad_sink"].copy_(d_sink)
 
     # The frontend's plan helpers: the reference backend has one plan.
     def plan_count(self) -> int:
@@ -222,7 +226,7 @@ class ReferencePlan:
             )
         return reference_math.ScoreTerms(
             scale=float(inputs["scale_tensor"]) if p.scale_tensor is not None else p.options.attn_scale, bias=bias, alibi=alibi, allowed=allowed, keep=keep,
-            dropout_p=p.options.dropout_p,
+            dropout_p=p.options.dropout_p, sink=_as_tensor(inputs["sink_token"]).to(dt) if p.sink_token else None,
         )  # fmt: skip
 
     # ---- dense to outputs --------------------------------------------------------------

@@ -42,6 +42,7 @@ class ScoreTerms:
     allowed: Callable[[range], torch.Tensor | None] | None = None  # rows -> bool mask or None
     keep: torch.Tensor | None = None  # dropout keep-mask [B, H, S_q, S_kv]
     dropout_p: float = 0.0
+    sink: torch.Tensor | None = None  # attention sinks: [1, H, 1, 1] logits, one more term of each denominator
 
     def block(self, rows: range) -> BlockTerms:
         bias = self.bias
@@ -93,7 +94,8 @@ def _dropped(p: torch.Tensor, terms: BlockTerms) -> torch.Tensor:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, terms: ScoreTerms) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (O [B, H, S_q, D_v], stats [B, H, S_q, 1]); fully masked rows: O = 0, stats = -inf."""
+    """Returns (O [B, H, S_q, D_v], stats [B, H, S_q, 1]); fully masked rows: O = 0, stats = -inf
+    (with a sink: O = 0, stats = the sink). Stats are the log-sum-exp over the keys and the sink."""
     b, heads, s_q, _ = q.shape
     k, v = _expand_kv(k, heads), _expand_kv(v, heads)
     o = q.new_empty(b, heads, s_q, v.shape[-1])
@@ -102,10 +104,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, terms: ScoreTerms
         part = terms.block(rows)
         s = _scores(q[:, :, rows.start : rows.stop], k, part)
         row_max = s.amax(-1, keepdim=True)
+        if terms.sink is not None:  # a sink is one more score, weighing no value
+            row_max = torch.maximum(row_max, terms.sink.to(s.dtype))
         empty = torch.isneginf(row_max)
         row_max = torch.where(empty, torch.zeros_like(row_max), row_max)
         e = torch.exp(s - row_max)
         row_sum = e.sum(-1, keepdim=True)
+        if terms.sink is not None:
+            row_sum = row_sum + torch.exp(terms.sink.to(s.dtype) - row_max)
         p = e / torch.where(empty, torch.ones_like(row_sum), row_sum)
         o[:, :, rows.start : rows.stop] = torch.matmul(_dropped(p, part), v)
         lse = torch.where(empty, torch.full_like(row_max, float("-inf")), row_max + torch.log(row_sum))
@@ -124,7 +130,8 @@ def backward(
     bias_shape: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Returns (dQ, dK, dV, dBias). dBias, given ``bias_shape``, is the gradient of an additive
-    bias of that (broadcast) shape: the score gradient after scaling, summed over broadcast dims."""
+    bias of that (broadcast) shape: the score gradient after scaling, summed over broadcast dims.
+    A sink's gradient is ``sink_gradient`` (it needs only the stats and delta)."""
     b, heads, s_q, _ = q.shape
     kv_heads_k, kv_heads_v = k.shape[1], v.shape[1]
     k_full, v_full = _expand_kv(k, heads), _expand_kv(v, heads)
@@ -154,6 +161,15 @@ def backward(
             else:
                 d_bias[:, :, block] = reduced
     return d_q, _reduce_groups(d_k, kv_heads_k), _reduce_groups(d_v, kv_heads_v), d_bias
+
+
+def sink_gradient(o: torch.Tensor, d_o: torch.Tensor, stats: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """d loss / d sink, [1, H, 1, 1]: the sink's column of the softmax gradient. Its probability is
+    exp(sink - stats) and it weighs no value, so dS = P_sink * (0 - delta), delta = rowsum(dO * O)."""
+    delta = (d_o * o).sum(-1, keepdim=True)
+    lse = torch.where(torch.isneginf(stats), torch.zeros_like(stats), stats)
+    p_sink = torch.where(torch.isneginf(stats), torch.zeros_like(stats), torch.exp(sink.to(stats.dtype) - lse))
+    return -(p_sink * delta).sum(dim=(0, 2, 3), keepdim=True).view(1, -1, 1, 1)
 
 
 def reduce_to_shape(grad: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -1,0 +1,87 @@
+"""Attention sinks (the frontend's ``sink_token`` / ``dSink_token``, gpt-oss's learned per-head
+logits) on the reference backend, against a float64 oracle that appends the sink as one more
+score column weighing no value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import rel_err
+
+import cudnn_attn as cudnn
+
+B, H, H_KV, S, D = 2, 4, 2, 16, 32
+
+
+def randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def oracle(q, k, v, sink, causal, lengths_kv=None):
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    if lengths_kv is not None:
+        keys = torch.arange(s.shape[-1]).view(1, 1, 1, -1) >= torch.tensor(lengths_kv).view(-1, 1, 1, 1)
+        s = s.masked_fill(keys, float("-inf"))
+    with_sink = torch.cat([s, sink.expand(*s.shape[:-1], 1)], -1)
+    p = torch.softmax(with_sink, -1)[..., :-1]
+    return p @ v, torch.logsumexp(with_sink, -1, keepdim=True)
+
+
+def _tensors(seed: int = 0):
+    q = randn(B, H, S, D, seed=seed)
+    k, v = randn(B, H_KV, S, D, seed=seed + 1), randn(B, H_KV, S, D, seed=seed + 2)
+    return q, k, v, randn(1, H, 1, 1, seed=seed + 3) * 2
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_and_backward_with_sinks_match_the_oracle(causal):
+    q, k, v, sink = _tensors()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
+    want_o, want_lse = oracle(*leaves, causal)
+    d_o = randn(*want_o.shape, seed=9)
+    want_grads = torch.autograd.grad(want_o, leaves, d_o)
+    f32 = [t.float() for t in (q, k, v, sink)]
+    with cudnn.Graph() as g:
+        o, stats = g.sdpa(f32[0], f32[1], f32[2], sink_token=f32[3], use_causal_mask=causal, generate_stats=True)
+    out, lse = g(*f32)
+    assert rel_err(out, want_o) < 1e-5 and rel_err(lse, want_lse) < 1e-5
+    bwd = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
+    handles = [bwd.tensor_like(t) for t in (*f32[:3], out, d_o.float(), lse)]
+    sink_h, d_sink_h = bwd.tensor_like(f32[3]), bwd.tensor_like(f32[3])
+    grads = bwd.sdpa_backward(*handles, sink_token=sink_h, dSink_token=d_sink_h, use_causal_mask=causal)
+    for t in grads:
+        t.set_output(True)
+    got = [torch.full_like(t, float("nan")) for t in f32]
+    pack = dict(zip(handles, (*f32[:3], out, d_o.float(), lse)))
+    bwd.execute({**pack, sink_h: f32[3], d_sink_h: got[3], **dict(zip(grads, got[:3]))})
+    for name, a, e in zip(("dQ", "dK", "dV", "dSink"), got, want_grads):
+        assert rel_err(a, e) < 1e-5, name
+
+
+def test_a_sink_keeps_a_sequence_without_keys_finite():
+    q, k, v, sink = _tensors(5)
+    lengths = torch.tensor([S, 0], dtype=torch.int32)
+    f32 = [t.float() for t in (q, k, v, sink)]
+    with cudnn.Graph() as g:
+        g.sdpa(*f32[:3], sink_token=f32[3], use_padding_mask=True, seq_len_q=lengths, seq_len_kv=lengths,
+               generate_stats=True)  # fmt: skip
+    out, lse = g(*f32[:3], lengths, f32[3])  # positional: q, k, v, the lengths, then the sink
+    want_o, want_lse = oracle(q, k, v, sink, False, lengths_kv=[S, 0])
+    assert rel_err(out[:1], want_o[:1]) < 1e-5 and rel_err(lse[:1], want_lse[:1]) < 1e-5
+    assert torch.equal(out[1], torch.zeros_like(out[1]))  # no key: the sink takes all the weight
+
+
+def test_sink_shapes_are_checked_by_name():
+    q, k, v, sink = (t.float() for t in _tensors())
+    with pytest.raises(cudnn.ValidationError, match=r"sink_token: .*expected float32 \[1, 4, 1, 1\]"):
+        with cudnn.Graph() as g:
+            g.sdpa(q, k, v, sink_token=sink[:, :2])
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
+    handles = [g.tensor_like(t) for t in (q, k, v, q, q)]
+    lse = g.tensor(dim=(B, H, S, 1), device="cpu")
+    g.sdpa_backward(*handles, lse, dSink_token=g.tensor_like(sink))
+    with pytest.raises(cudnn.ValidationError, match="dSink_token: given without sink_token"):
+        g.build()
