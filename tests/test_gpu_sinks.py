@@ -93,3 +93,19 @@ def test_a_sink_in_decode_is_refused_with_the_reason():
     with pytest.raises(cudnn_attn.UnsupportedError, match="sink_token with S_q = 1"):
         with cudnn_attn.Graph() as g:
             g.sdpa(q, kv, kv, sink_token=sink)
+
+
+def test_the_torch_form_with_sinks_matches_the_reference_and_learns_them():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(B, H, 256, D, device="cuda", generator=gen).bfloat16().requires_grad_()
+    k, v = (torch.randn(B, H_KV, 256, D, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(2))
+    sinks = torch.randn(H, device="cuda", generator=gen).requires_grad_()
+    out = cudnn_attn.sdpa(q, k, v, is_causal=True, enable_gqa=True, sinks=sinks)
+    d_out = torch.randn(out.shape, device="cuda", generator=gen).bfloat16()
+    grads = torch.autograd.grad(out, (q, k, v, sinks), d_out)
+    leaves = [t.detach().cpu().float().requires_grad_() for t in (q, k, v, sinks)]
+    ref = cudnn_attn.sdpa(*leaves, is_causal=True, enable_gqa=True, sinks=leaves[3])  # the reference backend, on CPU
+    expected = torch.autograd.grad(ref, leaves, d_out.cpu().float())
+    assert rel_err(out.float().cpu(), ref) < TOLERANCE[torch.bfloat16]
+    for name, a, e in zip(("dQ", "dK", "dV", "dSinks"), grads, expected):
+        assert rel_err(a.float().cpu(), e) < 2e-2, name

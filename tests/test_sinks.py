@@ -85,3 +85,27 @@ def test_sink_shapes_are_checked_by_name():
     g.sdpa_backward(*handles, lse, dSink_token=g.tensor_like(sink))
     with pytest.raises(cudnn.ValidationError, match="dSink_token: given without sink_token"):
         g.build()
+
+
+@pytest.mark.parametrize("shape", ["heads", "frontend"])
+def test_the_torch_form_takes_sinks_and_learns_them(shape):
+    q, k, v, sink = _tensors(11)
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    sinks = (sink.float().reshape(H) if shape == "heads" else sink.float()).requires_grad_()
+    out = cudnn.sdpa(*leaves, is_causal=True, enable_gqa=True, sinks=sinks)
+    want, _ = oracle(q, k, v, sink, True)
+    assert rel_err(out, want) < 1e-5
+    d_out = randn(*out.shape, seed=12).float()
+    got = torch.autograd.grad(out, [*leaves, sinks], d_out)
+    oracle_leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
+    expected = torch.autograd.grad(oracle(*oracle_leaves, True)[0], oracle_leaves, d_out.double())
+    for a, e in zip(got, expected):
+        assert a.shape == (e.shape if a.dim() == 4 else (H,)) and rel_err(a.reshape(e.shape), e) < 1e-5
+
+
+def test_the_torch_form_checks_sinks_by_name():
+    q, k, v, _ = (t.float() for t in _tensors())
+    with pytest.raises(cudnn.ValidationError, match=r"sinks: shape \[3\]"):
+        cudnn.sdpa(q, k, v, enable_gqa=True, sinks=torch.zeros(3))
+    with pytest.raises(cudnn.UnsupportedError, match="dropout_p with sinks"):
+        cudnn.sdpa(q, k, v, enable_gqa=True, dropout_p=0.1, sinks=torch.zeros(H))

@@ -419,7 +419,6 @@ def test_unsupported_features_are_refused():
     q, k, v = (randn(1, 2, 4, 8) for _ in range(3))
     cases = {
         "softcap": dict(softcap=30.0),
-        "s_aux": dict(s_aux=torch.zeros(2)),
         "position_bias": dict(position_bias=torch.zeros(1, 2, 4, 4)),
     }
     for reason, kwargs in cases.items():
@@ -430,6 +429,31 @@ def test_unsupported_features_are_refused():
     layer.is_causal = False
     with pytest.raises(UnsupportedError, match="sliding_window"):
         cudnn_hf.attention_forward(layer, q, k, v, None, sliding_window=2)
+
+
+def test_gpt_oss_sinks_match_eager_logits_and_gradients():
+    """gpt-oss's learned attention sinks (``s_aux``) through the registration, against the model's
+    own eager attention (the reference implementation transformers gives it)."""
+    from transformers import GptOssConfig
+
+    config = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=LAYERS,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                          num_experts_per_tok=1, sliding_window=64, max_position_embeddings=256,
+                          layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    for layer in ref.model.layers:  # random sinks: the initial zeros would hide a wrong sign or scale
+        torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
+    ours = copy.deepcopy(ref)
+    ours.set_attn_implementation(NAME)
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert rel_err(ours(ids).logits, ref(ids).logits) < 1e-4
+    for model in (ref, ours):
+        model(ids, labels=ids).loss.backward()
+    for (key, p_ref), (_, p_ours) in zip(ref.named_parameters(), ours.named_parameters()):
+        if p_ref.grad is not None and "sinks" in key:
+            assert rel_err(p_ours.grad, p_ref.grad) < 1e-4, key
 
 
 def test_padding_only_gives_zeros():

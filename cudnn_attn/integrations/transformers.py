@@ -96,10 +96,17 @@ def attention_forward(
         warnings.warn("cudnn_attn returns no attention weights (output_attentions=True)", stacklevel=2)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     options: dict[str, Any] = dict(scale=scaling, dropout_p=float(dropout), enable_gqa=key.shape[1] != query.shape[1])
+    if kwargs.get("s_aux") is not None:  # gpt-oss's learned sinks, one logit per head
+        options["sinks"] = kwargs["s_aux"]
     if attention_mask is not None and attention_mask.dim() == 4:  # dense: transformers' own, or the caller's
         out = sdpa(query, key, value, attn_mask=attention_mask, **options)
         return out.transpose(1, 2).contiguous(), None
     window = _window(sliding_window, key.shape[2])
+    if "sinks" in options and (window is not None or attention_mask is not None or causal and query.shape[2] not in
+                               (1, key.shape[2])):  # fmt: skip
+        raise UnsupportedError(["s_aux: attention sinks with padding, a sliding window shorter than the keys or a "
+                                "cached prefill are not supported yet (only the dense sdpa path takes sinks)"],
+                               context=CONTEXT, alternatives=_ALTERNATIVES)  # fmt: skip
     if window is not None and not causal:
         raise UnsupportedError([f"sliding_window: {sliding_window} without a causal mask; cuDNN's band takes a "
                                 "left bound only"], context=CONTEXT, alternatives=_ALTERNATIVES)  # fmt: skip
@@ -321,8 +328,6 @@ def _refuse_unsupported(query: torch.Tensor, mask: Any, softcap: float | None, k
                        "bfloat16 or float32 (load the model with dtype=torch.bfloat16)")  # fmt: skip
     if softcap is not None:
         reasons.append(f"softcap: {softcap}; cuDNN's fused attention has no logit soft-capping")
-    if kwargs.get("s_aux") is not None:
-        reasons.append("s_aux: attention sinks are not supported")
     if kwargs.get("position_bias") is not None:
         reasons.append("position_bias: a per-layer position bias is not supported")
     if kwargs.get("cache") is not None:
