@@ -16,7 +16,7 @@ import torch
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from ..core.dtypes import FLOATING_IO, dtype_name
-from ..core.mask import Causal
+from ..core.mask import Causal, default_scale
 from ..errors import ValidationError, shown
 
 # What torch's SDPA takes; float64 runs on torch's own kernel (torch_kernel.py).
@@ -192,3 +192,17 @@ def mask_as_bias(attn_mask: torch.Tensor, q: torch.Tensor, s_kv: int) -> torch.T
     if attn_mask.stride(-1) != 1 or any(st == 0 and n > 1 for st, n in zip(attn_mask.stride(), attn_mask.shape)):
         attn_mask = attn_mask.contiguous()
     return attn_mask
+
+
+def batched(query, key, value, attn_mask, scale) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, float, bool]:
+    """A checked call's tensors as the plans take them: ``[B, H, S, D]`` (``[H, S, D]`` gets a batch
+    of one: ``squeeze`` says to drop it from the output), each a layout cuDNN reads, the scale
+    resolved and the mask as an additive bias."""
+    squeeze = query.dim() == 3
+    if squeeze:
+        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+        attn_mask = attn_mask if attn_mask is None or attn_mask.dim() < 3 else attn_mask.unsqueeze(0)
+    query, key, value = (materialised(t) for t in (query, key, value))
+    scale = float(scale) if scale is not None else default_scale(query.shape[-1])
+    bias = None if attn_mask is None else mask_as_bias(attn_mask, query, key.shape[-2])
+    return query, key, value, bias, scale, squeeze

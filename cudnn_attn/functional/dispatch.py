@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from ..core.mask import default_scale
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
 from ..runtime import prepared
 from . import eager as sdpa_eager
@@ -32,11 +31,10 @@ from . import torch_kernel
 from .arguments import (
     ARGUMENT_NAMES,
     autocast_inputs,
+    batched,
     causal_from_mask,
     causal_kind,
     check_arguments,
-    mask_as_bias,
-    materialised,
 )
 from .compiled import sdpa_forward
 from .nested import nested_sdpa
@@ -81,13 +79,7 @@ def sdpa(
     why = torch_kernel.reason(query, key, float(dropout_p), causal, train, scale)
     if why is not None:
         return torch_kernel.run(why, query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa)
-    squeeze = query.dim() == 3
-    if squeeze:
-        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-        attn_mask = attn_mask if attn_mask is None or attn_mask.dim() < 3 else attn_mask.unsqueeze(0)
-    query, key, value = (materialised(t) for t in (query, key, value))
-    scale = float(scale) if scale is not None else default_scale(query.shape[-1])
-    bias = None if attn_mask is None else mask_as_bias(attn_mask, query, key.shape[-2])
+    query, key, value, bias, scale, squeeze = batched(query, key, value, attn_mask, scale)
     seed = offset = None
     if dropout_p > 0:
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)

@@ -14,24 +14,18 @@ from typing import Any
 import torch
 
 from ..core.constructors import backward_problem, forward_problem
-from ..core.mask import Causal, ScoreOptions, default_scale
+from ..core.mask import Causal, ScoreOptions
 from ..core.problem import TensorSpec
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
 from ..runtime.interop import in_layout_of
 from ..runtime.prepared import prepare
-from .arguments import ARGUMENT_NAMES, causal_kind, check_arguments, mask_as_bias, materialised
+from .arguments import ARGUMENT_NAMES, batched, causal_kind, check_arguments
 
 
 def sdpa_with_sinks(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks) -> torch.Tensor:
     """``cudnn_attn.sdpa``'s call with ``sinks`` (its other arguments as there)."""
     check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    squeeze = query.dim() == 3
-    if squeeze:
-        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-        attn_mask = attn_mask if attn_mask is None or attn_mask.dim() < 3 else attn_mask.unsqueeze(0)
-    query, key, value = (materialised(t) for t in (query, key, value))
-    scale = float(scale) if scale is not None else default_scale(query.shape[-1])
-    bias = None if attn_mask is None else mask_as_bias(attn_mask, query, key.shape[-2])
+    query, key, value, bias, scale, squeeze = batched(query, key, value, attn_mask, scale)
     try:
         out = sink_sdpa(query, key, value, bias, scale, causal_kind(is_causal), float(dropout_p), sinks)
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
