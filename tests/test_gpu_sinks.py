@@ -104,7 +104,9 @@ def test_the_torch_form_with_sinks_matches_the_reference_and_learns_them():
     d_out = torch.randn(out.shape, device="cuda", generator=gen).bfloat16()
     grads = torch.autograd.grad(out, (q, k, v, sinks), d_out)
     leaves = [t.detach().cpu().float().requires_grad_() for t in (q, k, v, sinks)]
-    ref = cudnn_attn.sdpa(*leaves[:3], is_causal=True, enable_gqa=True, sinks=leaves[3])  # the reference backend, on CPU
+    ref = cudnn_attn.sdpa(
+        *leaves[:3], is_causal=True, enable_gqa=True, sinks=leaves[3]
+    )  # the reference backend, on CPU
     expected = torch.autograd.grad(ref, leaves, d_out.cpu().float())
     assert rel_err(out.float().cpu(), ref) < TOLERANCE[torch.bfloat16]
     for name, a, e in zip(("dQ", "dK", "dV", "dSinks"), grads, expected):
