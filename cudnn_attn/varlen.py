@@ -32,6 +32,7 @@ from .core.constructors import backward_problem, forward_problem
 from .core.derived import derived
 from .core.mask import Causal, ScoreOptions, default_scale
 from .core.problem import AttentionProblem, TensorSpec
+from .core.score_inputs import check_sinks
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
 from .runtime.interop import in_layout_of
 from .runtime.keyed import KeyedCache
@@ -57,9 +58,11 @@ def varlen_sdpa(
     scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1),
     enable_gqa: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over packed sequences: ``q`` ``[T_q, H, D]``, ``k``/``v`` ``[T_k, H_kv, D]``
-    (fp16/bf16), ``cu_seqlens_*`` int32 ``[B + 1]``; returns ``[T_q, H, D_v]``. Differentiable."""
+    (fp16/bf16), ``cu_seqlens_*`` int32 ``[B + 1]``; returns ``[T_q, H, D_v]``. Differentiable.
+    ``sinks``: attention sinks, a logit per query head (``[H]``), learnable as in ``sdpa``."""
     left, right = _window(window_size)
     if right not in (-1, 0):
         raise UnsupportedError(
@@ -69,7 +72,7 @@ def varlen_sdpa(
     causal = "top_left" if is_causal or right == 0 else None
     return varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                             window_left=None if left < 0 else left, scale=scale, dropout_p=dropout_p,
-                            enable_gqa=enable_gqa, context="varlen_sdpa")  # fmt: skip
+                            enable_gqa=enable_gqa, sinks=sinks, context="varlen_sdpa")  # fmt: skip
 
 
 def varlen_attention(
@@ -86,6 +89,7 @@ def varlen_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     enable_gqa: bool = False,
+    sinks: torch.Tensor | None = None,
     context: str = "varlen_attention",
 ) -> torch.Tensor:
     """The varlen door the other doors share (nested tensors, transformers): ``causal`` is
@@ -111,8 +115,12 @@ def varlen_attention(
     )
     if dropout_p > 0:
         options.rng = (torch.randint(0, 2**62, (1,), dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+    if sinks is not None:
+        check_sinks(sinks, q.shape[1], q.device)
+        if dropout_p:
+            raise UnsupportedError(["dropout_p with sinks: not supported yet"], context=context)
     try:
-        return _Varlen.apply(q, k, v, lengths_q, lengths_k, options)
+        return _Varlen.apply(q, k, v, lengths_q, lengths_k, options, sinks)
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
         raise error.renamed(_NAMES, context=context) from None
 
@@ -129,10 +137,10 @@ class _Options:
         self.scores, self.max_q, self.max_k = scores, max_q, max_k
         self.rng: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def inputs(self, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+    def inputs(self, **tensors: torch.Tensor | None) -> dict[str, torch.Tensor]:
         if self.rng is not None:
             tensors.update(dropout_seed=self.rng[0], dropout_offset=self.rng[1])
-        return tensors
+        return {role: t for role, t in tensors.items() if t is not None}
 
     def rng_specs(self) -> tuple[TensorSpec | None, TensorSpec | None]:
         if self.rng is None:
@@ -142,43 +150,50 @@ class _Options:
 
 class _Varlen(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, lengths_q, lengths_k, options):  # type: ignore[override]
-        train = any(ctx.needs_input_grad[:3])
-        run = _forward_run(q, k, v, lengths_q, lengths_k, options, train)
+    def forward(ctx, q, k, v, lengths_q, lengths_k, options, sinks):  # type: ignore[override]
+        train = any(ctx.needs_input_grad[:3]) or (sinks is not None and ctx.needs_input_grad[6])
+        sink = None if sinks is None else sinks.detach().reshape(1, -1, 1, 1).to(torch.float32).contiguous()
+        run = _forward_run(q, k, v, lengths_q, lengths_k, options, train, sink)
         out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)  # every row written
-        outputs = run.run(options.inputs(q=q, k=k, v=v, seq_len_q=lengths_q, seq_len_kv=lengths_k), {"o": out})
+        outputs = run.run(options.inputs(q=q, k=k, v=v, seq_len_q=lengths_q, seq_len_kv=lengths_k, sink_token=sink),
+                          {"o": out})  # fmt: skip
         if train:
-            ctx.save_for_backward(q, k, v, out, outputs["stats"], lengths_q, lengths_k)
-            ctx.options = options
+            ctx.save_for_backward(q, k, v, out, outputs["stats"], lengths_q, lengths_k, sink)
+            ctx.options, ctx.sink_meta = options, None if sinks is None else (sinks.shape, sinks.dtype)
         return out
 
     @staticmethod
     def backward(ctx, d_out):  # type: ignore[override]
-        q, k, v, out, stats, lengths_q, lengths_k = ctx.saved_tensors
+        q, k, v, out, stats, lengths_q, lengths_k, sink = ctx.saved_tensors
         d_out = in_layout_of(d_out, out)
-        run = _backward_run(q, k, v, out, d_out, stats, lengths_q, lengths_k, ctx.options)
-        grads = [torch.zeros_like(t) for t in (q, k, v)]  # rows no sequence covers stay zero
+        run = _backward_run(q, k, v, out, d_out, stats, lengths_q, lengths_k, ctx.options, sink)
+        grads = {
+            role: torch.zeros_like(t) for role, t in zip(("grad_q", "grad_k", "grad_v"), (q, k, v))
+        }  # rows no sequence covers stay zero
         inputs = ctx.options.inputs(q=q, k=k, v=v, o=out, grad_o=d_out, stats=stats, seq_len_q=lengths_q,
-                                    seq_len_kv=lengths_k)  # fmt: skip
-        run.run(inputs, dict(zip(("grad_q", "grad_k", "grad_v"), grads)))
-        return (*grads, None, None, None)
+                                    seq_len_kv=lengths_k, sink_token=sink)  # fmt: skip
+        written = run.run(inputs, grads)
+        d_sink = None if sink is None else written["grad_sink"].reshape(ctx.sink_meta[0]).to(ctx.sink_meta[1])
+        return (*grads.values(), None, None, None, d_sink)
 
 
 def _spec(t: torch.Tensor) -> TensorSpec:
     return TensorSpec.of(t)
 
 
-def _forward_run(q, k, v, lengths_q, lengths_k, options: _Options, train: bool) -> PreparedRun:
+def _forward_run(q, k, v, lengths_q, lengths_k, options: _Options, train: bool, sink=None) -> PreparedRun:
     problem = forward_problem(_spec(q), _spec(k), _spec(v), options.scores, stats=train, seq_len_q=_spec(lengths_q),
                               seq_len_kv=_spec(lengths_k), max_seq_len_q=options.max_q, max_seq_len_kv=options.max_k,
-                              dropout_seed=options.rng_specs()[0], dropout_offset=options.rng_specs()[1])  # fmt: skip
+                              dropout_seed=options.rng_specs()[0], dropout_offset=options.rng_specs()[1],
+                              sink_token=None if sink is None else _spec(sink))  # fmt: skip
     return _prepared(problem, lengths_q, lengths_k)
 
 
-def _backward_run(q, k, v, out, d_out, stats, lengths_q, lengths_k, options: _Options) -> PreparedRun:
+def _backward_run(q, k, v, out, d_out, stats, lengths_q, lengths_k, options: _Options, sink=None) -> PreparedRun:
     problem = backward_problem(_spec(q), _spec(k), _spec(v), _spec(out), _spec(d_out), _spec(stats), options.scores,
                                seq_len_q=_spec(lengths_q), seq_len_kv=_spec(lengths_k), max_seq_len_q=options.max_q,
-                               max_seq_len_kv=options.max_k, dropout_seed=options.rng_specs()[0], dropout_offset=options.rng_specs()[1])  # fmt: skip
+                               max_seq_len_kv=options.max_k, dropout_seed=options.rng_specs()[0], dropout_offset=options.rng_specs()[1],
+                               sink_token=None if sink is None else _spec(sink))  # fmt: skip
     return _prepared(problem, lengths_q, lengths_k)
 
 

@@ -111,3 +111,21 @@ def test_the_torch_form_with_sinks_matches_the_reference_and_learns_them():
     assert rel_err(out.float().cpu(), ref) < TOLERANCE[torch.bfloat16]
     for name, a, e in zip(("dQ", "dK", "dV", "dSinks"), grads, expected):
         assert rel_err(a.float().cpu(), e) < 2e-2, name
+
+
+def test_varlen_with_sinks_matches_the_reference():
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    cu = torch.tensor([0, 100, 357, 512], dtype=torch.int32, device="cuda")
+    q = torch.randn(512, H, D, device="cuda", generator=gen).bfloat16().requires_grad_()
+    k, v = (torch.randn(512, H_KV, D, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(2))
+    sinks = torch.randn(H, device="cuda", generator=gen).requires_grad_()
+    out = cudnn_attn.varlen_sdpa(q, k, v, cu, cu, 257, 257, is_causal=True, enable_gqa=True, sinks=sinks)
+    d_out = torch.randn(out.shape, device="cuda", generator=gen).bfloat16()
+    grads = torch.autograd.grad(out, (q, k, v, sinks), d_out)
+    leaves = [t.detach().cpu().float().requires_grad_() for t in (q, k, v, sinks)]
+    ref = cudnn_attn.varlen_sdpa(*leaves[:3], cu.cpu(), cu.cpu(), 257, 257, is_causal=True, enable_gqa=True,
+                                 sinks=leaves[3])  # fmt: skip
+    expected = torch.autograd.grad(ref, leaves, d_out.cpu().float())
+    assert rel_err(out.float().cpu(), ref) < TOLERANCE[torch.bfloat16]
+    for name, a, e in zip(("dQ", "dK", "dV", "dSinks"), grads, expected):
+        assert rel_err(a.float().cpu(), e) < 2e-2, name

@@ -109,3 +109,23 @@ def test_the_torch_form_checks_sinks_by_name():
         cudnn.sdpa(q, k, v, enable_gqa=True, sinks=torch.zeros(3))
     with pytest.raises(cudnn.UnsupportedError, match="dropout_p with sinks"):
         cudnn.sdpa(q, k, v, enable_gqa=True, dropout_p=0.1, sinks=torch.zeros(H))
+
+
+def test_varlen_takes_sinks_and_learns_them():
+    lengths = [5, 11]
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    q = randn(16, H, D, seed=20).float().requires_grad_()
+    k, v = (randn(16, H_KV, D, seed=21 + i).float().requires_grad_() for i in range(2))
+    sinks = randn(H, seed=23).float().requires_grad_()
+    out = cudnn.varlen_sdpa(q, k, v, cu, cu, 11, 11, is_causal=True, enable_gqa=True, sinks=sinks)
+    d_out = randn(*out.shape, seed=24).float()
+    got = torch.autograd.grad(out, (q, k, v, sinks), d_out)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    pieces = []
+    for start, n in zip((0, 5), lengths):
+        part = [t[start : start + n].transpose(0, 1)[None] for t in leaves[:3]]
+        pieces.append(oracle(*part, leaves[3].view(1, H, 1, 1), True)[0][0].transpose(0, 1))
+    want = torch.cat(pieces)
+    expected = torch.autograd.grad(want, leaves, d_out.double())
+    assert rel_err(out, want) < 1e-5
+    assert all(rel_err(a, e) < 1e-5 for a, e in zip(got, expected))

@@ -431,14 +431,16 @@ def test_unsupported_features_are_refused():
         cudnn_hf.attention_forward(layer, q, k, v, None, sliding_window=2)
 
 
-def test_gpt_oss_sinks_match_eager_logits_and_gradients():
+@pytest.mark.parametrize("padding, window", [("none", 64), ("left", 64), ("right", WINDOW)])
+def test_gpt_oss_sinks_match_eager_logits_and_gradients(padding, window):
     """gpt-oss's learned attention sinks (``s_aux``) through the registration, against the model's
-    own eager attention (the reference implementation transformers gives it)."""
+    own eager attention (the reference implementation transformers gives it): padded batches and
+    windows shorter than the sequence go through varlen, with the sinks."""
     from transformers import GptOssConfig
 
     config = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=LAYERS,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
-                          num_experts_per_tok=1, sliding_window=64, max_position_embeddings=256,
+                          num_experts_per_tok=1, sliding_window=window, max_position_embeddings=256,
                           layer_types=["sliding_attention", "full_attention"])  # fmt: skip
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
@@ -446,13 +448,16 @@ def test_gpt_oss_sinks_match_eager_logits_and_gradients():
         torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
     ours = copy.deepcopy(ref)
     ours.set_attn_implementation(NAME)
-    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    ids, mask = batch(padding)
+    real = mask.bool()
     with torch.no_grad():
-        assert rel_err(ours(ids).logits, ref(ids).logits) < 1e-4
+        assert rel_err(ours(ids, attention_mask=mask).logits[real], ref(ids, attention_mask=mask).logits[real]) < 1e-4
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[torch.arange(ids.shape[0]), mask.argmax(dim=1)] = -100  # see check_gradients
     for model in (ref, ours):
-        model(ids, labels=ids).loss.backward()
+        model(ids, attention_mask=mask, labels=labels).loss.backward()
     for (key, p_ref), (_, p_ours) in zip(ref.named_parameters(), ours.named_parameters()):
-        if p_ref.grad is not None and "sinks" in key:
+        if p_ref.grad is not None and ("sinks" in key or "q_proj.weight" in key):
             assert rel_err(p_ours.grad, p_ref.grad) < 1e-4, key
 
 

@@ -4,8 +4,11 @@ backward's ``dSink_token``). What shape and type each must have."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from ..errors import ValidationError
 from .problem import AttentionProblem
 
 
@@ -22,3 +25,15 @@ def score_input_problems(p: AttentionProblem) -> list[str]:
     if p.grad_sink is not None and p.sink_token is None:
         found.append("dSink_token: given without sink_token")
     return found
+
+
+def check_sinks(sinks: Any, heads: int, device: torch.device) -> None:
+    """The torch forms' ``sinks``: a real tensor of one logit per query head, ``[H]`` (gpt-oss's and
+    FlashInfer's form) or ``[1, H, 1, 1]`` (the frontend's), beside q. ``ValidationError`` otherwise."""
+    if not isinstance(sinks, torch.Tensor):
+        raise ValidationError([f"sinks: {type(sinks).__name__}; expected a tensor of one logit per query head"])
+    if sinks.numel() != heads or sinks.dim() not in (1, 4) or not sinks.is_floating_point():
+        raise ValidationError([f"sinks: shape {list(sinks.shape)} dtype {sinks.dtype}; expected a real tensor of "
+                               f"[{heads}] or [1, {heads}, 1, 1] (one logit per query head)"])  # fmt: skip
+    if sinks.device != device:
+        raise ValidationError([f"sinks: on {sinks.device}; q is on {device}"])

@@ -16,6 +16,7 @@ import torch
 from ..core.constructors import backward_problem, forward_problem
 from ..core.mask import Causal, ScoreOptions
 from ..core.problem import TensorSpec
+from ..core.score_inputs import check_sinks
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
 from ..runtime.interop import in_layout_of
 from ..runtime.prepared import prepare
@@ -36,14 +37,7 @@ def sdpa_with_sinks(query, key, value, attn_mask, dropout_p, is_causal, scale, e
 def sink_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float,
               causal: Causal, dropout_p: float, sinks: Any) -> torch.Tensor:  # fmt: skip
     """Attention of ``[B, H, S, D]`` tensors with ``sinks`` (checked here, by name)."""
-    if not isinstance(sinks, torch.Tensor):
-        raise ValidationError([f"sinks: {type(sinks).__name__}; expected a tensor of one logit per query head"])
-    heads = q.shape[1]
-    if sinks.numel() != heads or sinks.dim() not in (1, 4) or sinks.is_complex() or not sinks.is_floating_point():
-        raise ValidationError([f"sinks: shape {list(sinks.shape)} dtype {sinks.dtype}; expected a real tensor of "
-                               f"[{heads}] or [1, {heads}, 1, 1] (one logit per query head)"])  # fmt: skip
-    if sinks.device != q.device:
-        raise ValidationError([f"sinks: on {sinks.device}; q is on {q.device}"])
+    check_sinks(sinks, q.shape[1], q.device)
     if dropout_p:
         raise UnsupportedError(["dropout_p with sinks: not supported yet"], context="sdpa")
     return _SinkAttention.apply(q, k, v, bias, sinks, ScoreOptions(attn_scale=scale, causal=causal))

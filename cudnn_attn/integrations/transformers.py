@@ -102,11 +102,6 @@ def attention_forward(
         out = sdpa(query, key, value, attn_mask=attention_mask, **options)
         return out.transpose(1, 2).contiguous(), None
     window = _window(sliding_window, key.shape[2])
-    if "sinks" in options and (window is not None or attention_mask is not None or causal and query.shape[2] not in
-                               (1, key.shape[2])):  # fmt: skip
-        raise UnsupportedError(["s_aux: attention sinks with padding, a sliding window shorter than the keys or a "
-                                "cached prefill are not supported yet (only the dense sdpa path takes sinks)"],
-                               context=CONTEXT, alternatives=_ALTERNATIVES)  # fmt: skip
     if window is not None and not causal:
         raise UnsupportedError([f"sliding_window: {sliding_window} without a causal mask; cuDNN's band takes a "
                                 "left bound only"], context=CONTEXT, alternatives=_ALTERNATIVES)  # fmt: skip
