@@ -289,7 +289,7 @@ def test_the_frontends_other_sdpa_keywords_take_their_defaults_and_refuse_the_re
     out = torch.empty_like(data[0])
     g.execute({q: data[0], k: data[1], v: data[2], o: out})
     assert rel_err(out, _attention(*data, D**-0.5)) < 1e-5
-    for name, value in (("unfuse_fma", True), ("stats_use_log2", True), ("score_mod", lambda g, s: s)):
+    for name, value in (("unfuse_fma", True), ("stats_use_log2", True), ("block_mask", 1)):
         g, q, k, v = _dense_graph(1, 8)
         g.sdpa(q=q, k=k, v=v, generate_stats=False, **{name: value})
         with pytest.raises(cudnn.cudnnGraphNotSupportedError, match=f"{name}: "):

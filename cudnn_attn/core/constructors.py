@@ -14,6 +14,7 @@ import torch
 
 from .mask import ScoreOptions
 from .problem import AttentionProblem, KVCacheLayout, Op, TensorSpec, strides_like
+from .score_mod import ScoreModifier
 
 
 def like(spec: TensorSpec, last_dim: int | None = None, dtype: torch.dtype | None = None) -> TensorSpec:
@@ -56,6 +57,7 @@ def forward_problem(
     fp8: dict[str, TensorSpec] | None = None,
     o_dtype: torch.dtype | None = None,
     sink_token: TensorSpec | None = None,
+    score_mod: ScoreModifier | None = None,
 ) -> AttentionProblem:
     """An sdpa forward; ``options.attn_scale`` is taken as given (resolve the default first).
     ``fp8``: the FP8 scale inputs and amax outputs by role (see ``roles.FP8_SCALES``)."""
@@ -65,7 +67,8 @@ def forward_problem(
         stats=default_stats(q, seq_len_q, max_seq_len_q) if stats else None,
         bias=bias, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, page_table_k=page_table_k, page_table_v=page_table_v,
         dropout_seed=dropout_seed, dropout_offset=dropout_offset, options=options, kv_cache_layout=kv_cache_layout,
-        max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv, sink_token=sink_token, **_fp8_fields(fp8),
+        max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv, sink_token=sink_token, score_mod=score_mod,
+        **_fp8_fields(fp8),
     )  # fmt: skip
 
 
@@ -90,6 +93,7 @@ def backward_problem(
     fp8: dict[str, TensorSpec] | None = None,
     grad_dtype: torch.dtype | None = None,
     sink_token: TensorSpec | None = None,
+    score_mod: ScoreModifier | None = None,
 ) -> AttentionProblem:
     """An sdpa backward: dQ, dK, dV (and dBias with ``grad_bias``) laid out like their inputs.
     ``fp8``: the FP8 scale inputs and amax outputs by role; ``grad_dtype``: the gradients' dtype
@@ -104,7 +108,8 @@ def backward_problem(
         grad_q=like(q, dtype=grad_dtype), grad_k=like(k, dtype=grad_dtype), grad_v=like(v, dtype=grad_dtype),
         bias=bias, grad_bias=grad_bias_spec, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, dropout_seed=dropout_seed,
         dropout_offset=dropout_offset, options=options, max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv,
-        deterministic=deterministic, sink_token=sink_token, grad_sink=sink_token, **_fp8_fields(fp8),
+        deterministic=deterministic, sink_token=sink_token, grad_sink=sink_token, score_mod=score_mod,
+        **_fp8_fields(fp8),
     )  # fmt: skip
 
 

@@ -23,12 +23,15 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .mask import Causal, ScoreOptions
 from .roles import ROLES
+
+if TYPE_CHECKING:
+    from .score_mod import ScoreModifier
 
 
 class Op(str, enum.Enum):
@@ -178,6 +181,17 @@ class AttentionProblem:
     max_seq_len_q: int | None = None  # THD: the padded length cuDNN plans for
     max_seq_len_kv: int | None = None  # THD and paged
     deterministic: bool = False
+    # The frontend's score_mod / score_mod_bprop (core/score_mod.py): a pointwise expression on the
+    # scores. The graph tensors it reads are the roles score_input_0, ...: their specs live in it.
+    score_mod: ScoreModifier | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names that are not fields: the score modifier's inputs, by role.
+        if name.startswith("score_input_") and name[12:].isdigit():
+            mod = self.__dict__.get("score_mod")
+            index = int(name[12:])
+            return mod.inputs[index] if mod is not None and index < len(mod.inputs) else None
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __hash__(self) -> int:
         # Problems key every plan-cache lookup: their fields are hashed once, not per lookup.
@@ -318,9 +332,12 @@ class AttentionProblem:
 
     def tensor_specs(self) -> dict[str, TensorSpec]:
         """Every tensor of the problem by role, inputs and outputs alike."""
-        return {
+        specs = {
             f.name: value for f in dataclasses.fields(self) if isinstance(value := getattr(self, f.name), TensorSpec)
         }
+        if self.score_mod is not None:
+            specs.update({f"score_input_{i}": spec for i, spec in enumerate(self.score_mod.inputs)})
+        return specs
 
     def flops(self) -> float:
         """Matrix-multiply FLOPs of this node (causal halves the forward's; backward is 2.5x)."""
@@ -362,6 +379,10 @@ class AttentionProblem:
             parts.append(f"dropout{options.dropout_p:g}")
         if self.is_paged:
             parts.append(f"paged{self.page_size}")
+        if self.sink_token is not None:
+            parts.append("sinks")
+        if self.score_mod is not None:
+            parts.append(self.score_mod.name)
         return "-".join(parts)
 
 

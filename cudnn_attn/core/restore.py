@@ -16,7 +16,11 @@ from typing import Any
 
 import torch
 
-from .problem import AttentionProblem
+from .problem import AttentionProblem, TensorSpec
+from .score_mod import Expr, ScoreModifier
+
+# Names the fields' annotations use that their modules import for type checking only.
+_NAMES = {"TensorSpec": TensorSpec, "ScoreModifier": ScoreModifier, "Expr": Expr}
 
 
 def problem_from_signature(data: dict[str, Any]) -> AttentionProblem:
@@ -29,7 +33,7 @@ def problem_from_signature(data: dict[str, Any]) -> AttentionProblem:
 
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    return typing.get_type_hints(cls, localns=_NAMES)
 
 
 def _dataclass(cls: type, data: dict[str, Any]) -> Any:
@@ -43,8 +47,10 @@ def _value(hint: Any, value: Any) -> Any:
         return None
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):  # Optional[X]: the one non-None member
-        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _value(inner, value)
+        members = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(members) > 1:  # a number that may be an int or a float: as JSON gave it
+            return value
+        return _value(members[0], value)
     if origin is tuple:
         args = typing.get_args(hint)
         item = args[0] if args else Any

@@ -48,6 +48,8 @@ ROLES: dict[str, Role] = {
         # Attention sinks: a float32 [1, H_q, 1, 1] logit per head in every softmax denominator, and its gradient.
         Role("sink_token", 20, "sink_token"),
         Role("grad_sink", 21, "dSink_token", output="dSink_token"),
+        # The graph tensors a score modifier reads (core/score_mod.py), in the order it first reads them.
+        *(Role(f"score_input_{i}", 70 + i, f"score_mod input {i}") for i in range(8)),
         # FP8 (sdpa_fp8, sdpa_fp8_backward): per-tensor scales in, amaxes out, float32 [1, 1, 1, 1].
         Role("descale_q", 50, "descale_q"),
         Role("descale_k", 51, "descale_k"),
@@ -94,7 +96,9 @@ UID = {name: role.uid for name, role in ROLES.items()}
 
 # Each op's run-time inputs in the order of that method's own parameters: a graph's positional
 # inputs are its distinct input tensors, node by node, each node's in this order.
-MASK_INPUTS = ("bias", "seq_len_q", "seq_len_kv", "dropout_seed", "dropout_offset", "scale_tensor", "sink_token")
+SCORE_INPUTS = tuple(f"score_input_{i}" for i in range(8))
+MASK_INPUTS = ("bias", "seq_len_q", "seq_len_kv", "dropout_seed", "dropout_offset", "scale_tensor", "sink_token",
+               *SCORE_INPUTS)  # fmt: skip
 # Ragged offsets come last: the tensors they address are set before them (set_ragged_offset).
 FORWARD_OFFSETS = ("q_offset", "k_offset", "v_offset", "page_table_k_offset", "page_table_v_offset", "o_offset",
                    "stats_offset")  # fmt: skip
@@ -102,7 +106,7 @@ BACKWARD_OFFSETS = ("q_offset", "k_offset", "v_offset", "o_offset", "grad_o_offs
                     "grad_q_offset", "grad_k_offset", "grad_v_offset")  # fmt: skip
 SDPA_INPUTS = ("q", "k", "v", *MASK_INPUTS, "page_table_k", "page_table_v", *FORWARD_OFFSETS)
 PAGED_INPUTS = ("q", "k", "v", "page_table_k", "seq_len_q", "seq_len_kv", "page_table_v", "bias",
-                "dropout_seed", "dropout_offset", *FORWARD_OFFSETS)  # fmt: skip
+                "dropout_seed", "dropout_offset", *SCORE_INPUTS, *FORWARD_OFFSETS)  # fmt: skip
 BACKWARD_INPUTS = ("q", "k", "v", "o", "grad_o", "stats", *MASK_INPUTS, *BACKWARD_OFFSETS)
 
 FP8_SCALES = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")

@@ -1,6 +1,7 @@
-"""The score's tensor inputs besides Q and K: a graph-tensor ``attn_scale`` read at each run, and
-attention sinks (``sink_token``, a logit per query head in every softmax denominator, and the
-backward's ``dSink_token``). What shape and type each must have."""
+"""The score's inputs besides Q and K: a graph-tensor ``attn_scale`` read at each run, attention
+sinks (``sink_token``, a logit per query head in every softmax denominator, and the backward's
+``dSink_token``) and a score modifier (``score_mod``) with the tensors it reads. What shape and
+type each must have."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from ..errors import ValidationError
 from .problem import AttentionProblem
+from .score_mod import modifier_problems
 
 
 def score_input_problems(p: AttentionProblem) -> list[str]:
@@ -24,6 +26,8 @@ def score_input_problems(p: AttentionProblem) -> list[str]:
             found.append(f"{name}: {spec.describe()}; expected float32 {list(want)} (one logit per query head)")
     if p.grad_sink is not None and p.sink_token is None:
         found.append("dSink_token: given without sink_token")
+    if p.score_mod is not None:
+        found += modifier_problems(p.score_mod, forward=p.is_forward, scores=(p.batch, p.h_q, p.s_q, p.s_kv))
     return found
 
 

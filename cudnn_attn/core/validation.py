@@ -240,14 +240,11 @@ def _check_fp8(p: AttentionProblem, found: list[str]) -> None:
 
 
 def _check_devices(p: AttentionProblem, found: list[str]) -> None:
-    # Dropout seeds and offsets, and a tensor scale, may live on the host: they are passed by value.
-    specs = {
-        role: spec
-        for role, spec in p.tensor_specs().items()
-        if not (role in ("dropout_seed", "dropout_offset", "scale_tensor") and spec.device == "cpu")
-    }
-    devices = {spec.device for spec in specs.values()}
-    if len(devices) > 1:
+    # Dropout seeds and offsets, a tensor scale and a score modifier's scalars may live on the host (by value).
+    host = ("dropout_seed", "dropout_offset", "scale_tensor")
+    specs = {role: spec for role, spec in p.tensor_specs().items()
+             if not (spec.device == "cpu" and (role in host or role.startswith("score_input_") and spec.numel == 1))}  # fmt: skip
+    if len({spec.device for spec in specs.values()}) > 1:
         where = ", ".join(
             f"{_name(role)} on {spec.device}" for role, spec in specs.items() if spec.device != p.q.device
         )
@@ -332,6 +329,8 @@ def _check_masks(p: AttentionProblem, found: list[str]) -> None:
 def unrunnable(p: AttentionProblem) -> list[str]:
     """Well-formed problems no backend runs, as the frontend refuses them (not supported, not
     invalid): a bottom-right diagonal that leaves the first query rows without keys."""
+    if p.score_mod is not None and p.is_fp8:
+        return ["score_mod: score modifiers on FP8 attention are not supported here"]
     s_q, s_kv = p.s_q, p.s_kv
     if s_q <= s_kv or p.options.padding:
         return []

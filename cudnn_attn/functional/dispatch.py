@@ -38,7 +38,7 @@ from .arguments import (
 )
 from .compiled import sdpa_forward
 from .nested import nested_sdpa
-from .sinks import sdpa_with_sinks
+from .score_terms import sdpa_with_score_terms
 
 
 def sdpa(
@@ -52,11 +52,14 @@ def sdpa(
     enable_gqa: bool = False,
     *,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with torch's signature, on cached cuDNN graphs.
 
     ``sinks``: attention sinks, a logit per query head (``[H_q]``, as gpt-oss and FlashInfer
-    name it) in every softmax denominator, learnable (``functional/sinks.py``)."""
+    name it) in every softmax denominator, learnable. ``softcap``: logit soft-capping as
+    FlashAttention and Gemma-2 define it, scores ``cap * tanh(s / cap)`` before the mask
+    (``functional/score_terms.py``)."""
     try:  # nested tensors take the varlen door (functional/nested.py)
         nested = query.is_nested or key.is_nested or value.is_nested or attn_mask is not None and attn_mask.is_nested
     except AttributeError:
@@ -65,8 +68,9 @@ def sdpa(
         return nested_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     attn_mask, is_causal = causal_from_mask(attn_mask, is_causal, query, key)
     query, key, value, attn_mask = autocast_inputs(query, key, value, attn_mask)
-    if sinks is not None:
-        return sdpa_with_sinks(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks)
+    if sinks is not None or softcap is not None:
+        return sdpa_with_score_terms(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks,
+                                     softcap)  # fmt: skip
     if not torch.compiler.is_compiling():
         out = sdpa_eager.run(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if out is not None:

@@ -36,6 +36,7 @@ tokens of a row with one id form one sequence) or a dense ``[B, 1, Q, K]`` mask.
 from __future__ import annotations
 
 import inspect
+import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ except ImportError as error:  # the optional dependency
     ) from error
 
 NAME = "cudnn_attn"
+_log = logging.getLogger("cudnn_attn.transformers")
 CONTEXT = "cudnn_attn (transformers)"
 _BIDIRECTIONAL = getattr(masking_utils, "bidirectional_mask_function", None)  # absent from transformers 4.56
 _ALTERNATIVES = ["attn_implementation='sdpa' (or 'eager') for this model"]
@@ -98,6 +100,8 @@ def attention_forward(
     options: dict[str, Any] = dict(scale=scaling, dropout_p=float(dropout), enable_gqa=key.shape[1] != query.shape[1])
     if kwargs.get("s_aux") is not None:  # gpt-oss's learned sinks, one logit per head
         options["sinks"] = kwargs["s_aux"]
+    if softcap is not None:  # Gemma-2's logit soft-capping
+        options["softcap"] = softcap
     if attention_mask is not None and attention_mask.dim() == 4:  # dense: transformers' own, or the caller's
         out = sdpa(query, key, value, attn_mask=attention_mask, **options)
         return out.transpose(1, 2).contiguous(), None
@@ -105,6 +109,8 @@ def attention_forward(
     if window is not None and not causal:
         raise UnsupportedError([f"sliding_window: {sliding_window} without a causal mask; cuDNN's band takes a "
                                 "left bound only"], context=CONTEXT, alternatives=_ALTERNATIVES)  # fmt: skip
+    if softcap is not None:
+        return _softcapped(query, key, value, attention_mask, causal, window, options), None
     packing = _packing(attention_mask, kwargs, query.shape[0], query.shape[2], key.shape[2], causal)
     if packing is None:
         return _unpadded(query, key, value, causal, window, options), None
@@ -281,6 +287,32 @@ def _unpadded(query, key, value, causal: bool, window: int | None, options: dict
     return _packed(query, key, value, uniform, causal, window, options)
 
 
+def _softcapped(query, key, value, tokens: torch.Tensor | None, causal: bool, window: int | None,
+                options: dict) -> torch.Tensor:  # fmt: skip
+    """Soft-capped layers (Gemma-2): ``cudnn_attn.sdpa`` with ``softcap``, whose causal mask lives in the
+    score modifier. Padding, packed runs and windows become a dense boolean ``[B, 1, Q, K]`` mask
+    (the varlen path takes no soft-capping yet); the queries are the last ``Q`` keys."""
+    batch, _, q_len, _ = query.shape
+    k_len = key.shape[2]
+    if tokens is None and window is None and (not causal or q_len in (1, k_len)):
+        return sdpa(query, key, value, is_causal=causal and q_len > 1, **options).transpose(1, 2).contiguous()
+    _log.debug("softcap with padding, packed runs or a window: a dense [B, 1, Q, K] mask (%d x %d)", q_len, k_len)
+    device = query.device
+    col = torch.arange(k_len, device=device)
+    row = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    if causal:
+        allowed &= col <= row
+    if window is not None:  # window = sliding_window - 1: keys within sliding_window of the query, its own included
+        allowed &= col > row - (window + 1)
+    allowed = allowed.expand(batch, 1, q_len, k_len)
+    if tokens is not None:
+        ids = F.pad(tokens, (0, max(0, k_len - tokens.shape[1])))[:, :k_len].to(torch.int64)
+        allowed = allowed & (ids != 0)[:, None, None, :] & (ids[:, k_len - q_len :, None] == ids[:, None, :])[:, None]
+    allowed = allowed | ~allowed.any(-1, keepdim=True)  # padding queries: any finite row (their output is unused)
+    return sdpa(query, key, value, attn_mask=allowed, **options).transpose(1, 2).contiguous()
+
+
 def _packed(query, key, value, packing: _Packing, causal: bool, window: int | None, options: dict) -> torch.Tensor:
     """Gather the real tokens, attend per sequence, scatter back to ``[B, Q, H, D_v]``."""
     batch, heads, q_len, _ = query.shape
@@ -321,8 +353,6 @@ def _refuse_unsupported(query: torch.Tensor, mask: Any, softcap: float | None, k
     if query.dtype not in FLOATING_IO:
         reasons.append(f"query: dtype {str(query.dtype).removeprefix('torch.')}; cudnn_attn attends in float16, "
                        "bfloat16 or float32 (load the model with dtype=torch.bfloat16)")  # fmt: skip
-    if softcap is not None:
-        reasons.append(f"softcap: {softcap}; cuDNN's fused attention has no logit soft-capping")
     if kwargs.get("position_bias") is not None:
         reasons.append("position_bias: a per-layer position bias is not supported")
     if kwargs.get("cache") is not None:

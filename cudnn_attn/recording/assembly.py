@@ -19,6 +19,7 @@ from ..core.roles import (
     FP8_BACKWARD_SCALES,
     FP8_INPUTS,
     FP8_SCALES,
+    SCORE_INPUTS,
     SDPA_INPUTS,
 )
 from .node import Node
@@ -82,6 +83,9 @@ def assemble_problem(node: Node, dtypes: dict[str, torch.dtype | None]) -> Atten
         max_seq_len_q=parsed.max_seq_len_q,
         max_seq_len_kv=parsed.max_seq_len_kv,
     )
+    if parsed.score_mod is not None:  # its graph tensors' geometry joins it: roles score_input_0, ...
+        read = tuple(specs.pop(role) for role in SCORE_INPUTS if role in specs)
+        common["score_mod"] = dataclasses.replace(parsed.score_mod, inputs=read)
     if node.op is Op.FORWARD:
         if node.paged:
             common.update(

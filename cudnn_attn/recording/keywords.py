@@ -57,11 +57,13 @@ class MaskKeywords:
     sliding_window: Any = None
     left_bound: Any = None
     right_bound: Any = None
+    # Score modifiers: callbacks (graph, tensor) -> tensor building a pointwise subgraph on the
+    # scores and, backward, on their gradient (recording/score_mod.py traces them).
+    score_mod: Any = None
+    score_mod_bprop: Any = None
     # The frontend's keywords for what is not run here: their defaults are taken (code passes them
     # on every call); any other value is refused with the reason (NOT_RUN_HERE).
     block_mask: Any = None
-    score_mod: Any = None
-    score_mod_bprop: Any = None
     fn: Any = None
     score_max: Any = None
     score_sum_exp: Any = None
@@ -79,9 +81,7 @@ ALIASES = (("sliding_window", "sliding_window_length"), ("left_bound", "diagonal
            ("right_bound", "diagonal_band_right_bound"))  # fmt: skip
 NOT_RUN_HERE = {
     "block_mask": "block-sparse tile masks need cuDNN's unified engine (cuDNN >= 9.14); not supported here",
-    "score_mod": "score modifier callbacks are not supported here",
-    "score_mod_bprop": "score modifier callbacks are not supported here",
-    "fn": "score modifier callbacks are not supported here",
+    "fn": "score modifiers on FP8 attention are not supported here (sdpa and sdpa_backward take score_mod)",
     "score_max": "the softmax partials (score_max, score_sum_exp) as outputs are not supported here; use Stats",
     "score_sum_exp": "the softmax partials (score_max, score_sum_exp) as outputs are not supported here; use Stats",
     "dSink_token": "the FP8 backward's sink gradient is not supported here",
@@ -109,6 +109,7 @@ class Parsed:
     runtime: dict[str, int] = field(default_factory=dict)  # int dropout seed/offset, passed by value
     errors: list[str] = field(default_factory=list)
     unsupported: list[str] = field(default_factory=list)  # valid, but not run here: UnsupportedError
+    score_mod: Any = None  # the traced ScoreModifier (its input specs are set when the problem is assembled)
 
 
 def collect_keywords(given: dict[str, Any], op: str, hints: dict[str, str] | None = None) -> MaskKeywords | list[str]:

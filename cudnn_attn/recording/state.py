@@ -8,6 +8,7 @@ tensors bound to input handles) unless an earlier identical recording's build is
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -16,8 +17,9 @@ import torch
 from ..core.dtypes import to_torch_dtype
 from ..core.problem import Op, TensorSpec
 from ..core.roles import ROLES, offset_role, user_name
-from ..errors import GraphStateError, ValidationError
+from ..errors import GraphStateError, UnsupportedError, ValidationError
 from ..runtime import interop
+from . import score_mod
 from .handles import InputHandle, OutputHandle, TensorHandle
 from .key import RecordingKey
 from .keywords import MaskKeywords, collect_keywords, parse_keywords, stats_requested
@@ -236,6 +238,32 @@ class Recording:
         node.errors += errors + parsed.errors
         for role, value in [*tensors.items(), *parsed.tensors.items()]:
             self.bind(node, role, value)
+        if isinstance(keywords, MaskKeywords) and (
+            keywords.score_mod is not None or keywords.score_mod_bprop is not None
+        ):
+            self._trace_score_mod(node, keywords, method)
+
+    def _trace_score_mod(self, node: Node, keywords: MaskKeywords, method: str) -> None:
+        """The node's score modifier, traced; the graph tensors it reads become its score inputs.
+        Sequence lengths given beside it bound the scores as the padding mask does (cuDNN's matmuls
+        stop at them), so the problem says padding."""
+        assert node.parsed is not None
+        if keywords.score_mod_bprop is not None and node.op is Op.FORWARD:
+            node.errors.append(f"score_mod_bprop: not a keyword of {method}; sdpa_backward takes it")
+            return
+        try:
+            modifier, inputs = score_mod.trace(keywords.score_mod, keywords.score_mod_bprop, self)
+        except ValidationError as error:
+            node.errors.extend(error.problems)
+            return
+        except UnsupportedError as error:
+            node.parsed.unsupported.extend(error.problems)
+            return
+        node.parsed.score_mod = modifier
+        for i, value in enumerate(inputs):
+            self.bind(node, f"score_input_{i}", value)
+        if "seq_len_q" in node.inputs or "seq_len_kv" in node.inputs:
+            node.parsed.options = dataclasses.replace(node.parsed.options, padding=True)
 
     def bind_paged(self, node: Node, table_k: Any, table_v: Any, max_seq_len_kv: Any, layout: Any) -> None:
         node.paged = True

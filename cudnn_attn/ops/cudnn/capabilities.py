@@ -52,6 +52,7 @@ BOTTOM_RIGHT_MIN_CUDNN = 90300
 SLIDING_WINDOW_MIN_CUDNN = 90200
 RAGGED_INT64_MIN_CUDNN = 90600  # ragged offsets are passed as int64
 SINK_MIN_CUDNN = 91300  # sink_token / dSink_token
+SCORE_MOD_MIN_CUDNN = 90600  # score_mod / score_mod_bprop (the frontend's flexible-graph tests)
 # FP8: the frontend accepts cuDNN >= 9.1, but TransformerEngine uses cuDNN's FP8 attention for
 # any sequence length, head dims that are multiples of 16 and padding masks only from 9.7 on
 # (9.2.1 covered d = 128 with S % 128 == 0 and no padding). Both skip 9.10.0 (known bugs).
@@ -115,6 +116,8 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
             reasons.append("sink_token with S_q = 1 (decode): cuDNN's decode kernels take no sink")
         if p.is_fp8:
             reasons.append("sink_token with FP8: not supported here")
+    if p.score_mod is not None:
+        reasons += _score_mod_reasons(p, platform)
     if not p.is_forward and p.s_q == 1 and p.s_kv == 1:
         # cuDNN release notes, known issue: "bprop is not supported when both key/value have sequence length of 1".
         reasons.append("sdpa_backward with S_q = S_kv = 1: refused (cuDNN does not support this backward shape)")
@@ -297,4 +300,24 @@ def _stride_reasons(p: AttentionProblem) -> list[str]:
             reasons.append(
                 f"{role}: zero stride on a dimension of size > 1 (an expanded view); pass a materialised tensor"
             )
+    return reasons
+
+
+def _score_mod_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
+    """What cuDNN refuses beside a score modifier: it then applies no mask of its own (the frontend:
+    "Attention score mod enabled and hence other subgraphs are disabled")."""
+    reasons = []
+    if platform.cudnn < SCORE_MOD_MIN_CUDNN:
+        reasons.append(f"score modifiers need cuDNN >= 9.6 (have {_ver(platform.cudnn)})")
+    for i, spec in enumerate(p.score_mod.inputs if p.score_mod is not None else ()):
+        if spec.rank == 4 and (spec.shape[0] > 1 or spec.shape[1] > 1):
+            # Measured on an H100 with cuDNN 9.19: keys masked by a [B, 1, 1, 1] lengths tensor came out
+            # wrong (per-row and per-column tensors [1, 1, S, 1] / [1, 1, 1, S] are right). Per-head
+            # tensors are refused with them until measured.
+            reasons.append(f"score_mod input {i}: shape {list(spec.shape)}; cuDNN 9.19 misreads score_mod tensors "
+                           "that vary by batch or head; give per-sequence lengths as seq_len_q/seq_len_kv instead")  # fmt: skip
+    o = p.options
+    if o.has_band or o.alibi:
+        reasons.append("score_mod with a causal mask, band or ALiBi: cuDNN applies no mask of its own beside a score "
+                       "modifier; write the mask inside score_mod (gen_index, cmp_ge, binary_select)")  # fmt: skip
     return reasons

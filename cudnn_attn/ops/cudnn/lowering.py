@@ -26,6 +26,8 @@ import torch
 from ...core.mask import Causal
 from ...core.problem import AttentionProblem, KVCacheLayout, TensorSpec
 from ...core.roles import FP8_AMAXES, FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES, ROLES, UID, offset_role
+from .dtypes import cudnn_dtype
+from .score_mod import callbacks
 from .workarounds import full_lengths_reason
 
 
@@ -38,16 +40,6 @@ class Lowered:
     # Sequence lengths the plan binds itself, as constants: role -> length of every batch.
     constant_lengths: dict[str, int] = field(default_factory=dict)
     rng_dump: bool = False
-
-
-def cudnn_dtype(dtype: torch.dtype) -> Any:
-    import cudnn
-
-    names = {
-        torch.float16: "HALF", torch.bfloat16: "BFLOAT16", torch.float32: "FLOAT", torch.int32: "INT32",
-        torch.int64: "INT64", torch.float8_e4m3fn: "FP8_E4M3", torch.float8_e5m2: "FP8_E5M2",
-    }  # fmt: skip
-    return getattr(cudnn.data_type, names[dtype])
 
 
 def dims_and_strides(role: str, spec: TensorSpec, p: AttentionProblem) -> tuple[list[int], list[int]]:
@@ -233,15 +225,33 @@ def _mask_options(p: AttentionProblem, graph: Any, tensor: Any, lowered: Lowered
         raise ValueError(f"{p.describe()}: FP8 attention takes no attn_bias or ALiBi")
     if p.bias is not None:
         options["bias"] = tensor("bias", p.bias)
+    if p.score_mod is not None:
+        inputs = [
+            graph.tensor(name=f"score_input_{i}", dim=list(spec.shape), stride=list(spec.stride),
+                         data_type=cudnn_dtype(spec.dtype), uid=UID[f"score_input_{i}"],
+                         is_pass_by_value=spec.device == "cpu")
+            for i, spec in enumerate(p.score_mod.inputs)
+        ]  # fmt: skip
+        forward, backward = callbacks(p.score_mod, inputs)
+        options["score_mod"] = forward
+        if backward is not None and not p.is_forward:  # sdpa takes no bprop
+            options["score_mod_bprop"] = backward
     if p.sink_token is not None:
         options["sink_token"] = tensor("sink_token", p.sink_token)
     if p.options.alibi:
         options["use_alibi_mask"] = True
     # Full lengths work around NaNs seen in the fp16/bf16 backward kernels (workarounds.py); the FP8
     # kernels are others, never measured with it, so FP8 graphs keep exactly the masks asked for.
-    constants = {"seq_len_q": p.s_q, "seq_len_kv": p.s_kv} if full_lengths_reason(p) and not p.is_fp8 else {}
+    constants = (
+        {"seq_len_q": p.s_q, "seq_len_kv": p.s_kv}
+        if full_lengths_reason(p) and not p.is_fp8 and p.score_mod is None
+        else {}
+    )
     if p.options.padding or constants:
-        options["use_padding_mask"] = True
+        # With a score modifier cuDNN takes the lengths (its matmuls stop at them) but no padding
+        # mask: the modifier is the only mask it applies.
+        if p.score_mod is None:
+            options["use_padding_mask"] = True
         for role in ("seq_len_q", "seq_len_kv"):
             spec = getattr(p, role)
             if spec is not None:

@@ -18,7 +18,7 @@ from ...core.problem import AttentionProblem, KVCacheLayout
 from ...core.roles import FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES, ROLES, offset_role, sequence_lengths
 from ...errors import ValidationError
 from ..base import RunInputs
-from . import dropout, masks
+from . import dropout, masks, score_mod
 from . import fp8 as reference_fp8
 from . import math as reference_math
 
@@ -224,9 +224,15 @@ class ReferencePlan:
                 p.options.dropout_p,
                 p.device,
             )
+        modifier = modifier_grad = None
+        if p.score_mod is not None:
+            tensors = [_as_tensor(inputs[f"score_input_{i}"]) for i in range(len(p.score_mod.inputs))]
+            modifier = score_mod.forward_fn(p.score_mod, tensors)
+            modifier_grad = score_mod.backward_fn(p.score_mod, tensors)
         return reference_math.ScoreTerms(
             scale=float(inputs["scale_tensor"]) if p.scale_tensor is not None else p.options.attn_scale, bias=bias, alibi=alibi, allowed=allowed, keep=keep,
             dropout_p=p.options.dropout_p, sink=_as_tensor(inputs["sink_token"]).to(dt) if p.sink_token else None,
+            modifier=modifier, modifier_grad=modifier_grad,
         )  # fmt: skip
 
     # ---- dense to outputs --------------------------------------------------------------

@@ -30,6 +30,9 @@ class BlockTerms:
     allowed: torch.Tensor | None = None  # bool, broadcastable; False = masked
     keep: torch.Tensor | None = None  # dropout keep-mask [B, H, rows, S_kv]
     dropout_p: float = 0.0
+    rows: range = range(0)
+    modifier: Callable[[torch.Tensor, range], torch.Tensor] | None = None
+    modifier_grad: Callable[[torch.Tensor, torch.Tensor, range], torch.Tensor] | None = None
 
 
 @dataclass
@@ -43,6 +46,10 @@ class ScoreTerms:
     keep: torch.Tensor | None = None  # dropout keep-mask [B, H, S_q, S_kv]
     dropout_p: float = 0.0
     sink: torch.Tensor | None = None  # attention sinks: [1, H, 1, 1] logits, one more term of each denominator
+    # A score modifier (ops/reference/score_mod.py): (scaled scores, rows) -> scores, applied before
+    # the bias; its gradient (dS, scaled scores, rows) -> the scaled scores' gradient (None: identity).
+    modifier: Callable[[torch.Tensor, range], torch.Tensor] | None = None
+    modifier_grad: Callable[[torch.Tensor, torch.Tensor, range], torch.Tensor] | None = None
 
     def block(self, rows: range) -> BlockTerms:
         bias = self.bias
@@ -57,6 +64,9 @@ class ScoreTerms:
             allowed=None if self.allowed is None else self.allowed(rows),
             keep=None if self.keep is None else self.keep[..., rows.start : rows.stop, :],
             dropout_p=self.dropout_p,
+            rows=rows,
+            modifier=self.modifier,
+            modifier_grad=self.modifier_grad,
         )
 
 
@@ -78,8 +88,14 @@ def _reduce_groups(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, terms: BlockTerms) -> torch.Tensor:
-    s = torch.matmul(q, k.transpose(-1, -2)) * terms.scale
+def _scaled(q: torch.Tensor, k: torch.Tensor, terms: BlockTerms) -> torch.Tensor:
+    return torch.matmul(q, k.transpose(-1, -2)) * terms.scale
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, terms: BlockTerms, scaled: torch.Tensor | None = None) -> torch.Tensor:
+    s = _scaled(q, k, terms) if scaled is None else scaled
+    if terms.modifier is not None:
+        s = torch.broadcast_to(terms.modifier(s, terms.rows), s.shape)
     if terms.bias is not None:
         s = s + terms.bias.to(s.dtype)
     if terms.allowed is not None:
@@ -143,7 +159,8 @@ def backward(
     for rows in row_blocks(s_q, b * heads * k_full.shape[2]):
         block = slice(rows.start, rows.stop)
         part = terms.block(rows)
-        s = _scores(q[:, :, block], k_full, part)
+        scaled = _scaled(q[:, :, block], k_full, part)
+        s = _scores(q[:, :, block], k_full, part, scaled)
         lse = stats[:, :, block]
         # P from the forward's stats, as fused kernels do; masked and empty rows give 0.
         p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse))
@@ -151,8 +168,11 @@ def backward(
         d_v += torch.matmul(_dropped(p, part).transpose(-1, -2), d_o[:, :, block])
         d_p = _dropped(torch.matmul(d_o[:, :, block], v_full.transpose(-1, -2)), part)
         d_s = p * (d_p - delta[:, :, block])
-        d_q[:, :, block] = torch.matmul(d_s, k_full) * terms.scale
-        d_k += torch.matmul(d_s.transpose(-1, -2), q[:, :, block]) * terms.scale
+        d_scaled = (
+            d_s if part.modifier_grad is None else torch.broadcast_to(part.modifier_grad(d_s, scaled, rows), d_s.shape)
+        )
+        d_q[:, :, block] = torch.matmul(d_scaled, k_full) * terms.scale
+        d_k += torch.matmul(d_scaled.transpose(-1, -2), q[:, :, block]) * terms.scale
         if d_bias is not None:
             reduced = reduce_to_shape(d_s, tuple(d_bias.shape[:2]) + (1 if d_bias.shape[2] == 1 else len(rows),)
                                       + tuple(d_bias.shape[3:]))  # fmt: skip

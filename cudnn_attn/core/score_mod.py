@@ -1,0 +1,164 @@
+"""Score modifiers: a pointwise expression on the attention scores (the frontend's ``score_mod``
+and ``score_mod_bprop``), as frozen, hashable problem data.
+
+cuDNN forms the scores as ``s = (Q @ K^T) * attn_scale``, then applies the modifier, then adds
+the bias, then takes the softmax. The backward forms ``dS`` (the gradient of the modified scores,
+after the bias), applies ``score_mod_bprop`` to it (the identity when none is given) and scales by
+``attn_scale``. A modifier is an expression tree over four kinds of leaves:
+
+- ``score``: the scaled scores ``[B, H_q, S_q, S_kv]``;
+- ``grad``: in ``score_mod_bprop`` only, ``dS``; the bprop may also use any node of the forward
+  expression (soft-capping's backward reads the value before its ``tanh``);
+- ``input``: a graph tensor read at each run, broadcast to the scores (a pass-by-value scalar on
+  the host, or e.g. per-sequence lengths ``[B, 1, 1, 1]`` on the device): ``ScoreModifier.inputs``;
+- ``constant``: a number fixed in the graph (``tensor_scalar``, or a Python number).
+
+Every other node is one of the frontend's pointwise ops (``OPS``, with its parameter names).
+The reference backend evaluates the tree in torch (``ops/reference/score_mod.py``); the cuDNN
+backend replays it on the frontend's graph (``ops/cudnn/score_mod.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .problem import TensorSpec
+
+LEAVES = ("score", "grad", "input", "constant")
+_UNARY = ("neg", "abs", "exp", "log", "tanh", "sigmoid", "sqrt", "rsqrt", "reciprocal", "floor", "ceil",
+          "identity", "sin", "cos", "erf", "softplus", "logical_not")  # fmt: skip
+# Each op's parameters, as the frontend names them (its keyword arguments).
+OPS: dict[str, tuple[str, ...]] = {
+    **{name: ("input",) for name in _UNARY},
+    **{name: ("a", "b") for name in ("add", "sub", "mul", "div", "logical_and", "logical_or")},
+    **{name: ("input0", "input1") for name in ("max", "min", "pow", "mod")},
+    **{name: ("input", "comparison") for name in ("cmp_eq", "cmp_neq", "cmp_lt", "cmp_le", "cmp_gt", "cmp_ge")},
+    "scale": ("input", "scale"),
+    "bias": ("input", "bias"),
+    "tanh_backward": ("loss", "input"),
+    "sigmoid_backward": ("loss", "input"),
+    "binary_select": ("input0", "input1", "mask"),
+    "gen_index": ("input",),  # the index along ``axis`` (Expr.value) of its input's dims
+}
+BOOLEAN_OPS = frozenset(
+    ("logical_and", "logical_or", "logical_not", "cmp_eq", "cmp_neq", "cmp_lt", "cmp_le", "cmp_gt", "cmp_ge")
+)
+MAX_INPUTS = 8  # graph tensors one modifier reads (roles score_input_0 ...)
+INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.bool)
+
+
+@dataclass(frozen=True)
+class Expr:
+    """One node of a modifier: a leaf (``LEAVES``) or a pointwise op (``OPS``) on ``args``."""
+
+    op: str
+    args: tuple[Expr, ...] = ()
+    value: float | int | None = None  # constant: its value; input: its index; gen_index: the axis
+    dtype: torch.dtype | None = None  # the data type the caller declared (set_data_type), if any
+    compute: torch.dtype | None = None  # the op's compute_data_type, if given
+
+    def __post_init__(self) -> None:  # trees are hashed with every problem and as table keys: once each
+        object.__setattr__(self, "_hash", hash((self.op, self.args, self.value, self.dtype, self.compute)))
+
+    def __hash__(self) -> int:
+        return self.__dict__["_hash"]
+
+    def __reduce__(self) -> tuple:  # rebuilt, so the hash is this process's (str hashes vary by process)
+        return (Expr, (self.op, self.args, self.value, self.dtype, self.compute))
+
+    def nodes(self) -> list[Expr]:
+        """Every distinct node below and including this one, arguments before their users."""
+        seen: dict[int, Expr] = {}
+
+        def visit(e: Expr) -> None:
+            if id(e) in seen:
+                return
+            for a in e.args:
+                visit(a)
+            seen[id(e)] = e
+
+        visit(self)
+        return list(seen.values())
+
+
+SCORE = Expr("score")
+GRAD = Expr("grad")
+
+
+def constant(value: float) -> Expr:
+    return Expr("constant", value=float(value))
+
+
+def op(name: str, *args: Expr, value: float | int | None = None) -> Expr:
+    return Expr(name, tuple(args), value=value)
+
+
+@dataclass(frozen=True)
+class ScoreModifier:
+    """A problem's score modifier: the forward expression, the backward's (None: identity) and
+    the geometry of the graph tensors it reads (``input`` leaves index them). A forward problem
+    reads ``forward`` alone."""
+
+    forward: Expr
+    backward: Expr | None = None
+    inputs: tuple[TensorSpec, ...] = ()
+    name: str = "score_mod"  # how describe() and errors name it (softcap50, ...)
+
+    def leaves(self, kind: str) -> list[Expr]:
+        roots = [self.forward] + ([self.backward] if self.backward is not None else [])
+        return [e for root in roots for e in root.nodes() if e.op == kind]
+
+
+def modifier_problems(mod: ScoreModifier, *, forward: bool, scores: tuple[int, int, int, int]) -> list[str]:
+    """What is wrong with ``mod`` on scores of shape ``scores`` ([B, H_q, S_q, S_kv])."""
+    found = []
+    if any(e.op == "grad" for e in mod.forward.nodes()):
+        found.append("score_mod: reads the gradient; only score_mod_bprop may")
+    if not forward and mod.backward is not None and not any(e.op == "grad" for e in mod.backward.nodes()):
+        found.append("score_mod_bprop: does not read its gradient argument; it must map dS to the score's gradient")
+    for e in mod.leaves("gen_index"):
+        if e.value not in (0, 1, 2, 3):
+            found.append(f"gen_index: axis {e.value!r}; the scores have axes 0-3 (B, H, S_q, S_kv)")
+    if len(mod.inputs) > MAX_INPUTS:
+        found.append(f"score_mod: reads {len(mod.inputs)} graph tensors; at most {MAX_INPUTS} are supported")
+    for i, spec in enumerate(mod.inputs):
+        fits = spec.rank == 4 and all(size in (1, full) for size, full in zip(spec.shape, scores))
+        if not fits:
+            found.append(f"score_mod input {i}: {spec.describe()}; expected 4-D dims broadcastable to the scores "
+                         f"{list(scores)} (each dim 1 or the scores')")  # fmt: skip
+        if spec.dtype not in INPUT_DTYPES:
+            found.append(f"score_mod input {i}: dtype {spec.dtype}; expected float32, float16, bfloat16, int32, "
+                         "int64 or bool")  # fmt: skip
+    return found
+
+
+def softcap(cap: float, mask: Expr | None = None) -> ScoreModifier:
+    """FlashAttention's and Gemma-2's logit soft-capping, ``cap * tanh(s / cap)``, and its gradient
+    ``dS * (1 - tanh(s / cap)^2)`` (the frontend's ``Softcap`` modifier). ``mask``: a boolean
+    expression of the positions kept (the others get -inf after capping), e.g. ``band_mask``."""
+    cap_value = constant(cap)
+    before_tanh = op("div", SCORE, cap_value)
+    capped = op("mul", op("tanh", before_tanh), cap_value)
+    if mask is not None:
+        capped = op("binary_select", capped, constant(float("-inf")), mask)
+    backward = op("div", op("tanh_backward", op("mul", GRAD, cap_value), before_tanh), cap_value)
+    return ScoreModifier(forward=capped, backward=backward, name=f"softcap{cap:g}")
+
+
+def band_mask(*, causal: bool, window: int | None, offset: int) -> Expr | None:
+    """The positions a causal mask and/or a sliding window keep, as a boolean expression of the
+    row and column indices: key j is kept for query i iff ``j <= i + offset`` (causal) and
+    ``j > i + offset - window``; ``offset`` is 0 top-left, ``S_kv - S_q`` bottom-right."""
+    if not causal and window is None:
+        return None
+    row, col = op("gen_index", SCORE, value=2), op("gen_index", SCORE, value=3)
+    diagonal = op("add", row, constant(offset)) if offset else row
+    kept: Expr | None = op("cmp_le", col, diagonal) if causal else None
+    if window is not None:
+        inside = op("cmp_gt", col, op("sub", diagonal, constant(window)))
+        kept = inside if kept is None else op("logical_and", kept, inside)
+    return kept

@@ -1,0 +1,115 @@
+"""``cudnn_attn.sdpa(..., sinks=, softcap=)``: attention sinks and logit soft-capping in the torch
+form, differentiable.
+
+``sinks`` is a logit per query head (``[H_q]``, gpt-oss's ``module.sinks``, FlashInfer's
+``sinks``; or ``[1, H_q, 1, 1]``, the frontend's ``sink_token``) added to every softmax
+denominator and weighing no value. ``softcap`` is FlashAttention's (and Gemma-2's) cap:
+scores become ``cap * tanh(s / cap)`` before the mask and bias; cuDNN runs it as a score modifier
+(``core/score_mod.softcap``), with the causal mask written inside it (cuDNN applies no mask of
+its own beside a modifier). Calls with either take this path: the forward problem with its stats
+and the backward problem (with ``dSink_token``), each prepared once per geometry
+(``runtime.prepare``), through one autograd function. Dropout with them is not run yet.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..core import score_mod
+from ..core.constructors import backward_problem, forward_problem
+from ..core.mask import Causal, ScoreOptions
+from ..core.problem import TensorSpec
+from ..core.score_inputs import check_sinks
+from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
+from ..runtime.interop import in_layout_of
+from ..runtime.prepared import prepare
+from .arguments import ARGUMENT_NAMES, batched, causal_kind, check_arguments
+
+
+def sdpa_with_score_terms(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks,
+                          softcap) -> torch.Tensor:  # fmt: skip
+    """``cudnn_attn.sdpa``'s call with ``sinks`` and/or ``softcap`` (its other arguments as there)."""
+    check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    query, key, value, bias, scale, squeeze = batched(query, key, value, attn_mask, scale)
+    try:
+        out = score_terms_sdpa(query, key, value, bias, scale, causal_kind(is_causal), float(dropout_p), sinks, softcap)
+    except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
+        raise error.renamed(ARGUMENT_NAMES, context="sdpa") from None
+    return out.squeeze(0) if squeeze else out
+
+
+def score_terms_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float,
+                     causal: Causal, dropout_p: float, sinks: Any, softcap: Any = None) -> torch.Tensor:  # fmt: skip
+    """Attention of ``[B, H, S, D]`` tensors with ``sinks`` and/or ``softcap`` (checked here, by name)."""
+    if sinks is not None:
+        check_sinks(sinks, q.shape[1], q.device)
+    options = ScoreOptions(attn_scale=scale, causal=causal)
+    modifier = None
+    if softcap is not None:
+        modifier, options = softcap_modifier(softcap, options, q.shape[2], k.shape[2])
+    if dropout_p:
+        what = "sinks" if sinks is not None else "softcap"
+        raise UnsupportedError([f"dropout_p with {what}: not supported yet"], context="sdpa")
+    return _ScoreTermsAttention.apply(q, k, v, bias, sinks, options, modifier)
+
+
+def softcap_modifier(
+    cap: Any, options: ScoreOptions, s_q: int, s_kv: int
+) -> tuple[score_mod.ScoreModifier, ScoreOptions]:
+    """``softcap`` checked, as a score modifier holding the options' causal mask and window (which
+    then leave the options)."""
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
+        raise ValidationError([f"softcap: {cap!r}; expected a finite number > 0 (scores become cap * tanh(s / cap))"])
+    if options.right_bound is not None or options.alibi:
+        raise UnsupportedError(["softcap with a right bound or ALiBi: not supported here"])
+    offset = s_kv - s_q if options.aligned_bottom_right else 0
+    mask = score_mod.band_mask(causal=options.causal is not Causal.NONE, window=options.sliding_window, offset=offset)
+    plain = ScoreOptions(attn_scale=options.attn_scale, padding=options.padding, dropout_p=options.dropout_p)
+    return score_mod.softcap(float(cap), mask), plain
+
+
+def _sink_spec(q: torch.Tensor) -> TensorSpec:
+    return TensorSpec.contiguous((1, q.shape[1], 1, 1), torch.float32, TensorSpec.of(q).device)
+
+
+class _ScoreTermsAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, sinks, options: ScoreOptions, modifier):  # type: ignore[override]
+        sink = None if sinks is None else sinks.detach().reshape(1, -1, 1, 1).to(torch.float32).contiguous()
+        problem = forward_problem(TensorSpec.of(q), TensorSpec.of(k), TensorSpec.of(v), options, stats=True,
+                                  bias=None if bias is None else TensorSpec.of(bias),
+                                  sink_token=None if sink is None else _sink_spec(q), score_mod=modifier)  # fmt: skip
+        run = prepare(problem, context="sdpa")
+        inputs = {"q": q, "k": k, "v": v, **({"bias": bias} if bias is not None else {})}
+        if sink is not None:
+            inputs["sink_token"] = sink
+        outputs = run.run(inputs)
+        ctx.save_for_backward(q, k, v, bias, sink, outputs["o"], outputs["stats"])
+        ctx.options, ctx.modifier = options, modifier
+        ctx.sink_meta = None if sinks is None else (sinks.shape, sinks.dtype)
+        return outputs["o"]
+
+    @staticmethod
+    def backward(ctx, d_out):  # type: ignore[override]
+        q, k, v, bias, sink, out, stats = ctx.saved_tensors
+        d_out = in_layout_of(d_out, out)
+        specs = [TensorSpec.of(t) for t in (q, k, v, out, d_out, stats)]
+        problem = backward_problem(*specs, ctx.options, bias=None if bias is None else TensorSpec.of(bias),
+                                   grad_bias=bias is not None and ctx.needs_input_grad[3],
+                                   sink_token=None if sink is None else _sink_spec(q),
+                                   score_mod=ctx.modifier)  # fmt: skip
+        run = prepare(problem, context="sdpa backward")
+        inputs = {"q": q, "k": k, "v": v, "o": out, "grad_o": d_out, "stats": stats}
+        if bias is not None:
+            inputs["bias"] = bias
+        if sink is not None:
+            inputs["sink_token"] = sink
+        grads = run.run(inputs)
+        d_sink = None
+        if ctx.sink_meta is not None:
+            shape, dtype = ctx.sink_meta
+            d_sink = grads["grad_sink"].reshape(shape).to(dtype)
+        return grads["grad_q"], grads["grad_k"], grads["grad_v"], grads.get("grad_bias"), d_sink, None, None

@@ -1,0 +1,68 @@
+"""Score modifiers and ``softcap=`` on cuDNN: the frontend's own modifiers (soft-capping, causal,
+arrow and document masks, padding by lengths) against float64 oracles; the torch form against
+the reference backend on the same GPU inputs; Gemma-2 through the registration against eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TOLERANCE, rel_err
+from score_mod_cases import run_forward, run_softcap_training
+
+import cudnn_attn
+
+pytestmark = pytest.mark.gpu
+FP16 = TOLERANCE[torch.float16] * 2  # fp16 outputs against a float64 oracle
+BF16 = TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("kind", ["softcap", "causal", "softcap_causal", "arrow", "document"])
+def test_frontend_style_modifiers_run_on_cudnn(kind):
+    out, expected = run_forward(kind, "cuda", s=256, d=128)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, expected) < FP16
+
+
+def test_per_batch_modifier_tensors_are_refused_on_cudnn():
+    """cuDNN 9.19 gave wrong keys for a [B, 1, 1, 1] lengths tensor inside score_mod (H100):
+    refused by name; the reference backend runs it (tests/test_score_mod.py)."""
+    with pytest.raises(cudnn_attn.UnsupportedError, match="vary by batch or head"):
+        run_forward("padding", "cuda", s=256, d=128)
+
+
+def test_softcap_forward_and_backward_on_cudnn():
+    ours, expected = run_softcap_training("cuda", s=256, d=128)
+    for name, a, e in zip(("O", "dQ", "dK", "dV"), ours, expected):
+        assert rel_err(a, e) < (FP16 if name == "O" else 3e-2), name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_torch_form_softcap_matches_the_reference_backend(causal, with_sinks):
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 8, 384, 64, generator=g)
+    k, v = (torch.randn(2, 2, 384, 64, generator=g) for _ in range(2))
+    sinks = torch.randn(8, generator=g) if with_sinks else None
+    d_out = torch.randn(2, 8, 384, 64, generator=g)
+    results = []
+    for device, dtype in (("cuda", torch.bfloat16), ("cpu", torch.float32)):
+        leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+        sink = sinks.to(device).requires_grad_() if sinks is not None else None
+        out = cudnn_attn.sdpa(*leaves, is_causal=causal, enable_gqa=True, softcap=20.0, sinks=sink)
+        out.backward(d_out.to(device, dtype))
+        results.append((out, *(t.grad for t in leaves), *([sink.grad] if sink is not None else [])))
+    for name, a, e in zip(("O", "dQ", "dK", "dV", "dSink"), *results):
+        assert rel_err(a.float().cpu(), e) < (BF16 if name == "O" else 3e-2), name
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_gemma2_through_the_registration_matches_eager(padding):
+    from test_transformers_integration import batch, gemma2_models
+
+    ref, ours = gemma2_models(4, "cuda")
+    ref, ours = ref.to(torch.bfloat16), ours.to(torch.bfloat16)
+    ids, mask = batch(padding, "cuda")
+    real = mask.bool()
+    with torch.no_grad():
+        expected, actual = ref(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+    assert rel_err(actual[real], expected[real]) < BF16

@@ -1,0 +1,134 @@
+"""Score modifiers (the frontend's ``score_mod`` / ``score_mod_bprop``) and ``softcap=`` on the
+reference backend, against float64 oracles; what is refused, and how plans are keyed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import rel_err
+from score_mod_cases import run_forward, run_softcap_training, softcap_torch_oracle
+
+import cudnn_attn as cudnn
+from cudnn_attn.core import score_mod
+from cudnn_attn.core.constructors import forward_problem
+from cudnn_attn.core.mask import Causal, ScoreOptions
+from cudnn_attn.core.problem import TensorSpec
+
+TOL = 2e-3  # fp16 inputs and outputs
+
+
+@pytest.mark.parametrize("kind", ["softcap", "causal", "softcap_causal", "arrow", "document", "padding"])
+def test_frontend_style_modifiers_match_the_oracle(kind):
+    out, expected = run_forward(kind, "cpu")
+    assert rel_err(out, expected) < TOL
+
+
+def test_softcap_forward_and_backward_with_the_frontends_bprop():
+    ours, expected = run_softcap_training("cpu")
+    for name, a, e in zip(("O", "dQ", "dK", "dV"), ours, expected):
+        assert rel_err(a, e) < TOL, name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_torch_form_softcap_matches_the_oracle(causal, with_sinks):
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 12, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, 12, 16, generator=g, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, generator=g, requires_grad=True) if with_sinks else None
+    out = cudnn.sdpa(q, k, v, is_causal=causal, enable_gqa=True, softcap=3.0, sinks=sinks)
+    expected, leaves = softcap_torch_oracle(q, k, v, 3.0, causal, sinks)
+    assert rel_err(out, expected) < 1e-5
+    d_out = torch.randn(out.shape, generator=g)
+    out.backward(d_out)
+    expected.backward(d_out.double())
+    for name, ours, leaf in zip("qkvs", (q, k, v, sinks), leaves):
+        assert rel_err(ours.grad, leaf.grad) < 1e-5, name
+
+
+def test_torch_form_softcap_is_not_a_no_op():
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g) * 4 for _ in range(3))
+    assert rel_err(cudnn.sdpa(q, k, v, softcap=1.0), cudnn.sdpa(q, k, v)) > 1e-2
+
+
+def test_bad_softcap_and_modifiers_are_refused_by_name():
+    q = torch.randn(1, 2, 8, 16)
+    for cap in (0.0, -1.0, float("inf"), True, "30"):
+        with pytest.raises(cudnn.ValidationError, match="softcap"):
+            cudnn.sdpa(q, q, q, softcap=cap)
+    with pytest.raises(cudnn.UnsupportedError, match="dropout_p with softcap"):
+        cudnn.sdpa(q, q, q, softcap=2.0, dropout_p=0.1)
+
+    def build(**mask):
+        with cudnn.Graph() as g:
+            g.sdpa(q=q, k=q, v=q, **mask)
+        return g
+
+    with pytest.raises(cudnn.ValidationError, match="score_mod: int; expected a callable"):
+        build(score_mod=3)
+    with pytest.raises(cudnn.UnsupportedError, match="graph.matmul: not an op a score modifier may use"):
+        build(score_mod=lambda g, s: g.matmul(s, s))
+    with pytest.raises(cudnn.ValidationError, match="score_mod: returned NoneType"):
+        build(score_mod=lambda g, s: None)
+    with pytest.raises(cudnn.ValidationError, match="score_mod_bprop: not a keyword of sdpa"):
+        build(score_mod=lambda g, s: s, score_mod_bprop=lambda g, d: d)
+    with pytest.raises(cudnn.ValidationError, match="tanh: missing input"):
+        build(score_mod=lambda g, s: g.tanh())
+    wide = torch.zeros(1, 1, 8, 9)
+    with pytest.raises(cudnn.ValidationError, match="score_mod input 0"):
+        build(score_mod=lambda g, s: g.add(a=s, b=wide))
+
+
+def test_a_bprop_must_read_its_gradient():
+    q = torch.randn(1, 2, 8, 16)
+    o, lse = cudnn.sdpa(q, q, q), torch.zeros(1, 2, 8, 1)
+    with pytest.raises(cudnn.ValidationError, match="does not read its gradient"):
+        with cudnn.Graph() as g:
+            g.sdpa_backward(
+                q,
+                q,
+                q,
+                o,
+                o,
+                lse,
+                score_mod=lambda gr, s: s,
+                score_mod_bprop=lambda gr, d: gr.neg(input=gr.exp(input=gr.tensor_scalar(1.0))),
+            )
+
+
+def test_plans_are_keyed_by_the_modifier():
+    spec = TensorSpec.contiguous((1, 2, 8, 16), torch.float16, "cuda:0")
+    problems = [
+        forward_problem(spec, spec, spec, ScoreOptions(attn_scale=0.25), score_mod=score_mod.softcap(cap))
+        for cap in (30.0, 30.0, 50.0)
+    ]
+    assert problems[0] == problems[1] and hash(problems[0]) == hash(problems[1])
+    assert problems[0] != problems[2]
+    assert "softcap30" in problems[0].describe()
+
+
+def test_cudnn_refuses_its_own_masks_beside_a_modifier():
+    from cudnn_attn.ops.cudnn.capabilities import Platform, unsupported_reasons
+
+    spec = TensorSpec.contiguous((1, 2, 64, 64), torch.float16, "cuda:0")
+    causal = forward_problem(spec, spec, spec, ScoreOptions(attn_scale=0.125, causal=Causal.TOP_LEFT),
+                             score_mod=score_mod.softcap(30.0))  # fmt: skip
+    hopper = Platform("NVIDIA H100", (9, 0), 91900, "1.32.0")
+    assert any("write the mask inside score_mod" in r for r in unsupported_reasons(causal, hopper))
+    plain = forward_problem(spec, spec, spec, ScoreOptions(attn_scale=0.125), score_mod=score_mod.softcap(30.0))
+    assert not unsupported_reasons(plain, hopper)
+    old = Platform("NVIDIA A100", (8, 0), 90500, "1.32.0")
+    assert any("cuDNN >= 9.6" in r for r in unsupported_reasons(plain, old))
+
+
+def test_lowered_modifier_graphs_validate_in_the_frontend():
+    pytest.importorskip("cudnn")
+    from cudnn_attn.ops.cudnn.lowering import lower
+
+    spec = TensorSpec.contiguous((2, 4, 128, 64), torch.bfloat16, "cuda:0")
+    mod = score_mod.softcap(30.0, score_mod.band_mask(causal=True, window=32, offset=0))
+    p = forward_problem(spec, spec, spec, ScoreOptions(attn_scale=0.125), stats=True, score_mod=mod)
+    graph = lower(p).graph
+    graph.validate()
+    graph.build_operation_graph()
