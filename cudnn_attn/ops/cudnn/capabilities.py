@@ -52,6 +52,7 @@ BOTTOM_RIGHT_MIN_CUDNN = 90300
 SLIDING_WINDOW_MIN_CUDNN = 90200
 RAGGED_INT64_MIN_CUDNN = 90600  # ragged offsets are passed as int64
 SINK_MIN_CUDNN = 91300  # sink_token / dSink_token
+RAGGED_SINK_BACKWARD_MIN_CUDNN = 92600  # the frontend: an out-of-bounds read in older compute_dot_do_o pre-passes
 SCORE_MOD_MIN_CUDNN = 90600  # score_mod / score_mod_bprop (the frontend's flexible-graph tests)
 # FP8: the frontend accepts cuDNN >= 9.1, but TransformerEngine uses cuDNN's FP8 attention for
 # any sequence length, head dims that are multiples of 16 and padding masks only from 9.7 on
@@ -116,6 +117,9 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
             reasons.append("sink_token with S_q = 1 (decode): cuDNN's decode kernels take no sink")
         if p.is_fp8:
             reasons.append("sink_token with FP8: not supported here")
+        if not p.is_forward and (p.is_thd or p.offset_tensors) and platform.cudnn < RAGGED_SINK_BACKWARD_MIN_CUDNN:
+            reasons.append(f"sink_token in a ragged (THD) backward needs cuDNN >= 9.26 (have {_ver(platform.cudnn)}; "
+                           "older versions read out of bounds, the frontend says)")  # fmt: skip
     if p.score_mod is not None:
         reasons += _score_mod_reasons(p, platform)
     if not p.is_forward and p.s_q == 1 and p.s_kv == 1:
