@@ -447,6 +447,11 @@ def test_gpt_oss_sinks_match_eager_logits_and_gradients(padding, window):
         torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
     ours = copy.deepcopy(ref)
     ours.set_attn_implementation(NAME)
+    check_against_eager(ref, ours, padding, ("sinks", "q_proj.weight"))
+
+
+def check_against_eager(ref, ours, padding: str, watched: tuple[str, ...]) -> None:
+    """Logits on the real tokens, then one training step's gradients of the ``watched`` parameters."""
     ids, mask = batch(padding)
     real = mask.bool()
     with torch.no_grad():
@@ -456,7 +461,7 @@ def test_gpt_oss_sinks_match_eager_logits_and_gradients(padding, window):
     for model in (ref, ours):
         model(ids, attention_mask=mask, labels=labels).loss.backward()
     for (key, p_ref), (_, p_ours) in zip(ref.named_parameters(), ours.named_parameters()):
-        if p_ref.grad is not None and ("sinks" in key or "q_proj.weight" in key):
+        if p_ref.grad is not None and any(name in key for name in watched):
             assert rel_err(p_ours.grad, p_ref.grad) < 1e-4, key
 
 
@@ -481,17 +486,7 @@ def test_gemma2_softcap_matches_eager_logits_and_gradients(padding, window):
     """Gemma-2's logit soft-capping through the registration, against its own eager attention:
     logits and a training step's gradients, with padding and windows shorter than the sequence."""
     ref, ours = gemma2_models(window)
-    ids, mask = batch(padding)
-    real = mask.bool()
-    with torch.no_grad():
-        assert rel_err(ours(ids, attention_mask=mask).logits[real], ref(ids, attention_mask=mask).logits[real]) < 1e-4
-    labels = ids.masked_fill(mask == 0, -100)
-    labels[torch.arange(ids.shape[0]), mask.argmax(dim=1)] = -100  # see check_gradients
-    for model in (ref, ours):
-        model(ids, attention_mask=mask, labels=labels).loss.backward()
-    for (key, p_ref), (_, p_ours) in zip(ref.named_parameters(), ours.named_parameters()):
-        if p_ref.grad is not None and ("q_proj.weight" in key or "k_proj.weight" in key):
-            assert rel_err(p_ours.grad, p_ref.grad) < 1e-4, key
+    check_against_eager(ref, ours, padding, ("q_proj.weight", "k_proj.weight"))
 
 
 def test_gemma2_softcap_generation_matches_eager():
