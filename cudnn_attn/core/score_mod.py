@@ -71,7 +71,11 @@ class Expr:
         return (Expr, (self.op, self.args, self.value, self.dtype, self.compute))
 
     def nodes(self) -> list[Expr]:
-        """Every distinct node below and including this one, arguments before their users."""
+        """Every distinct node below and including this one, arguments before their users (kept:
+        the reference evaluates a tree once per block of rows)."""
+        cached = self.__dict__.get("_nodes")
+        if cached is not None:
+            return cached
         seen: dict[int, Expr] = {}
 
         def visit(e: Expr) -> None:
@@ -82,7 +86,8 @@ class Expr:
             seen[id(e)] = e
 
         visit(self)
-        return list(seen.values())
+        object.__setattr__(self, "_nodes", list(seen.values()))
+        return self.__dict__["_nodes"]
 
 
 SCORE = Expr("score")

@@ -13,6 +13,7 @@ and the backward problem (with ``dSink_token``), each prepared once per geometry
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -63,6 +64,13 @@ def softcap_modifier(
     then leave the options)."""
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
         raise ValidationError([f"softcap: {cap!r}; expected a finite number > 0 (scores become cap * tanh(s / cap))"])
+    return _softcap_modifier(float(cap), options, s_q, s_kv)
+
+
+@functools.lru_cache(maxsize=256)  # one modifier object per call shape: plan lookups then compare it by identity
+def _softcap_modifier(
+    cap: float, options: ScoreOptions, s_q: int, s_kv: int
+) -> tuple[score_mod.ScoreModifier, ScoreOptions]:
     if options.right_bound is not None or options.alibi:
         raise UnsupportedError(["softcap with a right bound or ALiBi: not supported here"])
     offset = s_kv - s_q if options.aligned_bottom_right else 0
