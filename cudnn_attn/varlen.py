@@ -30,7 +30,7 @@ import torch
 
 from .core.constructors import backward_problem, forward_problem
 from .core.derived import derived
-from .core.mask import Causal, ScoreOptions, default_scale
+from .core.mask import Causal, ScoreOptions, default_scale, window_band
 from .core.problem import AttentionProblem, TensorSpec
 from .core.score_inputs import check_sinks
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
@@ -222,13 +222,10 @@ def _bucket(n: int, smallest: int) -> int:
 
 
 def _window(window_size: Any) -> tuple[int, int]:
-    if (
-        not isinstance(window_size, (tuple, list))
-        or len(window_size) != 2
-        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
-    ):
-        raise ValidationError([f"window_size: {window_size!r}; expected (left, right), each an int >= -1"],
-                              context="varlen_sdpa")  # fmt: skip
+    try:
+        window_band(window_size, Causal.NONE)
+    except ValueError as error:
+        raise ValidationError([str(error)], context="varlen_sdpa") from None
     return int(window_size[0]), int(window_size[1])
 
 

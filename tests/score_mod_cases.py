@@ -213,13 +213,19 @@ def run_softcap_training(device: str, dtype=torch.float16, b=2, h=2, s=64, d=64,
     return (out, *grads), (expected.detach(), qd.grad, kd.grad, vd.grad)
 
 
-def softcap_torch_oracle(q, k, v, cap, causal, sinks=None):
-    """float64 soft-capped attention with torch's causal (top-left) mask and optional sinks."""
+def softcap_torch_oracle(q, k, v, cap, causal, sinks=None, left=None):
+    """float64 attention, soft-capped (``cap``, None: not), with torch's causal (top-left) mask,
+    optional sinks and a window of ``left`` keys before the diagonal (FlashAttention's left bound)."""
     q, k, v = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
     kk, vv = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
-    s = cap * torch.tanh(q @ kk.transpose(-1, -2) * q.shape[-1] ** -0.5 / cap)
+    s = q @ kk.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if cap is not None:
+        s = cap * torch.tanh(s / cap)
     if causal:
         s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    if left is not None:
+        rows, cols = torch.arange(s.shape[-2])[:, None], torch.arange(s.shape[-1])[None, :]
+        s = s.masked_fill(cols < rows - left, float("-inf"))
     leaves = [q, k, v]
     if sinks is not None:
         sink = sinks.detach().double().cpu().requires_grad_()

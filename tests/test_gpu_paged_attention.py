@@ -26,15 +26,16 @@ def _step(lengths, pages_per_seq, s_q=1, seed=0, layout="NHPD"):
     return q, k_cache, v_cache, table, torch.tensor(lengths, dtype=torch.int32)
 
 
-def _both(step, **options):
-    """The same step on cuDNN and on the reference backend (CPU)."""
+def _both(step, sinks=None, **options):
+    """The same step on cuDNN and on the reference backend (CPU); ``sinks``: a sink per head."""
     q, k_cache, v_cache, table, lengths = step
     results = []
     for device in ("cuda", "cpu"):
         on_device = options if device == "cuda" else {k: v for k, v in options.items() if k != "decode_kernel"}
         attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device=device, **on_device)
         attn.plan(table.to(device), lengths.to(device))
-        results.append((attn.run(q.to(device), k_cache.to(device), v_cache.to(device)), attn.schedule))
+        extra = {"sinks": sinks.to(device)} if sinks is not None else {}
+        results.append((attn.run(q.to(device), k_cache.to(device), v_cache.to(device), **extra), attn.schedule))
     return results
 
 
@@ -54,6 +55,17 @@ CASES = {
     "triton-one-chunk": dict(lengths=[700, 4000], pages=64, decode_kernel="triton", splits=1),
     "triton-nphd-odd-split": dict(lengths=[500, 1000, 999], pages=16, layout="NPHD", decode_kernel="triton", splits=3),
     "cudnn-forced-b1": dict(lengths=[30000], pages=512, decode_kernel="cudnn"),
+    # gpt-oss's sinks: in the Triton kernel's first chunk, or folded in after cuDNN's body or merge
+    "sinks-triton-split-empty": dict(lengths=[0, 1, 3000], pages=64, decode_kernel="triton", sinks=True),
+    "sinks-triton-one-chunk": dict(lengths=[700, 4000], pages=64, decode_kernel="triton", splits=1, sinks=True),
+    "sinks-cudnn-packed-unsplit": dict(
+        lengths=[2048, 5], pages=32, decode_kernel="cudnn", splits=1, pack=True, sinks=True
+    ),
+    "sinks-cudnn-unpacked-unsplit": dict(
+        lengths=[2048, 0], pages=32, decode_kernel="cudnn", splits=1, pack=False, sinks=True
+    ),
+    "sinks-cudnn-split": dict(lengths=[9000, 100], pages=256, decode_kernel="cudnn", splits=4, sinks=True),
+    "sinks-mtp-4-split": dict(lengths=[4000, 130], pages=64, s_q=4, splits=2, sinks=True),
 }
 
 
@@ -64,7 +76,9 @@ def test_cudnn_matches_the_reference(case):
                  layout=spec.get("layout", "NHPD"))  # fmt: skip
     layout = spec.pop("layout", "NHPD")
     forced = spec.pop("decode_kernel", None)
-    (got, schedule), (want, _) = _both(step, kv_layout=layout, **spec, **({"decode_kernel": forced} if forced else {}))
+    sinks = torch.randn(HQ, generator=torch.Generator().manual_seed(9)) * 2 if spec.pop("sinks", False) else None
+    (got, schedule), (want, _) = _both(step, sinks, kv_layout=layout, **spec,
+                                       **({"decode_kernel": forced} if forced else {}))  # fmt: skip
     assert forced is None or schedule.kernel == forced
     assert torch.isfinite(got).all()
     assert rel_err(got, want) < 1.5e-2, schedule
@@ -131,9 +145,11 @@ PREFILLS = {
 }
 
 
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
 @pytest.mark.parametrize("case", PREFILLS, ids=list(PREFILLS))
-def test_chunked_prefill_matches_the_reference(case):
+def test_chunked_prefill_matches_the_reference(case, sinks):
     spec = PREFILLS[case]
+    extra = {"sinks": torch.randn(HQ, generator=torch.Generator().manual_seed(8))} if sinks else {}
     q, k_cache, v_cache, table, lengths, q_lens = _prefill_step(spec["q_lens"], spec["kv_lens"], 256, seed=len(case),
                                                                 spare_tokens=spec.get("spare", 0))  # fmt: skip
     results = []
@@ -141,7 +157,8 @@ def test_chunked_prefill_matches_the_reference(case):
         attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device=device)
         attn.plan(table.to(device), lengths.to(device), q_lens=q_lens.to(device))
         out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=device)
-        results.append(attn.run(q.to(device), k_cache.to(device), v_cache.to(device), out=out).cpu())
+        on = {name: t.to(device) for name, t in extra.items()}
+        results.append(attn.run(q.to(device), k_cache.to(device), v_cache.to(device), out=out, **on).cpu())
     got, want = results
     assert torch.isfinite(got).all()
     assert rel_err(got, want) < 1.5e-2

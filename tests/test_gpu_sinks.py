@@ -86,13 +86,56 @@ def test_sinks_forward_and_backward(causal, window):
             assert rel_err(runs["cudnn_attn"][name], runs["frontend"][name]) < limit, f"vs frontend {name}"
 
 
-def test_a_sink_in_decode_is_refused_with_the_reason():
-    q = torch.randn(B, H, 1, D, device="cuda").bfloat16()
-    kv = torch.randn(B, H_KV, 64, D, device="cuda").bfloat16()
-    sink = torch.zeros(1, H, 1, 1, device="cuda")
-    with pytest.raises(cudnn_attn.UnsupportedError, match="sink_token with S_q = 1"):
-        with cudnn_attn.Graph() as g:
-            g.sdpa(q, kv, kv, sink_token=sink)
+def _decode(backend, q, k_cache, v_cache, table, lengths, sink, stats):
+    """One decode step with a sink through the Graph API: paged caches, per-sequence lengths."""
+    ones = torch.ones(q.shape[0], 1, 1, 1, dtype=torch.int32, device="cuda")
+    with cudnn_attn.Graph(backend=backend) as g:
+        g.sdpa(q, k_cache, v_cache, sink_token=sink, generate_stats=stats, use_padding_mask=True, seq_len_q=ones,
+               seq_len_kv=lengths, paged_attention_k_table=table, paged_attention_v_table=table,
+               paged_attention_max_seq_len_kv=table.shape[2] * k_cache.shape[2])  # fmt: skip
+    return g({"q": q, "k": k_cache, "v": v_cache, "sink_token": sink, "seq_len_q": ones, "seq_len_kv": lengths,
+              "paged_attention_k_table": table})  # fmt: skip
+
+
+@pytest.mark.parametrize("stats", [True, False], ids=["with-stats", "o-only"])
+def test_a_sink_in_decode_is_added_after_the_run(stats):
+    """cuDNN's decode kernels take no sink: the plan runs without it and folds it in from the
+    log-sum-exp. A sequence with no keys gives O = 0 and the sink as its log-sum-exp."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    page, pages = 64, 8
+    q = torch.randn(B, H, 1, D, device="cuda", generator=gen).bfloat16()
+    k_cache, v_cache = (torch.randn(B * pages, H_KV, page, D, device="cuda", generator=gen).bfloat16()
+                        for _ in range(2))  # fmt: skip
+    table = torch.randperm(B * pages, device="cuda", generator=gen).int().view(B, 1, pages, 1)
+    sink = (torch.randn(1, H, 1, 1, device="cuda", generator=gen) * 2).float()
+    for lengths in ([300, 512], [0, 77]):
+        seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda").view(-1, 1, 1, 1)
+        got = _decode(None, q, k_cache, v_cache, table, seq_lens, sink, stats)
+        want = _decode("reference", q, k_cache, v_cache, table, seq_lens, sink, stats)
+        got, want = (got if stats else (got,)), (want if stats else (want,))
+        assert rel_err(got[0].float(), want[0].float()) < TOLERANCE[torch.bfloat16], lengths
+        if stats:
+            assert rel_err(got[1], want[1]) < 1e-3, lengths
+        if lengths[0] == 0:
+            assert torch.equal(got[0][0], torch.zeros_like(got[0][0]))
+            if stats:
+                assert torch.equal(got[1][0], sink[0].expand_as(got[1][0]))
+
+
+def test_decode_with_sinks_through_the_torch_form_learns_them():
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    q = torch.randn(B, H, 1, D, device="cuda", generator=gen).bfloat16().requires_grad_()
+    k, v = (torch.randn(B, H_KV, 300, D, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(2))
+    sinks = torch.randn(H, device="cuda", generator=gen).requires_grad_()
+    out = cudnn_attn.sdpa(q, k, v, enable_gqa=True, sinks=sinks)
+    d_out = torch.randn(out.shape, device="cuda", generator=gen).bfloat16()
+    grads = torch.autograd.grad(out, (q, k, v, sinks), d_out)
+    leaves = [t.detach().cpu().float().requires_grad_() for t in (q, k, v, sinks)]
+    ref = cudnn_attn.sdpa(*leaves[:3], enable_gqa=True, sinks=leaves[3])  # the reference backend, on CPU
+    expected = torch.autograd.grad(ref, leaves, d_out.cpu().float())
+    assert rel_err(out.float().cpu(), ref) < TOLERANCE[torch.bfloat16]
+    for name, a, e in zip(("dQ", "dK", "dV", "dSinks"), grads, expected):
+        assert rel_err(a.float().cpu(), e) < 2e-2, name
 
 
 def test_the_torch_form_with_sinks_matches_the_reference_and_learns_them():

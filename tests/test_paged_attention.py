@@ -27,9 +27,10 @@ def make_step(lengths, pages_per_seq, layout="NHPD", s_q=1, seed=0, dtype=torch.
     return q, k_cache, v_cache, table, torch.tensor(lengths, dtype=torch.int32)
 
 
-def expected(q, k_cache, v_cache, table, lengths, layout="NHPD"):
+def expected(q, k_cache, v_cache, table, lengths, layout="NHPD", sinks=None):
     """float64 attention of each sequence against its gathered cache; the S_q query tokens are
-    the sequence's last positions (bottom-right causal)."""
+    the sequence's last positions (bottom-right causal); ``sinks`` ``[HQ]``: one more score
+    column per head that weighs no value."""
     outs = []
     for b, n in enumerate(lengths.tolist()):
         pages = table[b].long()
@@ -40,6 +41,10 @@ def expected(q, k_cache, v_cache, table, lengths, layout="NHPD"):
         scores = q[b].double() @ k.transpose(-1, -2) * D**-0.5
         visible = torch.arange(n)[None, :] <= (n - s_q + torch.arange(s_q))[:, None]
         scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            column = sinks.double().view(HQ, 1, 1).expand(HQ, s_q, 1)
+            outs.append(torch.softmax(torch.cat([scores, column], -1), -1)[..., :-1] @ v)
+            continue
         outs.append(torch.softmax(scores, -1) @ v)
     return torch.stack(outs)
 
@@ -255,12 +260,13 @@ def packed_step(q_lens, kv_lens, pages_per_seq, seed=0, spare_tokens=0):
     return q, k_cache, v_cache, table, lengths, torch.tensor(q_lens, dtype=torch.int32)
 
 
-def expected_packed(q, k_cache, v_cache, table, lengths, q_lens):
+def expected_packed(q, k_cache, v_cache, table, lengths, q_lens, sinks=None):
     """Each sequence's chunk on its own (its last positions, bottom-right causal), packed."""
     outs, start = [], 0
     for b, n in enumerate(q_lens.tolist()):
         chunk = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        outs.append(expected(chunk, k_cache, v_cache, table[b : b + 1], lengths[b : b + 1])[0].transpose(0, 1))
+        alone = expected(chunk, k_cache, v_cache, table[b : b + 1], lengths[b : b + 1], sinks=sinks)
+        outs.append(alone[0].transpose(0, 1))
         start += n
     return torch.cat(outs)
 
@@ -349,3 +355,39 @@ def test_forcing_the_triton_kernel_where_it_cannot_run_is_refused():
         attn.run(q, k_cache, v_cache)
     with pytest.raises(ValidationError, match="decode_kernel: 'fast'"):
         cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, decode_kernel="fast")
+
+
+@pytest.mark.parametrize("s_q,splits,pack", [(1, 1, False), (1, 1, True), (1, 2, True), (4, 1, True), (4, 2, True)],
+                         ids=str)  # fmt: skip
+def test_sinks_in_decode_whatever_the_layout(s_q, splits, pack):
+    """gpt-oss's sinks at run: folded in from the log-sum-exp after the body (packed or not) or
+    after the split-KV merge, exactly once; an empty slot stays zero."""
+    q, k_cache, v_cache, table, lengths = make_step([37, 64, 0, 50], pages_per_seq=4, s_q=s_q, seed=30 + splits)
+    sinks = torch.randn(HQ, generator=torch.Generator().manual_seed(3)) * 2
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, splits=splits, pack=pack)
+    attn.plan(table, lengths)
+    out = attn.run(q, k_cache, v_cache, sinks=sinks)
+    want = expected(q, k_cache, v_cache, table, lengths, sinks=sinks).nan_to_num(0.0)
+    assert rel_err(out, want) < 1e-2 and out[2].abs().sum() == 0
+    assert rel_err(attn.run(q, k_cache, v_cache), want) > 1e-2  # without them: another result
+
+
+def test_sinks_in_chunked_prefill():
+    q_lens, kv_lens = [40, 17, 1, 0], [40, 60, 33, 0]
+    q, k_cache, v_cache, table, lengths, q_lens_t = packed_step(q_lens, kv_lens, pages_per_seq=4, seed=41,
+                                                                spare_tokens=3)  # fmt: skip
+    sinks = torch.randn(HQ, generator=torch.Generator().manual_seed(4)) * 2
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16)
+    attn.plan(table, lengths, q_lens=q_lens_t)
+    out = attn.run(q, k_cache, v_cache, sinks=sinks)
+    total = sum(q_lens)
+    want = expected_packed(q, k_cache, v_cache, table, lengths, q_lens_t, sinks=sinks)
+    assert rel_err(out[:total], want) < 1e-2 and out[total:].abs().sum() == 0
+
+
+def test_sinks_are_checked_by_name():
+    q, k_cache, v_cache, table, lengths = make_step([20, 30], pages_per_seq=2)
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16)
+    attn.plan(table, lengths)
+    with pytest.raises(ValidationError, match="sinks: shape"):
+        attn.run(q, k_cache, v_cache, sinks=torch.zeros(HQ + 1))

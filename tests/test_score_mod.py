@@ -46,6 +46,34 @@ def test_torch_form_softcap_matches_the_oracle(causal, with_sinks):
         assert rel_err(ours.grad, leaf.grad) < 1e-5, name
 
 
+@pytest.mark.parametrize("cap, with_sinks", [(None, False), (None, True), (3.0, True)], ids=["plain", "sinks", "all"])
+def test_torch_form_sliding_window_matches_the_oracle(cap, with_sinks):
+    """FlashAttention's ``window_size=(left, 0)``: gpt-oss's and Mistral's causal sliding window,
+    alone or with sinks and soft-capping."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, 20, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, 20, 16, generator=g, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, generator=g, requires_grad=True) if with_sinks else None
+    out = cudnn.sdpa(q, k, v, enable_gqa=True, softcap=cap, sinks=sinks, window_size=(5, 0))
+    expected, leaves = softcap_torch_oracle(q, k, v, cap, True, sinks, left=5)
+    assert rel_err(out, expected) < 1e-5
+    d_out = torch.randn(out.shape, generator=g)
+    out.backward(d_out)
+    expected.backward(d_out.double())
+    for name, ours, leaf in zip("qkvs", (q, k, v, sinks), leaves):
+        assert rel_err(ours.grad, leaf.grad) < 1e-5, name
+
+
+def test_bad_windows_are_refused_by_name():
+    q = torch.randn(1, 2, 8, 16)
+    for window, match in (((5,), "expected .left, right."), ((-2, 0), "expected .left, right."),
+                          ((4, 2), "right bound 2 with a causal mask")):  # fmt: skip
+        with pytest.raises(cudnn.ValidationError, match=match):
+            cudnn.sdpa(q, q, q, is_causal=True, window_size=window)
+    with pytest.raises(cudnn.UnsupportedError, match="dropout_p with window_size"):
+        cudnn.sdpa(q, q, q, dropout_p=0.1, window_size=(4, 0))
+
+
 def test_torch_form_softcap_is_not_a_no_op():
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(1, 2, 8, 16, generator=g) * 4 for _ in range(3))

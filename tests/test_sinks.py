@@ -4,6 +4,8 @@ score column weighing no value."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import rel_err
@@ -129,3 +131,43 @@ def test_varlen_takes_sinks_and_learns_them():
     expected = torch.autograd.grad(want, leaves, d_out.double())
     assert rel_err(out, want) < 1e-5
     assert all(rel_err(a, e) < 1e-5 for a, e in zip(got, expected))
+
+
+def test_a_decode_sink_folded_in_after_the_run_matches_the_oracle():
+    """cuDNN's decode kernels take no sink: the cuDNN plan runs without it and folds it in from
+    the log-sum-exp (``core/sink_fold.py``). That arithmetic, on the oracle's sink-less
+    result, must give the oracle's result with the sink, a sequence without keys included."""
+    from cudnn_attn.core.sink_fold import add_sink
+
+    q, k, v, sink = _tensors(11)
+    q = q[:, :, :1]
+    lengths = [S, 0]
+    o, lse = oracle(q, k, v, torch.full_like(sink, float("-inf")), False, lengths_kv=lengths)
+    want_o, want_lse = oracle(q, k, v, sink, False, lengths_kv=lengths)
+    o, lse = o.nan_to_num(0.0), lse  # no key and no sink: softmax of nothing, O = 0 as cuDNN gives it
+    add_sink(o, lse, sink)
+    assert rel_err(o, want_o) < 1e-6 and rel_err(lse, want_lse) < 1e-6  # weights in float32
+
+
+def test_a_decode_sink_lowers_to_a_sinkless_graph_with_its_stats():
+    """What the cuDNN plan is built from (no GPU needed): no sink_token in the graph, a stats
+    output even when the caller asked for none; a prefill (S_q > 1) keeps the sink in the graph."""
+    from cudnn_attn.core.constructors import forward_problem
+    from cudnn_attn.core.mask import ScoreOptions
+    from cudnn_attn.core.problem import TensorSpec
+    from cudnn_attn.core.roles import UID
+    from cudnn_attn.ops.cudnn import capabilities, decode_sink, lowering
+
+    def problem(s_q: int):
+        q = TensorSpec.contiguous((B, H, s_q, D), torch.bfloat16, "cuda:0")
+        kv = TensorSpec.contiguous((B, H_KV, 64, D), torch.bfloat16, "cuda:0")
+        sink = TensorSpec.contiguous((1, H, 1, 1), torch.float32, "cuda:0")
+        return forward_problem(q, kv, kv, ScoreOptions(attn_scale=D**-0.5), stats=False, sink_token=sink)
+
+    for s_q, after in ((1, True), (4, False)):
+        p = problem(s_q)
+        assert decode_sink.applies(p) is after
+        tensors = json.loads(repr(lowering.lower(p).graph))["tensors"]
+        uids = {t["uid"] for t in tensors.values() if not t["is_virtual"]}
+        assert (UID["sink_token"] in uids) is not after and (UID["stats"] in uids) is after, tensors
+        assert capabilities.unsupported_reasons(p, capabilities.Platform("H100", (9, 0), 91900, "1.32.0")) == []

@@ -55,3 +55,22 @@ class ScoreOptions:
     def masks_scores(self) -> bool:
         """Whether some score can be masked out (a diagonal bound or padding)."""
         return self.has_band or self.padding
+
+
+def window_band(window_size: object, causal: Causal) -> tuple[Causal, int | None, int | None]:
+    """FlashAttention's ``window_size=(left, right)`` (query i keeps keys ``i - left .. i + right``,
+    -1: no bound) beside ``causal``, as ``(causal, sliding_window, right_bound)``: a right bound of
+    0 is causal (top-left where ``causal`` names no alignment). Raises ``ValueError`` naming what
+    is wrong (the doors re-raise it as their ``ValidationError``)."""
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
+    ):
+        raise ValueError(f"window_size: {window_size!r}; expected (left, right), each an int >= -1")
+    left, right = int(window_size[0]), int(window_size[1])
+    if right > 0 and causal is not Causal.NONE:
+        raise ValueError(f"window_size: right bound {right} with a causal mask (which is a right bound of 0)")
+    if right == 0 and causal is Causal.NONE:
+        causal = Causal.TOP_LEFT
+    return causal, (None if left < 0 else left + 1), (right if right > 0 else None)

@@ -53,13 +53,19 @@ def sdpa(
     *,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> torch.Tensor:
     """Scaled dot-product attention with torch's signature, on cached cuDNN graphs.
 
-    ``sinks``: attention sinks, a logit per query head (``[H_q]``, as gpt-oss and FlashInfer
-    name it) in every softmax denominator, learnable. ``softcap``: logit soft-capping as
-    FlashAttention and Gemma-2 define it, scores ``cap * tanh(s / cap)`` before the mask
-    (``functional/score_terms.py``)."""
+    Beyond torch's arguments, as FlashAttention and FlashInfer name them
+    (``functional/score_terms.py``):
+
+    - ``sinks``: attention sinks, a logit per query head (``[H_q]``, gpt-oss's) in every
+      softmax denominator, weighing no value; learnable.
+    - ``softcap``: logit soft-capping (Gemma-2's), scores ``cap * tanh(s / cap)`` before the mask.
+    - ``window_size=(left, right)``: query ``i`` keeps keys ``i - left .. i + right`` (-1: no
+      bound; a right bound of 0 is the causal mask), measured from the top-left diagonal as
+      ``is_causal``: gpt-oss's and Mistral's sliding windows."""
     try:  # nested tensors take the varlen door (functional/nested.py)
         nested = query.is_nested or key.is_nested or value.is_nested or attn_mask is not None and attn_mask.is_nested
     except AttributeError:
@@ -68,9 +74,9 @@ def sdpa(
         return nested_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     attn_mask, is_causal = causal_from_mask(attn_mask, is_causal, query, key)
     query, key, value, attn_mask = autocast_inputs(query, key, value, attn_mask)
-    if sinks is not None or softcap is not None:
+    if sinks is not None or softcap is not None or tuple(window_size) != (-1, -1):
         return sdpa_with_score_terms(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks,
-                                     softcap)  # fmt: skip
+                                     softcap, window_size)  # fmt: skip
     if not torch.compiler.is_compiling():
         out = sdpa_eager.run(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if out is not None:

@@ -1,12 +1,13 @@
-"""``cudnn_attn.sdpa(..., sinks=, softcap=)``: attention sinks and logit soft-capping in the torch
-form, differentiable.
+"""``cudnn_attn.sdpa(..., sinks=, softcap=, window_size=)``: attention sinks, logit soft-capping
+and sliding windows in the torch form, differentiable.
 
 ``sinks`` is a logit per query head (``[H_q]``, gpt-oss's ``module.sinks``, FlashInfer's
 ``sinks``; or ``[1, H_q, 1, 1]``, the frontend's ``sink_token``) added to every softmax
 denominator and weighing no value. ``softcap`` is FlashAttention's (and Gemma-2's) cap:
 scores become ``cap * tanh(s / cap)`` before the mask and bias; cuDNN runs it as a score modifier
 (``core/score_mod.softcap``), with the causal mask written inside it (cuDNN applies no mask of
-its own beside a modifier). Calls with either take this path: the forward problem with its stats
+its own beside a modifier). ``window_size`` is FlashAttention's ``(left, right)`` band
+(``core/mask.window_band``). Calls with any of them take this path: the forward problem with its stats
 and the backward problem (with ``dSink_token``), each prepared once per geometry
 (``runtime.prepare``), through one autograd function. Dropout with them is not run yet.
 """
@@ -21,7 +22,7 @@ import torch
 
 from ..core import score_mod
 from ..core.constructors import backward_problem, forward_problem
-from ..core.mask import Causal, ScoreOptions
+from ..core.mask import Causal, ScoreOptions, window_band
 from ..core.problem import TensorSpec
 from ..core.score_inputs import check_sinks
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
@@ -30,29 +31,36 @@ from ..runtime.prepared import prepare
 from .arguments import ARGUMENT_NAMES, batched, causal_kind, check_arguments
 
 
-def sdpa_with_score_terms(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks,
-                          softcap) -> torch.Tensor:  # fmt: skip
-    """``cudnn_attn.sdpa``'s call with ``sinks`` and/or ``softcap`` (its other arguments as there)."""
+def sdpa_with_score_terms(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks, softcap,
+                          window_size=(-1, -1)) -> torch.Tensor:  # fmt: skip
+    """``cudnn_attn.sdpa``'s call with ``sinks``, ``softcap`` or ``window_size`` (its other
+    arguments as there)."""
     check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    try:
+        causal, window, right = window_band(window_size, causal_kind(is_causal))
+    except ValueError as error:
+        raise ValidationError([str(error)], context="sdpa") from None
     query, key, value, bias, scale, squeeze = batched(query, key, value, attn_mask, scale)
     try:
-        out = score_terms_sdpa(query, key, value, bias, scale, causal_kind(is_causal), float(dropout_p), sinks, softcap)
+        out = score_terms_sdpa(query, key, value, bias, scale, causal, float(dropout_p), sinks, softcap, window, right)
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
         raise error.renamed(ARGUMENT_NAMES, context="sdpa") from None
     return out.squeeze(0) if squeeze else out
 
 
 def score_terms_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float,
-                     causal: Causal, dropout_p: float, sinks: Any, softcap: Any = None) -> torch.Tensor:  # fmt: skip
-    """Attention of ``[B, H, S, D]`` tensors with ``sinks`` and/or ``softcap`` (checked here, by name)."""
+                     causal: Causal, dropout_p: float, sinks: Any, softcap: Any = None, window: int | None = None,
+                     right_bound: int | None = None) -> torch.Tensor:  # fmt: skip
+    """Attention of ``[B, H, S, D]`` tensors with ``sinks``, ``softcap`` (checked here, by name) or a
+    band (``window``: the left bound W, key j visible iff j > i - W; ``right_bound``)."""
     if sinks is not None:
         check_sinks(sinks, q.shape[1], q.device)
-    options = ScoreOptions(attn_scale=scale, causal=causal)
+    options = ScoreOptions(attn_scale=scale, causal=causal, sliding_window=window, right_bound=right_bound)
     modifier = None
     if softcap is not None:
         modifier, options = softcap_modifier(softcap, options, q.shape[2], k.shape[2])
     if dropout_p:
-        what = "sinks" if sinks is not None else "softcap"
+        what = "sinks" if sinks is not None else "softcap" if softcap is not None else "window_size"
         raise UnsupportedError([f"dropout_p with {what}: not supported yet"], context="sdpa")
     return _ScoreTermsAttention.apply(q, k, v, bias, sinks, options, modifier)
 

@@ -19,8 +19,9 @@ transformers' FlashAttention path, padding stays a mask over tokens, never a den
   mask code when there is no cache, or, as its FlashAttention path does, in the ``position_ids``
   of a one-row batch), or the ``cu_seq_lens_q/k`` and ``max_length_q/k`` keywords that
   ``DataCollatorWithFlattening`` passes: varlen, one sequence per packed run, causal per sequence.
-- no padding: ``cudnn_attn.sdpa`` (``is_causal``) when queries and keys have one length (or one
-  query), varlen with uniform lengths otherwise (bottom-right causal, sliding windows).
+- no padding: ``cudnn_attn.sdpa`` (``is_causal``; ``window_size`` for a sliding window) when
+  queries and keys have one length (or one query), varlen with uniform lengths otherwise
+  (bottom-right causal, windows while decoding).
 - sliding windows: the layer's ``sliding_window`` (a window of that many tokens, the query's
   own included) becomes ``window_left = sliding_window - 1``, as transformers' FlashAttention
   path passes ``window_size=(sliding_window - 1, ...)``. Windows count real tokens, which is
@@ -46,10 +47,11 @@ import torch
 import torch.nn.functional as F
 
 from ..core.dtypes import FLOATING_IO
-from ..errors import UnsupportedError, ValidationError
+from ..errors import UnsupportedError
 from ..functional import sdpa
 from ..functional.arguments import autocast_inputs
 from ..varlen import varlen_attention
+from .transformers_packing import CONTEXT, Packing, find_packing
 
 try:
     from transformers import AttentionInterface, masking_utils
@@ -62,7 +64,6 @@ except ImportError as error:  # the optional dependency
 
 NAME = "cudnn_attn"
 _log = logging.getLogger("cudnn_attn.transformers")
-CONTEXT = "cudnn_attn (transformers)"
 _BIDIRECTIONAL = getattr(masking_utils, "bidirectional_mask_function", None)  # absent from transformers 4.56
 _ALTERNATIVES = ["attn_implementation='sdpa' (or 'eager') for this model"]
 
@@ -111,7 +112,7 @@ def attention_forward(
                                 "left bound only"], context=CONTEXT, alternatives=_ALTERNATIVES)  # fmt: skip
     if softcap is not None:
         return _softcapped(query, key, value, attention_mask, causal, window, options), None
-    packing = _packing(attention_mask, kwargs, query.shape[0], query.shape[2], key.shape[2], causal)
+    packing = find_packing(attention_mask, kwargs, query.shape[0], query.shape[2], key.shape[2], causal)
     if packing is None:
         return _unpadded(query, key, value, causal, window, options), None
     return _packed(query, key, value, packing, causal, window, options), None
@@ -150,124 +151,6 @@ def token_mask(
 # --- the layer's side -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Packing:
-    """Where a batch's real tokens sit, prepared once per mask for every layer. ``rows_q`` and
-    ``rows_k`` index the ``[B, S]`` grid (``None``: all rows in order); the first ``keys`` keys count;
-    ``aligned``: every sequence has as many queries as keys (None: not known)."""
-
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    max_q: int
-    max_k: int
-    keys: int
-    aligned: bool | None
-    rows_q: tuple[torch.Tensor, ...] | None = None
-    rows_k: tuple[torch.Tensor, ...] | None = None
-
-
-class _RecentPackings:
-    """The last few packings, by source tensor: every layer of a forward gets the same mask (two
-    alternating ones in models with sliding and full layers), so each is prepared once."""
-
-    def __init__(self, size: int = 4):
-        self._size = size
-        self._entries: list[tuple[torch.Tensor, int | None, tuple, _Packing | None]] = []
-
-    def get(self, source: torch.Tensor, key: tuple, build: Callable[[], _Packing | None]) -> _Packing | None:
-        version = _tensor_version(source)
-        for entry in self._entries:
-            if entry[0] is source and entry[1] == version and entry[2] == key:
-                return entry[3]
-        packing = build()
-        self._entries = [(source, version, key, packing), *self._entries[: self._size - 1]]
-        return packing
-
-
-_recent = _RecentPackings()
-
-
-def _tensor_version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors keep no version counter
-        return None
-
-
-def _packing(mask, kwargs: dict, batch: int, q_len: int, k_len: int, causal: bool) -> _Packing | None:
-    """How this layer's tokens pack, or None when they need no packing (no padding, no runs)."""
-    if mask is not None:
-        if mask.shape[0] != batch:
-            raise ValidationError(
-                [f"attention_mask: shape {list(mask.shape)}; expected [{batch}, keys]"], context=CONTEXT
-            )
-        packing = _recent.get(mask, (q_len, causal), lambda: _from_token_ids(mask, q_len, causal))
-        if packing is not None and packing.keys > k_len:
-            raise ValidationError(
-                [f"attention_mask: covers {packing.keys} keys, the layer has {k_len}"], context=CONTEXT
-            )
-        return packing
-    cu_q, cu_k, max_q, max_k = (kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-                                                               "max_length_k"))  # fmt: skip
-    if cu_q is not None and cu_k is not None and max_q is not None and max_k is not None:
-        return _Packing(cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), k_len, aligned=None)
-    positions = kwargs.get("position_ids")
-    if isinstance(positions, torch.Tensor) and batch == 1 and q_len == k_len > 1 and positions.numel() == q_len:
-        return _recent.get(positions, (q_len,), lambda: _from_positions(positions.reshape(-1)))
-    return None
-
-
-def _from_token_ids(ids: torch.Tensor, q_len: int, causal: bool) -> _Packing:
-    """Packing from per-token sequence ids ``[B, M]`` (0 = padding). Causal: the queries are the
-    last ``q_len`` keys; otherwise every query (cross-attention too) sees its row's real keys."""
-    batch, keys = ids.shape
-    if ids.is_floating_point() or ids.is_complex():
-        raise ValidationError([f"attention_mask: dtype {ids.dtype}; expected a bool or integer [B, keys] token mask"],
-                              context=CONTEXT)  # fmt: skip
-    if causal and keys < q_len:
-        raise ValidationError([f"attention_mask: covers {keys} keys, fewer than the {q_len} queries"], context=CONTEXT)
-    ids = ids.to(torch.int64)
-    real = ids > 0
-    per_row = max(int(ids.max()), 1)
-    slot = ids - 1 + per_row * torch.arange(batch, device=ids.device)[:, None]  # each token's sequence
-    slot_k = slot[real]
-    if bool((slot_k.diff() < 0).any()):
-        raise ValidationError(["attention_mask: sequence ids decrease along a row; each sequence's tokens must be "
-                               "consecutive"], context=CONTEXT)  # fmt: skip
-    if not causal and per_row > 1:
-        raise UnsupportedError(["attention_mask: packed sequences without a causal mask"], context=CONTEXT)
-    lengths_k = torch.bincount(slot_k, minlength=batch * per_row)
-    everything = bool(real.all())
-    rows_k = None if everything else real.nonzero(as_tuple=True)
-    if causal:
-        real_q = real[:, keys - q_len :]
-        lengths_q = torch.bincount(slot[:, keys - q_len :][real_q], minlength=batch * per_row)
-        rows_q = None if everything and keys == q_len else real_q.nonzero(as_tuple=True)
-    else:
-        lengths_q, rows_q = torch.full((batch,), q_len, dtype=torch.int64, device=ids.device), None
-    longest_q, longest_k = torch.stack([lengths_q.max(), lengths_k.max()]).tolist()
-    return _Packing(_cumulative(lengths_q), _cumulative(lengths_k), max(int(longest_q), 1), max(int(longest_k), 1),
-                    keys, causal and keys == q_len, rows_q, rows_k)  # fmt: skip
-
-
-def _from_positions(positions: torch.Tensor) -> _Packing | None:
-    """transformers' FlashAttention rule for a one-row batch: a sequence starts wherever the
-    position is the row's smallest (and at the row's start); None when the row is one run."""
-    length = positions.shape[0]
-    first = positions.min()
-    steps = torch.arange(length, device=positions.device)
-    if not bool((positions - first - steps).abs().sum()):
-        return None
-    starts = ((positions == first) | (steps == 0)).nonzero().view(-1)
-    cu = torch.cat([starts, starts.new_tensor([length])]).to(torch.int32)
-    longest = int(cu.diff().max())
-    return _Packing(cu, cu, longest, longest, length, aligned=True)
-
-
-def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
-    return F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-
-
 def _window(sliding_window: int | None, key_length: int) -> int | None:
     """transformers' FlashAttention convention: a window of ``sliding_window`` tokens, the
     query's own included, applied when the keys are longer than that."""
@@ -276,14 +159,25 @@ def _window(sliding_window: int | None, key_length: int) -> int | None:
     return int(sliding_window) - 1
 
 
+def _dense_window(causal: bool, window: int | None, q_len: int, k_len: int, options: dict) -> bool:
+    """Whether a windowed layer runs as one dense call with ``window_size``: a whole causal
+    sequence (its windows measure from the top-left diagonal) without dropout (which that call
+    does not take). gpt-oss trains this way on any cuDNN with sinks: the packed path's backward
+    with sinks needs cuDNN >= 9.26."""
+    return window is not None and causal and q_len == k_len and not options["dropout_p"]
+
+
 def _unpadded(query, key, value, causal: bool, window: int | None, options: dict) -> torch.Tensor:
     q_len, k_len = query.shape[2], key.shape[2]
     if window is None and (not causal or q_len in (1, k_len)):
         out = sdpa(query, key, value, is_causal=causal and q_len > 1, **options)
         return out.transpose(1, 2).contiguous()
+    if _dense_window(causal, window, q_len, k_len, options):
+        out = sdpa(query, key, value, is_causal=True, window_size=(window, 0), **options)
+        return out.transpose(1, 2).contiguous()
     batch, device = query.shape[0], query.device
     steps = torch.arange(batch + 1, dtype=torch.int32, device=device)
-    uniform = _Packing(steps * q_len, steps * k_len, q_len, k_len, k_len, aligned=q_len == k_len)
+    uniform = Packing(steps * q_len, steps * k_len, q_len, k_len, k_len, aligned=q_len == k_len)
     return _packed(query, key, value, uniform, causal, window, options)
 
 
@@ -296,6 +190,9 @@ def _softcapped(query, key, value, tokens: torch.Tensor | None, causal: bool, wi
     k_len = key.shape[2]
     if tokens is None and window is None and (not causal or q_len in (1, k_len)):
         return sdpa(query, key, value, is_causal=causal and q_len > 1, **options).transpose(1, 2).contiguous()
+    if tokens is None and _dense_window(causal, window, q_len, k_len, options):
+        out = sdpa(query, key, value, is_causal=True, window_size=(window, 0), **options)
+        return out.transpose(1, 2).contiguous()
     _log.debug("softcap with padding, packed runs or a window: a dense [B, 1, Q, K] mask (%d x %d)", q_len, k_len)
     device = query.device
     col = torch.arange(k_len, device=device)
@@ -313,7 +210,7 @@ def _softcapped(query, key, value, tokens: torch.Tensor | None, causal: bool, wi
     return sdpa(query, key, value, attn_mask=allowed, **options).transpose(1, 2).contiguous()
 
 
-def _packed(query, key, value, packing: _Packing, causal: bool, window: int | None, options: dict) -> torch.Tensor:
+def _packed(query, key, value, packing: Packing, causal: bool, window: int | None, options: dict) -> torch.Tensor:
     """Gather the real tokens, attend per sequence, scatter back to ``[B, Q, H, D_v]``."""
     batch, heads, q_len, _ = query.shape
     key, value = key[:, :, : packing.keys], value[:, :, : packing.keys]
@@ -329,7 +226,7 @@ def _packed(query, key, value, packing: _Packing, causal: bool, window: int | No
     return out.new_zeros(batch, q_len, heads, out.shape[-1]).index_put(packing.rows_q, out)
 
 
-def _alignment(packing: _Packing, options: dict) -> str:
+def _alignment(packing: Packing, options: dict) -> str:
     """Bottom-right: each sequence's last query sees its last key (decoding with a cache). cuDNN's
     dropout takes top-left causal only, the same mask where every sequence's lengths agree (training)."""
     if options["dropout_p"] > 0:

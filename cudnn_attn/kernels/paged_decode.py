@@ -11,6 +11,10 @@ chunk's normalised output and log-sum-exp go to float32 partial buffers, merged 
     k, v = gathered_pages(b, h // G)[:length[b]]       # [L, D]
     out[b, h, 0] = softmax(q[b, h, 0] @ k.T * scale) @ v
 
+With ``sink`` (a logit per query head, gpt-oss's attention sinks) the first chunk starts its
+running softmax from the sink, one more term of the denominator weighing no value: its
+log-sum-exp then carries the sink into the merge, exactly once.
+
 Lengths and the page table must already be in range (``PagedAttention.plan`` clamps them on
 the device). Needs CUDA and Triton; ``supported`` says when the kernel applies.
 """
@@ -55,6 +59,7 @@ def paged_decode(
     chunk_pages: int,
     partial_o: torch.Tensor | None = None,
     partial_lse: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
     tuning: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q`` ``[B, H_q, 1, D]`` into ``out`` (same shape, any strides).
@@ -62,7 +67,8 @@ def paged_decode(
     table: ``[B, >= splits * chunk_pages or enough for every length]`` int32 page indices;
     lengths: ``[B]`` int32; splits, chunk_pages: the split-KV layout; partial_o
     ``[B, splits, H_q, D]`` and partial_lse ``[B, splits, H_q]`` float32: persistent buffers for
-    ``splits > 1`` (allocated here when not given); tuning: the kernel's launch settings
+    ``splits > 1`` (allocated here when not given); sink: ``[H_q]`` float32 contiguous, attention
+    sinks in units of the scaled scores; tuning: the kernel's launch settings
     (``pages_per_step``, ``num_warps``, ``num_stages``) where not the defaults.
     """
     tuning = tuning or {}
@@ -90,9 +96,9 @@ def paged_decode(
     kernels.decode[(splits, kv_heads, batch)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, stride_page, stride_head, stride_token,
         table, table.stride(0), lengths, o, o_sb, o_ss, o_sh, lse, l_sb, l_ss, l_sh,
-        scale * LOG2_E, chunk_pages, dim,
+        scale * LOG2_E, chunk_pages, dim, sink if sink is not None else lengths,
         GROUP=group, BLOCK_G=max(MIN_ROWS, 1 << (group - 1).bit_length()), BLOCK_D=block_d, PAGE=page,
-        BLOCK_N=page * pages_per_step, NORMALISE=splits == 1,
+        BLOCK_N=page * pages_per_step, NORMALISE=splits == 1, HAS_SINK=sink is not None,
         num_warps=tuning.get("num_warps", 4 if block_d <= 128 else 8), num_stages=tuning.get("num_stages", 3),
     )  # fmt: skip
     if splits > 1:
@@ -112,9 +118,9 @@ def _kernels() -> Any:
 
     @triton.jit
     def decode(q_ptr, q_sb, q_sh, k_ptr, v_ptr, c_sn, c_sh, c_st, table_ptr, t_sb, len_ptr,
-               o_ptr, o_sb, o_ss, o_sh, lse_ptr, l_sb, l_ss, l_sh, scale_log2, chunk_pages, dim,
+               o_ptr, o_sb, o_ss, o_sh, lse_ptr, l_sb, l_ss, l_sh, scale_log2, chunk_pages, dim, sink_ptr,
                GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-               BLOCK_N: tl.constexpr, NORMALISE: tl.constexpr):  # fmt: skip
+               BLOCK_N: tl.constexpr, NORMALISE: tl.constexpr, HAS_SINK: tl.constexpr):  # fmt: skip
         split = tl.program_id(0)
         kv_head = tl.program_id(1)
         b = tl.program_id(2).to(tl.int64)
@@ -130,6 +136,9 @@ def _kernels() -> Any:
         end = tl.minimum(length, start + chunk_pages * PAGE)
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_G], tl.float32)
+        if HAS_SINK:  # the first chunk's softmax starts from the sink: exp2(sink - m) = 1 at m = sink
+            m = tl.load(sink_ptr + heads, mask=(g < GROUP) & (split == 0), other=float("-inf")) * 1.4426950408889634
+            total = tl.where(m > float("-inf"), 1.0, 0.0)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         cache_head = kv_head.to(tl.int64) * c_sh
         steps = (tl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N

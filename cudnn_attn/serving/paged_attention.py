@@ -38,17 +38,19 @@ import torch
 from ..core.constructors import forward_problem
 from ..core.mask import Causal, ScoreOptions, default_scale
 from ..core.problem import KVCacheLayout, TensorSpec
+from ..core.score_inputs import check_sinks
+from ..core.sink_fold import add_sink
 from ..errors import ValidationError
 from ..kernels import paged_decode
 from ..kernels.lse_merge import merge_partials
 from ..runtime.keyed import KeyedCache
 from ..runtime.prepared import PreparedRun, prepare
 from . import schedule as paged_schedule
+from .paged_checks import MAX_QUERY_TOKENS, check_plan, check_run
 from .schedule import Schedule
 from .step import Step, StepBuffers, StepTables, bucket, canonical_device, geometry
 
 LAYOUTS = ("NHPD", "NPHD")
-MAX_QUERY_TOKENS = 16
 MAX_RUNS = 256  # the prepared runs one instance keeps: a few per layer geometry
 
 
@@ -135,55 +137,13 @@ class PagedAttention:
         sees the cache); CUDA ones are clamped into range on the device, without a host sync: a
         page past the cache reads its last page, and a bad value gives wrong rows for its
         sequence, never an access out of bounds."""
-        device = self._check_plan(page_table, seq_lens_kv, q_lens)
+        device = check_plan(self, page_table, seq_lens_kv, q_lens)
         batch, pages = page_table.shape
         rows = self.max_batch if self.cuda_graph else batch
         width = self.max_pages_per_seq if self.cuda_graph else pages
         assert rows is not None and width is not None
         self._tables.plan(page_table, seq_lens_kv, q_lens, device, rows, width)
         self.plans += 1
-
-    def _check_plan(self, page_table: Any, seq_lens_kv: Any, q_lens: Any) -> torch.device:
-        problems = []
-        given = [("page_table", page_table, 2), ("seq_lens_kv", seq_lens_kv, 1)]
-        for name, t, rank in given + ([("q_lens", q_lens, 1)] if q_lens is not None else []):
-            if not isinstance(t, torch.Tensor):
-                problems.append(f"{name}: {type(t).__name__}; expected an int32 tensor")
-            elif t.dtype != torch.int32 or t.dim() != rank:
-                problems.append(f"{name}: {t.dtype} of shape {list(t.shape)}; expected int32 with {rank} dims")
-        if problems:
-            raise ValidationError(problems, context="PagedAttention.plan")
-        batch, pages = page_table.shape
-        if seq_lens_kv.shape[0] != batch:
-            problems.append(f"seq_lens_kv: {seq_lens_kv.shape[0]} lengths for {batch} page-table rows")
-        if q_lens is not None and q_lens.shape[0] != batch:
-            problems.append(f"q_lens: {q_lens.shape[0]} lengths for {batch} page-table rows")
-        if batch < 1 or pages < 1:
-            problems.append(f"page_table: shape {list(page_table.shape)}; needs at least one sequence and one page")
-        if self.max_batch is not None and batch > self.max_batch:
-            problems.append(f"page_table: {batch} sequences, above max_batch={self.max_batch}")
-        if self.max_pages_per_seq is not None and pages > self.max_pages_per_seq:
-            problems.append(f"page_table: {pages} pages per sequence, above max_pages_per_seq={self.max_pages_per_seq}")
-        device = self.device if self.device is not None else page_table.device
-        if self.device is not None and page_table.device.type != "cpu" and page_table.device != device:
-            problems.append(f"page_table: on {page_table.device}; this PagedAttention runs on {device}")
-        if not problems and not page_table.is_cuda:
-            if (page_table < 0).any():
-                row, col = (int(i) for i in torch.nonzero(page_table < 0)[0])
-                problems.append(f"page_table: page {int(page_table[row, col])} at [{row}, {col}] is negative")
-            limit = pages * self.page_size
-            bad = (seq_lens_kv < 0) | (seq_lens_kv > limit)  # 0: an empty slot, whose output is zeros
-            if bad.any():
-                at = int(torch.nonzero(bad)[0])
-                problems.append(f"seq_lens_kv: sequence {at} has length {int(seq_lens_kv[at])}; allowed 0..{limit} "
-                                f"({pages} pages of {self.page_size})")  # fmt: skip
-            elif q_lens is not None and not q_lens.is_cuda and ((q_lens < 0) | (q_lens > seq_lens_kv)).any():
-                at = int(torch.nonzero((q_lens < 0) | (q_lens > seq_lens_kv))[0])
-                problems.append(f"q_lens: sequence {at} has {int(q_lens[at])} new tokens; allowed 0..seq_lens_kv[{at}]="
-                                f"{int(seq_lens_kv[at])} (the new tokens are the last of its cache)")  # fmt: skip
-        if problems:
-            raise ValidationError(problems, context="PagedAttention.plan")
-        return device
 
     # ---- warm: at a server's start ---------------------------------------------------------------
 
@@ -239,18 +199,26 @@ class PagedAttention:
 
     # ---- run: per layer -----------------------------------------------------------------------
 
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None = None):
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None = None, *,
+            sinks: torch.Tensor | None = None):  # fmt: skip
         """One layer: ``q`` ``[B, H_q, S_q, D]`` (S_q <= 16), or packed ``[T, H_q, D]`` after a
         plan with ``q_lens``, and the layer's caches; returns ``out`` (or a new tensor) of
         ``q``'s shape. Output rows past ``sum(q_lens)`` are zero. A page table planned on the
-        CPU is refused here if it names a page past ``k_cache``'s (``ValidationError``)."""
+        CPU is refused here if it names a page past ``k_cache``'s (``ValidationError``).
+
+        ``sinks``: the layer's attention sinks (gpt-oss), a logit per query head, ``[H_q]``, in
+        every softmax denominator (``sdpa``'s ``sinks``; FlashInfer's name too)."""
         step = self._tables.step
         if step is None:
             raise ValidationError(["plan: run() before any plan(); call plan(page_table, seq_lens_kv) each step"],
                                   context="PagedAttention.run")  # fmt: skip
-        self._check_run(q, k_cache, v_cache, out, step)
+        check_run(self, q, k_cache, v_cache, out, step)
+        sink = None
+        if sinks is not None:
+            check_sinks(sinks, self.num_q_heads, q.device)
+            sink = sinks.detach().reshape(1, -1, 1, 1).to(torch.float32).contiguous()
         if step.prefill:
-            return self._run_prefill(q, k_cache, v_cache, out, step)
+            return self._run_prefill(q, k_cache, v_cache, out, step, sink)
         # A geometry new to this PagedAttention is derived now, and by every later plan().
         derived = self._tables.get(("decode", q.shape[2], k_cache.shape[0]), step)
         schedule = derived["schedule"]
@@ -266,19 +234,28 @@ class PagedAttention:
         if result is None:
             result = torch.empty(rows, *q.shape[1:], dtype=q.dtype, device=q.device)
         if schedule.kernel == "triton":
-            self._run_triton(q_full, k_cache, v_cache, derived, schedule, result)
+            self._run_triton(q_full, k_cache, v_cache, derived, schedule, result, sink)
             return self._returned(result, q, out)
         parts = []
         body_q = self._body_query(q_full, schedule)
-        body = self._run_part("body", body_q, k_cache, v_cache, derived, schedule, stats=schedule.merged,
+        # With sinks every path keeps its log-sum-exp, and the sink is folded in from it after.
+        body = self._run_part("body", body_q, k_cache, v_cache, derived, schedule,
+                              stats=schedule.merged or sink is not None,
                               out=None if schedule.merged else self._unpacked_view(result, schedule))  # fmt: skip
+        lse = None
         if schedule.merged:
             o, stats = body
             parts.append(self._as_parts(o, stats, schedule.splits, schedule))
             if schedule.tail:
                 o_t, stats_t = self._run_part("tail", q_full, k_cache, v_cache, derived, schedule, stats=True)
                 parts.append((o_t.unsqueeze(1), stats_t.squeeze(-1).unsqueeze(1)))
-            merge_partials(parts, result)
+            if sink is not None:
+                lse = torch.empty(*result.shape[:3], 1, dtype=torch.float32, device=q.device)
+            merge_partials(parts, result, None if lse is None else lse.squeeze(-1))
+        elif sink is not None:
+            lse = body[1].view(*result.shape[:3], 1)  # packed rows are head-major: [B, H_q, S_q] in order
+        if sink is not None:
+            add_sink(result, lse, sink)
         return self._returned(result, q, out)
 
     @staticmethod
@@ -290,7 +267,7 @@ class PagedAttention:
         return result[: q.shape[0]] if result.shape[0] != q.shape[0] else result
 
     def _run_triton(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, derived: dict[str, Any],
-                    schedule: Schedule, result: torch.Tensor) -> None:  # fmt: skip
+                    schedule: Schedule, result: torch.Tensor, sink: torch.Tensor | None) -> None:  # fmt: skip
         rows, splits = q.shape[0], schedule.splits
         partial_o = partial_lse = None
         if splits > 1:  # persistent: a captured step writes and merges the same buffers
@@ -301,57 +278,10 @@ class PagedAttention:
         paged_decode.paged_decode(q, k_cache, v_cache, derived["table"], self._buffers["lengths"], result,
                                   scale=self.scale, kv_layout=self.kv_layout, splits=splits,
                                   chunk_pages=schedule.chunk_pages, partial_o=partial_o,
-                                  partial_lse=partial_lse)  # fmt: skip
-
-    def _check_run(self, q: Any, k_cache: Any, v_cache: Any, out: Any, step: Step) -> None:
-        problems = []
-        q_rank = 3 if step.prefill else 4
-        for name, t, rank in (("q", q, q_rank), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
-            if not isinstance(t, torch.Tensor) or t.dim() != rank:
-                form = ("a packed [T, H_q, D] tensor (the step was planned with q_lens)" if name == "q" and rank == 3
-                        else "a 4-D tensor")  # fmt: skip
-                problems.append(f"{name}: expected {form}, got {getattr(t, 'shape', type(t).__name__)}")
-            elif t.dtype != self.dtype:
-                problems.append(f"{name}: dtype {t.dtype}; this PagedAttention takes {self.dtype}")
-            elif t.device != step.device:
-                problems.append(f"{name}: on {t.device}; the step was planned on {step.device}")
-        if problems:
-            raise ValidationError(problems, context="PagedAttention.run")
-        heads, dim = q.shape[-2 if step.prefill else 1], q.shape[-1]
-        if heads != self.num_q_heads or dim != self.head_dim:
-            problems.append(f"q: {heads} heads of {dim}; expected {self.num_q_heads} heads of {self.head_dim}")
-        if step.prefill:
-            if step.tokens is not None and q.shape[0] < step.tokens:
-                problems.append(f"q: {q.shape[0]} tokens; the step's q_lens sum to {step.tokens}")
-            if q.stride(-1) != 1:
-                problems.append(f"q: strides {list(q.stride())}; the head dim must be contiguous (stride 1)")
-        else:
-            batch, s_q = q.shape[0], q.shape[2]
-            if batch not in (step.batch, step.rows):  # with cuda_graph, a step of max_batch rows
-                problems.append(f"q: batch {batch}; the step was planned for {step.batch} sequences")
-            if not 1 <= s_q <= MAX_QUERY_TOKENS:
-                problems.append(f"q: {s_q} query tokens per sequence; allowed 1..{MAX_QUERY_TOKENS}")
-        expected = ([None, self.num_kv_heads, self.page_size, self.head_dim] if self.kv_layout == "NHPD"
-                    else [None, self.page_size, self.num_kv_heads, self.head_dim])  # fmt: skip
-        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if list(t.shape[1:]) != expected[1:]:
-                problems.append(f"{name}: shape {list(t.shape)}; expected [num_pages, {', '.join(map(str, expected[1:]))}] "
-                                f"({self.kv_layout})")  # fmt: skip
-        if v_cache.shape[0] != k_cache.shape[0]:
-            problems.append(f"v_cache: {v_cache.shape[0]} pages, k_cache has {k_cache.shape[0]}")
-        largest = step.largest_page
-        if largest is not None and largest[0] >= k_cache.shape[0]:
-            page, row, entry = largest
-            pages = k_cache.shape[0]
-            problems.append(f"page_table: sequence {row}, entry {entry} is page {page}; the cache has {pages} "
-                            f"page{'s' if pages != 1 else ''}")  # fmt: skip
-        if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype):
-            problems.append(f"out: expected a {q.dtype} tensor of shape {list(q.shape)}")
-        if problems:
-            raise ValidationError(problems, context="PagedAttention.run")
+                                  partial_lse=partial_lse, sink=None if sink is None else sink.view(-1))  # fmt: skip
 
     def _run_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None,
-                     step: Step) -> torch.Tensor:  # fmt: skip
+                     step: Step, sink: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
         """Chunked prefill: packed queries, bottom-right causal per sequence, one ragged call.
         Prefill chunks bring query rows enough to fill the GPU: no split, no packing."""
         tokens, num_pages = q.shape[0], k_cache.shape[0]
@@ -364,6 +294,9 @@ class PagedAttention:
         table, lengths, q_lengths = derived["table"], self._buffers["lengths"], derived["q_lengths"]
         inputs = {"q": q, "k": k_cache, "v": v_cache, "page_table_k": table, "page_table_v": table,
                   "seq_len_q": q_lengths, "seq_len_kv": lengths}  # fmt: skip
+        if sink is not None:  # cuDNN takes sinks with packed queries, from two query tokens up
+            inputs["sink_token"] = sink
+            longest = max(longest, 2)
         self._paged_sdpa(inputs, {"o": result}, causal=True, max_seq_len_q=longest)
         if out is not None and result is not out:
             return out.copy_(result)
@@ -432,6 +365,7 @@ class PagedAttention:
             seq_len_q=spec(inputs["seq_len_q"]), seq_len_kv=spec(inputs["seq_len_kv"]), max_seq_len_q=max_seq_len_q,
             max_seq_len_kv=inputs["page_table_k"].shape[1] * self.page_size, page_table_k=spec(inputs["page_table_k"]),
             page_table_v=spec(inputs["page_table_v"]), kv_cache_layout=KVCacheLayout(self.kv_layout),
+            sink_token=spec(inputs["sink_token"]) if "sink_token" in inputs else None,
         )  # fmt: skip
         o, stats = spec(outputs["o"]), spec(outputs["stats"]) if "stats" in outputs else None
         if problem.o != o or problem.stats != stats:  # the outputs given are laid out otherwise

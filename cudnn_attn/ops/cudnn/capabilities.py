@@ -24,6 +24,7 @@ from ...core.dtypes import FP8
 from ...core.mask import Causal
 from ...core.problem import AttentionProblem
 from ...core.roles import user_name
+from . import decode_sink
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,11 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
     if p.sink_token is not None:
         if platform.cudnn < SINK_MIN_CUDNN:
             reasons.append(f"attention sinks need cuDNN >= 9.13 (have {_ver(platform.cudnn)})")
-        if p.is_forward and p.s_q == 1:  # cuDNN 9.19: "decode only mode ... not supported with sink_token"
-            reasons.append("sink_token with S_q = 1 (decode): cuDNN's decode kernels take no sink")
+        if p.is_forward and p.s_q == 1 and not p.is_fp8 and not decode_sink.applies(p):
+            # cuDNN 9.19: "decode only mode ... not supported with sink_token"; dense and paged
+            # decode add the sink after the run (decode_sink.py), a packed query cannot.
+            reasons.append("sink_token with S_q = 1 and a packed (THD) or offset query: cuDNN's decode kernels "
+                           "take no sink")  # fmt: skip
         if p.is_fp8:
             reasons.append("sink_token with FP8: not supported here")
         if not p.is_forward and (p.is_thd or p.offset_tensors) and platform.cudnn < RAGGED_SINK_BACKWARD_MIN_CUDNN:

@@ -26,6 +26,7 @@ import torch
 from ...core.mask import Causal
 from ...core.problem import AttentionProblem, KVCacheLayout, TensorSpec
 from ...core.roles import FP8_AMAXES, FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES, ROLES, UID, offset_role
+from . import decode_sink
 from .dtypes import cudnn_dtype
 from .score_mod import callbacks
 from .workarounds import full_lengths_reason
@@ -147,12 +148,16 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) ->
         else:
             if p.q.dtype == torch.float32:  # float32 I/O is served by the composite implementation alone
                 options["implementation"] = cudnn.attention_implementation.COMPOSITE
-            o, stats = graph.sdpa(
-                inputs["q"], inputs["k"], inputs["v"], generate_stats=p.generates_stats, name="sdpa", **options
-            )
+            sink_after = decode_sink.applies(p)  # the plan adds the sink after the run, from the stats
+            o, stats = graph.sdpa(inputs["q"], inputs["k"], inputs["v"], generate_stats=p.generates_stats or sink_after,
+                                  name="sdpa", **options)  # fmt: skip
         output(o, "o", p.o)
         if p.stats is not None:
             output(stats, "stats", p.stats)
+        elif sink_after:  # the log-sum-exp the sink is added from, in the plan's scratch buffer
+            stats.set_output(True).set_dim([p.batch, p.h_q, 1, 1]).set_stride([p.h_q, 1, 1, 1]).set_data_type(
+                cudnn.data_type.FLOAT
+            ).set_uid(UID["stats"])
         _amax_outputs(amaxes, output, p)
         return lowered
     extra = {role: tensor(role, getattr(p, role), **ragged(role, getattr(p, role))) for role in ("o", "grad_o")}
@@ -236,7 +241,7 @@ def _mask_options(p: AttentionProblem, graph: Any, tensor: Any, lowered: Lowered
         options["score_mod"] = forward
         if backward is not None and not p.is_forward:  # sdpa takes no bprop
             options["score_mod_bprop"] = backward
-    if p.sink_token is not None:
+    if p.sink_token is not None and not decode_sink.applies(p):
         options["sink_token"] = tensor("sink_token", p.sink_token)
     if p.options.alibi:
         options["use_alibi_mask"] = True

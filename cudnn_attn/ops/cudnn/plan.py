@@ -13,8 +13,10 @@ from ...core.bounds import clamped, upper_bounds
 from ...core.derived import derived
 from ...core.problem import AttentionProblem
 from ...core.roles import UID
+from ...core.sink_fold import add_sink
 from ..base import RunInputs
 from . import autotune as autotune_
+from . import decode_sink
 from .frontend_internals import native_executor
 from .lowering import Lowered
 from .platform import cudnn_handle, current_stream, stream_pointer
@@ -39,6 +41,8 @@ class CudnnPlan:
         self._empty_fix = empty_sequence_fix(problem)
         self._index: int | None = None  # a candidate other than the chosen one (at_index)
         self._prefill = problem.options.padding and problem.is_forward
+        self._sink_after = decode_sink.applies(problem)  # a decode sink, added after the run
+        self._stats_scratch: dict[int, torch.Tensor] = {}  # by stream, as workspaces
         import cudnn
 
         self._cudnn = cudnn
@@ -57,6 +61,12 @@ class CudnnPlan:
         handle: Any = None,
         rng_dump: torch.Tensor | None = None,
     ) -> None:
+        sink = None
+        if self._sink_after:
+            inputs = dict(inputs)
+            sink = inputs.pop("sink_token")
+            if "stats" not in outputs:
+                outputs = {**outputs, "stats": self._scratch(stream, handle)}
         if self._prefill:
             # cuDNN leaves the rows of a sequence with no keys unwritten (O and stats), and packed
             # rows past the last sequence: 0 and -inf first, as the reference backend gives (a
@@ -68,13 +78,15 @@ class CudnnPlan:
                 outputs["stats"].fill_(float("-inf"))
         pack = self.variant_pack(inputs, outputs, rng_dump)
         self.execute_ordered(tuple(pack.values()), tuple(pack), stream, workspace, handle)
+        if sink is not None:
+            add_sink(outputs["o"], outputs["stats"], sink)  # type: ignore[arg-type]
         if self._empty_fix is not None:
             self._empty_fix(inputs, outputs)
 
     def direct_uids(self, input_roles: tuple[str, ...], output_roles: tuple[str, ...]) -> tuple[int, ...] | None:
         """The uids of these roles when the caller's tensors are all the plan binds (no ragged
         offsets or constant lengths to add): then a runner can hand over buffers directly."""
-        if self.lowered.ragged or self._constants or self.problem.has_dropout or self._bounds:
+        if self.lowered.ragged or self._constants or self.problem.has_dropout or self._bounds or self._sink_after:
             return None
         return tuple(UID[role] for role in (*input_roles, *output_roles))
 
@@ -151,7 +163,7 @@ class CudnnPlan:
     @property
     def nbytes(self) -> int:
         """Device memory this plan holds (its workspaces and constant inputs), for cache bounds."""
-        held = [*self._workspaces.values(), *self._constants.values()]
+        held = [*self._workspaces.values(), *self._constants.values(), *self._stats_scratch.values()]
         return sum(t.numel() * t.element_size() for t in held)
 
     def _workspace(self, stream_ptr: int) -> torch.Tensor:
@@ -161,6 +173,16 @@ class CudnnPlan:
             buffer = self._workspaces[stream_ptr] = torch.empty(
                 self.workspace_size, dtype=torch.uint8, device=self.device
             )
+        return buffer
+
+    def _scratch(self, stream: Any, handle: Any) -> torch.Tensor:
+        """The decode sink's log-sum-exp buffer when the caller wants none: one per stream."""
+        if stream is None and handle is not None:
+            stream = getattr(handle, "stream", None)
+        key = current_stream(self.device_index) if stream is None else stream_pointer(stream, self.device_index)
+        buffer = self._stats_scratch.get(key)
+        if buffer is None:
+            buffer = self._stats_scratch[key] = decode_sink.stats_scratch(self.problem, self.device)
         return buffer
 
     def variant_pack(

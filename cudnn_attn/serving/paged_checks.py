@@ -1,0 +1,106 @@
+"""What ``PagedAttention`` checks of its arguments, on the host, naming each: the page table and
+lengths at ``plan`` (values too, when they are on the CPU), the layer's tensors at ``run``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import ValidationError
+from .step import Step
+
+MAX_QUERY_TOKENS = 16
+
+
+def check_plan(attn: Any, page_table: Any, seq_lens_kv: Any, q_lens: Any) -> torch.device:
+    """``PagedAttention.plan``'s arguments checked by name; the step's device."""
+    problems = []
+    given = [("page_table", page_table, 2), ("seq_lens_kv", seq_lens_kv, 1)]
+    for name, t, rank in given + ([("q_lens", q_lens, 1)] if q_lens is not None else []):
+        if not isinstance(t, torch.Tensor):
+            problems.append(f"{name}: {type(t).__name__}; expected an int32 tensor")
+        elif t.dtype != torch.int32 or t.dim() != rank:
+            problems.append(f"{name}: {t.dtype} of shape {list(t.shape)}; expected int32 with {rank} dims")
+    if problems:
+        raise ValidationError(problems, context="PagedAttention.plan")
+    batch, pages = page_table.shape
+    if seq_lens_kv.shape[0] != batch:
+        problems.append(f"seq_lens_kv: {seq_lens_kv.shape[0]} lengths for {batch} page-table rows")
+    if q_lens is not None and q_lens.shape[0] != batch:
+        problems.append(f"q_lens: {q_lens.shape[0]} lengths for {batch} page-table rows")
+    if batch < 1 or pages < 1:
+        problems.append(f"page_table: shape {list(page_table.shape)}; needs at least one sequence and one page")
+    if attn.max_batch is not None and batch > attn.max_batch:
+        problems.append(f"page_table: {batch} sequences, above max_batch={attn.max_batch}")
+    if attn.max_pages_per_seq is not None and pages > attn.max_pages_per_seq:
+        problems.append(f"page_table: {pages} pages per sequence, above max_pages_per_seq={attn.max_pages_per_seq}")
+    device = attn.device if attn.device is not None else page_table.device
+    if attn.device is not None and page_table.device.type != "cpu" and page_table.device != device:
+        problems.append(f"page_table: on {page_table.device}; this PagedAttention runs on {device}")
+    if not problems and not page_table.is_cuda:
+        if (page_table < 0).any():
+            row, col = (int(i) for i in torch.nonzero(page_table < 0)[0])
+            problems.append(f"page_table: page {int(page_table[row, col])} at [{row}, {col}] is negative")
+        limit = pages * attn.page_size
+        bad = (seq_lens_kv < 0) | (seq_lens_kv > limit)  # 0: an empty slot, whose output is zeros
+        if bad.any():
+            at = int(torch.nonzero(bad)[0])
+            problems.append(f"seq_lens_kv: sequence {at} has length {int(seq_lens_kv[at])}; allowed 0..{limit} "
+                            f"({pages} pages of {attn.page_size})")  # fmt: skip
+        elif q_lens is not None and not q_lens.is_cuda and ((q_lens < 0) | (q_lens > seq_lens_kv)).any():
+            at = int(torch.nonzero((q_lens < 0) | (q_lens > seq_lens_kv))[0])
+            problems.append(f"q_lens: sequence {at} has {int(q_lens[at])} new tokens; allowed 0..seq_lens_kv[{at}]="
+                            f"{int(seq_lens_kv[at])} (the new tokens are the last of its cache)")  # fmt: skip
+    if problems:
+        raise ValidationError(problems, context="PagedAttention.plan")
+    return device
+
+
+def check_run(attn: Any, q: Any, k_cache: Any, v_cache: Any, out: Any, step: Step) -> None:
+    """``PagedAttention.run``'s tensors checked by name against the instance and its planned step."""
+    problems = []
+    q_rank = 3 if step.prefill else 4
+    for name, t, rank in (("q", q, q_rank), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
+        if not isinstance(t, torch.Tensor) or t.dim() != rank:
+            form = ("a packed [T, H_q, D] tensor (the step was planned with q_lens)" if name == "q" and rank == 3
+                    else "a 4-D tensor")  # fmt: skip
+            problems.append(f"{name}: expected {form}, got {getattr(t, 'shape', type(t).__name__)}")
+        elif t.dtype != attn.dtype:
+            problems.append(f"{name}: dtype {t.dtype}; this PagedAttention takes {attn.dtype}")
+        elif t.device != step.device:
+            problems.append(f"{name}: on {t.device}; the step was planned on {step.device}")
+    if problems:
+        raise ValidationError(problems, context="PagedAttention.run")
+    heads, dim = q.shape[-2 if step.prefill else 1], q.shape[-1]
+    if heads != attn.num_q_heads or dim != attn.head_dim:
+        problems.append(f"q: {heads} heads of {dim}; expected {attn.num_q_heads} heads of {attn.head_dim}")
+    if step.prefill:
+        if step.tokens is not None and q.shape[0] < step.tokens:
+            problems.append(f"q: {q.shape[0]} tokens; the step's q_lens sum to {step.tokens}")
+        if q.stride(-1) != 1:
+            problems.append(f"q: strides {list(q.stride())}; the head dim must be contiguous (stride 1)")
+    else:
+        batch, s_q = q.shape[0], q.shape[2]
+        if batch not in (step.batch, step.rows):  # with cuda_graph, a step of max_batch rows
+            problems.append(f"q: batch {batch}; the step was planned for {step.batch} sequences")
+        if not 1 <= s_q <= MAX_QUERY_TOKENS:
+            problems.append(f"q: {s_q} query tokens per sequence; allowed 1..{MAX_QUERY_TOKENS}")
+    expected = ([None, attn.num_kv_heads, attn.page_size, attn.head_dim] if attn.kv_layout == "NHPD"
+                else [None, attn.page_size, attn.num_kv_heads, attn.head_dim])  # fmt: skip
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if list(t.shape[1:]) != expected[1:]:
+            problems.append(f"{name}: shape {list(t.shape)}; expected [num_pages, {', '.join(map(str, expected[1:]))}] "
+                            f"({attn.kv_layout})")  # fmt: skip
+    if v_cache.shape[0] != k_cache.shape[0]:
+        problems.append(f"v_cache: {v_cache.shape[0]} pages, k_cache has {k_cache.shape[0]}")
+    largest = step.largest_page
+    if largest is not None and largest[0] >= k_cache.shape[0]:
+        page, row, entry = largest
+        pages = k_cache.shape[0]
+        problems.append(f"page_table: sequence {row}, entry {entry} is page {page}; the cache has {pages} "
+                        f"page{'s' if pages != 1 else ''}")  # fmt: skip
+    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype):
+        problems.append(f"out: expected a {q.dtype} tensor of shape {list(q.shape)}")
+    if problems:
+        raise ValidationError(problems, context="PagedAttention.run")
