@@ -175,3 +175,18 @@ def test_rounds_shuffle_the_order_of_columns():
     predecessors = {order[order.index("a") - 1] for order in orders if order[0] != "a"}
     assert len(predecessors) >= 3
     assert orders == [round_order(names, r) for r in range(30)]  # seeded: a rerun times the same orders
+
+
+def test_model_shapes_count_flops_as_the_frontends_benchmark():
+    """The frontend's published H200 row (gpt_oss, B2 H64/8 d64, window 1024, S 32k): fwd 3.021 ms
+    is 358 TFLOP/s and bwd 9.045 ms 299 TFLOP/s in its CSV; DeepSeek-V3 at 4k counts the causal
+    triangle with its diagonal."""
+    from cudnn_attn.bench.model_shapes import MODELS
+
+    by_name = {m.name: m for m in MODELS}
+    oss = by_name["gpt-oss"]
+    assert round(oss.flops(32768, False) / 3.021e-3 / 1e12) == 358
+    assert round(oss.flops(32768, True) / 9.045e-3 / 1e12) == 299
+    dsv3 = by_name["deepseek-v3"]
+    assert dsv3.flops(4096, False) == 2.0 * 128 * (4096 * 4097 // 2) * (192 + 128)
+    assert by_name["gpt-oss+sinks"].sinks and not oss.sinks

@@ -178,3 +178,24 @@ def test_varlen_with_sinks_matches_the_reference():
     expected = torch.autograd.grad(ref, leaves, d_out.cpu().float())
     for name, a, e in zip(("dQ", "dK", "dV", "dSinks"), grads, expected):
         assert rel_err(a.float().cpu(), e) < 2e-2, name
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["window", "window-sinks"])
+def test_the_torch_form_with_a_window_matches_the_reference(sinks):
+    """gpt-oss's layer, dense: a causal window (``window_size=(W - 1, 0)``) with its sinks, forward
+    and backward, against the reference backend on CPU."""
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    q = torch.randn(B, H, 384, D, device="cuda", generator=gen).bfloat16().requires_grad_()
+    k, v = (torch.randn(B, H_KV, 384, D, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(2))
+    leaves = [q, k, v] + ([torch.randn(H, device="cuda", generator=gen).requires_grad_()] if sinks else [])
+    out = cudnn_attn.sdpa(*leaves[:3], is_causal=True, enable_gqa=True, window_size=(127, 0),
+                          sinks=leaves[3] if sinks else None)  # fmt: skip
+    d_out = torch.randn(out.shape, device="cuda", generator=gen).bfloat16()
+    grads = torch.autograd.grad(out, leaves, d_out)
+    cpu = [t.detach().cpu().float().requires_grad_() for t in leaves]
+    ref = cudnn_attn.sdpa(*cpu[:3], is_causal=True, enable_gqa=True, window_size=(127, 0),
+                          sinks=cpu[3] if sinks else None)  # fmt: skip
+    expected = torch.autograd.grad(ref, cpu, d_out.cpu().float())
+    assert rel_err(out.float().cpu(), ref) < TOLERANCE[torch.bfloat16]
+    for name, a, e in zip(("dQ", "dK", "dV", "dSinks"), grads, expected):
+        assert rel_err(a.float().cpu(), e) < 2e-2, name

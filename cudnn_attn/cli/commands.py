@@ -138,6 +138,13 @@ def _bench_parser() -> argparse.ArgumentParser:
         "chunked prefill (chunks 1-512 over caches up to 16k) in effective TFLOP/s",
     )
     sections.add_argument(
+        "--models",
+        action="store_true",
+        help="training shapes of the frontend's own benchmark, fwd and bwd from 4k to 32k (DeepSeek-V3 B1 H128 "
+        "d192/128; gpt-oss B2 H64/8 d64 with its 1024 window, with and without sinks): cudnn_attn.sdpa vs the bare "
+        "frontend, with peak memory",
+    )
+    sections.add_argument(
         "--context-parallel",
         type=int,
         metavar="GPUS",
@@ -204,6 +211,17 @@ def _bench(args: argparse.Namespace) -> int:
 
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "serving": rows, "prefill": prefill}, f, indent=2)
+        return 0
+    if args.models:
+        from ..bench import model_shapes
+
+        models = model_shapes.model_rows()
+        print(model_shapes.format_models(models))
+        if args.json:
+            import torch
+
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "models": models}, f, indent=2)
         return 0
     if args.frontend_rebuild:
         from ..bench import frontend_rebuild
