@@ -160,12 +160,12 @@ COLUMNS: dict[str, Callable[[Model, dict[str, torch.Tensor]], tuple[Callable, Ca
 }
 
 
-def _peak_bytes(make: Callable[[], tuple[Callable, Callable, Callable]]) -> tuple[tuple, int]:
+def _peak_bytes(make: Callable, m: Model, t: dict[str, torch.Tensor]) -> tuple[tuple, int]:
     """A column's runners, and what building it and one forward and backward allocate at most."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    runners = make()
+    runners = make(m, t)
     runners[1]()
     torch.cuda.synchronize()
     return runners, torch.cuda.max_memory_allocated() - base
@@ -178,7 +178,7 @@ def model_row(m: Model, s: int) -> dict[str, Any]:
     runners: dict[str, tuple] = {}
     for name, make in COLUMNS.items():
         try:
-            runners[name], peak = _peak_bytes(lambda: make(m, t))
+            runners[name], peak = _peak_bytes(make, m, t)
         except Exception as failure:  # a column that cannot run this shape: reported, not fatal
             text = str(failure).strip().splitlines()
             row["columns"][name] = {"error": text[0][:160] if text else type(failure).__name__}
