@@ -110,7 +110,7 @@ def test_a_sink_in_decode_is_added_after_the_run(stats):
     sink = (torch.randn(1, H, 1, 1, device="cuda", generator=gen) * 2).float()
     for lengths in ([300, 512], [0, 77]):
         seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda").view(-1, 1, 1, 1)
-        got = _decode(None, q, k_cache, v_cache, table, seq_lens, sink, stats)
+        got = _decode("cudnn", q, k_cache, v_cache, table, seq_lens, sink, stats)
         want = _decode("reference", q, k_cache, v_cache, table, seq_lens, sink, stats)
         got, want = (got if stats else (got,)), (want if stats else (want,))
         assert rel_err(got[0].float(), want[0].float()) < TOLERANCE[torch.bfloat16], lengths
