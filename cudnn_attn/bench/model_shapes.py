@@ -17,6 +17,7 @@ backward allocate beyond the inputs. The outputs and gradients of the two are co
 
 from __future__ import annotations
 
+import gc
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -161,10 +162,13 @@ COLUMNS: dict[str, Callable[[Model, dict[str, torch.Tensor]], tuple[Callable, Ca
 
 
 def _peak_bytes(make: Callable, m: Model, t: dict[str, torch.Tensor]) -> tuple[tuple, int]:
-    """A column's runners, and what building it and one forward and backward allocate at most."""
+    """A column's runners, and what building it and one forward and backward allocate at most.
+    Garbage from earlier shapes is collected first: freed during the measure, it would hide the
+    column's own allocations."""
+    gc.collect()
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
     runners = make(m, t)
     runners[1]()
     torch.cuda.synchronize()
@@ -197,12 +201,15 @@ def model_row(m: Model, s: int) -> dict[str, Any]:
     if len(runners) == 2:
         ours, theirs = (runners[n][2]() for n in COLUMNS)
         labels = ("O", "dQ", "dK", "dV", "dSinks")
-        row["rel_err_vs_frontend"] = {
-            label: float((a.float() - b.float()).norm() / b.float().norm()) for label, a, b in zip(labels, ours, theirs)
-        }
+        with torch.no_grad():
+            row["rel_err_vs_frontend"] = {
+                label: float((a.float() - b.float()).norm() / b.float().norm())
+                for label, a, b in zip(labels, ours, theirs)
+            }
         for part in ("fwd", "bwd"):
             row[f"{part}_ratio"] = row["columns"]["frontend"][part]["ms"] / row["columns"]["cudnn_attn"][part]["ms"]
     del t, runners
+    gc.collect()
     torch.cuda.empty_cache()
     return row
 

@@ -27,7 +27,7 @@ import torch
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
 from ..runtime import prepared
 from . import eager as sdpa_eager
-from . import torch_kernel
+from . import score_terms, torch_kernel
 from .arguments import (
     ARGUMENT_NAMES,
     autocast_inputs,
@@ -104,6 +104,7 @@ def sdpa(
 def _clear_graphs() -> None:
     """Drop the functional form's prepared runs (their plans stay in the plan cache)."""
     sdpa_eager.clear()
+    score_terms.clear()
     prepared.clear()
 
 

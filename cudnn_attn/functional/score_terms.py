@@ -27,8 +27,11 @@ from ..core.problem import TensorSpec
 from ..core.score_inputs import check_sinks
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
 from ..runtime.interop import in_layout_of
-from ..runtime.prepared import prepare
+from ..runtime.keyed import KeyedCache
+from ..runtime.prepared import PreparedRun, prepare
 from .arguments import ARGUMENT_NAMES, batched, causal_kind, check_arguments
+
+MAX_RUNS = 256
 
 
 def sdpa_with_score_terms(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks, softcap,
@@ -91,14 +94,51 @@ def _sink_spec(q: torch.Tensor) -> TensorSpec:
     return TensorSpec.contiguous((1, q.shape[1], 1, 1), torch.float32, TensorSpec.of(q).device)
 
 
+def _geometry(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+# Prepared runs by the call's tensor geometry, in front of ``prepare``'s table: a step's layers
+# repeat one geometry, and building and hashing its problem costs several times the tuple.
+_forward_runs = KeyedCache(MAX_RUNS)
+_backward_runs = KeyedCache(MAX_RUNS)
+
+
+def clear() -> None:
+    _forward_runs.clear()
+    _backward_runs.clear()
+
+
+def _forward_run(q, k, v, bias, sink, options: ScoreOptions, modifier) -> PreparedRun:
+    fast = (_geometry(q), _geometry(k), _geometry(v), _geometry(bias), sink is not None, options, modifier)
+    run = _forward_runs.get(fast)
+    if run is None:
+        problem = forward_problem(TensorSpec.of(q), TensorSpec.of(k), TensorSpec.of(v), options, stats=True,
+                                  bias=None if bias is None else TensorSpec.of(bias),
+                                  sink_token=None if sink is None else _sink_spec(q), score_mod=modifier)  # fmt: skip
+        run = _forward_runs.put(fast, prepare(problem, context="sdpa"))
+    return run
+
+
+def _backward_run(ctx, q, k, v, bias, sink, out, d_out, stats) -> PreparedRun:
+    grad_bias = bias is not None and ctx.needs_input_grad[3]
+    fast = (*(_geometry(t) for t in (q, k, v, out, d_out, stats, bias)), grad_bias, sink is not None, ctx.options,
+            ctx.modifier)  # fmt: skip
+    run = _backward_runs.get(fast)
+    if run is None:
+        specs = [TensorSpec.of(t) for t in (q, k, v, out, d_out, stats)]
+        problem = backward_problem(*specs, ctx.options, bias=None if bias is None else TensorSpec.of(bias),
+                                   grad_bias=grad_bias, sink_token=None if sink is None else _sink_spec(q),
+                                   score_mod=ctx.modifier)  # fmt: skip
+        run = _backward_runs.put(fast, prepare(problem, context="sdpa backward"))
+    return run
+
+
 class _ScoreTermsAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, sinks, options: ScoreOptions, modifier):  # type: ignore[override]
         sink = None if sinks is None else sinks.detach().reshape(1, -1, 1, 1).to(torch.float32).contiguous()
-        problem = forward_problem(TensorSpec.of(q), TensorSpec.of(k), TensorSpec.of(v), options, stats=True,
-                                  bias=None if bias is None else TensorSpec.of(bias),
-                                  sink_token=None if sink is None else _sink_spec(q), score_mod=modifier)  # fmt: skip
-        run = prepare(problem, context="sdpa")
+        run = _forward_run(q, k, v, bias, sink, options, modifier)
         inputs = {"q": q, "k": k, "v": v, **({"bias": bias} if bias is not None else {})}
         if sink is not None:
             inputs["sink_token"] = sink
@@ -112,12 +152,7 @@ class _ScoreTermsAttention(torch.autograd.Function):
     def backward(ctx, d_out):  # type: ignore[override]
         q, k, v, bias, sink, out, stats = ctx.saved_tensors
         d_out = in_layout_of(d_out, out)
-        specs = [TensorSpec.of(t) for t in (q, k, v, out, d_out, stats)]
-        problem = backward_problem(*specs, ctx.options, bias=None if bias is None else TensorSpec.of(bias),
-                                   grad_bias=bias is not None and ctx.needs_input_grad[3],
-                                   sink_token=None if sink is None else _sink_spec(q),
-                                   score_mod=ctx.modifier)  # fmt: skip
-        run = prepare(problem, context="sdpa backward")
+        run = _backward_run(ctx, q, k, v, bias, sink, out, d_out, stats)
         inputs = {"q": q, "k": k, "v": v, "o": out, "grad_o": d_out, "stats": stats}
         if bias is not None:
             inputs["bias"] = bias
