@@ -199,3 +199,26 @@ def test_the_torch_form_with_a_window_matches_the_reference(sinks):
     assert rel_err(out.float().cpu(), ref) < TOLERANCE[torch.bfloat16]
     for name, a, e in zip(("dQ", "dK", "dV", "dSinks"), grads, expected):
         assert rel_err(a.float().cpu(), e) < 2e-2, name
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_gpt_oss_through_the_registration_matches_eager(padding):
+    """A tiny gpt-oss in bf16 on cuDNN (its window layer dense with ``window_size`` and sinks; padded,
+    a dense mask for the training step) against its eager attention in float32: logits and the
+    gradients of the sinks and a projection."""
+    from test_transformers_integration import batch, gpt_oss_models
+
+    ref, ours = gpt_oss_models(8, "cuda")
+    ours = ours.to(torch.bfloat16)
+    ids, mask = batch(padding, "cuda")
+    real = mask.bool()
+    with torch.no_grad():
+        expected, actual = ref(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+    assert rel_err(actual[real].float(), expected[real]) < 2 * TOLERANCE[torch.bfloat16]
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[torch.arange(ids.shape[0]), mask.argmax(dim=1)] = -100  # as check_against_eager
+    for model in (ref, ours):
+        model(ids, attention_mask=mask, labels=labels).loss.backward()
+    for (key, p_ref), (_, p_ours) in zip(ref.named_parameters(), ours.named_parameters()):
+        if p_ref.grad is not None and ("sinks" in key or "q_proj.weight" in key):
+            assert rel_err(p_ours.grad.float(), p_ref.grad) < 5e-2, key

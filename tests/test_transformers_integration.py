@@ -434,8 +434,14 @@ def test_unsupported_features_are_refused():
 @pytest.mark.parametrize("padding, window", [("none", 64), ("left", 64), ("right", WINDOW)])
 def test_gpt_oss_sinks_match_eager_logits_and_gradients(padding, window):
     """gpt-oss's learned attention sinks (``s_aux``) through the registration, against the model's
-    own eager attention (the reference implementation transformers gives it): padded batches and
-    windows shorter than the sequence go through varlen, with the sinks."""
+    own eager attention (the reference implementation transformers gives it): windows shorter than
+    the sequence run densely with ``window_size``, padded batches through varlen (a dense mask
+    when the sinks train: cuDNN's ragged backward takes sinks only from 9.26)."""
+    check_against_eager(*gpt_oss_models(window), padding, ("sinks", "q_proj.weight"))
+
+
+def gpt_oss_models(window: int, device: str = "cpu"):
+    """A tiny gpt-oss (one sliding and one full layer, random sinks): eager and through ours."""
     from transformers import GptOssConfig
 
     config = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=LAYERS,
@@ -443,12 +449,12 @@ def test_gpt_oss_sinks_match_eager_logits_and_gradients(padding, window):
                           num_experts_per_tok=1, sliding_window=window, max_position_embeddings=256,
                           layer_types=["sliding_attention", "full_attention"])  # fmt: skip
     torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).to(device)
     for layer in ref.model.layers:  # random sinks: the initial zeros would hide a wrong sign or scale
         torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
     ours = copy.deepcopy(ref)
     ours.set_attn_implementation(NAME)
-    check_against_eager(ref, ours, padding, ("sinks", "q_proj.weight"))
+    return ref, ours
 
 
 def check_against_eager(ref, ours, padding: str, watched: tuple[str, ...]) -> None:

@@ -110,8 +110,8 @@ def attention_forward(
     if window is not None and not causal:
         raise UnsupportedError([f"sliding_window: {sliding_window} without a causal mask; cuDNN's band takes a "
                                 "left bound only"], context=CONTEXT, alternatives=_ALTERNATIVES)  # fmt: skip
-    if softcap is not None:
-        return _softcapped(query, key, value, attention_mask, causal, window, options), None
+    if softcap is not None or (attention_mask is not None and _trains_sinks(query, key, value, options)):
+        return _dense_terms(query, key, value, attention_mask, causal, window, options), None
     packing = find_packing(attention_mask, kwargs, query.shape[0], query.shape[2], key.shape[2], causal)
     if packing is None:
         return _unpadded(query, key, value, causal, window, options), None
@@ -181,11 +181,21 @@ def _unpadded(query, key, value, causal: bool, window: int | None, options: dict
     return _packed(query, key, value, uniform, causal, window, options)
 
 
-def _softcapped(query, key, value, tokens: torch.Tensor | None, causal: bool, window: int | None,
-                options: dict) -> torch.Tensor:  # fmt: skip
-    """Soft-capped layers (Gemma-2): ``cudnn_attn.sdpa`` with ``softcap``, whose causal mask lives in the
-    score modifier. Padding, packed runs and windows become a dense boolean ``[B, 1, Q, K]`` mask
-    (the varlen path takes no soft-capping yet); the queries are the last ``Q`` keys."""
+def _trains_sinks(query, key, value, options: dict) -> bool:
+    """Whether a layer with sinks needs their backward: over padded or packed tokens that runs
+    densely, as cuDNN takes sinks in a ragged (THD) backward only from 9.26."""
+    sinks = options.get("sinks")
+    leaves = (query, key, value, sinks)
+    return sinks is not None and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
+
+
+def _dense_terms(query, key, value, tokens: torch.Tensor | None, causal: bool, window: int | None,
+                 options: dict) -> torch.Tensor:  # fmt: skip
+    """Soft-capped layers (Gemma-2), and sinks being trained over padding (gpt-oss):
+    ``cudnn_attn.sdpa`` with ``softcap`` (whose causal mask lives in the score modifier) or
+    ``sinks``. Padding, packed runs and windows become a dense boolean ``[B, 1, Q, K]`` mask (the
+    varlen path takes no soft-capping yet, nor sinks in its backward before cuDNN 9.26); the
+    queries are the last ``Q`` keys."""
     batch, _, q_len, _ = query.shape
     k_len = key.shape[2]
     if tokens is None and window is None and (not causal or q_len in (1, k_len)):
@@ -193,7 +203,8 @@ def _softcapped(query, key, value, tokens: torch.Tensor | None, causal: bool, wi
     if tokens is None and _dense_window(causal, window, q_len, k_len, options):
         out = sdpa(query, key, value, is_causal=True, window_size=(window, 0), **options)
         return out.transpose(1, 2).contiguous()
-    _log.debug("softcap with padding, packed runs or a window: a dense [B, 1, Q, K] mask (%d x %d)", q_len, k_len)
+    _log.debug("softcap or trained sinks with padding, packed runs or a window: a dense [B, 1, Q, K] mask "
+               "(%d x %d)", q_len, k_len)  # fmt: skip
     device = query.device
     col = torch.arange(k_len, device=device)
     row = torch.arange(k_len - q_len, k_len, device=device)[:, None]
