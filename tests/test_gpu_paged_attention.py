@@ -272,3 +272,24 @@ def test_pages_past_the_cache_are_clamped_on_the_gpu_without_a_sync_and_refused_
     attn.plan(bad, lengths)
     with pytest.raises(cudnn_attn.ValidationError, match=f"sequence 1, entry 3 is page {num_pages + 3}"):
         attn.run(q, k_cache, v_cache)
+
+
+@pytest.mark.parametrize("heads,lengths,splits", [(128, [2048, 700], None), (16, [4096], 4)], ids=["h128", "h16-split"])
+def test_mla_decode_on_cudnn_matches_the_reference(heads, lengths, splits):
+    """DeepSeek-V3's MLA geometry: one latent head of 576 (512 + rope 64) shared by every query
+    head, V the latent's first 512 dims (a view of the same cache), page 64."""
+    d, dv, page = 576, 512, 64
+    pages = max(lengths) // page + 1
+    gen = torch.Generator().manual_seed(heads)
+    table = torch.randperm(len(lengths) * pages + 3, generator=gen)[: len(lengths) * pages].view(-1, pages).int()
+    latent = torch.randn(len(lengths) * pages + 3, 1, page, d, generator=gen).bfloat16()
+    q = torch.randn(len(lengths), heads, 1, d, generator=gen).bfloat16()
+    results = []
+    for device in ("cuda", "cpu"):
+        attn = cudnn_attn.PagedAttention(heads, 1, d, page, dtype=torch.bfloat16, head_dim_v=dv, scale=192**-0.5,
+                                         device=device, splits=splits)  # fmt: skip
+        cache = latent.to(device)
+        attn.plan(table.to(device), torch.tensor(lengths, dtype=torch.int32, device=device))
+        results.append(attn.run(q.to(device), cache, cache[..., :dv]).cpu())
+    got, want = results
+    assert torch.isfinite(got).all() and rel_err(got, want) < 1.5e-2

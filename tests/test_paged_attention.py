@@ -391,3 +391,38 @@ def test_sinks_are_checked_by_name():
     attn.plan(table, lengths)
     with pytest.raises(ValidationError, match="sinks: shape"):
         attn.run(q, k_cache, v_cache, sinks=torch.zeros(HQ + 1))
+
+
+@pytest.mark.parametrize("s_q,splits", [(1, 1), (1, 4), (2, 2)], ids=str)
+def test_mla_decode_reads_v_from_the_latent_cache(s_q, splits):
+    """MLA (DeepSeek-V2/V3, Kimi) at small scale: one latent K/V head for every query head, K of
+    the latent plus its rope part (d 80 here, 576 there), V the latent's first 64 dims (512
+    there): ``v_cache`` is a view of ``k_cache``, no copy."""
+    hq, d, dv, page = 16, 80, 64, 16
+    gen = torch.Generator().manual_seed(50 + splits)
+    lengths = torch.tensor([37, 64, 0, 50], dtype=torch.int32)
+    table = torch.randperm(4 * 4 + 2, generator=gen)[:16].view(4, 4).int()
+    latent = torch.randn(18, 1, page, d, generator=gen).bfloat16()
+    q = torch.randn(4, hq, s_q, d, generator=gen).bfloat16()
+    scale = 192**-0.5  # DeepSeek-V3 scales by its qk head dim, not the latent's
+    attn = cudnn_attn.PagedAttention(hq, 1, d, page, dtype=torch.bfloat16, head_dim_v=dv, scale=scale, splits=splits)
+    attn.plan(table, lengths)
+    out = attn.run(q, latent, latent[..., :dv])
+    assert out.shape == (4, hq, s_q, dv)
+    for b, n in enumerate(lengths.tolist()):
+        k = latent[table[b].long()].reshape(-1, d)[:n].double()  # [n, d]: one head
+        scores = q[b].double() @ k.T * scale  # [hq, s_q, n]
+        visible = torch.arange(n)[None, :] <= (n - s_q + torch.arange(s_q))[:, None]
+        want = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0) @ k[:, :dv]
+        assert rel_err(out[b], want) < 1e-2, b
+
+
+def test_mla_caches_are_checked_by_their_own_head_dims():
+    attn = cudnn_attn.PagedAttention(4, 1, 80, 16, dtype=torch.bfloat16, head_dim_v=64)
+    attn.plan(torch.zeros(1, 1, dtype=torch.int32), torch.tensor([5], dtype=torch.int32))
+    latent = torch.zeros(2, 1, 16, 80, dtype=torch.bfloat16)
+    q = torch.zeros(1, 4, 1, 80, dtype=torch.bfloat16)
+    with pytest.raises(ValidationError, match="v_cache: shape"):
+        attn.run(q, latent, latent)
+    with pytest.raises(ValidationError, match=r"out: expected a torch.bfloat16 tensor of shape \[1, 4, 1, 64\]"):
+        attn.run(q, latent, latent[..., :64], out=torch.zeros_like(q))

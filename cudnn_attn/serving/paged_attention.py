@@ -59,6 +59,8 @@ class PagedAttention:
 
     Args:
         num_q_heads, num_kv_heads, head_dim, page_size: the model's attention geometry.
+        head_dim_v: V's head dim where it differs from Q's and K's (MLA: 576 and 512, V being
+            the first 512 of each latent K row, ``v_cache = k_cache[..., :512]``).
         dtype: of q and the caches (float16 or bfloat16).
         kv_layout: ``"NHPD"`` or ``"NPHD"`` (see the module docstring).
         max_batch, max_pages_per_seq: the largest step (required with ``cuda_graph``).
@@ -88,10 +90,12 @@ class PagedAttention:
         scale: float | None = None,
         autotune: bool = False,
         decode_kernel: str | None = None,
+        head_dim_v: int | None = None,
     ):
         problems = []
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
         for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                            ("page_size", page_size)):  # fmt: skip
+                            ("page_size", page_size), ("head_dim_v", head_dim_v)):  # fmt: skip
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name}: {value!r}; must be an int >= 1")
         if not problems and num_q_heads % num_kv_heads:
@@ -114,6 +118,7 @@ class PagedAttention:
         self.dtype, self.kv_layout, self.cuda_graph = dtype, kv_layout, cuda_graph
         self.max_batch, self.max_pages_per_seq = max_batch, max_pages_per_seq
         self.device = canonical_device(device) if device is not None else None
+        self.head_dim_v = head_dim_v
         self.scale = float(scale) if scale is not None else default_scale(head_dim)
         self._autotune = bool(autotune)
         # Prepared runs by the problem their plan was built for, held as long as this instance (a
@@ -122,7 +127,7 @@ class PagedAttention:
         self._fast = KeyedCache(4 * MAX_RUNS)  # by the call's tensor geometry, in front
         self._buffers = StepBuffers(cuda_graph)
         self._tables = StepTables(num_q_heads, num_kv_heads, head_dim, page_size, buffers=self._buffers,
-                                  splits=splits, pack=pack, kernel=decode_kernel)  # fmt: skip
+                                  splits=splits, pack=pack, kernel=decode_kernel, head_dim_v=head_dim_v)  # fmt: skip
         self.schedule: Schedule | None = None
         self.plans = 0
 
@@ -176,9 +181,11 @@ class PagedAttention:
         assert self.max_batch is not None and self.max_pages_per_seq is not None
         device = self.device or canonical_device("cuda" if torch.cuda.is_available() else "cpu")
         rows, width, page = self.max_batch, self.max_pages_per_seq, self.page_size
-        shape = ((num_pages, self.num_kv_heads, page, self.head_dim) if self.kv_layout == "NHPD"
-                 else (num_pages, page, self.num_kv_heads, self.head_dim))  # fmt: skip
-        k_cache, v_cache = (torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(2))
+        k_cache, v_cache = (
+            torch.zeros((num_pages, self.num_kv_heads, page, dim) if self.kv_layout == "NHPD"
+                        else (num_pages, page, self.num_kv_heads, dim), dtype=self.dtype, device=device)
+            for dim in (self.head_dim, self.head_dim_v)
+        )  # fmt: skip
         table = (torch.arange(rows * width, dtype=torch.int32, device=device) % num_pages).view(rows, width)
         lengths = torch.full((rows,), width * page, dtype=torch.int32, device=device)
         self.plan(table, lengths)
@@ -232,7 +239,7 @@ class PagedAttention:
             q_full = q
         result = out if out is not None and q.shape[0] == rows and out.is_contiguous() else None
         if result is None:
-            result = torch.empty(rows, *q.shape[1:], dtype=q.dtype, device=q.device)
+            result = torch.empty(rows, *q.shape[1:-1], self.head_dim_v, dtype=q.dtype, device=q.device)
         if schedule.kernel == "triton":
             self._run_triton(q_full, k_cache, v_cache, derived, schedule, result, sink)
             return self._returned(result, q, out)
@@ -288,9 +295,9 @@ class PagedAttention:
         longest = self._tables.longest_chunk(tokens, step)
         derived = self._tables.get(("prefill", tokens, longest, num_pages), step)
         self.schedule = derived["schedule"]
-        result = (
-            out if out is not None and out.is_contiguous() else torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        )
+        result = out if out is not None and out.is_contiguous() else None
+        if result is None:
+            result = torch.empty(*q.shape[:-1], self.head_dim_v, dtype=q.dtype, device=q.device)
         table, lengths, q_lengths = derived["table"], self._buffers["lengths"], derived["q_lengths"]
         inputs = {"q": q, "k": k_cache, "v": v_cache, "page_table_k": table, "page_table_v": table,
                   "seq_len_q": q_lengths, "seq_len_kv": lengths}  # fmt: skip
@@ -326,14 +333,14 @@ class PagedAttention:
         """The body's outputs as ``[B, splits, H_q, S_q, D]`` and ``[B, splits, H_q, S_q]``."""
         rows = o.shape[0] // splits
         shape = (rows, splits, self.num_q_heads, schedule.s_q)
-        return o.view(*shape, self.head_dim), stats.view(*shape)
+        return o.view(*shape, self.head_dim_v), stats.view(*shape)
 
     def _run_part(self, part: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   derived: dict[str, Any], schedule: Schedule, stats: bool, out: torch.Tensor | None = None) -> Any:  # fmt: skip
         table = derived[f"{part}_table"]
         inputs = {"q": q, "k": k_cache, "v": v_cache, "page_table_k": table, "page_table_v": table,
                   "seq_len_q": derived[f"{part}_q_lengths"], "seq_len_kv": derived[f"{part}_lengths"]}  # fmt: skip
-        o = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        o = out if out is not None else torch.empty(*q.shape[:-1], self.head_dim_v, dtype=q.dtype, device=q.device)
         outputs = {"o": o}
         if stats:
             outputs["stats"] = torch.empty(*q.shape[:3], 1, dtype=torch.float32, device=q.device)

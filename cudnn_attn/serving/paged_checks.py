@@ -86,9 +86,9 @@ def check_run(attn: Any, q: Any, k_cache: Any, v_cache: Any, out: Any, step: Ste
             problems.append(f"q: batch {batch}; the step was planned for {step.batch} sequences")
         if not 1 <= s_q <= MAX_QUERY_TOKENS:
             problems.append(f"q: {s_q} query tokens per sequence; allowed 1..{MAX_QUERY_TOKENS}")
-    expected = ([None, attn.num_kv_heads, attn.page_size, attn.head_dim] if attn.kv_layout == "NHPD"
-                else [None, attn.page_size, attn.num_kv_heads, attn.head_dim])  # fmt: skip
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, t, dim in (("k_cache", k_cache, attn.head_dim), ("v_cache", v_cache, attn.head_dim_v)):
+        expected = ([None, attn.num_kv_heads, attn.page_size, dim] if attn.kv_layout == "NHPD"
+                    else [None, attn.page_size, attn.num_kv_heads, dim])  # fmt: skip
         if list(t.shape[1:]) != expected[1:]:
             problems.append(f"{name}: shape {list(t.shape)}; expected [num_pages, {', '.join(map(str, expected[1:]))}] "
                             f"({attn.kv_layout})")  # fmt: skip
@@ -100,7 +100,8 @@ def check_run(attn: Any, q: Any, k_cache: Any, v_cache: Any, out: Any, step: Ste
         pages = k_cache.shape[0]
         problems.append(f"page_table: sequence {row}, entry {entry} is page {page}; the cache has {pages} "
                         f"page{'s' if pages != 1 else ''}")  # fmt: skip
-    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype):
-        problems.append(f"out: expected a {q.dtype} tensor of shape {list(q.shape)}")
+    shape = [*q.shape[:-1], attn.head_dim_v]
+    if out is not None and (not isinstance(out, torch.Tensor) or list(out.shape) != shape or out.dtype != q.dtype):
+        problems.append(f"out: expected a {q.dtype} tensor of shape {shape}")
     if problems:
         raise ValidationError(problems, context="PagedAttention.run")

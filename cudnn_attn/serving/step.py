@@ -89,9 +89,10 @@ class StepTables:
     layout forced (None: ``paged_schedule.choose`` picks it per geometry)."""
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *, buffers: StepBuffers,
-                 splits: int | None, pack: bool | None, kernel: str | None):  # fmt: skip
+                 splits: int | None, pack: bool | None, kernel: str | None, head_dim_v: int | None = None):  # fmt: skip
         self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size = (num_q_heads, num_kv_heads, head_dim,
                                                                               page_size)  # fmt: skip
+        self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
         self.buffers, self.cuda_graph = buffers, buffers.cuda_graph
         self.splits, self.pack, self.kernel = splits, pack, kernel
         self.step: Step | None = None  # the planned step
@@ -165,10 +166,11 @@ class StepTables:
             return self._derive_prefill(key, step)
         _, s_q, num_pages = key
         rows, width, device = step.rows, step.width, step.device
-        triton = paged_decode.supported(device, self.page_size, self.head_dim)
+        triton = paged_decode.supported(device, self.page_size, self.head_dim) and self.head_dim_v == self.head_dim
         if self.kernel == "triton" and not triton:
-            raise UnsupportedError(["decode_kernel: 'triton' needs a CUDA device, Triton and a power-of-two page of "
-                                    f"16-256 tokens (here {device}, page {self.page_size})"],
+            raise UnsupportedError(["decode_kernel: 'triton' needs a CUDA device, Triton, a power-of-two page of "
+                                    f"16-256 tokens and one head dim for K and V (here {device}, page "
+                                    f"{self.page_size}, head dims {self.head_dim}/{self.head_dim_v})"],
                                    context="PagedAttention", alternatives=["decode_kernel=None or 'cudnn'"])  # fmt: skip
         # Eager, a Triton launch costs the host more than the kernel saves on the GPU (H200: 102
         # against 52 us per run), so it is chosen for captured steps only, unless forced.

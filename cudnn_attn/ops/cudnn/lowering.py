@@ -139,6 +139,7 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) ->
             options["rng_dump"] = graph.tensor(name="rng_dump", dim=[p.batch, p.h_q, p.s_q, p.s_kv], stride=list(stride),
                                                data_type=cudnn.data_type.FLOAT, uid=UID["rng_dump"])  # fmt: skip
         amaxes: dict[str, Any] = {}
+        sink_after = decode_sink.applies(p)  # the plan folds the sink in after the run, from the stats
         if p.is_fp8:
             o, stats, *amax_handles = graph.sdpa_fp8(
                 inputs["q"], inputs["k"], inputs["v"], generate_stats=p.generates_stats, name="sdpa_fp8",
@@ -148,7 +149,6 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) ->
         else:
             if p.q.dtype == torch.float32:  # float32 I/O is served by the composite implementation alone
                 options["implementation"] = cudnn.attention_implementation.COMPOSITE
-            sink_after = decode_sink.applies(p)  # the plan adds the sink after the run, from the stats
             o, stats = graph.sdpa(inputs["q"], inputs["k"], inputs["v"], generate_stats=p.generates_stats or sink_after,
                                   name="sdpa", **options)  # fmt: skip
         output(o, "o", p.o)
