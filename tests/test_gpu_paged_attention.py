@@ -274,22 +274,42 @@ def test_pages_past_the_cache_are_clamped_on_the_gpu_without_a_sync_and_refused_
         attn.run(q, k_cache, v_cache)
 
 
-@pytest.mark.parametrize("heads,lengths,splits", [(128, [2048, 700], None), (16, [4096], 4)], ids=["h128", "h16-split"])
-def test_mla_decode_on_cudnn_matches_the_reference(heads, lengths, splits):
+MLA_CASES = {
+    "h128-auto-triton": dict(heads=128, lengths=[2048, 700, 0], kernel="triton"),
+    "h128-cudnn": dict(heads=128, lengths=[2048, 700], forced="cudnn"),
+    "h128-triton-sinks": dict(heads=128, lengths=[3000, 1], kernel="triton", sinks=True),
+    "h16-b2-triton-nphd-split3": dict(heads=16, lengths=[4096, 100], kernel="triton", layout="NPHD", splits=3),
+    "h16-b1-cudnn": dict(heads=16, lengths=[4096], kernel="cudnn"),
+    "h16-mtp-2": dict(heads=16, lengths=[1000, 64], kernel="cudnn", s_q=2),
+}
+
+
+@pytest.mark.parametrize("case", MLA_CASES, ids=list(MLA_CASES))
+def test_mla_decode_matches_the_reference(case):
     """DeepSeek-V3's MLA geometry: one latent head of 576 (512 + rope 64) shared by every query
-    head, V the latent's first 512 dims (a view of the same cache), page 64."""
+    head, V the latent's first 512 dims (a view of the same cache), page 64: the Triton MLA
+    kernel (chosen, or forced) and cuDNN's paths against the reference backend."""
+    spec = MLA_CASES[case]
+    heads, lengths, layout, s_q = spec["heads"], spec["lengths"], spec.get("layout", "NHPD"), spec.get("s_q", 1)
     d, dv, page = 576, 512, 64
     pages = max(lengths) // page + 1
-    gen = torch.Generator().manual_seed(heads)
+    gen = torch.Generator().manual_seed(len(case))
     table = torch.randperm(len(lengths) * pages + 3, generator=gen)[: len(lengths) * pages].view(-1, pages).int()
-    latent = torch.randn(len(lengths) * pages + 3, 1, page, d, generator=gen).bfloat16()
-    q = torch.randn(len(lengths), heads, 1, d, generator=gen).bfloat16()
+    shape = (len(lengths) * pages + 3, 1, page, d) if layout == "NHPD" else (len(lengths) * pages + 3, page, 1, d)
+    latent = torch.randn(*shape, generator=gen).bfloat16()
+    q = torch.randn(len(lengths), heads, s_q, d, generator=gen).bfloat16()
+    sinks = torch.randn(heads, generator=gen) * 2 if spec.get("sinks") else None
     results = []
     for device in ("cuda", "cpu"):
+        options = dict(splits=spec.get("splits"), kv_layout=layout)
+        if device == "cuda" and "forced" in spec:
+            options["decode_kernel"] = spec["forced"]
         attn = cudnn_attn.PagedAttention(heads, 1, d, page, dtype=torch.bfloat16, head_dim_v=dv, scale=192**-0.5,
-                                         device=device, splits=splits)  # fmt: skip
+                                         device=device, **options)  # fmt: skip
         cache = latent.to(device)
         attn.plan(table.to(device), torch.tensor(lengths, dtype=torch.int32, device=device))
-        results.append(attn.run(q.to(device), cache, cache[..., :dv]).cpu())
-    got, want = results
-    assert torch.isfinite(got).all() and rel_err(got, want) < 1.5e-2
+        extra = {"sinks": sinks.to(device)} if sinks is not None else {}
+        results.append((attn.run(q.to(device), cache, cache[..., :dv], **extra).cpu(), attn.schedule))
+    (got, schedule), (want, _) = results
+    assert schedule.kernel == spec.get("kernel", spec.get("forced")), schedule
+    assert torch.isfinite(got).all() and rel_err(got, want) < 1.5e-2, schedule

@@ -41,7 +41,7 @@ from ..core.problem import KVCacheLayout, TensorSpec
 from ..core.score_inputs import check_sinks
 from ..core.sink_fold import add_sink
 from ..errors import ValidationError
-from ..kernels import paged_decode
+from ..kernels import mla_decode, paged_decode
 from ..kernels.lse_merge import merge_partials
 from ..runtime.keyed import KeyedCache
 from ..runtime.prepared import PreparedRun, prepare
@@ -278,10 +278,16 @@ class PagedAttention:
         rows, splits = q.shape[0], schedule.splits
         partial_o = partial_lse = None
         if splits > 1:  # persistent: a captured step writes and merges the same buffers
-            partial_o = self._buffers.scratch("decode_o", (rows, splits, self.num_q_heads, self.head_dim), torch.float32,
-                                      q.device)  # fmt: skip
+            partial_o = self._buffers.scratch("decode_o", (rows, splits, self.num_q_heads, self.head_dim_v),
+                                              torch.float32, q.device)  # fmt: skip
             partial_lse = self._buffers.scratch("decode_lse", (rows, splits, self.num_q_heads), torch.float32,
                                                 q.device)  # fmt: skip
+        if self.head_dim_v != self.head_dim:  # MLA: one latent head for every query head
+            mla_decode.mla_decode(q, k_cache, v_cache, derived["table"], self._buffers["lengths"], result,
+                                  head_dim_v=self.head_dim_v, scale=self.scale, kv_layout=self.kv_layout,
+                                  splits=splits, chunk_pages=schedule.chunk_pages, partial_o=partial_o,
+                                  partial_lse=partial_lse, sink=None if sink is None else sink.view(-1))  # fmt: skip
+            return
         paged_decode.paged_decode(q, k_cache, v_cache, derived["table"], self._buffers["lengths"], result,
                                   scale=self.scale, kv_layout=self.kv_layout, splits=splits,
                                   chunk_pages=schedule.chunk_pages, partial_o=partial_o,

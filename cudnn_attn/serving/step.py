@@ -18,7 +18,7 @@ import torch
 
 from ..core.bounds import packed_lengths
 from ..errors import UnsupportedError
-from ..kernels import paged_decode
+from ..kernels import mla_decode, paged_decode
 from . import schedule as paged_schedule
 from .schedule import Schedule
 
@@ -166,18 +166,23 @@ class StepTables:
             return self._derive_prefill(key, step)
         _, s_q, num_pages = key
         rows, width, device = step.rows, step.width, step.device
-        triton = paged_decode.supported(device, self.page_size, self.head_dim) and self.head_dim_v == self.head_dim
+        mla = self.num_kv_heads == 1 and self.head_dim_v != self.head_dim
+        if mla:
+            triton = mla_decode.supported(device, self.page_size, self.head_dim, self.head_dim_v)
+        else:
+            triton = paged_decode.supported(device, self.page_size, self.head_dim) and self.head_dim_v == self.head_dim
         if self.kernel == "triton" and not triton:
             raise UnsupportedError(["decode_kernel: 'triton' needs a CUDA device, Triton, a power-of-two page of "
-                                    f"16-256 tokens and one head dim for K and V (here {device}, page "
-                                    f"{self.page_size}, head dims {self.head_dim}/{self.head_dim_v})"],
+                                    "16-256 tokens and one head dim for K and V, or MLA's latent (one K/V head, "
+                                    f"powers of two for V and the rope part) (here {device}, page {self.page_size}, "
+                                    f"head dims {self.head_dim}/{self.head_dim_v})"],
                                    context="PagedAttention", alternatives=["decode_kernel=None or 'cudnn'"])  # fmt: skip
         # Eager, a Triton launch costs the host more than the kernel saves on the GPU (H200: 102
         # against 52 us per run), so it is chosen for captured steps only, unless forced.
         schedule = paged_schedule.choose(
             rows, width, self.page_size, self.num_q_heads, self.num_kv_heads, s_q, sm_count=sm_count(device),
             splits=self.splits, pack=self.pack, kernel=self.kernel if s_q == 1 else None,
-            triton=triton and self.cuda_graph,
+            triton=triton and (self.cuda_graph or mla), mla=mla,
         )  # fmt: skip
         page = self.page_size
         if schedule.kernel == "triton":  # the kernel walks the clamped table itself
