@@ -145,6 +145,12 @@ def _bench_parser() -> argparse.ArgumentParser:
         "frontend, with peak memory",
     )
     sections.add_argument(
+        "--mla",
+        action="store_true",
+        help="MLA decode per layer in a CUDA-graph replay (DeepSeek-V3 latent d576/512, page 64; 16 and 128 heads, "
+        "B 1-64, KV 4k-32k): PagedAttention's kernel vs cuDNN's paged decode, against the memory's peak",
+    )
+    sections.add_argument(
         "--context-parallel",
         type=int,
         metavar="GPUS",
@@ -211,6 +217,14 @@ def _bench(args: argparse.Namespace) -> int:
 
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "serving": rows, "prefill": prefill}, f, indent=2)
+        return 0
+    if args.mla:
+        from ..bench import mla as bench_mla
+
+        mla_report = bench_mla.mla_rows()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(mla_report, f, indent=2)
         return 0
     if args.models:
         from ..bench import model_shapes
