@@ -83,7 +83,7 @@ def _ours(m: Model, t: dict[str, torch.Tensor]) -> tuple[Callable, Callable, Cal
     options = dict(is_causal=True, enable_gqa=m.h != m.h_kv, window_size=window, scale=m.d**-0.5)
 
     def forward() -> torch.Tensor:
-        return sdpa(*leaves[:3], sinks=leaves[3] if m.sinks else None, **options)
+        return sdpa(leaves[0], leaves[1], leaves[2], sinks=leaves[3] if m.sinks else None, **options)
 
     out = forward()
 
@@ -188,13 +188,14 @@ def model_row(m: Model, s: int) -> dict[str, Any]:
             row["columns"][name] = {"error": text[0][:160] if text else type(failure).__name__}
             continue
         row["columns"][name] = {"peak_bytes": peak}
-    times: dict[tuple[str, str], list[float]] = {(n, p): [] for n in runners for p in ("fwd", "bwd")}
+    times: dict[str, list[float]] = {f"{n} {p}": [] for n in runners for p in ("fwd", "bwd")}
     for round_ in range(ROUNDS):
         for key in round_order(sorted(times), round_):
-            name, part = key
+            name, part = key.split()
             run = runners[name][0 if part == "fwd" else 1]
             times[key].append(autotune.time_plan(run, device, warmup=2, repeats=5))
-    for (name, part), values in times.items():
+    for key, values in times.items():
+        name, part = key.split()
         ms = statistics.median(values)
         row["columns"][name][part] = {"ms": ms, "tflops": m.flops(s, part == "bwd") / (ms * 1e-3) / 1e12,
                                       "spread_pct": 100.0 * (max(values) - min(values)) / ms}  # fmt: skip

@@ -126,10 +126,10 @@ def _backward_run(ctx, q, k, v, bias, sink, out, d_out, stats) -> PreparedRun:
             ctx.modifier)  # fmt: skip
     run = _backward_runs.get(fast)
     if run is None:
-        specs = [TensorSpec.of(t) for t in (q, k, v, out, d_out, stats)]
-        problem = backward_problem(*specs, ctx.options, bias=None if bias is None else TensorSpec.of(bias),
-                                   grad_bias=grad_bias, sink_token=None if sink is None else _sink_spec(q),
-                                   score_mod=ctx.modifier)  # fmt: skip
+        spec = TensorSpec.of
+        problem = backward_problem(spec(q), spec(k), spec(v), spec(out), spec(d_out), spec(stats), ctx.options,
+                                   bias=None if bias is None else spec(bias), grad_bias=grad_bias,
+                                   sink_token=None if sink is None else _sink_spec(q), score_mod=ctx.modifier)  # fmt: skip
         run = _backward_runs.put(fast, prepare(problem, context="sdpa backward"))
     return run
 

@@ -172,7 +172,7 @@ def _unpadded(query, key, value, causal: bool, window: int | None, options: dict
     if window is None and (not causal or q_len in (1, k_len)):
         out = sdpa(query, key, value, is_causal=causal and q_len > 1, **options)
         return out.transpose(1, 2).contiguous()
-    if _dense_window(causal, window, q_len, k_len, options):
+    if window is not None and _dense_window(causal, window, q_len, k_len, options):
         out = sdpa(query, key, value, is_causal=True, window_size=(window, 0), **options)
         return out.transpose(1, 2).contiguous()
     batch, device = query.shape[0], query.device
@@ -200,7 +200,7 @@ def _dense_terms(query, key, value, tokens: torch.Tensor | None, causal: bool, w
     k_len = key.shape[2]
     if tokens is None and window is None and (not causal or q_len in (1, k_len)):
         return sdpa(query, key, value, is_causal=causal and q_len > 1, **options).transpose(1, 2).contiguous()
-    if tokens is None and _dense_window(causal, window, q_len, k_len, options):
+    if tokens is None and window is not None and _dense_window(causal, window, q_len, k_len, options):
         out = sdpa(query, key, value, is_causal=True, window_size=(window, 0), **options)
         return out.transpose(1, 2).contiguous()
     _log.debug("softcap or trained sinks with padding, packed runs or a window: a dense [B, 1, Q, K] mask "

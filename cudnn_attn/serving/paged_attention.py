@@ -262,6 +262,7 @@ class PagedAttention:
         elif sink is not None:
             lse = body[1].view(*result.shape[:3], 1)  # packed rows are head-major: [B, H_q, S_q] in order
         if sink is not None:
+            assert lse is not None
             add_sink(result, lse, sink)
         return self._returned(result, q, out)
 
