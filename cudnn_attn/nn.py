@@ -15,6 +15,8 @@ Equivalent plain torch::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -34,6 +36,11 @@ class Attention(nn.Module):
         fp8: attend through FP8 kernels (``cudnn_attn.sdpa_fp8`` with delayed scaling: the
             layer keeps the amax history of its Q, K, V; gradients from the 16-bit inputs);
             takes no mask tensor and no dropout.
+        sinks: learned attention sinks (gpt-oss): a float32 parameter ``sinks`` of one logit per
+            head, zeros at first, in every softmax denominator.
+        window: a causal sliding window of this many tokens, the query's own included
+            (transformers' ``sliding_window``; ``sdpa(window_size=(window - 1, 0))``).
+        softcap: logit soft-capping (Gemma-2): scores ``softcap * tanh(s / softcap)``.
     """
 
     def __init__(
@@ -46,6 +53,9 @@ class Attention(nn.Module):
         causal: bool = False,
         dropout: float = 0.0,
         fp8: bool = False,
+        sinks: bool = False,
+        window: int | None = None,
+        softcap: float | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -61,15 +71,24 @@ class Attention(nn.Module):
             )
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
+        problems = []
         if fp8 and dropout:
-            raise ValidationError(
-                [f"dropout: {dropout}; FP8 attention (fp8=True) takes no dropout"], context="Attention"
-            )
+            problems.append(f"dropout: {dropout}; FP8 attention (fp8=True) takes no dropout")
+        if fp8 and (sinks or window is not None or softcap is not None):
+            problems.append("fp8: True with sinks, window or softcap; FP8 attention takes none of them here")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            problems.append(f"window: {window!r}; expected an int >= 1 (tokens, the query's own included)")
+        if window is not None and not causal:
+            problems.append("window: a sliding window needs causal=True (it is a left bound beside the causal mask)")
+        if problems:
+            raise ValidationError(problems, context="Attention")
         self.causal, self.dropout, self.fp8 = causal, dropout, fp8
+        self.window, self.softcap = window, softcap
         self.fp8_scaling = Fp8Scaling() if fp8 else None
         factory = {"device": device, "dtype": dtype}
         self.qkv = nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * self.head_dim, bias=bias, **factory)
         self.out = nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias, **factory)
+        self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=torch.float32)) if sinks else None
 
     def forward(
         self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool | None = None
@@ -82,20 +101,28 @@ class Attention(nn.Module):
         if self.fp8:
             o = sdpa_fp8(q, k, v, attn_mask, is_causal=causal, enable_gqa=h_kv != h, scaling=self.fp8_scaling)
             return self.out(o.transpose(1, 2).reshape(b, s, h * d))
+        terms: dict[str, Any] = {}
+        if self.sinks is not None:
+            terms["sinks"] = self.sinks
+        if self.softcap is not None:
+            terms["softcap"] = self.softcap
+        if self.window is not None and causal:
+            terms["window_size"] = (self.window - 1, 0)
         try:
             o = sdpa(
                 q, k, v, attn_mask=attn_mask, is_causal=causal and attn_mask is None,
-                dropout_p=self.dropout if self.training else 0.0, enable_gqa=h_kv != h,
+                dropout_p=self.dropout if self.training else 0.0, enable_gqa=h_kv != h, **terms,
             )  # fmt: skip
         except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
             raise _in_layer_terms(error) from None
         return self.out(o.transpose(1, 2).reshape(b, s, h * d))
 
     def extra_repr(self) -> str:
-        fp8 = ", fp8=True" if self.fp8 else ""
-        return (
-            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, causal={self.causal}{fp8}"
-        )
+        extra = ", fp8=True" if self.fp8 else ""
+        extra += ", sinks=True" if self.sinks is not None else ""
+        extra += f", window={self.window}" if self.window is not None else ""
+        extra += f", softcap={self.softcap}" if self.softcap is not None else ""
+        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, causal={self.causal}{extra}"
 
 
 # sdpa's arguments as the layer's user knows them: q, k and v are projections of x.

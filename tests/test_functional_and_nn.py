@@ -134,6 +134,35 @@ def test_attention_module_matches_plain_torch_and_trains():
     assert losses[-1] < losses[0]
 
 
+def test_attention_module_with_sinks_window_and_softcap_matches_plain_torch():
+    """gpt-oss's and Gemma-2's layer terms in the module: learned sinks (a parameter with
+    gradients), a causal window of ``window`` tokens, soft-capping; against a float64 oracle."""
+    torch.manual_seed(1)
+    module = Attention(64, 4, num_kv_heads=2, causal=True, sinks=True, window=5, softcap=2.0)
+    with torch.no_grad():
+        module.sinks.normal_()
+    x = torch.randn(2, 12, 64)
+    y = module(x)
+    b, s, _ = x.shape
+    q, k, v = (t.transpose(1, 2).double() for t in module.qkv(x).view(b, s, 8, 16).split([4, 2, 2], dim=2))
+    k, v = (t.repeat_interleave(2, 1) for t in (k, v))
+    scores = 2.0 * torch.tanh(q @ k.transpose(-1, -2) * 16**-0.5 / 2.0)
+    rows, cols = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    scores = scores.masked_fill((cols > rows) | (cols <= rows - 5), float("-inf"))
+    sink = module.sinks.double().view(1, 4, 1, 1).expand(b, 4, s, 1)
+    o = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1] @ v
+    expected = module.out(o.float().transpose(1, 2).reshape(b, s, 64))
+    assert rel_err(y, expected) < 1e-5
+    y.sum().backward()
+    assert module.sinks.grad is not None and module.sinks.grad.abs().sum() > 0
+    assert "sinks=True, window=5, softcap=2.0" in repr(module)
+    for bad, match in ((dict(window=4), "window: a sliding window needs causal=True"),
+                       (dict(causal=True, window=0), "window: 0"),
+                       (dict(causal=True, fp8=True, sinks=True), "fp8: True with sinks")):  # fmt: skip
+        with pytest.raises(cudnn_attn.ValidationError, match=match):
+            Attention(64, 4, **bad)
+
+
 def test_attention_module_rejects_bad_head_counts():
     with pytest.raises(cudnn_attn.ValidationError, match="num_kv_heads"):
         Attention(64, 4, num_kv_heads=3)
