@@ -83,6 +83,7 @@ def host_paths() -> dict[str, dict]:
     t = shape.tensors("cuda")
     q, k, v, d_o = t["q"], t["k"], t["v"], t["grad_o"]
     lq, lk, lv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    sinks = torch.zeros(shape.h, device="cuda", requires_grad=True)
     with Graph() as g:
         g.sdpa(q, k, v)
     out = torch.empty_like(q)
@@ -102,6 +103,11 @@ def host_paths() -> dict[str, dict]:
         "cudnn_attn.sdpa, requires_grad": lambda: sdpa(lq, lk, lv),
         "torch sdpa fwd+bwd": fwd_bwd(torch_sdpa),
         "cudnn_attn.sdpa fwd+bwd": fwd_bwd(sdpa),
+        # The score terms of today's models (one autograd function of ours, causal): gpt-oss, Gemma-2.
+        "sdpa(sinks=), requires_grad": lambda: sdpa(lq, lk, lv, is_causal=True, sinks=sinks),
+        "sdpa(sinks=) fwd+bwd": fwd_bwd(lambda a, b, c: sdpa(a, b, c, is_causal=True, sinks=sinks)),
+        "sdpa(softcap=) fwd+bwd": fwd_bwd(lambda a, b, c: sdpa(a, b, c, is_causal=True, softcap=30.0)),
+        "sdpa(window_size=) fwd+bwd": fwd_bwd(lambda a, b, c: sdpa(a, b, c, is_causal=True, window_size=(63, 0))),
         "g(q, k, v, out=o)": lambda: g(q, k, v, out=out),
         **_frontend_runs(g, t),
         "with Graph() on a cache hit": rebuild,
