@@ -29,8 +29,14 @@ REPO = Path(__file__).resolve().parent.parent
 TEST_DIR = "test/python"
 TEST_FILE = "test_mhas.py"
 SELECTIONS = {"test_sdpa": "test_sdpa and not backward", "test_sdpa_backward": "test_sdpa_backward"}
-SDPA_TEST_FILES = ("test_sdpa_thd.py", "test_sdpa_chunked_prefill.py", "test_sdpa_with_caching.py", "test_mhas_v2.py",
-                   "test_flexible_sdpa.py", "test_flexible_sdpa_bprop.py")
+SDPA_TEST_FILES = (
+    "test_sdpa_thd.py",
+    "test_sdpa_chunked_prefill.py",
+    "test_sdpa_with_caching.py",
+    "test_mhas_v2.py",
+    "test_flexible_sdpa.py",
+    "test_flexible_sdpa_bprop.py",
+)
 H100 = "name='NVIDIA H100 80GB HBM3', major=9, minor=0, multi_processor_count=132"
 TIMEOUT_MARK = "(--case-timeout)"
 

@@ -91,6 +91,8 @@ def oracle_scores(s: torch.Tensor, kind: str, **values) -> torch.Tensor:
     if kind == "padding":
         lengths = values["lengths"].view(-1, 1, 1, 1)
         return s.masked_fill(col.view(1, 1, 1, -1) >= lengths, NEG)
+    if kind == "per_head":
+        return s * values["temperature"].double()
     return s
 
 
@@ -138,6 +140,12 @@ def run_forward(kind: str, device: str, dtype=torch.float16, b=2, h=2, s=64, d=6
         pack.update({doc: doc_gpu, doc_t: doc_gpu.reshape(1, 1, 1, s)})
         values["doc"] = doc_gpu.cpu()
         fn = partial(document_mask, doc=doc, doc_t=doc_t, neg_inf=neg)
+    elif kind == "per_head":  # a temperature per head, [1, H, 1, 1] on the device
+        temperature = (torch.rand(1, h, 1, 1, generator=torch.Generator().manual_seed(seed + 9)) + 0.5).to(device)
+        t = g.tensor_like(temperature)
+        pack[t] = temperature
+        values["temperature"] = temperature.cpu()
+        fn = lambda graph, scores: graph.mul(a=scores, b=t)  # noqa: E731
     elif kind == "padding":
         lengths = torch.tensor([s // 2 + 3, s], dtype=torch.int32)[:b].view(b, 1, 1, 1).to(device)
         seq_kv = g.tensor_like(lengths)

@@ -16,7 +16,7 @@ FP16 = TOLERANCE[torch.float16] * 2  # fp16 outputs against a float64 oracle
 BF16 = TOLERANCE[torch.bfloat16]
 
 
-@pytest.mark.parametrize("kind", ["softcap", "causal", "softcap_causal", "arrow", "document"])
+@pytest.mark.parametrize("kind", ["softcap", "causal", "softcap_causal", "arrow", "document", "per_head"])
 def test_frontend_style_modifiers_run_on_cudnn(kind):
     out, expected = run_forward(kind, "cuda", s=256, d=128)
     assert torch.isfinite(out).all()
@@ -24,9 +24,11 @@ def test_frontend_style_modifiers_run_on_cudnn(kind):
 
 
 def test_per_batch_modifier_tensors_are_refused_on_cudnn():
-    """cuDNN 9.19 gave wrong keys for a [B, 1, 1, 1] lengths tensor inside score_mod (H100):
-    refused by name; the reference backend runs it (tests/test_score_mod.py)."""
-    with pytest.raises(cudnn_attn.UnsupportedError, match="vary by batch or head"):
+    """cuDNN 9.19 gave wrong keys for a [B, 1, 1, 1] lengths tensor inside score_mod (H100; through
+    the bare frontend too, which the frontend's own test_sdpa_with_flexible_graph does not check):
+    refused by name; the reference backend runs it (tests/test_score_mod.py). Per-head tensors
+    are read right (the per_head case above)."""
+    with pytest.raises(cudnn_attn.UnsupportedError, match="vary by batch"):
         run_forward("padding", "cuda", s=256, d=128)
 
 

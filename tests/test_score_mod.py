@@ -17,7 +17,7 @@ from cudnn_attn.core.problem import TensorSpec
 TOL = 2e-3  # fp16 inputs and outputs
 
 
-@pytest.mark.parametrize("kind", ["softcap", "causal", "softcap_causal", "arrow", "document", "padding"])
+@pytest.mark.parametrize("kind", ["softcap", "causal", "softcap_causal", "arrow", "document", "padding", "per_head"])
 def test_frontend_style_modifiers_match_the_oracle(kind):
     out, expected = run_forward(kind, "cpu")
     assert rel_err(out, expected) < TOL
