@@ -33,6 +33,8 @@ from .core.derived import derived
 from .core.mask import Causal, ScoreOptions, default_scale, window_band
 from .core.problem import AttentionProblem, TensorSpec
 from .core.score_inputs import check_sinks
+from .core.score_mod import ScoreModifier
+from .core.softcap import softcap_modifier
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
 from .runtime.interop import in_layout_of
 from .runtime.keyed import KeyedCache
@@ -59,10 +61,12 @@ def varlen_sdpa(
     window_size: tuple[int, int] = (-1, -1),
     enable_gqa: bool = False,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention over packed sequences: ``q`` ``[T_q, H, D]``, ``k``/``v`` ``[T_k, H_kv, D]``
     (fp16/bf16), ``cu_seqlens_*`` int32 ``[B + 1]``; returns ``[T_q, H, D_v]``. Differentiable.
-    ``sinks``: attention sinks, a logit per query head (``[H]``), learnable as in ``sdpa``."""
+    ``sinks``: attention sinks, a logit per query head (``[H]``), learnable as in ``sdpa``.
+    ``softcap``: logit soft-capping, scores ``cap * tanh(s / cap)`` (FlashAttention's, Gemma-2's)."""
     left, right = _window(window_size)
     if right not in (-1, 0):
         raise UnsupportedError(
@@ -72,7 +76,7 @@ def varlen_sdpa(
     causal = "top_left" if is_causal or right == 0 else None
     return varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                             window_left=None if left < 0 else left, scale=scale, dropout_p=dropout_p,
-                            enable_gqa=enable_gqa, sinks=sinks, context="varlen_sdpa")  # fmt: skip
+                            enable_gqa=enable_gqa, sinks=sinks, softcap=softcap, context="varlen_sdpa")  # fmt: skip
 
 
 def varlen_attention(
@@ -90,6 +94,7 @@ def varlen_attention(
     dropout_p: float = 0.0,
     enable_gqa: bool = False,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
     context: str = "varlen_attention",
 ) -> torch.Tensor:
     """The varlen door the other doors share (nested tensors, transformers): ``causal`` is
@@ -119,6 +124,16 @@ def varlen_attention(
         check_sinks(sinks, q.shape[1], q.device)
         if dropout_p:
             raise UnsupportedError(["dropout_p with sinks: not supported yet"], context=context)
+    if softcap is not None:
+        if dropout_p:
+            raise UnsupportedError(["dropout_p with softcap: not supported yet"], context=context)
+        if causal == "bottom_right":  # its diagonal sits per sequence: no one modifier holds it
+            raise UnsupportedError(["softcap with a bottom-right causal mask in a packed batch: not supported yet"],
+                                   context=context)  # fmt: skip
+        try:
+            options.modifier, options.scores = softcap_modifier(softcap, options.scores, options.max_q, options.max_k)
+        except ValidationError as error:
+            raise ValidationError(error.problems, context=context) from None
     try:
         return _Varlen.apply(q, k, v, lengths_q, lengths_k, options, sinks)
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
@@ -136,6 +151,7 @@ class _Options:
     def __init__(self, scores: ScoreOptions, max_q: int, max_k: int):
         self.scores, self.max_q, self.max_k = scores, max_q, max_k
         self.rng: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.modifier: ScoreModifier | None = None  # softcap's, holding the causal mask and window
 
     def inputs(self, **tensors: torch.Tensor | None) -> dict[str, torch.Tensor]:
         if self.rng is not None:
@@ -185,7 +201,7 @@ def _forward_run(q, k, v, lengths_q, lengths_k, options: _Options, train: bool, 
     problem = forward_problem(_spec(q), _spec(k), _spec(v), options.scores, stats=train, seq_len_q=_spec(lengths_q),
                               seq_len_kv=_spec(lengths_k), max_seq_len_q=options.max_q, max_seq_len_kv=options.max_k,
                               dropout_seed=options.rng_specs()[0], dropout_offset=options.rng_specs()[1],
-                              sink_token=None if sink is None else _spec(sink))  # fmt: skip
+                              sink_token=None if sink is None else _spec(sink), score_mod=options.modifier)  # fmt: skip
     return _prepared(problem, lengths_q, lengths_k)
 
 
@@ -193,7 +209,7 @@ def _backward_run(q, k, v, out, d_out, stats, lengths_q, lengths_k, options: _Op
     problem = backward_problem(_spec(q), _spec(k), _spec(v), _spec(out), _spec(d_out), _spec(stats), options.scores,
                                seq_len_q=_spec(lengths_q), seq_len_kv=_spec(lengths_k), max_seq_len_q=options.max_q,
                                max_seq_len_kv=options.max_k, dropout_seed=options.rng_specs()[0], dropout_offset=options.rng_specs()[1],
-                               sink_token=None if sink is None else _spec(sink))  # fmt: skip
+                               sink_token=None if sink is None else _spec(sink), score_mod=options.modifier)  # fmt: skip
     return _prepared(problem, lengths_q, lengths_k)
 
 

@@ -68,3 +68,26 @@ def test_gemma2_through_the_registration_matches_eager(padding):
     with torch.no_grad():
         expected, actual = ref(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
     assert rel_err(actual[real], expected[real]) < BF16
+
+
+@pytest.mark.parametrize("window", [None, 63], ids=["causal", "window"])
+def test_varlen_softcap_matches_the_reference_backend(window):
+    """Packed sequences with soft-capping on cuDNN (a score modifier over ragged THD tensors, the
+    causal mask and window inside it), forward and backward, against the reference on CPU."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    lengths = [100, 257, 1, 190]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    total = sum(lengths)
+    q = torch.randn(total, 8, 64, device="cuda", generator=gen).bfloat16().requires_grad_()
+    k, v = (torch.randn(total, 2, 64, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(2))
+    options = dict(is_causal=True, enable_gqa=True, softcap=20.0,
+                   window_size=(window, 0) if window is not None else (-1, -1))  # fmt: skip
+    out = cudnn_attn.varlen_sdpa(q, k, v, cu, cu, 257, 257, **options)
+    d_out = torch.randn(out.shape, device="cuda", generator=gen).bfloat16()
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    cpu = [t.detach().cpu().float().requires_grad_() for t in (q, k, v)]
+    ref = cudnn_attn.varlen_sdpa(*cpu, cu.cpu(), cu.cpu(), 257, 257, **options)
+    expected = torch.autograd.grad(ref, cpu, d_out.cpu().float())
+    assert rel_err(out.float().cpu(), ref) < BF16
+    for name, a, e in zip(("dQ", "dK", "dV"), grads, expected):
+        assert rel_err(a.float().cpu(), e) < 3e-2, name

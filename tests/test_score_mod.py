@@ -160,3 +160,31 @@ def test_lowered_modifier_graphs_validate_in_the_frontend():
     graph = lower(p).graph
     graph.validate()
     graph.build_operation_graph()
+
+
+@pytest.mark.parametrize("left, with_sinks", [(None, False), (3, True)], ids=["causal", "window-sinks"])
+def test_varlen_softcap_matches_each_sequence_alone(left, with_sinks):
+    """Gemma-2's padded batches without a dense mask: ``varlen_sdpa(softcap=)``, the causal mask
+    (and window) inside the modifier, per sequence, forward and backward."""
+    g = torch.Generator().manual_seed(8)
+    lengths = [5, 12, 1, 9]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    total = sum(lengths)
+    q = torch.randn(total, 4, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(total, 2, 16, generator=g, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, generator=g, requires_grad=True) if with_sinks else None
+    window = (left, 0) if left is not None else (-1, -1)
+    out = cudnn.varlen_sdpa(q, k, v, cu, cu, max(lengths), max(lengths), is_causal=True, enable_gqa=True,
+                            window_size=window, sinks=sinks, softcap=3.0)  # fmt: skip
+    d_out = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad(out, [q, k, v] + ([sinks] if with_sinks else []), d_out)
+    for i, n in enumerate(lengths):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        per = [t[rows].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+        expected, leaves = softcap_torch_oracle(*per, 3.0, True, sinks, left=left)
+        assert rel_err(out[rows], expected[0].transpose(0, 1)) < 1e-5, i
+        want = torch.autograd.grad(expected, leaves[:3], d_out[rows].transpose(0, 1).unsqueeze(0).double())
+        for name, a, e in zip("qkv", grads, want):
+            assert rel_err(a[rows], e[0].transpose(0, 1)) < 1e-5, (i, name)
+    with pytest.raises(cudnn.UnsupportedError, match="bottom-right"):
+        cudnn.varlen.varlen_attention(q, k, v, cu, cu, 12, 12, causal="bottom_right", enable_gqa=True, softcap=3.0)

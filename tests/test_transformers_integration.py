@@ -489,11 +489,14 @@ def gemma2_models(window: int, device: str = "cpu"):
 
 
 @pytest.mark.parametrize("padding, window", [("none", 64), ("left", 64), ("right", WINDOW), ("none", WINDOW)])
-def test_gemma2_softcap_matches_eager_logits_and_gradients(padding, window):
+def test_gemma2_softcap_matches_eager_logits_and_gradients(padding, window, calls):
     """Gemma-2's logit soft-capping through the registration, against its own eager attention:
-    logits and a training step's gradients, with padding and windows shorter than the sequence."""
+    logits and a training step's gradients, with padding and windows shorter than the sequence.
+    Padded batches go through varlen with ``softcap`` (no dense mask), unpadded ones dense."""
     ref, ours = gemma2_models(window)
     check_against_eager(ref, ours, padding, ("q_proj.weight", "k_proj.weight"))
+    assert calls["dense_mask"] == 0
+    assert (calls["varlen"] > 0) == (padding != "none")
 
 
 def test_gemma2_softcap_generation_matches_eager():

@@ -14,17 +14,15 @@ and the backward problem (with ``dSink_token``), each prepared once per geometry
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import Any
 
 import torch
 
-from ..core import score_mod
 from ..core.constructors import backward_problem, forward_problem
 from ..core.mask import Causal, ScoreOptions, window_band
 from ..core.problem import TensorSpec
 from ..core.score_inputs import check_sinks
+from ..core.softcap import softcap_modifier
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
 from ..runtime.interop import in_layout_of
 from ..runtime.keyed import KeyedCache
@@ -66,28 +64,6 @@ def score_terms_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
         what = "sinks" if sinks is not None else "softcap" if softcap is not None else "window_size"
         raise UnsupportedError([f"dropout_p with {what}: not supported yet"], context="sdpa")
     return _ScoreTermsAttention.apply(q, k, v, bias, sinks, options, modifier)
-
-
-def softcap_modifier(
-    cap: Any, options: ScoreOptions, s_q: int, s_kv: int
-) -> tuple[score_mod.ScoreModifier, ScoreOptions]:
-    """``softcap`` checked, as a score modifier holding the options' causal mask and window (which
-    then leave the options)."""
-    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
-        raise ValidationError([f"softcap: {cap!r}; expected a finite number > 0 (scores become cap * tanh(s / cap))"])
-    return _softcap_modifier(float(cap), options, s_q, s_kv)
-
-
-@functools.lru_cache(maxsize=256)  # one modifier object per call shape: plan lookups then compare it by identity
-def _softcap_modifier(
-    cap: float, options: ScoreOptions, s_q: int, s_kv: int
-) -> tuple[score_mod.ScoreModifier, ScoreOptions]:
-    if options.right_bound is not None or options.alibi:
-        raise UnsupportedError(["softcap with a right bound or ALiBi: not supported here"])
-    offset = s_kv - s_q if options.aligned_bottom_right else 0
-    mask = score_mod.band_mask(causal=options.causal is not Causal.NONE, window=options.sliding_window, offset=offset)
-    plain = ScoreOptions(attn_scale=options.attn_scale, padding=options.padding, dropout_p=options.dropout_p)
-    return score_mod.softcap(float(cap), mask), plain
 
 
 def _sink_spec(q: torch.Tensor) -> TensorSpec:

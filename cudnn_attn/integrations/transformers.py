@@ -110,9 +110,12 @@ def attention_forward(
     if window is not None and not causal:
         raise UnsupportedError([f"sliding_window: {sliding_window} without a causal mask; cuDNN's band takes a "
                                 "left bound only"], context=CONTEXT, alternatives=_ALTERNATIVES)  # fmt: skip
-    if softcap is not None or (attention_mask is not None and _trains_sinks(query, key, value, options)):
+    trains_sinks = attention_mask is not None and _trains_sinks(query, key, value, options)
+    packing = None
+    if not trains_sinks and (softcap is None or query.shape[2] == key.shape[2]):
+        packing = find_packing(attention_mask, kwargs, query.shape[0], query.shape[2], key.shape[2], causal)
+    if trains_sinks or (softcap is not None and (packing is None or options["dropout_p"])):
         return _dense_terms(query, key, value, attention_mask, causal, window, options), None
-    packing = find_packing(attention_mask, kwargs, query.shape[0], query.shape[2], key.shape[2], causal)
     if packing is None:
         return _unpadded(query, key, value, causal, window, options), None
     return _packed(query, key, value, packing, causal, window, options), None
@@ -191,11 +194,12 @@ def _trains_sinks(query, key, value, options: dict) -> bool:
 
 def _dense_terms(query, key, value, tokens: torch.Tensor | None, causal: bool, window: int | None,
                  options: dict) -> torch.Tensor:  # fmt: skip
-    """Soft-capped layers (Gemma-2), and sinks being trained over padding (gpt-oss):
-    ``cudnn_attn.sdpa`` with ``softcap`` (whose causal mask lives in the score modifier) or
-    ``sinks``. Padding, packed runs and windows become a dense boolean ``[B, 1, Q, K]`` mask (the
-    varlen path takes no soft-capping yet, nor sinks in its backward before cuDNN 9.26); the
-    queries are the last ``Q`` keys."""
+    """Soft-capped layers (Gemma-2) the packed path cannot take, and sinks being trained over
+    padding (gpt-oss): ``cudnn_attn.sdpa`` with ``softcap`` (whose causal mask lives in the score
+    modifier) or ``sinks``. Padding, packed runs and windows become a dense boolean
+    ``[B, 1, Q, K]`` mask: the packed path takes soft-capping only top-left (not while decoding
+    with a cache, where each sequence's diagonal sits elsewhere) and without dropout, and sinks in
+    its backward only from cuDNN 9.26. The queries are the last ``Q`` keys."""
     batch, _, q_len, _ = query.shape
     k_len = key.shape[2]
     if tokens is None and window is None and (not causal or q_len in (1, k_len)):
@@ -239,8 +243,9 @@ def _packed(query, key, value, packing: Packing, causal: bool, window: int | Non
 
 def _alignment(packing: Packing, options: dict) -> str:
     """Bottom-right: each sequence's last query sees its last key (decoding with a cache). cuDNN's
-    dropout takes top-left causal only, the same mask where every sequence's lengths agree (training)."""
-    if options["dropout_p"] > 0:
+    dropout, and a soft-capping modifier in a packed batch, take top-left causal only, the same mask
+    where every sequence's lengths agree (training)."""
+    if options["dropout_p"] > 0 or options.get("softcap") is not None:
         aligned = packing.aligned
         if aligned is None:
             aligned = packing.cu_q.shape == packing.cu_k.shape and bool(torch.equal(packing.cu_q, packing.cu_k))

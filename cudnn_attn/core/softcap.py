@@ -1,0 +1,38 @@
+"""``softcap=`` (FlashAttention's and Gemma-2's logit soft-capping) as a problem's score modifier.
+
+cuDNN applies no mask of its own beside a score modifier, so the causal mask and sliding
+window of the call's options move inside the modifier (``score_mod.band_mask``) and leave the
+options. One modifier object per call shape (cached): plan lookups then compare it by identity.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+from ..errors import UnsupportedError, ValidationError
+from . import score_mod
+from .mask import Causal, ScoreOptions
+
+
+def softcap_modifier(
+    cap: Any, options: ScoreOptions, s_q: int, s_kv: int
+) -> tuple[score_mod.ScoreModifier, ScoreOptions]:
+    """``cap`` checked, as a score modifier holding the options' causal mask and window, and the
+    options without them. ``s_q``, ``s_kv``: the score tile's extent (where a bottom-right
+    diagonal sits)."""
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
+        raise ValidationError([f"softcap: {cap!r}; expected a finite number > 0 (scores become cap * tanh(s / cap))"])
+    return _softcap_modifier(float(cap), options, s_q, s_kv)
+
+
+@functools.lru_cache(maxsize=256)
+def _softcap_modifier(cap: float, options: ScoreOptions, s_q: int, s_kv: int) -> tuple[score_mod.ScoreModifier,
+                                                                                         ScoreOptions]:  # fmt: skip
+    if options.right_bound is not None or options.alibi:
+        raise UnsupportedError(["softcap with a right bound or ALiBi: not supported here"])
+    offset = s_kv - s_q if options.aligned_bottom_right else 0
+    mask = score_mod.band_mask(causal=options.causal is not Causal.NONE, window=options.sliding_window, offset=offset)
+    plain = ScoreOptions(attn_scale=options.attn_scale, padding=options.padding, dropout_p=options.dropout_p)
+    return score_mod.softcap(cap, mask), plain
