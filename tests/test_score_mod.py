@@ -178,7 +178,7 @@ def test_varlen_softcap_matches_each_sequence_alone(left, with_sinks):
                             window_size=window, sinks=sinks, softcap=3.0)  # fmt: skip
     d_out = torch.randn(out.shape, generator=g)
     grads = torch.autograd.grad(out, [q, k, v] + ([sinks] if with_sinks else []), d_out)
-    for i, n in enumerate(lengths):
+    for i in range(len(lengths)):
         rows = slice(int(cu[i]), int(cu[i + 1]))
         per = [t[rows].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
         expected, leaves = softcap_torch_oracle(*per, 3.0, True, sinks, left=left)
