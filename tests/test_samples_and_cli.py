@@ -29,6 +29,7 @@ SAMPLE_TOLERANCE = {
     "06_serving": 3e-2,
     "07_context_parallel": 3e-2,
     "08_frontend_dropin": 2e-2,
+    "09_model_families": 3e-2,
 }
 REL_ERR = re.compile(r"rel_err=(\S+)")
 
