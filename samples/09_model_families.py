@@ -56,7 +56,7 @@ def attention(q, k, v, *, causal=True, window=None, sinks=None, softcap=None, of
 
 
 # 1. gpt-oss: a layer with learned sinks and a sliding window, one training step --------------------
-hidden, heads, kv_heads, window, seq = (2880, 64, 8, 128, 1024) if gpu else (256, 8, 2, 16, 64)
+hidden, heads, kv_heads, window, seq = (4096, 64, 8, 128, 1024) if gpu else (256, 8, 2, 16, 64)  # head dim 64
 layer = Attention(hidden, heads, num_kv_heads=kv_heads, causal=True, sinks=True, window=window, device=device,
                   dtype=dtype)  # fmt: skip
 with torch.no_grad():
