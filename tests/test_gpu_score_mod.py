@@ -91,3 +91,26 @@ def test_varlen_softcap_matches_the_reference_backend(window):
     assert rel_err(out.float().cpu(), ref) < BF16
     for name, a, e in zip(("dQ", "dK", "dV"), grads, expected):
         assert rel_err(a.float().cpu(), e) < 3e-2, name
+
+
+@pytest.mark.parametrize("terms", ["sinks", "softcap", "window"])
+def test_dropout_with_score_terms_matches_the_reference_backend(terms):
+    """Attention dropout beside sinks, soft-capping or a window on cuDNN, forward and backward,
+    against the reference backend on CPU with the same seed (the same Philox mask)."""
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    q = torch.randn(2, 8, 256, 64, device="cuda", generator=gen).bfloat16().requires_grad_()
+    k, v = (torch.randn(2, 2, 256, 64, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(2))
+    extra = {"sinks": dict(sinks=torch.randn(8, device="cuda", generator=gen)), "softcap": dict(softcap=20.0),
+             "window": dict(window_size=(63, 0))}[terms]  # fmt: skip
+    torch.manual_seed(5)
+    out = cudnn_attn.sdpa(q, k, v, is_causal=True, enable_gqa=True, dropout_p=0.2, **extra)
+    d_out = torch.randn(out.shape, device="cuda", generator=gen).bfloat16()
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    cpu = [t.detach().cpu().float().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(5)
+    cpu_extra = {name: t.cpu() if isinstance(t, torch.Tensor) else t for name, t in extra.items()}
+    ref = cudnn_attn.sdpa(*cpu, is_causal=True, enable_gqa=True, dropout_p=0.2, **cpu_extra)
+    expected = torch.autograd.grad(ref, cpu, d_out.cpu().float())
+    assert rel_err(out.float().cpu(), ref) < BF16
+    for name, a, e in zip(("dQ", "dK", "dV"), grads, expected):
+        assert rel_err(a.float().cpu(), e) < 3e-2, name

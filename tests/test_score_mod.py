@@ -70,8 +70,6 @@ def test_bad_windows_are_refused_by_name():
                           ((4, 2), "right bound 2 with a causal mask")):  # fmt: skip
         with pytest.raises(cudnn.ValidationError, match=match):
             cudnn.sdpa(q, q, q, is_causal=True, window_size=window)
-    with pytest.raises(cudnn.UnsupportedError, match="dropout_p with window_size"):
-        cudnn.sdpa(q, q, q, dropout_p=0.1, window_size=(4, 0))
 
 
 def test_torch_form_softcap_is_not_a_no_op():
@@ -85,8 +83,6 @@ def test_bad_softcap_and_modifiers_are_refused_by_name():
     for cap in (0.0, -1.0, float("inf"), True, "30"):
         with pytest.raises(cudnn.ValidationError, match="softcap"):
             cudnn.sdpa(q, q, q, softcap=cap)
-    with pytest.raises(cudnn.UnsupportedError, match="dropout_p with softcap"):
-        cudnn.sdpa(q, q, q, softcap=2.0, dropout_p=0.1)
 
     def build(**mask):
         with cudnn.Graph() as g:
@@ -188,3 +184,37 @@ def test_varlen_softcap_matches_each_sequence_alone(left, with_sinks):
             assert rel_err(a[rows], e[0].transpose(0, 1)) < 1e-5, (i, name)
     with pytest.raises(cudnn.UnsupportedError, match="bottom-right"):
         cudnn.varlen.varlen_attention(q, k, v, cu, cu, 12, 12, causal="bottom_right", enable_gqa=True, softcap=3.0)
+
+
+def test_dropout_with_sinks_softcap_and_a_window_matches_the_oracle():
+    """Training with attention dropout through the score-terms path: a fresh seed per call from
+    torch's generator (``torch.manual_seed`` repeats it), the backward reusing the forward's
+    mask; against the float64 oracle with that mask rebuilt."""
+    from cudnn_attn.ops.reference import dropout
+
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(1, 4, 16, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 2, 16, 16, generator=g, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, generator=g, requires_grad=True)
+    options = dict(enable_gqa=True, is_causal=True, softcap=3.0, window_size=(5, 0), dropout_p=0.3)
+    torch.manual_seed(3)
+    out = cudnn.sdpa(q, k, v, sinks=sinks, **options)
+    torch.manual_seed(3)
+    again = cudnn.sdpa(q, k, v, sinks=sinks, **options)
+    assert torch.equal(out, again) and not torch.equal(out, cudnn.sdpa(q, k, v, sinks=sinks, **options))
+    torch.manual_seed(3)
+    seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64))
+    keep = dropout.keep_mask(seed, 0, (1, 4, 16, 16), 0.3, "cpu")
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    kk, vv = (t.repeat_interleave(2, 1) for t in leaves[1:3])
+    s = 3.0 * torch.tanh(leaves[0] @ kk.transpose(-1, -2) * 16**-0.5 / 3.0)
+    rows, cols = torch.arange(16)[:, None], torch.arange(16)[None, :]
+    s = s.masked_fill((cols > rows) | (cols < rows - 5), float("-inf"))
+    p = torch.softmax(torch.cat([s, leaves[3].view(1, 4, 1, 1).expand(1, 4, 16, 1)], -1), -1)[..., :-1]
+    expected = (p * keep / 0.7) @ vv
+    assert rel_err(out, expected) < 1e-5
+    d_out = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad(out, (q, k, v, sinks), d_out)
+    want = torch.autograd.grad(expected, leaves, d_out.double())
+    for name, a, e in zip("qkvs", grads, want):
+        assert rel_err(a, e) < 1e-5, name

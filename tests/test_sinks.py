@@ -109,8 +109,6 @@ def test_the_torch_form_checks_sinks_by_name():
     q, k, v, _ = (t.float() for t in _tensors())
     with pytest.raises(cudnn.ValidationError, match=r"sinks: shape \[3\]"):
         cudnn.sdpa(q, k, v, enable_gqa=True, sinks=torch.zeros(3))
-    with pytest.raises(cudnn.UnsupportedError, match="dropout_p with sinks"):
-        cudnn.sdpa(q, k, v, enable_gqa=True, dropout_p=0.1, sinks=torch.zeros(H))
 
 
 def test_varlen_takes_sinks_and_learns_them():

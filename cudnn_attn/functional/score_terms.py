@@ -9,7 +9,8 @@ scores become ``cap * tanh(s / cap)`` before the mask and bias; cuDNN runs it as
 its own beside a modifier). ``window_size`` is FlashAttention's ``(left, right)`` band
 (``core/mask.window_band``). Calls with any of them take this path: the forward problem with its stats
 and the backward problem (with ``dSink_token``), each prepared once per geometry
-(``runtime.prepare``), through one autograd function. Dropout with them is not run yet.
+(``runtime.prepare``), through one autograd function. Dropout draws a fresh seed per call from
+torch's default generator, as ``sdpa``'s does; the backward reuses the forward's mask.
 """
 
 from __future__ import annotations
@@ -56,14 +57,15 @@ def score_terms_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     band (``window``: the left bound W, key j visible iff j > i - W; ``right_bound``)."""
     if sinks is not None:
         check_sinks(sinks, q.shape[1], q.device)
-    options = ScoreOptions(attn_scale=scale, causal=causal, sliding_window=window, right_bound=right_bound)
+    options = ScoreOptions(attn_scale=scale, causal=causal, sliding_window=window, right_bound=right_bound,
+                           dropout_p=float(dropout_p))  # fmt: skip
     modifier = None
     if softcap is not None:
         modifier, options = softcap_modifier(softcap, options, q.shape[2], k.shape[2])
-    if dropout_p:
-        what = "sinks" if sinks is not None else "softcap" if softcap is not None else "window_size"
-        raise UnsupportedError([f"dropout_p with {what}: not supported yet"], context="sdpa")
-    return _ScoreTermsAttention.apply(q, k, v, bias, sinks, options, modifier)
+    # A fresh dropout seed from torch's default generator (torch.manual_seed repeats it); the
+    # backward reuses the forward's mask through the same seed and offset.
+    rng = (torch.randint(0, 2**62, (1,), dtype=torch.int64), torch.zeros(1, dtype=torch.int64)) if dropout_p else None
+    return _ScoreTermsAttention.apply(q, k, v, bias, sinks, options, modifier, rng)
 
 
 def _sink_spec(q: torch.Tensor) -> TensorSpec:
@@ -85,18 +87,23 @@ def clear() -> None:
     _backward_runs.clear()
 
 
-def _forward_run(q, k, v, bias, sink, options: ScoreOptions, modifier) -> PreparedRun:
+def _rng_specs(rng: tuple | None) -> tuple[TensorSpec | None, TensorSpec | None]:
+    return (None, None) if rng is None else (TensorSpec.of(rng[0]), TensorSpec.of(rng[1]))
+
+
+def _forward_run(q, k, v, bias, sink, options: ScoreOptions, modifier, rng) -> PreparedRun:
     fast = (_geometry(q), _geometry(k), _geometry(v), _geometry(bias), sink is not None, options, modifier)
     run = _forward_runs.get(fast)
     if run is None:
         problem = forward_problem(TensorSpec.of(q), TensorSpec.of(k), TensorSpec.of(v), options, stats=True,
                                   bias=None if bias is None else TensorSpec.of(bias),
-                                  sink_token=None if sink is None else _sink_spec(q), score_mod=modifier)  # fmt: skip
+                                  sink_token=None if sink is None else _sink_spec(q), score_mod=modifier,
+                                  dropout_seed=_rng_specs(rng)[0], dropout_offset=_rng_specs(rng)[1])  # fmt: skip
         run = _forward_runs.put(fast, prepare(problem, context="sdpa"))
     return run
 
 
-def _backward_run(ctx, q, k, v, bias, sink, out, d_out, stats) -> PreparedRun:
+def _backward_run(ctx, q, k, v, bias, sink, out, d_out, stats, rng) -> PreparedRun:
     grad_bias = bias is not None and ctx.needs_input_grad[3]
     fast = (*(_geometry(t) for t in (q, k, v, out, d_out, stats, bias)), grad_bias, sink is not None, ctx.options,
             ctx.modifier)  # fmt: skip
@@ -105,19 +112,23 @@ def _backward_run(ctx, q, k, v, bias, sink, out, d_out, stats) -> PreparedRun:
         spec = TensorSpec.of
         problem = backward_problem(spec(q), spec(k), spec(v), spec(out), spec(d_out), spec(stats), ctx.options,
                                    bias=None if bias is None else spec(bias), grad_bias=grad_bias,
-                                   sink_token=None if sink is None else _sink_spec(q), score_mod=ctx.modifier)  # fmt: skip
+                                   sink_token=None if sink is None else _sink_spec(q), score_mod=ctx.modifier,
+                                   dropout_seed=_rng_specs(rng)[0], dropout_offset=_rng_specs(rng)[1])  # fmt: skip
         run = _backward_runs.put(fast, prepare(problem, context="sdpa backward"))
     return run
 
 
 class _ScoreTermsAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, sinks, options: ScoreOptions, modifier):  # type: ignore[override]
+    def forward(ctx, q, k, v, bias, sinks, options: ScoreOptions, modifier, rng):  # type: ignore[override]
         sink = None if sinks is None else sinks.detach().reshape(1, -1, 1, 1).to(torch.float32).contiguous()
-        run = _forward_run(q, k, v, bias, sink, options, modifier)
+        run = _forward_run(q, k, v, bias, sink, options, modifier, rng)
         inputs = {"q": q, "k": k, "v": v, **({"bias": bias} if bias is not None else {})}
         if sink is not None:
             inputs["sink_token"] = sink
+        if rng is not None:
+            inputs["dropout_seed"], inputs["dropout_offset"] = rng
+        ctx.rng = rng
         outputs = run.run(inputs)
         ctx.save_for_backward(q, k, v, bias, sink, outputs["o"], outputs["stats"])
         ctx.options, ctx.modifier = options, modifier
@@ -128,8 +139,10 @@ class _ScoreTermsAttention(torch.autograd.Function):
     def backward(ctx, d_out):  # type: ignore[override]
         q, k, v, bias, sink, out, stats = ctx.saved_tensors
         d_out = in_layout_of(d_out, out)
-        run = _backward_run(ctx, q, k, v, bias, sink, out, d_out, stats)
+        run = _backward_run(ctx, q, k, v, bias, sink, out, d_out, stats, ctx.rng)
         inputs = {"q": q, "k": k, "v": v, "o": out, "grad_o": d_out, "stats": stats}
+        if ctx.rng is not None:
+            inputs["dropout_seed"], inputs["dropout_offset"] = ctx.rng
         if bias is not None:
             inputs["bias"] = bias
         if sink is not None:
@@ -139,4 +152,4 @@ class _ScoreTermsAttention(torch.autograd.Function):
         if ctx.sink_meta is not None:
             shape, dtype = ctx.sink_meta
             d_sink = grads["grad_sink"].reshape(shape).to(dtype)
-        return grads["grad_q"], grads["grad_k"], grads["grad_v"], grads.get("grad_bias"), d_sink, None, None
+        return grads["grad_q"], grads["grad_k"], grads["grad_v"], grads.get("grad_bias"), d_sink, None, None, None
