@@ -94,23 +94,48 @@ def test_varlen_softcap_matches_the_reference_backend(window):
 
 
 @pytest.mark.parametrize("terms", ["sinks", "softcap", "window"])
-def test_dropout_with_score_terms_matches_the_reference_backend(terms):
+def test_dropout_with_score_terms_matches_the_reference_given_cudnns_mask(terms):
     """Attention dropout beside sinks, soft-capping or a window on cuDNN, forward and backward,
-    against the reference backend on CPU with the same seed (the same Philox mask)."""
+    against the reference backend fed cuDNN's own dropout mask (the reference's RNG is its own)."""
+    from cudnn_attn.core.constructors import backward_problem, forward_problem
+    from cudnn_attn.core.mask import Causal, ScoreOptions
+    from cudnn_attn.core.problem import TensorSpec
+    from cudnn_attn.core.softcap import softcap_modifier
+    from cudnn_attn.ops import get_backend
+
+    b, h, h_kv, s, d, p = 2, 8, 2, 256, 64, 0.2
     gen = torch.Generator(device="cuda").manual_seed(13)
-    q = torch.randn(2, 8, 256, 64, device="cuda", generator=gen).bfloat16().requires_grad_()
-    k, v = (torch.randn(2, 2, 256, 64, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(2))
-    extra = {"sinks": dict(sinks=torch.randn(8, device="cuda", generator=gen)), "softcap": dict(softcap=20.0),
-             "window": dict(window_size=(63, 0))}[terms]  # fmt: skip
-    torch.manual_seed(5)
-    out = cudnn_attn.sdpa(q, k, v, is_causal=True, enable_gqa=True, dropout_p=0.2, **extra)
-    d_out = torch.randn(out.shape, device="cuda", generator=gen).bfloat16()
-    grads = torch.autograd.grad(out, (q, k, v), d_out)
-    cpu = [t.detach().cpu().float().requires_grad_() for t in (q, k, v)]
-    torch.manual_seed(5)
-    cpu_extra = {name: t.cpu() if isinstance(t, torch.Tensor) else t for name, t in extra.items()}
-    ref = cudnn_attn.sdpa(*cpu, is_causal=True, enable_gqa=True, dropout_p=0.2, **cpu_extra)
-    expected = torch.autograd.grad(ref, cpu, d_out.cpu().float())
-    assert rel_err(out.float().cpu(), ref) < BF16
-    for name, a, e in zip(("dQ", "dK", "dV"), grads, expected):
-        assert rel_err(a.float().cpu(), e) < 3e-2, name
+    q = torch.randn(b, h, s, d, device="cuda", generator=gen).bfloat16()
+    k, v = (torch.randn(b, h_kv, s, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    d_o = torch.randn(b, h, s, d, device="cuda", generator=gen).bfloat16()
+    options = ScoreOptions(attn_scale=d**-0.5, causal=Causal.TOP_LEFT, dropout_p=p,
+                           sliding_window=64 if terms == "window" else None)  # fmt: skip
+    extra: dict = {}
+    inputs: dict = {"q": q, "k": k, "v": v, "dropout_seed": 1234, "dropout_offset": 7}
+    if terms == "softcap":
+        extra["score_mod"], options = softcap_modifier(20.0, options, s, s)
+    if terms == "sinks":
+        inputs["sink_token"] = torch.randn(1, h, 1, 1, device="cuda", generator=gen)
+        extra["sink_token"] = TensorSpec.of(inputs["sink_token"])
+    spec = TensorSpec.of
+    problem = forward_problem(spec(q), spec(k), spec(v), options, stats=True, **extra)
+    rng_dump = torch.full((b, h, s, s), float("nan"), device="cuda")
+    o, stats = torch.full_like(q, float("nan")), torch.full((b, h, s, 1), float("nan"), device="cuda")
+    get_backend("cudnn").build(problem, rng_dump=True)(inputs, {"o": o, "stats": stats}, rng_dump=rng_dump)
+    torch.cuda.synchronize()
+    keep = rng_dump.bool()
+    assert abs(keep.float().mean().item() - (1 - p)) < 0.02
+    o_ref, s_ref = torch.empty_like(o), torch.empty_like(stats)
+    get_backend("reference").build(problem)(inputs, {"o": o_ref, "stats": s_ref}, dropout_keep=keep)
+    assert rel_err(o, o_ref) < BF16
+    back = backward_problem(spec(q), spec(k), spec(v), spec(o_ref), spec(d_o), spec(s_ref), options, **extra)
+    back_inputs = {**inputs, "o": o_ref, "grad_o": d_o, "stats": s_ref}
+    got = {role: torch.full_like(t, float("nan")) for role, t in (("grad_q", q), ("grad_k", k), ("grad_v", v))}
+    want = {role: torch.empty_like(t) for role, t in got.items()}
+    if terms == "sinks":
+        got["grad_sink"], want["grad_sink"] = (torch.full_like(inputs["sink_token"], float("nan")) for _ in range(2))
+        back = back.replace(grad_sink=extra["sink_token"])
+    get_backend("cudnn").build(back)(back_inputs, got)
+    get_backend("reference").build(back)(back_inputs, want, dropout_keep=keep)
+    for role in got:
+        assert rel_err(got[role], want[role]) < 3e-2, role
