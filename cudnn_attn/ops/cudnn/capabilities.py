@@ -121,6 +121,11 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
                            "take no sink")  # fmt: skip
         if p.is_fp8:
             reasons.append("sink_token with FP8: not supported here")
+        if not p.is_forward and p.grad_sink is not None and p.has_dropout:
+            # Measured on an H100 with cuDNN 9.19: dSink comes back scaled by (1 - dropout_p), exactly
+            # (dQ, dK, dV right); the gradient is -P_sink * rowsum(dO * O), dropout already inside O.
+            reasons.append("dSink_token with dropout: cuDNN 9.19 returns dSink scaled by (1 - dropout) (measured "
+                           "on an H100); refused")  # fmt: skip
         if not p.is_forward and (p.is_thd or p.offset_tensors) and platform.cudnn < RAGGED_SINK_BACKWARD_MIN_CUDNN:
             reasons.append(f"sink_token in a ragged (THD) backward needs cuDNN >= 9.26 (have {_ver(platform.cudnn)}; "
                            "older versions read out of bounds, the frontend says)")  # fmt: skip
