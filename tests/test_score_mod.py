@@ -29,33 +29,28 @@ def test_softcap_forward_and_backward_with_the_frontends_bprop():
         assert rel_err(a, e) < TOL, name
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("with_sinks", [False, True])
-def test_torch_form_softcap_matches_the_oracle(causal, with_sinks):
+TERMS = {  # (cap, causal, sinks, window's left bound)
+    "softcap": (3.0, False, False, None),
+    "softcap-causal": (3.0, True, False, None),
+    "softcap-sinks": (3.0, False, True, None),
+    "softcap-causal-sinks": (3.0, True, True, None),
+    "window": (None, True, False, 5),  # FlashAttention's window_size=(5, 0): gpt-oss's, Mistral's
+    "window-sinks": (None, True, True, 5),
+    "window-sinks-softcap": (3.0, True, True, 5),
+}
+
+
+@pytest.mark.parametrize("terms", TERMS, ids=list(TERMS))
+def test_torch_form_score_terms_match_the_oracle(terms):
+    """``sdpa(softcap=, sinks=, window_size=)`` alone and together, forward and backward, GQA."""
+    cap, causal, with_sinks, left = TERMS[terms]
     g = torch.Generator().manual_seed(5)
-    q = torch.randn(2, 4, 12, 16, generator=g, requires_grad=True)
-    k, v = (torch.randn(2, 2, 12, 16, generator=g, requires_grad=True) for _ in range(2))
-    sinks = torch.randn(4, generator=g, requires_grad=True) if with_sinks else None
-    out = cudnn.sdpa(q, k, v, is_causal=causal, enable_gqa=True, softcap=3.0, sinks=sinks)
-    expected, leaves = softcap_torch_oracle(q, k, v, 3.0, causal, sinks)
-    assert rel_err(out, expected) < 1e-5
-    d_out = torch.randn(out.shape, generator=g)
-    out.backward(d_out)
-    expected.backward(d_out.double())
-    for name, ours, leaf in zip("qkvs", (q, k, v, sinks), leaves):
-        assert rel_err(ours.grad, leaf.grad) < 1e-5, name
-
-
-@pytest.mark.parametrize("cap, with_sinks", [(None, False), (None, True), (3.0, True)], ids=["plain", "sinks", "all"])
-def test_torch_form_sliding_window_matches_the_oracle(cap, with_sinks):
-    """FlashAttention's ``window_size=(left, 0)``: gpt-oss's and Mistral's causal sliding window,
-    alone or with sinks and soft-capping."""
-    g = torch.Generator().manual_seed(7)
     q = torch.randn(2, 4, 20, 16, generator=g, requires_grad=True)
     k, v = (torch.randn(2, 2, 20, 16, generator=g, requires_grad=True) for _ in range(2))
     sinks = torch.randn(4, generator=g, requires_grad=True) if with_sinks else None
-    out = cudnn.sdpa(q, k, v, enable_gqa=True, softcap=cap, sinks=sinks, window_size=(5, 0))
-    expected, leaves = softcap_torch_oracle(q, k, v, cap, True, sinks, left=5)
+    window = (left, 0) if left is not None else (-1, -1)
+    out = cudnn.sdpa(q, k, v, is_causal=causal, enable_gqa=True, softcap=cap, sinks=sinks, window_size=window)
+    expected, leaves = softcap_torch_oracle(q, k, v, cap, causal, sinks, left=left)
     assert rel_err(out, expected) < 1e-5
     d_out = torch.randn(out.shape, generator=g)
     out.backward(d_out)
