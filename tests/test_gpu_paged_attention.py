@@ -84,9 +84,12 @@ def test_cudnn_matches_the_reference(case):
     assert rel_err(got, want) < 1.5e-2, schedule
 
 
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
 @pytest.mark.parametrize("kernel", ["cudnn", "triton"])
-def test_a_captured_step_replays_after_new_plans(kernel):
-    """Two layers captured once; each later step is plan() then replay(), and matches eager runs."""
+def test_a_captured_step_replays_after_new_plans(kernel, sinks):
+    """Two layers captured once; each later step is plan() then replay(), and matches eager runs
+    (with sinks: folded in inside the captured step too)."""
+    extra = {"sinks": torch.randn(HQ, device="cuda")} if sinks else {}
     layers = 2
     max_batch, pages = 4, 32
     attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=max_batch,
@@ -97,11 +100,11 @@ def test_a_captured_step_replays_after_new_plans(kernel):
     outs = [torch.empty_like(q) for _ in range(layers)]
     attn.plan(first[3].cuda(), first[4].cuda())
     for (k, v), out in zip(caches, outs):  # warm up: graphs built, step derived once
-        attn.run(q, k, v, out=out)
+        attn.run(q, k, v, out=out, **extra)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for (k, v), out in zip(caches, outs):
-            attn.run(q, k, v, out=out)
+            attn.run(q, k, v, out=out, **extra)
     eager = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=max_batch,
                                       max_pages_per_seq=pages, splits=attn.schedule.splits, decode_kernel=kernel)  # fmt: skip
     for seed, lengths in enumerate(([2048, 5, 777, 1300], [64, 64, 2000, 1]), start=2):
@@ -113,7 +116,7 @@ def test_a_captured_step_replays_after_new_plans(kernel):
         graph.replay()
         eager.plan(step[3].cuda(), step[4].cuda())
         for (k, v), out in zip(caches, outs):
-            assert torch.equal(out, eager.run(q, k, v))
+            assert torch.equal(out, eager.run(q, k, v, **extra))
 
 
 def test_plan_and_run_make_no_host_sync():
