@@ -127,7 +127,7 @@ def test_bench_help_lists_the_sections(capsys):
         cli.main(["bench", "--help"])
     assert done.value.code == 0
     text = capsys.readouterr().out
-    assert all(flag in text for flag in ("--stack", "--paged-decode", "--naive"))
+    assert all(flag in text for flag in ("--stack", "--paged-decode", "--naive", "--models", "--mla"))
 
 
 @pytest.fixture
