@@ -222,3 +222,25 @@ def test_gpt_oss_through_the_registration_matches_eager(padding):
     for (key, p_ref), (_, p_ours) in zip(ref.named_parameters(), ours.named_parameters()):
         if p_ref.grad is not None and ("sinks" in key or "q_proj.weight" in key):
             assert rel_err(p_ours.grad.float(), p_ref.grad) < 5e-2, key
+
+
+def test_gpt_oss_decode_steps_with_a_window_and_padding_match_eager():
+    """gpt-oss decoding past its window over a left-padded batch, bf16 on cuDNN: one query token
+    per step, its sinks folded in after cuDNN's decode, the window and padding as a dense mask;
+    each step's logits against eager attention in float32 on the same cache."""
+    from test_transformers_integration import batch, gpt_oss_models
+
+    ref, ours = gpt_oss_models(4, "cuda")
+    ours = ours.to(torch.bfloat16)
+    ids, mask = batch("left", "cuda")
+    with torch.no_grad():
+        past_ref = ref(ids, attention_mask=mask, use_cache=True).past_key_values
+        past_ours = ours(ids, attention_mask=mask, use_cache=True).past_key_values
+        token = torch.randint(1, 100, (ids.shape[0], 1), device="cuda")
+        for _ in range(3):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            a = ref(token, attention_mask=mask, past_key_values=past_ref, use_cache=True)
+            b = ours(token, attention_mask=mask, past_key_values=past_ours, use_cache=True)
+            assert rel_err(b.logits.float(), a.logits) < 2 * TOLERANCE[torch.bfloat16]
+            past_ref, past_ours = a.past_key_values, b.past_key_values
+            token = a.logits[:, -1:].argmax(-1)
