@@ -226,8 +226,8 @@ def test_gpt_oss_through_the_registration_matches_eager(padding):
 
 def test_gpt_oss_decode_steps_with_a_window_and_padding_match_eager():
     """gpt-oss decoding past its window over a left-padded batch, bf16 on cuDNN: one query token
-    per step, its sinks folded in after cuDNN's decode, the window and padding as a dense mask;
-    each step's logits against eager attention in float32 on the same cache."""
+    per step with its sinks (through varlen, whose query length bucket keeps cuDNN off its
+    decode-only kernels); each step's logits against eager attention in float32 on the same cache."""
     from test_transformers_integration import batch, gpt_oss_models
 
     ref, ours = gpt_oss_models(4, "cuda")

@@ -500,18 +500,15 @@ def test_gemma2_softcap_matches_eager_logits_and_gradients(padding, window, call
 
 
 @pytest.mark.parametrize("padding", ["none", "left"])
-def test_gpt_oss_generation_matches_eager(padding, calls):
-    """gpt-oss generating past its window, with its sinks: each decode step (one query token over
-    the cache, padded or not) runs densely, never through varlen (cuDNN takes no sink there)."""
+def test_gpt_oss_generation_matches_eager(padding):
+    """gpt-oss generating past its window, with its sinks, padded or not: greedy tokens as eager's.
+    Decode steps over padding or past the window go through varlen, whose bucketed query length
+    (16 and up) keeps cuDNN off its decode-only kernels, which take no sink."""
     ref, ours = gpt_oss_models(4)
     ids, mask = batch(padding)
     settings = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        expected = ref.generate(ids, **settings)
-        calls.clear()
-        assert torch.equal(ours.generate(ids, **settings), expected)
-    decode_steps = 7 * LAYERS  # the prompt's forward aside (padded: varlen, with its sinks)
-    assert calls["sdpa"] + calls["dense_mask"] >= decode_steps and calls["varlen"] <= LAYERS
+        assert torch.equal(ours.generate(ids, **settings), ref.generate(ids, **settings))
 
 
 def test_gemma2_softcap_generation_matches_eager():

@@ -110,16 +110,11 @@ def attention_forward(
     if window is not None and not causal:
         raise UnsupportedError([f"sliding_window: {sliding_window} without a causal mask; cuDNN's band takes a "
                                 "left bound only"], context=CONTEXT, alternatives=_ALTERNATIVES)  # fmt: skip
-    # Sinks over padded or packed tokens in a backward, or beside padding or a window at one query
-    # token (decoding): cuDNN takes neither in a ragged (THD) batch, so they run densely.
-    dense_sinks = options.get("sinks") is not None and (
-        (attention_mask is not None and _trains_sinks(query, key, value, options))
-        or (query.shape[2] == 1 and (attention_mask is not None or window is not None))
-    )
+    trains_sinks = attention_mask is not None and _trains_sinks(query, key, value, options)
     packing = None
-    if not dense_sinks and (softcap is None or query.shape[2] == key.shape[2]):
+    if not trains_sinks and (softcap is None or query.shape[2] == key.shape[2]):
         packing = find_packing(attention_mask, kwargs, query.shape[0], query.shape[2], key.shape[2], causal)
-    if dense_sinks or (softcap is not None and (packing is None or options["dropout_p"])):
+    if trains_sinks or (softcap is not None and (packing is None or options["dropout_p"])):
         return _dense_terms(query, key, value, attention_mask, causal, window, options), None
     if packing is None:
         return _unpadded(query, key, value, causal, window, options), None
@@ -199,13 +194,12 @@ def _trains_sinks(query, key, value, options: dict) -> bool:
 
 def _dense_terms(query, key, value, tokens: torch.Tensor | None, causal: bool, window: int | None,
                  options: dict) -> torch.Tensor:  # fmt: skip
-    """Soft-capped layers (Gemma-2) the packed path cannot take, and sinks (gpt-oss) being trained
-    over padding or decoding over padding or a window: ``cudnn_attn.sdpa`` with ``softcap`` (whose
-    causal mask lives in the score modifier) or ``sinks``. Padding, packed runs and windows become
-    a dense boolean ``[B, 1, Q, K]`` mask: the packed path takes soft-capping only top-left (not
-    while decoding with a cache, where each sequence's diagonal sits elsewhere) and without
-    dropout, sinks in its backward only from cuDNN 9.26 and with one query token not at all. The
-    queries are the last ``Q`` keys."""
+    """Soft-capped layers (Gemma-2) the packed path cannot take, and sinks being trained over
+    padding (gpt-oss): ``cudnn_attn.sdpa`` with ``softcap`` (whose causal mask lives in the score
+    modifier) or ``sinks``. Padding, packed runs and windows become a dense boolean
+    ``[B, 1, Q, K]`` mask: the packed path takes soft-capping only top-left (not while decoding
+    with a cache, where each sequence's diagonal sits elsewhere) and without dropout, and sinks in
+    its backward only from cuDNN 9.26. The queries are the last ``Q`` keys."""
     batch, _, q_len, _ = query.shape
     k_len = key.shape[2]
     if tokens is None and window is None and (not causal or q_len in (1, k_len)):
@@ -213,8 +207,8 @@ def _dense_terms(query, key, value, tokens: torch.Tensor | None, causal: bool, w
     if tokens is None and window is not None and _dense_window(causal, window, q_len, k_len, options):
         out = sdpa(query, key, value, is_causal=True, window_size=(window, 0), **options)
         return out.transpose(1, 2).contiguous()
-    _log.debug("softcap or sinks with padding, packed runs or a window: a dense [B, 1, Q, K] mask (%d x %d)", q_len,
-               k_len)  # fmt: skip
+    _log.debug("softcap or trained sinks with padding, packed runs or a window: a dense [B, 1, Q, K] mask "
+               "(%d x %d)", q_len, k_len)  # fmt: skip
     device = query.device
     col = torch.arange(k_len, device=device)
     row = torch.arange(k_len - q_len, k_len, device=device)[:, None]
