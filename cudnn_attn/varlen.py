@@ -32,7 +32,7 @@ from .core.constructors import backward_problem, forward_problem
 from .core.derived import derived
 from .core.mask import Causal, ScoreOptions, default_scale, window_band
 from .core.problem import AttentionProblem, TensorSpec
-from .core.score_inputs import check_sinks
+from .core.score_inputs import check_sinks, sink_token
 from .core.score_mod import ScoreModifier
 from .core.softcap import softcap_modifier
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
@@ -168,7 +168,7 @@ class _Varlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, lengths_q, lengths_k, options, sinks):  # type: ignore[override]
         train = any(ctx.needs_input_grad[:3]) or (sinks is not None and ctx.needs_input_grad[6])
-        sink = None if sinks is None else sinks.detach().reshape(1, -1, 1, 1).to(torch.float32).contiguous()
+        sink = sink_token(sinks)
         run = _forward_run(q, k, v, lengths_q, lengths_k, options, train, sink)
         out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)  # every row written
         outputs = run.run(options.inputs(q=q, k=k, v=v, seq_len_q=lengths_q, seq_len_kv=lengths_k, sink_token=sink),

@@ -41,3 +41,9 @@ def check_sinks(sinks: Any, heads: int, device: torch.device) -> None:
                                f"[{heads}] or [1, {heads}, 1, 1] (one logit per query head)"])  # fmt: skip
     if sinks.device != device:
         raise ValidationError([f"sinks: on {sinks.device}; q is on {device}"])
+
+
+def sink_token(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """A checked ``sinks`` as the plans bind it: float32 ``[1, H, 1, 1]``, contiguous, detached
+    (its gradient comes back through the caller's autograd function)."""
+    return None if sinks is None else sinks.detach().reshape(1, -1, 1, 1).to(torch.float32).contiguous()

@@ -22,7 +22,7 @@ import torch
 from ..core.constructors import backward_problem, forward_problem
 from ..core.mask import Causal, ScoreOptions, window_band
 from ..core.problem import TensorSpec
-from ..core.score_inputs import check_sinks
+from ..core.score_inputs import check_sinks, sink_token
 from ..core.softcap import softcap_modifier
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
 from ..runtime.interop import in_layout_of
@@ -121,7 +121,7 @@ def _backward_run(ctx, q, k, v, bias, sink, out, d_out, stats, rng) -> PreparedR
 class _ScoreTermsAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, sinks, options: ScoreOptions, modifier, rng):  # type: ignore[override]
-        sink = None if sinks is None else sinks.detach().reshape(1, -1, 1, 1).to(torch.float32).contiguous()
+        sink = sink_token(sinks)
         run = _forward_run(q, k, v, bias, sink, options, modifier, rng)
         inputs = {"q": q, "k": k, "v": v, **({"bias": bias} if bias is not None else {})}
         if sink is not None:

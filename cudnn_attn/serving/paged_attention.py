@@ -38,7 +38,7 @@ import torch
 from ..core.constructors import forward_problem
 from ..core.mask import Causal, ScoreOptions, default_scale
 from ..core.problem import KVCacheLayout, TensorSpec
-from ..core.score_inputs import check_sinks
+from ..core.score_inputs import check_sinks, sink_token
 from ..core.sink_fold import add_sink
 from ..errors import ValidationError
 from ..kernels import mla_decode, paged_decode
@@ -220,10 +220,9 @@ class PagedAttention:
             raise ValidationError(["plan: run() before any plan(); call plan(page_table, seq_lens_kv) each step"],
                                   context="PagedAttention.run")  # fmt: skip
         check_run(self, q, k_cache, v_cache, out, step)
-        sink = None
         if sinks is not None:
             check_sinks(sinks, self.num_q_heads, q.device)
-            sink = sinks.detach().reshape(1, -1, 1, 1).to(torch.float32).contiguous()
+        sink = sink_token(sinks)
         if step.prefill:
             return self._run_prefill(q, k_cache, v_cache, out, step, sink)
         # A geometry new to this PagedAttention is derived now, and by every later plan().
