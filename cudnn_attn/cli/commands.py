@@ -191,12 +191,7 @@ def _bench(args: argparse.Namespace) -> int:
         print(bench_fp8.format_crossover(crossover))
         accuracy = bench_fp8.accuracy()
         print(bench_fp8.format_accuracy(accuracy))
-        if args.json:
-            import torch
-
-            report = {"device": torch.cuda.get_device_name(), "fp8": rows, "crossover": crossover, "accuracy": accuracy}
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=2)
+        _write_json(args.json, {"fp8": rows, "crossover": crossover, "accuracy": accuracy})
         return 0
     if args.context_parallel is not None:
         from ..bench import context_parallel as bench_context_parallel
@@ -212,39 +207,26 @@ def _bench(args: argparse.Namespace) -> int:
         print(bench_serving.format_serving(rows))
         prefill = bench_prefill.prefill_row()
         print(bench_prefill.format_prefill(prefill))
-        if args.json:
-            import torch
-
-            with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "serving": rows, "prefill": prefill}, f, indent=2)
+        _write_json(args.json, {"serving": rows, "prefill": prefill})
         return 0
     if args.mla:
         from ..bench import mla as bench_mla
 
-        mla_report = bench_mla.mla_rows()
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(mla_report, f, indent=2)
+        _write_json(args.json, bench_mla.mla_rows())
         return 0
     if args.models:
         from ..bench import model_shapes
 
         models = model_shapes.model_rows()
         print(model_shapes.format_models(models))
-        if args.json:
-            import torch
-
-            with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "models": models}, f, indent=2)
+        _write_json(args.json, {"models": models})
         return 0
     if args.frontend_rebuild:
         from ..bench import frontend_rebuild
 
         rebuild = frontend_rebuild.rebuild_loop()
         print(frontend_rebuild.format_rebuild(rebuild))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rebuild, f, indent=2)
+        _write_json(args.json, rebuild)
         return 0
     if args.varlen:
         from ..bench import varlen as bench_varlen
@@ -252,12 +234,7 @@ def _bench(args: argparse.Namespace) -> int:
         mixed, plans = bench_varlen.mixed_batch(), bench_varlen.plans_over_packings()
         llama = bench_varlen.llama_step() if importlib.util.find_spec("transformers") else None
         print(bench_varlen.format_varlen(mixed, plans, llama))
-        if args.json:
-            import torch
-
-            varlen_report = {"device": torch.cuda.get_device_name(), "mixed": mixed, "plans": plans, "llama": llama}
-            with open(args.json, "w") as f:
-                json.dump(varlen_report, f, indent=2)
+        _write_json(args.json, {"mixed": mixed, "plans": plans, "llama": llama})
         return 0
     sections = {"stack": args.stack, "paged_decode": args.paged_decode, "naive": args.naive}
     if args.grid:
@@ -273,6 +250,16 @@ def _bench(args: argparse.Namespace) -> int:
         shapes, json_path=args.json, plot_path=args.plot, overhead=args.overhead, cold=args.cold_start, **sections
     )
     return 0
+
+
+def _write_json(path: str | None, report: dict) -> None:
+    """A section's figures to ``--json PATH`` (nothing without it), with the GPU they ran on."""
+    if not path:
+        return
+    import torch
+
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), **report}, f, indent=2)
 
 
 def _cache(args: argparse.Namespace) -> int:
