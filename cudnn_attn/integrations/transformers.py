@@ -164,9 +164,9 @@ def _window(sliding_window: int | None, key_length: int) -> int | None:
 
 def _dense_window(causal: bool, window: int | None, q_len: int, k_len: int, options: dict) -> bool:
     """Whether a windowed layer runs as one dense call with ``window_size``: a whole causal
-    sequence (its windows measure from the top-left diagonal) without dropout (which that call
-    does not take). gpt-oss trains this way on any cuDNN with sinks: the packed path's backward
-    with sinks needs cuDNN >= 9.26."""
+    sequence (its windows measure from the top-left diagonal). With dropout it stays on the
+    packed path, where the transformers GPU tests measured it. gpt-oss trains this way on any
+    cuDNN with sinks: the packed path's backward with sinks needs cuDNN >= 9.26."""
     return window is not None and causal and q_len == k_len and not options["dropout_p"]
 
 
