@@ -19,7 +19,15 @@ them on the device).
 
 Tried on an H100 and kept out (none ran faster at 16 or 128 heads, most did not fit in shared
 memory): two pages per step, two programs per block of heads each accumulating half of V's
-dims, three pipeline stages, four warps for 128 heads.
+dims, three pipeline stages, half-page steps with three or four stages, one stage with 64- or
+128-token steps, four warps for 128 heads, Triton 3.6's ``warp_specialize`` (no effect on
+Hopper at eight warps, a compiler failure at four), and full pages read without a mask (+4% at
+128 heads, -5% at 16 with the tail as a branch; -6 to -12% with the tail as a second loop). At
+64 heads per program the kernel holds 242-255 registers a thread and 216 KB of shared memory:
+one program per SM that loads, multiplies and exponentiates in turn, which is what holds it at
+210-280 TFLOP/s; FlashMLA's rate needs producer and consumer warp groups (TMA loads, the softmax
+of one tile beside the matrix products of the next), which Triton's pipeliner does not make of
+this kernel; a kernel written at that level (Gluon or CUDA C++) is the way there.
 """
 
 from __future__ import annotations
