@@ -106,6 +106,25 @@ def test_forward_lowers_to_sdpa_fp8(problem):
         assert virtual["is_virtual"] and virtual["uid"] not in expected_uids(problem)
 
 
+@pytest.mark.parametrize("stats", [True, False], ids=["stats", "no-stats"])
+def test_a_forward_sink_lowers_to_a_sinkless_graph_with_its_stats(stats):
+    """cuDNN 9.19 compiles no FP8 forward kernel with a sink on Hopper: the plan runs without it,
+    with the log-sum-exp (asked for or not), and folds it in after (ops/cudnn/folded_sink.py)."""
+    p = forward(causal=Causal.TOP_LEFT, stats=stats, sink_token=spec(1, 8, 1, 1, dtype=torch.float32))
+    tensors = bound(lowered(p)[1])
+    assert UID["sink_token"] not in tensors and tensors[UID["stats"]]["dim"] == [2, 8, 128, 1]
+    assert set(tensors) == expected_uids(p) - {UID["sink_token"]} | {UID["stats"]}
+
+
+def test_a_backward_sink_lowers_to_a_sinkless_graph():
+    """cuDNN 9.19's FP8 backward with a sink faults on Hopper: the sink-less graph, given the stats
+    that hold the sink, makes dQ, dK, dV; the plan makes dSink from O, dO and the stats."""
+    sink = spec(1, 8, 1, 1, dtype=torch.float32)
+    p = backward(causal=Causal.TOP_LEFT, sink_token=sink, grad_sink=sink)
+    tensors = bound(lowered(p)[1])
+    assert set(tensors) == expected_uids(p) - {UID["sink_token"], UID["grad_sink"]}
+
+
 def test_forward_masks_use_the_fp8_spelling():
     n = node(lowered(padded(forward(causal=Causal.BOTTOM_RIGHT)))[1])
     params = n["params"]
@@ -208,9 +227,13 @@ def paged_forward():
     [(forward(), H100), (backward(), H100), (padded(forward(causal=Causal.TOP_LEFT)), B200),
      (forward(h_kv=2, d=64, dtype=E5M2), H100), (forward(dropout_p=0.1), H100), (backward(dropout_p=0.1), H100),
      (forward(causal=Causal.TOP_LEFT, sliding_window=64), H100), (forward(d=64), B200), (backward(d=64), B200),
-     (padded(forward(causal=Causal.BOTTOM_RIGHT)), B200), (forward(), Platform("H100", (9, 0), 90700, "1.32.0"))],
+     (padded(forward(causal=Causal.BOTTOM_RIGHT)), B200), (forward(), Platform("H100", (9, 0), 90700, "1.32.0")),
+     (forward(sink_token=spec(1, 8, 1, 1, dtype=torch.float32)), H100),
+     (forward(s_q=1, sink_token=spec(1, 8, 1, 1, dtype=torch.float32)), H100),
+     (backward(sink_token=spec(1, 8, 1, 1, dtype=torch.float32), grad_sink=spec(1, 8, 1, 1, dtype=torch.float32)),
+      H100)],
     ids=["forward", "backward", "padding-causal", "gqa-e5m2-d64", "dropout", "backward-dropout", "window",
-         "blackwell-d64", "blackwell-backward-d64", "blackwell-bottom-right", "cudnn-9.7"],
+         "blackwell-d64", "blackwell-backward-d64", "blackwell-bottom-right", "cudnn-9.7", "sink", "decode-sink", "backward-sink"],
 )  # fmt: skip
 def test_supported_fp8_problems_have_no_reasons(problem, platform):
     assert unsupported_reasons(problem, platform) == []

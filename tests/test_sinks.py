@@ -154,7 +154,7 @@ def test_a_decode_sink_lowers_to_a_sinkless_graph_with_its_stats():
     from cudnn_attn.core.mask import ScoreOptions
     from cudnn_attn.core.problem import TensorSpec
     from cudnn_attn.core.roles import UID
-    from cudnn_attn.ops.cudnn import capabilities, decode_sink, lowering
+    from cudnn_attn.ops.cudnn import capabilities, folded_sink, lowering
 
     def problem(s_q: int):
         q = TensorSpec.contiguous((B, H, s_q, D), torch.bfloat16, "cuda:0")
@@ -164,7 +164,7 @@ def test_a_decode_sink_lowers_to_a_sinkless_graph_with_its_stats():
 
     for s_q, after in ((1, True), (4, False)):
         p = problem(s_q)
-        assert decode_sink.applies(p) is after
+        assert folded_sink.applies(p) is after
         tensors = json.loads(repr(lowering.lower(p).graph))["tensors"]
         uids = {t["uid"] for t in tensors.values() if not t["is_virtual"]}
         assert (UID["sink_token"] in uids) is not after and (UID["stats"] in uids) is after, tensors

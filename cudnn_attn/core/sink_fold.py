@@ -20,7 +20,44 @@ def add_sink(o: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> None:
     """Fold ``sink`` into ``o`` and ``lse``, in place. ``o``: ``[..., H, S, D]`` (any strides,
     any float dtype); ``lse``: float32 of ``o``'s shape with a last dim of 1; ``sink``: float32,
     broadcasting to ``lse`` (``[1, H, 1, 1]``)."""
-    merged = torch.logaddexp(lse, sink)
-    weight = torch.exp(lse - merged)  # exp(-inf) = 0 where no key is seen: O stays 0
+    merged, weight = _folded(lse, sink)
     o.copy_(o.float() * weight)
     lse.copy_(merged)
+
+
+def add_sink_fp8(outputs: dict[str, torch.Tensor], scale_o: torch.Tensor, sink: torch.Tensor) -> None:
+    """The same for an FP8 attention's outputs (``o`` as stored, ``O * scale_o`` in FP8; ``stats``;
+    ``amax_o``, ``amax_s`` where present), in place. O is re-quantised (round to nearest even, as
+    every cast to FP8 on the GPU; the factor is at most 1, so nothing saturates); Amax_O becomes
+    the folded O's before that rounding, Amax_S the sink-less one times the largest factor (an
+    upper bound: the sink-less row maxima are not among the outputs)."""
+    o, lse = outputs["o"], outputs["stats"]
+    merged, weight = _folded(lse, sink)
+    scaled = o.float() * weight
+    o.copy_(scaled)
+    if "amax_o" in outputs:
+        outputs["amax_o"].copy_((scaled.abs().amax() / scale_o.float()).reshape(outputs["amax_o"].shape))
+    if "amax_s" in outputs:
+        outputs["amax_s"].mul_(weight.amax())
+    lse.copy_(merged)
+
+
+def sink_gradient(o: torch.Tensor, d_o: torch.Tensor, stats: torch.Tensor, sink: torch.Tensor,
+                  descale: torch.Tensor | float = 1.0) -> torch.Tensor:  # fmt: skip
+    """d loss / d sink, ``[1, H, 1, 1]`` in ``stats``' dtype: the sink's column of the softmax
+    gradient. Its probability is ``exp(sink - stats)`` and it weighs no value, so its score's
+    gradient is ``P_sink * (0 - D)``, ``D = rowsum(dO * O) * descale`` (FP8: descale_dO * descale_O;
+    dropout is already inside O). Needs only the forward's O and stats: a backward run without
+    the sink, given the stats that include it, makes dQ, dK, dV, and this makes the rest."""
+    delta = (d_o.to(stats.dtype) * o.to(stats.dtype)).sum(-1, keepdim=True) * descale
+    lse = torch.where(torch.isneginf(stats), torch.zeros_like(stats), stats)
+    p_sink = torch.where(torch.isneginf(stats), torch.zeros_like(stats), torch.exp(sink.to(stats.dtype) - lse))
+    return -(p_sink * delta).sum(dim=(0, 2, 3), keepdim=True).view(1, -1, 1, 1)
+
+
+def _folded(lse: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L', exp(L - L')): 0 where the row sees no key (L = -inf), and where it sees neither key
+    nor sink (L' = -inf too)."""
+    merged = torch.logaddexp(lse, sink)
+    weight = torch.where(torch.isneginf(merged), 0.0, torch.exp(lse - merged))
+    return merged, weight

@@ -329,8 +329,8 @@ def _check_masks(p: AttentionProblem, found: list[str]) -> None:
 def unrunnable(p: AttentionProblem) -> list[str]:
     """Well-formed problems no backend runs, as the frontend refuses them (not supported, not
     invalid): a bottom-right diagonal that leaves the first query rows without keys."""
-    if p.score_mod is not None and p.is_fp8:
-        return ["score_mod: score modifiers on FP8 attention are not supported here"]
+    if p.score_mod is not None and p.is_fp8 and not p.is_forward:
+        return ["score_mod: the FP8 backward takes no score modifier (the frontend's sdpa_fp8_backward has none)"]
     s_q, s_kv = p.s_q, p.s_kv
     if s_q <= s_kv or p.options.padding:
         return []

@@ -50,14 +50,21 @@ class Fp8Ops:
         generate_stats: bool | None = None,
         compute_data_type: Any = None,
         name: str | None = None,
+        fn: Any = None,
         **mask: Any,
     ) -> tuple[OutputHandle, OutputHandle | None, OutputHandle, OutputHandle]:
         """FP8 attention forward: ``(O, Stats or None, Amax_S, Amax_O)``.
 
         S = q k^T * attn_scale * descale_q * descale_k; P = softmax(S) (Amax_S = max|P|) is
         quantised with ``scale_s``; O = (P v) * descale_s * descale_v (Amax_O = max|O|) is
-        written as ``O * scale_o`` in O's dtype (q's by default). Mask keywords as ``sdpa``'s.
+        written as ``O * scale_o`` in O's dtype (q's by default). Mask keywords as ``sdpa``'s,
+        ``sink_token`` included (the sink is one more score in S's units). ``fn``: the frontend's
+        name here for ``score_mod``, a callback ``(graph, S) -> S'`` applied to the descaled
+        scores before the masks (inference only: ``sdpa_fp8_backward`` takes no modifier).
         """
+        twice = fn is not None and mask.get("score_mod") is not None
+        if fn is not None:
+            mask = {**mask, "score_mod": fn}
         scales = (descale_q, descale_k, descale_v, descale_s, scale_s, scale_o)
         args = (q, k, v, scales, is_inference, generate_stats, compute_data_type)
         stats = stats_requested(is_inference, generate_stats, [])  # its errors are reported at build
@@ -65,6 +72,8 @@ class Fp8Ops:
         node = self.recording.record_call(Op.FORWARD, name, FP8_INPUTS, "sdpa_fp8", _interpret_fp8, args, mask,
                                           outputs)  # fmt: skip
         node.fp8 = True
+        if twice:
+            node.errors.append("fn: given beside score_mod; sdpa_fp8 takes its score modifier once, as fn")
         return node.outputs["o"], node.outputs.get("stats"), node.outputs["amax_s"], node.outputs["amax_o"]
 
     @publishes_mask_keywords
@@ -92,22 +101,31 @@ class Fp8Ops:
         use_deterministic_algorithm: bool = False,
         compute_data_type: Any = None,
         name: str | None = None,
+        dSink_token: Any = None,  # noqa: N803 - the frontend's spelling
         **mask: Any,
     ) -> tuple[OutputHandle, ...]:
         """Gradients of ``sdpa_fp8``: ``(dQ, dK, dV, Amax_dQ, Amax_dK, Amax_dV, Amax_dP)``.
 
-        Give the same mask and scale as the forward whose ``o`` and ``stats`` are passed.
+        Give the same mask, scale and ``sink_token`` as the forward whose ``o`` and ``stats`` are
+        passed. ``dSink_token``: a ``[1, H_q, 1, 1]`` float32 tensor the caller made that receives
+        the sink's gradient, ``-sum(exp(sink - stats) * rowsum(dO * O) * descale_dO * descale_o)``.
         """
+        modifiers = [keyword for keyword in ("score_mod", "score_mod_bprop") if mask.get(keyword) is not None]
+        mask = {k: v for k, v in mask.items() if k not in modifiers}  # the frontend's FP8 backward has none
         scales = (descale_q, descale_k, descale_v, descale_o, descale_dO, descale_s, descale_dP, scale_s, scale_dQ,
                   scale_dK, scale_dV, scale_dP)  # fmt: skip
         args = (q, k, v, o, dO, stats, scales, use_deterministic_algorithm, compute_data_type)
         outputs = ("grad_q", "grad_k", "grad_v", *FP8_BACKWARD_AMAXES)
         node = self.recording.record_call(
             Op.BACKWARD, name, FP8_BACKWARD_INPUTS, "sdpa_fp8_backward", _interpret_fp8_backward, args, mask,
-            outputs,
+            outputs + (("grad_sink",) if dSink_token is not None else ()),
         )  # fmt: skip
         node.fp8 = True
-        return tuple(node.outputs.values())
+        node.errors += [f"{keyword}: not a keyword of sdpa_fp8_backward (the frontend's FP8 backward takes no score "
+                        "modifier)" for keyword in modifiers]  # fmt: skip
+        if dSink_token is not None:
+            self.recording.caller_output(node, "grad_sink", dSink_token)
+        return tuple(node.outputs[role] for role in outputs)
 
 
 def _interpret_fp8(recording: Recording, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, scales: tuple,

@@ -64,10 +64,8 @@ class MaskKeywords:
     # The frontend's keywords for what is not run here: their defaults are taken (code passes them
     # on every call); any other value is refused with the reason (NOT_RUN_HERE).
     block_mask: Any = None
-    fn: Any = None
     score_max: Any = None
     score_sum_exp: Any = None
-    dSink_token: Any = None  # noqa: N815 - the FP8 backward's (sdpa_backward takes its own)
     unfuse_fma: Any = False
     cu_seq_len_q: Any = None
     cu_seq_len_kv: Any = None
@@ -81,10 +79,8 @@ ALIASES = (("sliding_window", "sliding_window_length"), ("left_bound", "diagonal
            ("right_bound", "diagonal_band_right_bound"))  # fmt: skip
 NOT_RUN_HERE = {
     "block_mask": "block-sparse tile masks need cuDNN's unified engine (cuDNN >= 9.14); not supported here",
-    "fn": "score modifiers on FP8 attention are not supported here (sdpa and sdpa_backward take score_mod)",
     "score_max": "the softmax partials (score_max, score_sum_exp) as outputs are not supported here; use Stats",
     "score_sum_exp": "the softmax partials (score_max, score_sum_exp) as outputs are not supported here; use Stats",
-    "dSink_token": "the FP8 backward's sink gradient is not supported here",
     "unfuse_fma": "a Blackwell (sm100) engine option; not supported here",
     "cu_seq_len_q": "cumulative sequence lengths need cuDNN >= 9.24; give seq_len_q with ragged offsets",
     "cu_seq_len_kv": "cumulative sequence lengths need cuDNN >= 9.24; give seq_len_kv with ragged offsets",
@@ -95,6 +91,11 @@ NOT_RUN_HERE = {
 
 
 KEYWORDS = tuple(f.name for f in dataclasses.fields(MaskKeywords))
+# The ops' own keywords, named when given to another op.
+HINTS = {
+    "fn": "sdpa_fp8's name for a score modifier; sdpa and sdpa_backward take score_mod",
+    "dSink_token": "sdpa_backward and sdpa_fp8_backward take it (the sink's gradient)",
+}
 
 
 @dataclass
@@ -116,7 +117,7 @@ def collect_keywords(given: dict[str, Any], op: str, hints: dict[str, str] | Non
     """``given`` as ``MaskKeywords``, or the lines naming each keyword ``op`` does not take."""
     unknown = [name for name in given if name not in KEYWORDS]
     if unknown:
-        hints = hints or {}
+        hints = {**HINTS, **(hints or {})}
         return [f"{name}: not a keyword of {op}" + (f"; {hints[name]}" if name in hints else "") for name in unknown]
     return MaskKeywords(**given)
 

@@ -24,7 +24,7 @@ from ...core.dtypes import FP8
 from ...core.mask import Causal
 from ...core.problem import AttentionProblem
 from ...core.roles import user_name
-from . import decode_sink
+from . import folded_sink
 
 
 @dataclass(frozen=True)
@@ -114,14 +114,12 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
     if p.sink_token is not None:
         if platform.cudnn < SINK_MIN_CUDNN:
             reasons.append(f"attention sinks need cuDNN >= 9.13 (have {_ver(platform.cudnn)})")
-        if p.is_forward and p.s_q == 1 and not p.is_fp8 and not decode_sink.applies(p):
+        if p.is_forward and p.s_q == 1 and not folded_sink.applies(p):
             # cuDNN 9.19: "decode only mode ... not supported with sink_token"; dense and paged
-            # decode add the sink after the run (decode_sink.py), a packed query cannot.
+            # decode add the sink after the run (folded_sink.py), a packed query cannot.
             reasons.append("sink_token with S_q = 1 and a packed (THD) or offset query: cuDNN's decode kernels "
                            "take no sink")  # fmt: skip
-        if p.is_fp8:
-            reasons.append("sink_token with FP8: not supported here")
-        if not p.is_forward and p.grad_sink is not None and p.has_dropout:
+        if not p.is_forward and p.grad_sink is not None and p.has_dropout and not folded_sink.applies(p):
             # Measured on an H100 with cuDNN 9.19: dSink comes back scaled by (1 - dropout_p), exactly
             # (dQ, dK, dV right); the gradient is -P_sink * rowsum(dO * O), dropout already inside O.
             reasons.append("dSink_token with dropout: cuDNN 9.19 returns dSink scaled by (1 - dropout) (measured "
@@ -329,6 +327,11 @@ def _score_mod_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
             # per-row and per-column tensors [1, 1, S, 1] / [1, 1, 1, S], are read right.
             reasons.append(f"score_mod input {i}: shape {list(spec.shape)}; cuDNN 9.19 misreads score_mod tensors "
                            "that vary by batch; give per-sequence lengths as seq_len_q/seq_len_kv instead")  # fmt: skip
+    if p.is_fp8:
+        # Measured on an H100 with cuDNN 9.19: sdpa_fp8 with a soft-capping fn builds and runs, but O
+        # comes out wrong (rel err 12.5 against the emulation, values saturated). Not measured elsewhere.
+        reasons.append("fn (a score modifier) on FP8 attention: cuDNN 9.19 returns wrong results (measured on an "
+                       "H100: rel err 12 for soft-capping); refused. Use sdpa with score_mod on fp16/bf16 tensors")  # fmt: skip
     o = p.options
     if o.has_band or o.alibi:
         reasons.append("score_mod with a causal mask, band or ALiBi: cuDNN applies no mask of its own beside a score "

@@ -26,7 +26,7 @@ import torch
 from ...core.mask import Causal
 from ...core.problem import AttentionProblem, KVCacheLayout, TensorSpec
 from ...core.roles import FP8_AMAXES, FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES, ROLES, UID, offset_role
-from . import decode_sink
+from . import folded_sink
 from .dtypes import cudnn_dtype
 from .score_mod import callbacks
 from .workarounds import full_lengths_reason
@@ -139,10 +139,12 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) ->
             options["rng_dump"] = graph.tensor(name="rng_dump", dim=[p.batch, p.h_q, p.s_q, p.s_kv], stride=list(stride),
                                                data_type=cudnn.data_type.FLOAT, uid=UID["rng_dump"])  # fmt: skip
         amaxes: dict[str, Any] = {}
-        sink_after = decode_sink.applies(p)  # the plan folds the sink in after the run, from the stats
+        sink_after = folded_sink.applies(p)  # the plan folds the sink in after the run, from the stats
         if p.is_fp8:
+            if "score_mod" in options:  # sdpa_fp8's name for it
+                options["fn"] = options.pop("score_mod")
             o, stats, *amax_handles = graph.sdpa_fp8(
-                inputs["q"], inputs["k"], inputs["v"], generate_stats=p.generates_stats, name="sdpa_fp8",
+                inputs["q"], inputs["k"], inputs["v"], generate_stats=p.generates_stats or sink_after, name="sdpa_fp8",
                 **_scales(FP8_SCALES, tensor, p), **options,
             )  # fmt: skip
             amaxes = dict(zip(FP8_AMAXES, amax_handles))  # Amax_S, Amax_O
@@ -155,9 +157,9 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) ->
         if p.stats is not None:
             output(stats, "stats", p.stats)
         elif sink_after:  # the log-sum-exp the sink is added from, in the plan's scratch buffer
-            stats.set_output(True).set_dim([p.batch, p.h_q, 1, 1]).set_stride([p.h_q, 1, 1, 1]).set_data_type(
-                cudnn.data_type.FLOAT
-            ).set_uid(UID["stats"])
+            stats.set_output(True).set_dim([p.batch, p.h_q, p.s_q, 1]).set_stride(
+                [p.h_q * p.s_q, p.s_q, 1, 1]
+            ).set_data_type(cudnn.data_type.FLOAT).set_uid(UID["stats"])
         _amax_outputs(amaxes, output, p)
         return lowered
     extra = {role: tensor(role, getattr(p, role), **ragged(role, getattr(p, role))) for role in ("o", "grad_o")}
@@ -166,7 +168,7 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) ->
         d_bias = graph.tensor(name="grad_bias", dim=list(p.grad_bias.shape), stride=list(p.grad_bias.stride),
                               data_type=cudnn_dtype(p.grad_bias.dtype), uid=UID["grad_bias"])  # fmt: skip
         options["dBias"] = d_bias
-    if p.grad_sink is not None:
+    if p.grad_sink is not None and not folded_sink.applies(p):  # else the plan makes dSink after the run
         options["dSink_token"] = graph.tensor(name="grad_sink", dim=list(p.grad_sink.shape), stride=list(p.grad_sink.stride),
                                               data_type=cudnn.data_type.FLOAT, uid=UID["grad_sink"])  # fmt: skip
     if p.is_fp8:
@@ -241,7 +243,7 @@ def _mask_options(p: AttentionProblem, graph: Any, tensor: Any, lowered: Lowered
         options["score_mod"] = forward
         if backward is not None and not p.is_forward:  # sdpa takes no bprop
             options["score_mod_bprop"] = backward
-    if p.sink_token is not None and not decode_sink.applies(p):
+    if p.sink_token is not None and not folded_sink.applies(p):
         options["sink_token"] = tensor("sink_token", p.sink_token)
     if p.options.alibi:
         options["use_alibi_mask"] = True

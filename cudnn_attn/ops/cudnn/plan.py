@@ -13,10 +13,10 @@ from ...core.bounds import clamped, upper_bounds
 from ...core.derived import derived
 from ...core.problem import AttentionProblem
 from ...core.roles import UID
-from ...core.sink_fold import add_sink
+from ...core.sink_fold import add_sink, add_sink_fp8, sink_gradient
 from ..base import RunInputs
 from . import autotune as autotune_
-from . import decode_sink
+from . import folded_sink
 from .frontend_internals import native_executor
 from .lowering import Lowered
 from .platform import cudnn_handle, current_stream, stream_pointer
@@ -41,7 +41,7 @@ class CudnnPlan:
         self._empty_fix = empty_sequence_fix(problem)
         self._index: int | None = None  # a candidate other than the chosen one (at_index)
         self._prefill = problem.options.padding and problem.is_forward
-        self._sink_after = decode_sink.applies(problem)  # a decode sink, added after the run
+        self._sink_after = folded_sink.applies(problem)  # a sink cuDNN does not take, added after the run
         self._stats_scratch: dict[int, torch.Tensor] = {}  # by stream, as workspaces
         import cudnn
 
@@ -61,11 +61,14 @@ class CudnnPlan:
         handle: Any = None,
         rng_dump: torch.Tensor | None = None,
     ) -> None:
-        sink = None
+        sink = d_sink = None
         if self._sink_after:
             inputs = dict(inputs)
             sink = inputs.pop("sink_token")
-            if "stats" not in outputs:
+            if not self.problem.is_forward:
+                outputs = dict(outputs)
+                d_sink = outputs.pop("grad_sink", None)
+            elif "stats" not in outputs:
                 outputs = {**outputs, "stats": self._scratch(stream, handle)}
         if self._prefill:
             # cuDNN leaves the rows of a sequence with no keys unwritten (O and stats), and packed
@@ -78,8 +81,14 @@ class CudnnPlan:
                 outputs["stats"].fill_(float("-inf"))
         pack = self.variant_pack(inputs, outputs, rng_dump)
         self.execute_ordered(tuple(pack.values()), tuple(pack), stream, workspace, handle)
-        if sink is not None:
-            add_sink(outputs["o"], outputs["stats"], sink)  # type: ignore[arg-type]
+        if d_sink is not None:
+            descale = inputs["descale_o"] * inputs["descale_grad_o"]  # type: ignore[operator]
+            d_sink.copy_(sink_gradient(inputs["o"], inputs["grad_o"], inputs["stats"], sink, descale))  # type: ignore[arg-type]
+        elif sink is not None and self.problem.is_forward:
+            if self.problem.is_fp8:
+                add_sink_fp8(outputs, inputs["scale_o"], sink)  # type: ignore[arg-type]
+            else:
+                add_sink(outputs["o"], outputs["stats"], sink)  # type: ignore[arg-type]
         if self._empty_fix is not None:
             self._empty_fix(inputs, outputs)
 
@@ -176,13 +185,13 @@ class CudnnPlan:
         return buffer
 
     def _scratch(self, stream: Any, handle: Any) -> torch.Tensor:
-        """The decode sink's log-sum-exp buffer when the caller wants none: one per stream."""
+        """The folded sink's log-sum-exp buffer when the caller wants none: one per stream."""
         if stream is None and handle is not None:
             stream = getattr(handle, "stream", None)
         key = current_stream(self.device_index) if stream is None else stream_pointer(stream, self.device_index)
         buffer = self._stats_scratch.get(key)
         if buffer is None:
-            buffer = self._stats_scratch[key] = decode_sink.stats_scratch(self.problem, self.device)
+            buffer = self._stats_scratch[key] = folded_sink.stats_scratch(self.problem, self.device)
         return buffer
 
     def variant_pack(

@@ -16,6 +16,7 @@ from ...core import ragged, validation
 from ...core.bounds import clamped, upper_bounds, value_problems
 from ...core.problem import AttentionProblem, KVCacheLayout
 from ...core.roles import FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES, ROLES, offset_role, sequence_lengths
+from ...core.sink_fold import sink_gradient
 from ...errors import ValidationError
 from ..base import RunInputs
 from . import dropout, masks, score_mod
@@ -98,7 +99,7 @@ class ReferencePlan:
                 d_bias.copy_(d_b)
             if "grad_sink" in outputs:
                 assert terms.sink is not None, "validation: dSink_token needs sink_token"
-                d_sink = reference_math.sink_gradient(dense["o"], dense["grad_o"], dense["stats"], terms.sink)
+                d_sink = sink_gradient(dense["o"], dense["grad_o"], dense["stats"], terms.sink)
                 outputs["grad_sink"].copy_(d_sink)
 
     # The frontend's plan helpers: the reference backend has one plan.
@@ -137,6 +138,11 @@ class ReferencePlan:
         self._write(outputs["grad_q"], d_q, inputs, "grad_q")
         self._write(outputs["grad_k"], d_k, inputs, "grad_k")
         self._write(outputs["grad_v"], d_v, inputs, "grad_v")
+        if "grad_sink" in outputs:
+            assert terms.sink is not None, "validation: dSink_token needs sink_token"
+            descale = (scales["descale_o"].to(dt) * scales["descale_grad_o"].to(dt)).reshape(())
+            d_sink = sink_gradient(dense["o"], dense["grad_o"], dense["stats"], terms.sink, descale)
+            outputs["grad_sink"].copy_(d_sink)
         for role, amax in zip(FP8_BACKWARD_AMAXES, amaxes):
             if role in outputs:
                 outputs[role].copy_(amax)

@@ -8,8 +8,10 @@ matmul, each fp8 result is made as ``quantise(x * scale)``, and each amax is tak
 
 Forward (``scale``/``descale`` are float32 [1, 1, 1, 1]; ``@`` on raw fp8 values)::
 
-    S      = (Q @ K^T) * attn_scale * descale_q * descale_k  (+ bias), masked entries -> -inf
-    P      = softmax(S);  stats = max + log(sum exp)  (natural log, float32 [B, H, S_q, 1])
+    S      = (Q @ K^T) * attn_scale * descale_q * descale_k
+    S      = fn(S)  (+ bias), masked entries -> -inf    (fn: the score modifier, if any)
+    P      = softmax(S);  stats = max + log(sum exp)  (natural log, float32 [B, H, S_q, 1];
+             a sink is one more term of the sum, weighing no value)
     P      = P * keep / (1 - p)                     (dropout, if any)
     amax_S = max|P|                                 (before scale_s)
     P8     = quantise(P * scale_s)                  (to Q's fp8 dtype)
@@ -28,6 +30,7 @@ Backward (P recomputed from the forward's stats, not renormalised)::
     dQ     = (dS8 @ K) * descale_dP * descale_k
     dK     = (dS8^T @ Q) * descale_dP * descale_q              (summed over a GQA group)
     amax_dX = max|dX| (after the GQA sum, before scale);  dX_out = quantise(dX * scale_dX)
+    dSink  = -sum over batch and rows of exp(sink - stats) * D   (``core.sink_fold.sink_gradient``)
 
 ``quantise`` rounds to nearest even and saturates to the largest finite value (448 for
 e4m3, 57344 for e5m2; NaN stays NaN): on the GPU every f32 -> fp8 conversion is a PTX
@@ -141,14 +144,14 @@ def forward_fp8(
         block = slice(rows.start, rows.stop)
         part = terms.block(rows)
         s = _scores(qf[:, :, block], kf, part, sc)
-        p, lse = _softmax(s)
+        p, lse = _softmax(s, terms.sink)
         p_d = _dropped(p, part.keep, sc.dropout_scale(part))
         amax_s = torch.maximum(amax_s, _amax(p_d))
         if online_block is None:
             p8 = quantise(p_d, sc.scale_s, p_dtype).to(ct)
             o_part = torch.matmul(p8, vf) * sc.descale_s * sc.descale_v
         else:
-            o_part = _online_output(s, part, vf, sc, p_dtype, online_block)
+            o_part = _online_output(s, part, vf, sc, p_dtype, online_block, terms.sink)
         amax_o = torch.maximum(amax_o, _amax(o_part))
         o[:, :, block] = quantise(o_part, sc.scale_o, out_dtype)
         stats[:, :, block] = lse
@@ -318,8 +321,11 @@ def _row_slicer(mask: torch.Tensor) -> Callable[[range], torch.Tensor]:
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, part: BlockTerms, sc: _Scalars) -> torch.Tensor:
-    """(q @ k^T) * attn_scale * descale_q * descale_k + bias, masked entries -inf (graph order)."""
+    """(q @ k^T) * attn_scale * descale_q * descale_k, the modifier, + bias, masked entries -inf
+    (graph order)."""
     s = torch.matmul(q, k.transpose(-1, -2)) * sc.attn_scale * sc.descale_q * sc.descale_k
+    if part.modifier is not None:
+        s = torch.broadcast_to(part.modifier(s, part.rows), s.shape)
     if part.bias is not None:
         s = s + part.bias.to(s.dtype)
     if part.allowed is not None:
@@ -327,13 +333,18 @@ def _scores(q: torch.Tensor, k: torch.Tensor, part: BlockTerms, sc: _Scalars) ->
     return s
 
 
-def _softmax(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P, stats = max + log(sum exp)); fully masked rows give P = 0 and stats = -inf."""
+def _softmax(s: torch.Tensor, sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, stats = max + log(sum exp)); fully masked rows give P = 0 and stats = -inf (with a
+    sink, one more score weighing no value: P = 0 and stats = the sink)."""
     row_max = s.amax(-1, keepdim=True)
+    if sink is not None:
+        row_max = torch.maximum(row_max, sink.to(s.dtype))
     empty = torch.isneginf(row_max)
     row_max = torch.where(empty, torch.zeros_like(row_max), row_max)
     e = torch.exp(s - row_max)
     row_sum = e.sum(-1, keepdim=True)
+    if sink is not None:
+        row_sum = row_sum + torch.exp(sink.to(s.dtype) - row_max)
     p = e / torch.where(empty, torch.ones_like(row_sum), row_sum)
     lse = torch.where(empty, torch.full_like(row_max, float("-inf")), row_max + torch.log(row_sum))
     return p, lse
@@ -348,15 +359,25 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def _online_output(
-    s: torch.Tensor, part: BlockTerms, v: torch.Tensor, sc: _Scalars, p_dtype: torch.dtype, block: int
+    s: torch.Tensor,
+    part: BlockTerms,
+    v: torch.Tensor,
+    sc: _Scalars,
+    p_dtype: torch.dtype,
+    block: int,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """O of one block of rows the flash way: per block of keys, quantise exp(S - running max)
-    (dropped), accumulate rescaled, divide by the running sum at the end (0 for empty rows)."""
+    (dropped), accumulate rescaled, divide by the running sum at the end (0 for empty rows). A
+    sink starts the running max and sum (the frontend's reference does the same)."""
     if block < 1:
         raise ValueError(f"online_block must be positive, got {block}")
     drop = sc.dropout_scale(part)
     m = torch.full_like(s[..., :1], float("-inf"))
     total = torch.zeros_like(m)
+    if sink is not None:
+        m = torch.broadcast_to(sink.to(s.dtype), m.shape).clone()
+        total = torch.where(torch.isneginf(m), total, torch.ones_like(total))
     acc = s.new_zeros(s.shape[:-1] + (v.shape[-1],))
     for start in range(0, s.shape[-1], block):
         cols = slice(start, min(start + block, s.shape[-1]))

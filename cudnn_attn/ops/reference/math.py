@@ -147,7 +147,7 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Returns (dQ, dK, dV, dBias). dBias, given ``bias_shape``, is the gradient of an additive
     bias of that (broadcast) shape: the score gradient after scaling, summed over broadcast dims.
-    A sink's gradient is ``sink_gradient`` (it needs only the stats and delta)."""
+    A sink's gradient is ``core.sink_fold.sink_gradient`` (it needs only the stats and delta)."""
     b, heads, s_q, _ = q.shape
     kv_heads_k, kv_heads_v = k.shape[1], v.shape[1]
     k_full, v_full = _expand_kv(k, heads), _expand_kv(v, heads)
@@ -181,15 +181,6 @@ def backward(
             else:
                 d_bias[:, :, block] = reduced
     return d_q, _reduce_groups(d_k, kv_heads_k), _reduce_groups(d_v, kv_heads_v), d_bias
-
-
-def sink_gradient(o: torch.Tensor, d_o: torch.Tensor, stats: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
-    """d loss / d sink, [1, H, 1, 1]: the sink's column of the softmax gradient. Its probability is
-    exp(sink - stats) and it weighs no value, so dS = P_sink * (0 - delta), delta = rowsum(dO * O)."""
-    delta = (d_o * o).sum(-1, keepdim=True)
-    lse = torch.where(torch.isneginf(stats), torch.zeros_like(stats), stats)
-    p_sink = torch.where(torch.isneginf(stats), torch.zeros_like(stats), torch.exp(sink.to(stats.dtype) - lse))
-    return -(p_sink * delta).sum(dim=(0, 2, 3), keepdim=True).view(1, -1, 1, 1)
 
 
 def reduce_to_shape(grad: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
