@@ -244,3 +244,37 @@ def test_gpt_oss_decode_steps_with_a_window_and_padding_match_eager():
             assert rel_err(b.logits.float(), a.logits) < 2 * TOLERANCE[torch.bfloat16]
             past_ref, past_ours = a.past_key_values, b.past_key_values
             token = a.logits[:, -1:].argmax(-1)
+
+
+def test_a_folded_sink_runs_on_the_handles_stream():
+    """A decode sink is folded in after cuDNN's run (ops/cudnn/folded_sink.py): on the stream the
+    run went on. Here a handle's own stream (``set_stream``, as the frontend's tests do) is kept
+    busy first; a fold on torch's current stream would read O and the stats before cuDNN wrote
+    them (the NaN the frontend's FP8 sink tests showed, intermittently, before this was fixed)."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(B, H, 1, D, device="cuda", generator=gen).bfloat16()
+    k, v = (torch.randn(B, H_KV, 256, D, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    sink = (torch.randn(1, H, 1, 1, device="cuda", generator=gen) * 2).float()
+    side = torch.cuda.Stream()
+    handle = cudnn_attn.create_handle()
+    cudnn_attn.set_stream(handle=handle, stream=side.cuda_stream)
+    dt = cudnn_attn.data_type.BFLOAT16
+    g = cudnn_attn.pygraph(io_data_type=dt, intermediate_data_type=cudnn_attn.data_type.FLOAT,
+                           compute_data_type=cudnn_attn.data_type.FLOAT, handle=handle)  # fmt: skip
+    tq, tk, tv = (g.tensor_like(t) for t in (q, k, v))
+    ts = g.tensor_like(sink)
+    o, _ = g.sdpa(q=tq, k=tk, v=tv, sink_token=ts, attn_scale=D**-0.5)
+    o.set_output(True).set_dim(q.shape).set_stride(q.stride()).set_data_type(dt)
+    g.build([cudnn_attn.heur_mode.A])
+    ws = torch.empty(max(g.get_workspace_size(), 1), dtype=torch.uint8, device="cuda")
+    with cudnn_attn.Graph(backend="reference") as ref:
+        ref.sdpa(q, k, v, sink_token=sink, attn_scale=D**-0.5)
+    want = ref(q, k, v, sink)  # one output: the tensor itself
+    for _ in range(3):
+        out = torch.full_like(q, float("nan"))
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20_000_000)  # the handle's stream is busy for a while
+        g.execute({tq: q, tk: k, tv: v, ts: sink, o: out}, ws, handle=handle)
+        torch.cuda.synchronize()
+        assert rel_err(out, want) < TOLERANCE[torch.bfloat16]

@@ -229,11 +229,12 @@ def paged_forward():
      (forward(causal=Causal.TOP_LEFT, sliding_window=64), H100), (forward(d=64), B200), (backward(d=64), B200),
      (padded(forward(causal=Causal.BOTTOM_RIGHT)), B200), (forward(), Platform("H100", (9, 0), 90700, "1.32.0")),
      (forward(sink_token=spec(1, 8, 1, 1, dtype=torch.float32)), H100),
+     (forward(d=192, d_v=128), H100), (forward(d=144, d_v=128), H100),
      (forward(s_q=1, sink_token=spec(1, 8, 1, 1, dtype=torch.float32)), H100),
      (backward(sink_token=spec(1, 8, 1, 1, dtype=torch.float32), grad_sink=spec(1, 8, 1, 1, dtype=torch.float32)),
       H100)],
     ids=["forward", "backward", "padding-causal", "gqa-e5m2-d64", "dropout", "backward-dropout", "window",
-         "blackwell-d64", "blackwell-backward-d64", "blackwell-bottom-right", "cudnn-9.7", "sink", "decode-sink", "backward-sink"],
+         "blackwell-d64", "blackwell-backward-d64", "blackwell-bottom-right", "cudnn-9.7", "sink", "deepseek-192-128", "d144-128", "decode-sink", "backward-sink"],
 )  # fmt: skip
 def test_supported_fp8_problems_have_no_reasons(problem, platform):
     assert unsupported_reasons(problem, platform) == []
@@ -243,11 +244,14 @@ def test_supported_fp8_problems_have_no_reasons(problem, platform):
     "problem, platform, expected",
     [
         (forward(d=256), H100,
-         "sdpa_fp8 with head_dim=256 > 128: refused (FP8 attention gave wrong results above 128); "
-         "use fp16 or bf16 attention for larger heads"),
+         "sdpa_fp8 with head_dim=256/256: refused above 192/128 (FP8 attention gave wrong results at 256; larger "
+         "dims are unverified); use fp16 or bf16 attention for larger heads"),
+        (forward(d=192, d_v=192), H100,
+         "sdpa_fp8 with head_dim=192/192: refused above 192/128 (FP8 attention gave wrong results at 256; larger "
+         "dims are unverified); use fp16 or bf16 attention for larger heads"),
         (backward(d=256), B200,
-         "sdpa_fp8_backward with head_dim=256 > 128: refused (FP8 attention gave wrong results above 128); "
-         "use fp16 or bf16 attention for larger heads"),
+         "sdpa_fp8_backward with head_dim=256/256: refused above 128/128 (FP8 attention gave wrong results at 256; "
+         "larger dims are unverified); use fp16 or bf16 attention for larger heads"),
         (thd_forward(), H100,
          "sdpa_fp8 with THD (ragged) tensors: not supported for FP8; pad to [B, H, S, D] with seq_len_q/kv"),
         (paged_forward(), H100,
@@ -287,7 +291,7 @@ def test_supported_fp8_problems_have_no_reasons(problem, platform):
          "sdpa_fp8 with o in bfloat16: fp16/bf16 outputs from FP8 attention need Blackwell (sm100) and "
          "cuDNN >= 9.13; write it in fp8"),
     ],
-    ids=["d256", "backward-d256-blackwell", "thd", "paged", "bias", "alibi-backward", "sm80", "sm89", "sm120",
+    ids=["d256", "d192-v192", "backward-d256-blackwell", "thd", "paged", "bias", "alibi-backward", "sm80", "sm89", "sm120",
          "cudnn-9.6", "cudnn-9.10.0", "hopper-backward-d64", "d72", "bottom-right-hopper", "window-padding-hopper",
          "padding-hopper", "blackwell-backward-dropout", "bf16-output-hopper"],
 )  # fmt: skip

@@ -62,7 +62,10 @@ FP8_MIN_ARCH = (9, 0)
 FP8_MIN_CUDNN = 90700
 FP8_BAD_CUDNN = (91000,)
 FP8_HALF_OUTPUT_MIN_CUDNN = 91300  # fp16/bf16 O (dQ, dK, dV) from fp8 inputs, Blackwell only
-FP8_MAX_HEAD_DIM = 128
+FP8_MAX_HEAD_DIM = 128  # d_v, and d_qk in the backward
+# The forward's d_qk up to 192 (DeepSeek's 192/128): the frontend's own FP8 tests run 144 and 192
+# with d_v <= 128 on an H100 and check them; d = 256 returned wrong output (frontend issue #981).
+FP8_MAX_HEAD_DIM_QK_FORWARD = 192
 # Decode (S_q = 1) with a causal mask and GQA: a known wrong result in older releases; right in
 # 9.19 on an H100 (17 of 17 GPU fuzz requests, with this rule off).
 DECODE_GQA_FIXED = 91900
@@ -191,11 +194,12 @@ def _fp8_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
         reasons.append(f"{op} on cuDNN 9.10.0: refused (known bugs in its FP8 attention); use 9.10.2 or newer")
     hopper = platform.arch < (10, 0)
     d_qk, d_v = p.d_qk, p.d_v
-    if max(d_qk, d_v) > FP8_MAX_HEAD_DIM:
+    qk_limit = FP8_MAX_HEAD_DIM_QK_FORWARD if p.is_forward else FP8_MAX_HEAD_DIM
+    if d_v > FP8_MAX_HEAD_DIM or d_qk > qk_limit:
         # cudnn-frontend issue #981: sdpa_fp8 at d = 256 returned wrong output instead of declining.
         reasons.append(
-            f"{op} with head_dim={max(d_qk, d_v)} > {FP8_MAX_HEAD_DIM}: refused (FP8 attention gave wrong results "
-            "above 128); use fp16 or bf16 attention for larger heads"
+            f"{op} with head_dim={d_qk}/{d_v}: refused above {qk_limit}/{FP8_MAX_HEAD_DIM} (FP8 attention gave wrong "
+            "results at 256; larger dims are unverified); use fp16 or bf16 attention for larger heads"
         )
     elif not p.is_forward and hopper and (d_qk, d_v) != (128, 128):
         reasons.append(

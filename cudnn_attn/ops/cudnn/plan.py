@@ -61,6 +61,30 @@ class CudnnPlan:
         handle: Any = None,
         rng_dump: torch.Tensor | None = None,
     ) -> None:
+        # The work around the run (clamped inputs, filled outputs, a folded sink) goes on the stream
+        # cuDNN runs on: a caller's stream, or a handle's (set_stream), may not be torch's current one.
+        run_stream = self._run_stream(stream, handle)
+        if run_stream is None:
+            self._run(inputs, outputs, stream, workspace, handle, rng_dump)
+        else:
+            with torch.cuda.stream(run_stream):
+                self._run(inputs, outputs, stream, workspace, handle, rng_dump)
+
+    def _run_stream(self, stream: Any, handle: Any) -> torch.cuda.Stream | None:
+        """The stream the plan runs on, where it is not torch's current stream; else None."""
+        if stream is None and handle is not None:
+            stream = getattr(handle, "stream", None)
+        if stream is None:
+            return None
+        pointer = stream_pointer(stream, self.device_index)
+        if pointer == current_stream(self.device_index):
+            return None
+        return (
+            stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.ExternalStream(pointer, device=self.device)
+        )
+
+    def _run(self, inputs: RunInputs, outputs: Mapping[str, torch.Tensor], stream: Any, workspace: Any, handle: Any,
+             rng_dump: torch.Tensor | None) -> None:  # fmt: skip
         sink = d_sink = None
         if self._sink_after:
             inputs = dict(inputs)
