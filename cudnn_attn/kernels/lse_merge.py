@@ -62,6 +62,22 @@ def merge_partials(parts: Parts, out: torch.Tensor, lse: torch.Tensor | None = N
     return out
 
 
+def split_targets(
+    out: torch.Tensor, splits: int, heads: int, dim: int, partial_o: torch.Tensor | None,
+    partial_lse: torch.Tensor | None,
+) -> tuple[torch.Tensor, tuple[int, int, int], torch.Tensor, tuple[int, int, int]]:  # fmt: skip
+    """Where a split-KV decode kernel writes, with (batch, split, head) strides: ``out``
+    ``[B, H, 1, D]`` itself for one split (normalised; no log-sum-exp, its target a placeholder
+    never written), else float32 partial outputs ``[B, splits, H, D]`` and log-sum-exps
+    ``[B, splits, H]`` (the caller's persistent ones, or made here) for ``merge_partials``."""
+    if splits == 1:
+        return out, (out.stride(0), 0, out.stride(1)), out, (0, 0, 0)
+    batch = out.shape[0]
+    o = partial_o if partial_o is not None else out.new_empty(batch, splits, heads, dim, dtype=torch.float32)
+    lse = partial_lse if partial_lse is not None else out.new_empty(batch, splits, heads, dtype=torch.float32)
+    return o, (o.stride(0), o.stride(1), o.stride(2)), lse, (lse.stride(0), lse.stride(1), lse.stride(2))
+
+
 def _problems(parts: Any, out: Any, lse: Any) -> list[str]:
     """Every problem with the arguments, one line each, naming the argument."""
     problems: list[str] = []

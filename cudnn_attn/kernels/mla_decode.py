@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .lse_merge import merge_partials
+from .lse_merge import merge_partials, split_targets
 
 LOG2_E = 1.4426950408889634
 
@@ -94,14 +94,8 @@ def mla_decode(
     token = 2 if kv_layout == "NHPD" else 1  # the token dim of [N, 1, P, D] or [N, P, 1, D]
     page, c_st, v_st = cache.shape[token], cache.stride(token), v_cache.stride(token)
     latent = v_cache.data_ptr() == cache.data_ptr() and v_cache.stride() == cache.stride()
-    if splits == 1:
-        o, o_sb, o_ss, o_sh = out, out.stride(0), 0, out.stride(1)
-        lse, l_sb, l_ss, l_sh = out, 0, 0, 0  # not written
-    else:
-        o = partial_o if partial_o is not None else q.new_empty(batch, splits, heads, head_dim_v, dtype=torch.float32)
-        lse = partial_lse if partial_lse is not None else q.new_empty(batch, splits, heads, dtype=torch.float32)
-        o_sb, o_ss, o_sh = o.stride(0), o.stride(1), o.stride(2)
-        l_sb, l_ss, l_sh = lse.stride(0), lse.stride(1), lse.stride(2)
+    o, (o_sb, o_ss, o_sh), lse, (l_sb, l_ss, l_sh) = split_targets(out, splits, heads, head_dim_v, partial_o,
+                                                                   partial_lse)  # fmt: skip
     block_h = tuning.get("block_h", 64 if heads >= 64 else max(16, 1 << (heads - 1).bit_length()))
     grid = (splits, triton_cdiv(heads, block_h), batch)
     kernels.decode[grid](

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .lse_merge import merge_partials
+from .lse_merge import merge_partials, split_targets
 
 LOG2_E = 1.4426950408889634
 MIN_ROWS = 16  # tl.dot needs 16 rows: smaller groups are padded
@@ -83,14 +83,7 @@ def paged_decode(
         stride_page, stride_head, stride_token = k_cache.stride(0), k_cache.stride(2), k_cache.stride(1)
     assert v_cache.stride() == k_cache.stride(), "k and v caches share one layout"
     group = heads // kv_heads
-    if splits == 1:
-        o, o_sb, o_ss, o_sh = out, out.stride(0), 0, out.stride(1)
-        lse, l_sb, l_ss, l_sh = out, 0, 0, 0  # not written
-    else:
-        o = partial_o if partial_o is not None else q.new_empty(batch, splits, heads, dim, dtype=torch.float32)
-        lse = partial_lse if partial_lse is not None else q.new_empty(batch, splits, heads, dtype=torch.float32)
-        o_sb, o_ss, o_sh = o.stride(0), o.stride(1), o.stride(2)
-        l_sb, l_ss, l_sh = lse.stride(0), lse.stride(1), lse.stride(2)
+    o, (o_sb, o_ss, o_sh), lse, (l_sb, l_ss, l_sh) = split_targets(out, splits, heads, dim, partial_o, partial_lse)
     block_d = max(16, 1 << (dim - 1).bit_length())
     pages_per_step = tuning.get("pages_per_step", max(1, 128 // page))
     kernels.decode[(splits, kv_heads, batch)](
