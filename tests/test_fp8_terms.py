@@ -56,16 +56,21 @@ def test_fp8_forward_with_a_soft_capping_fn_is_within_fp8_error():
 def test_fp8_terms_are_refused_by_name_where_wrong():
     case = forward_case("cpu", sink=True)
     q, k, v = case.args[:3]
+    fn = lambda graph, s: s  # noqa: E731
+    with cudnn.Graph() as g:  # a valid build first: a wrong recording must not adopt it
+        g.sdpa_fp8(*case.args, fn=fn)
     with pytest.raises(cudnn.ValidationError, match="fn: given beside score_mod"):
         with cudnn.Graph() as g:
-            g.sdpa_fp8(*case.args, fn=lambda graph, s: s, score_mod=lambda graph, s: s)
+            g.sdpa_fp8(*case.args, fn=fn, score_mod=fn)
     with pytest.raises(cudnn.ValidationError, match="fn: not a keyword of sdpa; sdpa_fp8's name for a score modifier"):
         with cudnn.Graph() as g:
             g.sdpa(q.float(), k.float(), v.float(), fn=lambda graph, s: s)
     bcase = backward_case("cpu")
+    with cudnn.Graph() as g:
+        g.sdpa_fp8_backward(*bcase.args)
     with pytest.raises(cudnn.ValidationError, match="score_mod: not a keyword of sdpa_fp8_backward"):
         with cudnn.Graph() as g:
-            g.sdpa_fp8_backward(*bcase.args, score_mod=lambda graph, s: s)
+            g.sdpa_fp8_backward(*bcase.args, score_mod=fn)
     with pytest.raises(cudnn.ValidationError, match="dSink_token: given without sink_token"):
         with cudnn.Graph() as g:
             g.sdpa_fp8_backward(*bcase.args, dSink_token=torch.zeros_like(bcase.sink))

@@ -62,18 +62,13 @@ class Fp8Ops:
         name here for ``score_mod``, a callback ``(graph, S) -> S'`` applied to the descaled
         scores before the masks (inference only: ``sdpa_fp8_backward`` takes no modifier).
         """
-        twice = fn is not None and mask.get("score_mod") is not None
-        if fn is not None:
-            mask = {**mask, "score_mod": fn}
         scales = (descale_q, descale_k, descale_v, descale_s, scale_s, scale_o)
-        args = (q, k, v, scales, is_inference, generate_stats, compute_data_type)
+        args = (q, k, v, scales, is_inference, generate_stats, compute_data_type, fn)
         stats = stats_requested(is_inference, generate_stats, [])  # its errors are reported at build
         outputs = ("o", "stats", *FP8_AMAXES) if stats else ("o", *FP8_AMAXES)
         node = self.recording.record_call(Op.FORWARD, name, FP8_INPUTS, "sdpa_fp8", _interpret_fp8, args, mask,
                                           outputs)  # fmt: skip
         node.fp8 = True
-        if twice:
-            node.errors.append("fn: given beside score_mod; sdpa_fp8 takes its score modifier once, as fn")
         return node.outputs["o"], node.outputs.get("stats"), node.outputs["amax_s"], node.outputs["amax_o"]
 
     @publishes_mask_keywords
@@ -110,8 +105,6 @@ class Fp8Ops:
         passed. ``dSink_token``: a ``[1, H_q, 1, 1]`` float32 tensor the caller made that receives
         the sink's gradient, ``-sum(exp(sink - stats) * rowsum(dO * O) * descale_dO * descale_o)``.
         """
-        modifiers = [keyword for keyword in ("score_mod", "score_mod_bprop") if mask.get(keyword) is not None]
-        mask = {k: v for k, v in mask.items() if k not in modifiers}  # the frontend's FP8 backward has none
         scales = (descale_q, descale_k, descale_v, descale_o, descale_dO, descale_s, descale_dP, scale_s, scale_dQ,
                   scale_dK, scale_dV, scale_dP)  # fmt: skip
         args = (q, k, v, o, dO, stats, scales, use_deterministic_algorithm, compute_data_type)
@@ -121,15 +114,17 @@ class Fp8Ops:
             outputs + (("grad_sink",) if dSink_token is not None else ()),
         )  # fmt: skip
         node.fp8 = True
-        node.errors += [f"{keyword}: not a keyword of sdpa_fp8_backward (the frontend's FP8 backward takes no score "
-                        "modifier)" for keyword in modifiers]  # fmt: skip
         if dSink_token is not None:
             self.recording.caller_output(node, "grad_sink", dSink_token)
         return tuple(node.outputs[role] for role in outputs)
 
 
 def _interpret_fp8(recording: Recording, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, scales: tuple,
-                   is_inference: Any, generate_stats: Any, compute_data_type: Any) -> None:  # fmt: skip
+                   is_inference: Any, generate_stats: Any, compute_data_type: Any, fn: Any) -> None:  # fmt: skip
+    if fn is not None:  # sdpa_fp8's name for score_mod (interpreted here, at build: the call's key holds both)
+        if mask.get("score_mod") is not None:
+            node.errors.append("fn: given beside score_mod; sdpa_fp8 takes its score modifier once, as fn")
+        mask = {**mask, "score_mod": fn}
     recording.bind_call(node, {"q": q, "k": k, "v": v, **dict(zip(FP8_SCALES, scales))}, mask,
                         "sdpa_fp8")  # fmt: skip
     stats_requested(is_inference, generate_stats, node.errors)
@@ -138,6 +133,10 @@ def _interpret_fp8(recording: Recording, node: Node, mask: dict[str, Any], q: An
 
 def _interpret_fp8_backward(recording: Recording, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, o: Any, d_o: Any,
                             stats: Any, scales: tuple, deterministic: Any, compute_data_type: Any) -> None:  # fmt: skip
+    modifiers = [keyword for keyword in ("score_mod", "score_mod_bprop") if mask.get(keyword) is not None]
+    node.errors += [f"{keyword}: not a keyword of sdpa_fp8_backward (the frontend's FP8 backward takes no score "
+                    "modifier)" for keyword in modifiers]  # fmt: skip
+    mask = {k: v for k, v in mask.items() if k not in modifiers}
     tensors = {
         "q": q,
         "k": k,

@@ -63,7 +63,7 @@ class CudnnPlan:
     ) -> None:
         # The work around the run (clamped inputs, filled outputs, a folded sink) goes on the stream
         # cuDNN runs on: a caller's stream, or a handle's (set_stream), may not be torch's current one.
-        run_stream = self._run_stream(stream, handle)
+        run_stream = None if stream is None and handle is None else self._run_stream(stream, handle)
         if run_stream is None:
             self._run(inputs, outputs, stream, workspace, handle, rng_dump)
         else:
