@@ -32,7 +32,8 @@ from ..errors import ValidationError
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 KERNEL_PARTS = 2  # the kernel's part slots: a body and a tail
 MAX_BLOCK_D = 256  # wider heads take several programs per row, one per block of D
-TILE = 512  # elements per program: ROWS rows of BLOCK_D
+TILE = 4096  # values a program loads at once: ROWS rows x CHUNKS chunks x BLOCK_D
+MAX_CHUNKS = 64  # chunks per block of loads; a 32k decode's 64 splits in one
 
 Parts = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (o, stats) pairs
 
@@ -162,8 +163,10 @@ def _merge_triton(kernels: Any, parts: Parts, out: torch.Tensor, lse: torch.Tens
     for i, (o, stats) in enumerate(slots):
         chunks = o.shape[1] if i < len(parts) else 0
         args += [o, stats, chunks, *o.stride(), *stats.stride()]
-    block_d = min(MAX_BLOCK_D, 1 << (d - 1).bit_length())
-    rows_per_program = max(1, TILE // block_d)
+    most = max(o.shape[1] for o, _ in parts)
+    chunks = min(MAX_CHUNKS, 1 << max(0, most - 1).bit_length())  # chunks read at once
+    block_d = min(MAX_BLOCK_D, 1 << (d - 1).bit_length(), max(32, TILE // chunks))
+    rows_per_program = max(1, TILE // (block_d * chunks))
     rows = b * h * s
     grid = (-(-rows // rows_per_program), -(-d // block_d))
     record = lse if lse is not None else out  # a pointer the kernel never writes when not recording
@@ -171,6 +174,7 @@ def _merge_triton(kernels: Any, parts: Parts, out: torch.Tensor, lse: torch.Tens
         kernels.merge[grid](
             *args, out, *out.stride(), record, *(lse.stride() if lse is not None else (0, 0, 0)),
             rows, h, s, d, WRITE_LSE=lse is not None, ROWS=rows_per_program, BLOCK_D=block_d,
+            CHUNKS=chunks,
         )  # fmt: skip
 
 
@@ -184,23 +188,30 @@ def _kernels() -> Any:
     import triton
     import triton.language as tl
 
+    # Chunks are read CHUNKS at a time, each block of loads independent of the last: a long
+    # split (64-128 chunks of a 32k decode) is then bound by bandwidth, not by one load's latency.
     @triton.jit
-    def top(m, s_ptrs, n, s_sn, live):
-        for _ in range(n):
-            m = tl.maximum(m, tl.load(s_ptrs, mask=live, other=float("-inf")))
-            s_ptrs += s_sn  # pointers advance: chunk offsets never overflow 32 bits
+    def top(m, s_ptrs, n, s_sn, live, CHUNKS: tl.constexpr):
+        c = tl.arange(0, CHUNKS)
+        for first in range(0, n, CHUNKS):
+            inside = live[:, None] & (first + c < n)[None, :]
+            s = tl.load(s_ptrs[:, None] + (first + c).to(tl.int64)[None, :] * s_sn, mask=inside, other=float("-inf"))
+            m = tl.maximum(m, tl.max(s, 1))
         return m
 
     @triton.jit
-    def accumulate(acc, total, base, s_ptrs, o_ptrs, n, s_sn, o_sn, live, inside):
-        for _ in range(n):
-            w = tl.exp(tl.load(s_ptrs, mask=live, other=float("-inf")) - base)
-            # A chunk of weight 0 (no visible key) is not read: its O may be anything.
-            o = tl.load(o_ptrs, mask=inside & (w > 0)[:, None], other=0.0).to(tl.float32)
-            acc += w[:, None] * o
-            total += w
-            s_ptrs += s_sn
-            o_ptrs += o_sn
+    def accumulate(acc, total, base, s_ptrs, o_ptrs, n, s_sn, o_sn, live, inside, CHUNKS: tl.constexpr):
+        c = tl.arange(0, CHUNKS)
+        for first in range(0, n, CHUNKS):
+            chunk = first + c
+            w = tl.exp(tl.load(s_ptrs[:, None] + chunk.to(tl.int64)[None, :] * s_sn, mask=live[:, None] & (chunk < n)[None, :],
+                               other=float("-inf")) - base[:, None])  # [ROWS, CHUNKS]
+            # Read beside the weights, not after them; a chunk of weight 0 (no visible key) adds
+            # nothing, whatever its O holds (NaN included).
+            read = inside[:, None, :] & (chunk < n)[None, :, None]
+            o = tl.load(o_ptrs[:, None, :] + (chunk.to(tl.int64) * o_sn)[None, :, None], mask=read, other=0.0)
+            acc += tl.sum(tl.where((w > 0)[:, :, None], w[:, :, None] * o.to(tl.float32), 0.0), 1)
+            total += tl.sum(w, 1)
         return acc, total
 
     @triton.jit
@@ -208,7 +219,8 @@ def _kernels() -> Any:
               o1_ptr, s1_ptr, n1, o1_sb, o1_sn, o1_sh, o1_ss, o1_sd, s1_sb, s1_sn, s1_sh, s1_ss,
               out_ptr, out_sb, out_sh, out_ss, out_sd, lse_ptr, lse_sb, lse_sh, lse_ss,
               rows, heads, seq, dim,
-              WRITE_LSE: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+              WRITE_LSE: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+              CHUNKS: tl.constexpr):  # fmt: skip
         row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         col = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         live = row < rows
@@ -222,13 +234,13 @@ def _kernels() -> Any:
         o1_ptrs = o1_ptr + (bi * o1_sb + hi * o1_sh + si * o1_ss)[:, None] + (col * o1_sd)[None, :]
 
         m = tl.full([ROWS], float("-inf"), tl.float32)
-        m = top(m, s0_ptrs, n0, s0_sn, live)
-        m = top(m, s1_ptrs, n1, s1_sn, live)
+        m = top(m, s0_ptrs, n0, s0_sn, live, CHUNKS)
+        m = top(m, s1_ptrs, n1, s1_sn, live, CHUNKS)
         base = tl.where(m == float("-inf"), 0.0, m)  # all chunks empty: every weight exp(-inf) = 0
         acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
         total = tl.zeros([ROWS], tl.float32)
-        acc, total = accumulate(acc, total, base, s0_ptrs, o0_ptrs, n0, s0_sn, o0_sn, live, inside)
-        acc, total = accumulate(acc, total, base, s1_ptrs, o1_ptrs, n1, s1_sn, o1_sn, live, inside)
+        acc, total = accumulate(acc, total, base, s0_ptrs, o0_ptrs, n0, s0_sn, o0_sn, live, inside, CHUNKS)
+        acc, total = accumulate(acc, total, base, s1_ptrs, o1_ptrs, n1, s1_sn, o1_sn, live, inside, CHUNKS)
 
         result = acc / tl.where(total > 0, total, 1.0)[:, None]
         out_ptrs = out_ptr + (bi * out_sb + hi * out_sh + si * out_ss)[:, None] + (col * out_sd)[None, :]

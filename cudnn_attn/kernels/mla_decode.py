@@ -17,17 +17,12 @@ partial buffers, merged by ``lse_merge.merge_partials``; a sink (one logit per h
 first chunk's softmax. Lengths and the table must be in range (``PagedAttention.plan`` clamps
 them on the device).
 
-Tried on an H100 and kept out (none ran faster at 16 or 128 heads, most did not fit in shared
-memory): two pages per step, two programs per block of heads each accumulating half of V's
-dims, three pipeline stages, half-page steps with three or four stages, one stage with 64- or
-128-token steps, four warps for 128 heads, Triton 3.6's ``warp_specialize`` (no effect on
-Hopper at eight warps, a compiler failure at four), and full pages read without a mask (+4% at
-128 heads, -5% at 16 with the tail as a branch; -6 to -12% with the tail as a second loop). At
-64 heads per program the kernel holds 242-255 registers a thread and 216 KB of shared memory:
-one program per SM that loads, multiplies and exponentiates in turn, which is what holds it at
-210-280 TFLOP/s; FlashMLA's rate needs producer and consumer warp groups (TMA loads, the softmax
-of one tile beside the matrix products of the next), which Triton's pipeliner does not make of
-this kernel; a kernel written at that level (Gluon or CUDA C++) is the way there.
+On Hopper, calls of DeepSeek's geometry go to ``mla_decode_hopper`` (warp-specialised, 1.7-2.1x
+this kernel on an H100); this one serves other GPUs, pages and dims. Tried on an H100 to speed
+it up and kept out: two pages per step, two programs per block of heads, three pipeline stages,
+half-page steps, one stage, four warps, Triton 3.6's ``warp_specialize`` and unmasked full
+pages. At 64 heads per program it holds 242-255 registers a thread and 216 KB of shared memory,
+one program per SM that loads, multiplies and exponentiates in turn (210-280 TFLOP/s).
 """
 
 from __future__ import annotations
@@ -39,6 +34,7 @@ from typing import Any
 import torch
 
 from .lse_merge import merge_partials, split_targets
+from .mla_decode_hopper import mla_decode_hopper, usable
 
 LOG2_E = 1.4426950408889634
 
@@ -85,8 +81,12 @@ def mla_decode(
     table: ``[B, >= splits * chunk_pages]`` int32; lengths: ``[B]`` int32; partial_o
     ``[B, splits, H, D_V]`` and partial_lse ``[B, splits, H]`` float32 for ``splits > 1``
     (allocated here when not given); sink: ``[H]`` float32 contiguous; tuning: ``block_h``,
-    ``num_warps``, ``num_stages`` where not the defaults.
+    ``num_warps``, ``num_stages`` where not the defaults (given, this Triton kernel runs even where
+    ``mla_decode_hopper`` would).
     """
+    if not tuning and usable(q, cache, v_cache, kv_layout):  # Hopper: the warp-specialised kernel
+        return mla_decode_hopper(q, cache, table, lengths, out, scale=scale, kv_layout=kv_layout, splits=splits,
+                                 chunk_pages=chunk_pages, partial_o=partial_o, partial_lse=partial_lse, sink=sink)
     tuning = tuning or {}
     kernels = _kernels()
     assert kernels is not None, "mla_decode needs Triton (see supported())"

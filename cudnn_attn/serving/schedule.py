@@ -101,11 +101,13 @@ def choose(
 
 def _mla(batch: int, pages_per_seq: int, heads: int, s_q: int, splits: int | None, kernel: str | None,
          sm_count: int, triton: bool) -> Schedule:  # fmt: skip
-    """MLA decode: the Triton kernel (``mla_decode.py``) with enough chunks per sequence for one
-    wave of blocks of 64 heads. Measured on an H100 (CUDA-graph replay, d 576/512, page 64) it ran
-    2.3-6.5x cuDNN's paged decode (which reads the latent once per head) from 16 heads at B16 to
-    128 heads at B64, and 3.6x at B1 KV 32k with 128 heads; with 16 heads at B1 KV 32k cuDNN's ran
-    15% faster, which stays with cuDNN. Several query tokens go to cuDNN, unpacked."""
+    """MLA decode: our kernel (``mla_decode.py``; on Hopper the warp-specialised one) with enough
+    chunks per sequence for one wave of blocks of 64 heads (on an H100 one wave beat 2-4 waves
+    and half a wave at every shape of ``bench --mla``). Measured there (CUDA-graph replay, d
+    576/512, page 64) it ran 2.6-14x cuDNN's paged decode (which reads the latent once per head)
+    from 16 heads at B16 to 128 heads at B64, and 7.5x at B1 KV 32k with 128 heads; with 16 heads
+    at B1 KV 32k the Triton kernel ran 15% behind cuDNN's, which stays with cuDNN. Several query
+    tokens go to cuDNN, unpacked."""
     if kernel is None:
         kernel = "triton" if triton and s_q == 1 and (batch > 1 or heads >= 64) else "cudnn"
     if kernel == "cudnn":
