@@ -204,8 +204,14 @@ def _kernels() -> Any:
         c = tl.arange(0, CHUNKS)
         for first in range(0, n, CHUNKS):
             chunk = first + c
-            w = tl.exp(tl.load(s_ptrs[:, None] + chunk.to(tl.int64)[None, :] * s_sn, mask=live[:, None] & (chunk < n)[None, :],
-                               other=float("-inf")) - base[:, None])  # [ROWS, CHUNKS]
+            w = tl.exp(
+                tl.load(
+                    s_ptrs[:, None] + chunk.to(tl.int64)[None, :] * s_sn,
+                    mask=live[:, None] & (chunk < n)[None, :],
+                    other=float("-inf"),
+                )
+                - base[:, None]
+            )  # [ROWS, CHUNKS]
             # Read beside the weights, not after them; a chunk of weight 0 (no visible key) adds
             # nothing, whatever its O holds (NaN included).
             read = inside[:, None, :] & (chunk < n)[None, :, None]

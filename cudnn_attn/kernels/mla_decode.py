@@ -85,8 +85,20 @@ def mla_decode(
     ``mla_decode_hopper`` would).
     """
     if not tuning and usable(q, cache, v_cache, kv_layout):  # Hopper: the warp-specialised kernel
-        return mla_decode_hopper(q, cache, table, lengths, out, scale=scale, kv_layout=kv_layout, splits=splits,
-                                 chunk_pages=chunk_pages, partial_o=partial_o, partial_lse=partial_lse, sink=sink)
+        return mla_decode_hopper(
+            q,
+            cache,
+            table,
+            lengths,
+            out,
+            scale=scale,
+            kv_layout=kv_layout,
+            splits=splits,
+            chunk_pages=chunk_pages,
+            partial_o=partial_o,
+            partial_lse=partial_lse,
+            sink=sink,
+        )
     tuning = tuning or {}
     kernels = _kernels()
     assert kernels is not None, "mla_decode needs Triton (see supported())"

@@ -36,24 +36,30 @@ STAGES = 2  # pages in flight: Q and two pages fill 221 of Hopper's 227 KB of sh
 SECOND = 256  # V columns the second warp group accumulates
 
 
+def serves(device: torch.device, page_size: int, head_dim: int, head_dim_v: int) -> bool:
+    """Whether calls of this geometry come here (given tensors ``usable`` accepts): an sm_90 GPU
+    with Gluon, pages of 64 tokens, d 576 = 512 + 64."""
+    return (
+        device.type == "cuda"
+        and torch.cuda.get_device_capability(device) == (9, 0)
+        and (page_size, head_dim, head_dim_v) == (PAGE, D_V + D_ROPE, D_V)
+        and _kernel() is not None
+    )
+
+
 def usable(q: torch.Tensor, cache: torch.Tensor, v_cache: torch.Tensor, kv_layout: str) -> bool:
     """Whether this kernel serves the call: an sm_90 GPU with Gluon, MLA's latent shapes (pages of
     64 tokens, d 576 = 512 + 64, V the latent itself), fp16/bf16, and token rows of the cache that
     one TMA descriptor addresses (a page's rows consecutive, 16-byte aligned)."""
     token = 2 if kv_layout == "NHPD" else 1
-    if not (
-        q.is_cuda
-        and torch.cuda.get_device_capability(q.device) == (9, 0)
+    return (
+        serves(q.device, cache.shape[token], q.shape[-1], v_cache.shape[-1])
         and q.dtype in (torch.float16, torch.bfloat16)
         and cache.dtype == q.dtype
-        and cache.shape[token] == PAGE
-        and q.shape[-1] == D_V + D_ROPE
-        and v_cache.shape[-1] == D_V
         and v_cache.data_ptr() == cache.data_ptr()
         and v_cache.stride() == cache.stride()
-    ):
-        return False
-    return _rows(cache, token) is not None and _kernel() is not None
+        and _rows(cache, token) is not None
+    )
 
 
 def mla_decode_hopper(
@@ -78,6 +84,7 @@ def mla_decode_hopper(
     kernel = _kernel()
     batch, heads, _, dim = q.shape
     rows = _rows(cache, 2 if kv_layout == "NHPD" else 1)
+    assert rows is not None, "mla_decode_hopper needs a cache usable() accepts"
     q_rows = q.reshape(batch * heads, dim)  # S_q = 1: one row per (sequence, head)
     if q_rows.stride(-1) != 1 or (q_rows.stride(0) * q.element_size()) % 16 or q_rows.data_ptr() % 16:
         q_rows = q_rows.contiguous()
@@ -155,7 +162,7 @@ def _kernel() -> Any:
             mbarrier.wait(p_ready, i & 1)
             o = o * a_smem.load(rows_layout)[:, None]
             o = warpgroup_mma(p_smem, kn_smem.index(s).slice(0, SECOND, dim=1), o, is_async=True)
-            o = warpgroup_mma_wait(0, deps=(o, ))
+            o = warpgroup_mma_wait(0, deps=(o,))
             mbarrier.arrive(p_free, count=1)
             mbarrier.arrive(k_empty.index(s), count=1)
         mbarrier.wait(p_ready, steps & 1)  # the final 1 / sum
@@ -171,11 +178,11 @@ def _kernel() -> Any:
                     D_V: gl.constexpr, BLOCK_H: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
                     SECOND: gl.constexpr, NORMALISE: gl.constexpr, HAS_SINK: gl.constexpr):  # fmt: skip
         """Scores, the online softmax (log2 units) and ``P @ V[:, SECOND:]``."""
-        FIRST: gl.constexpr = D_V - SECOND
+        first_width: gl.constexpr = D_V - SECOND
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, PAGE, 16])  # fmt: skip
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, FIRST, 16])  # fmt: skip
+                                                           instr_shape=[16, first_width, 16])  # fmt: skip
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         mbarrier.wait(q_bar, 0)
@@ -183,9 +190,12 @@ def _kernel() -> Any:
         m = gl.full([BLOCK_H], float("-inf"), gl.float32, s_rows)
         total = gl.zeros([BLOCK_H], gl.float32, s_rows)
         if HAS_SINK:  # the first chunk's softmax starts from the sink
-            m = gl.load(sink_ptr + heads_s, mask=(heads_s < heads) & (split == 0), other=float("-inf")) * 1.4426950408889634
+            m = (
+                gl.load(sink_ptr + heads_s, mask=(heads_s < heads) & (split == 0), other=float("-inf"))
+                * 1.4426950408889634
+            )
             total = gl.where(m > float("-inf"), 1.0, 0.0)
-        o = gl.zeros([BLOCK_H, FIRST], gl.float32, o_layout)
+        o = gl.zeros([BLOCK_H, first_width], gl.float32, o_layout)
         no_scores = gl.zeros([BLOCK_H, PAGE], gl.float32, s_layout)
         n = gl.arange(0, PAGE, gl.SliceLayout(0, s_layout))
         for i in range(steps):
@@ -193,7 +203,7 @@ def _kernel() -> Any:
             mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)
             sc = warpgroup_mma(q_nope, kn_smem.index(s).permute((1, 0)), no_scores, use_acc=False, is_async=True)
             sc = warpgroup_mma(q_rope, kr_smem.index(s).permute((1, 0)), sc, is_async=True)
-            sc = warpgroup_mma_wait(0, deps=(sc, ))
+            sc = warpgroup_mma_wait(0, deps=(sc,))
             first_token = start + i * PAGE
             sc = gl.where((first_token + n < end)[None, :], sc * scale_log2, float("-inf"))
             m_new = gl.maximum(m, gl.max(sc, 1))  # finite: every page holds a visible key
@@ -215,8 +225,8 @@ def _kernel() -> Any:
             gl.thread_barrier()
             mbarrier.arrive(p_ready, count=1)
             o = o * gl.convert_layout(alpha, o_rows)[:, None]
-            o = warpgroup_mma(p_smem, kn_smem.index(s).slice(SECOND, FIRST, dim=1), o, is_async=True)
-            o = warpgroup_mma_wait(0, deps=(o, ))
+            o = warpgroup_mma(p_smem, kn_smem.index(s).slice(SECOND, first_width, dim=1), o, is_async=True)
+            o = warpgroup_mma_wait(0, deps=(o,))
             mbarrier.arrive(k_empty.index(s), count=1)
         inv = gl.where(total > 0, 1.0 / gl.where(total > 0, total, 1.0), 0.0)  # no key: zeros
         mbarrier.wait(p_free, (steps & 1) ^ 1)
@@ -225,7 +235,7 @@ def _kernel() -> Any:
         mbarrier.arrive(p_ready, count=1)
         o = o * gl.convert_layout(inv, o_rows)[:, None]
         rows = h + gl.arange(0, BLOCK_H, o_rows)
-        cols = SECOND + gl.arange(0, FIRST, gl.SliceLayout(0, o_layout))
+        cols = SECOND + gl.arange(0, first_width, gl.SliceLayout(0, o_layout))
         gl.store(o_ptr + o_base + rows[:, None].to(gl.int64) * o_sh + cols[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=(rows < heads)[:, None])  # fmt: skip
         if not NORMALISE:  # natural-log LSE of the chunk, -inf where it has no key
@@ -248,8 +258,9 @@ def _kernel() -> Any:
         q_rope = gl.allocate_shared_memory(qr_desc.dtype, [BLOCK_H, D_ROPE], qr_desc.layout)
         kn_smem = gl.allocate_shared_memory(kn_desc.dtype, [STAGES, PAGE, D_V], kn_desc.layout)
         kr_smem = gl.allocate_shared_memory(kr_desc.dtype, [STAGES, PAGE, D_ROPE], kr_desc.layout)
-        p_smem = gl.allocate_shared_memory(kn_desc.dtype, [BLOCK_H, PAGE],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_H, PAGE], kn_desc.dtype))
+        p_smem = gl.allocate_shared_memory(
+            kn_desc.dtype, [BLOCK_H, PAGE], gl.NVMMASharedLayout.get_default_for([BLOCK_H, PAGE], kn_desc.dtype)
+        )
         a_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -280,4 +291,4 @@ def _kernel() -> Any:
     return decode
 
 
-__all__ = ["mla_decode_hopper", "usable"]
+__all__ = ["mla_decode_hopper", "serves", "usable"]

@@ -65,13 +65,15 @@ def choose(
     sm_count: int = 132,
     triton: bool = False,
     mla: bool = False,
+    hopper: bool = False,
 ) -> Schedule:
     """The layout for a step of ``batch`` sequences of up to ``pages_per_seq`` pages and ``s_q``
     query tokens each. ``splits``/``pack``/``kernel``: forced values (None: chosen here);
     ``triton``: whether the Triton decode kernel can run here (``paged_decode.supported``, or
-    ``mla_decode.supported`` for ``mla``: one latent K/V head, V of another head dim)."""
+    ``mla_decode.supported`` for ``mla``: one latent K/V head, V of another head dim); ``hopper``:
+    whether MLA's warp-specialised kernel serves the geometry (``mla_decode_hopper.serves``)."""
     if mla:
-        return _mla(batch, pages_per_seq, num_q_heads, s_q, splits, kernel, sm_count, triton)
+        return _mla(batch, pages_per_seq, num_q_heads, s_q, splits, kernel, sm_count, triton, hopper)
     if kernel is None:
         kernel = (
             "triton"
@@ -100,16 +102,17 @@ def choose(
 
 
 def _mla(batch: int, pages_per_seq: int, heads: int, s_q: int, splits: int | None, kernel: str | None,
-         sm_count: int, triton: bool) -> Schedule:  # fmt: skip
+         sm_count: int, triton: bool, hopper: bool) -> Schedule:  # fmt: skip
     """MLA decode: our kernel (``mla_decode.py``; on Hopper the warp-specialised one) with enough
     chunks per sequence for one wave of blocks of 64 heads (on an H100 one wave beat 2-4 waves
     and half a wave at every shape of ``bench --mla``). Measured there (CUDA-graph replay, d
     576/512, page 64) it ran 2.6-14x cuDNN's paged decode (which reads the latent once per head)
     from 16 heads at B16 to 128 heads at B64, and 7.5x at B1 KV 32k with 128 heads; with 16 heads
-    at B1 KV 32k the Triton kernel ran 15% behind cuDNN's, which stays with cuDNN. Several query
+    at B1 KV 32k the Triton kernel ran 15% behind cuDNN's, which stays with cuDNN unless the
+    Hopper kernel serves (20.1 against 55.5 us there; 12.6 against 32.7 at KV 8k). Several query
     tokens go to cuDNN, unpacked."""
     if kernel is None:
-        kernel = "triton" if triton and s_q == 1 and (batch > 1 or heads >= 64) else "cudnn"
+        kernel = "triton" if triton and s_q == 1 and (batch > 1 or heads >= 64 or hopper) else "cudnn"
     if kernel == "cudnn":
         wanted = 1 if splits is None else max(1, min(int(splits), pages_per_seq))
         chunk = math.ceil(pages_per_seq / wanted)

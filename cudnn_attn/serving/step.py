@@ -18,7 +18,7 @@ import torch
 
 from ..core.bounds import packed_lengths
 from ..errors import UnsupportedError
-from ..kernels import mla_decode, paged_decode
+from ..kernels import mla_decode, mla_decode_hopper, paged_decode
 from . import schedule as paged_schedule
 from .schedule import Schedule
 
@@ -167,8 +167,10 @@ class StepTables:
         _, s_q, num_pages = key
         rows, width, device = step.rows, step.width, step.device
         mla = self.num_kv_heads == 1 and self.head_dim_v != self.head_dim
+        hopper = False
         if mla:
             triton = mla_decode.supported(device, self.page_size, self.head_dim, self.head_dim_v)
+            hopper = triton and mla_decode_hopper.serves(device, self.page_size, self.head_dim, self.head_dim_v)
         else:
             triton = paged_decode.supported(device, self.page_size, self.head_dim) and self.head_dim_v == self.head_dim
         if self.kernel == "triton" and not triton:
@@ -182,7 +184,7 @@ class StepTables:
         schedule = paged_schedule.choose(
             rows, width, self.page_size, self.num_q_heads, self.num_kv_heads, s_q, sm_count=sm_count(device),
             splits=self.splits, pack=self.pack, kernel=self.kernel if s_q == 1 else None,
-            triton=triton and (self.cuda_graph or mla), mla=mla,
+            triton=triton and (self.cuda_graph or mla), mla=mla, hopper=hopper,
         )  # fmt: skip
         page = self.page_size
         if schedule.kernel == "triton":  # the kernel walks the clamped table itself
