@@ -8,7 +8,7 @@ is, as plain torch::
     m = max_i L_i;  w_i = exp(L_i - m);  L = m + log(sum_i w_i);  O = sum_i w_i O_i / sum_i w_i
 
 with ``O = 0`` and ``L = -inf`` where every ``L_i`` is -inf (never NaN), and a chunk whose
-weight is 0 never read (its ``O_i`` may hold anything, NaN included).
+weight is 0 adding nothing (its ``O_i`` may hold anything, NaN included).
 
 On CUDA with Triton (it ships with torch's CUDA builds) one launch merges one or two parts
 (a body of N chunks and a tail, say) straight from their strided views into ``out`` (any
