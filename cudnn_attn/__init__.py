@@ -15,56 +15,128 @@ The cuDNN frontend's module-level attention names (``backend_version``, ``set_st
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
-from typing import Any
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
-from . import nn
-from .buckets import BucketedAttention
-from .cache import PlanCache, default_cache
-from .compat import (
-    Handle,
-    attention_implementation,
-    backend_version,
-    backend_version_string,
-    build_plan_policy,
-    create_handle,
-    destroy_handle,
-    diagonal_alignment,
-    get_last_error_string,
-    get_stream,
-    handle,
-    heur_mode,
-    set_stream,
-)
-from .compat import frontend_names as _frontend_names
-from .core.dtypes import data_type
-from .core.problem import AttentionProblem, Causal, KVCacheLayout, Op, TensorSpec
-from .errors import GraphStateError, ShapeMismatchError, UnsupportedError, ValidationError, cudnnGraphNotSupportedError
-from .fp8 import sdpa_fp8
-from .fp8_scaling import Fp8Scaling
-from .functional import sdpa
-from .graph import Graph, graph, pygraph  # graph: the frontend's function, shadowing the module on purpose
-from .ops.cudnn.autotune import set_autotune
-from .recording.frontend_steps import graph_cache, jit
-from .serving.paged_attention import PagedAttention
-from .varlen import varlen_sdpa
+from .errors import GraphStateError, ShapeMismatchError, UnsupportedError, ValidationError
+
+if TYPE_CHECKING:  # what the names below resolve to, for type checkers and editors
+    from . import nn
+    from .buckets import BucketedAttention
+    from .cache import PlanCache, default_cache
+    from .compat import (
+        Handle,
+        attention_implementation,
+        backend_version,
+        backend_version_string,
+        build_plan_policy,
+        create_handle,
+        destroy_handle,
+        diagonal_alignment,
+        get_last_error_string,
+        get_stream,
+        handle,
+        heur_mode,
+        set_stream,
+    )
+    from .core.dtypes import data_type
+    from .core.problem import AttentionProblem, Causal, KVCacheLayout, Op, TensorSpec
+    from .errors import cudnnGraphNotSupportedError
+    from .fp8 import sdpa_fp8
+    from .fp8_scaling import Fp8Scaling
+    from .functional import sdpa
+    from .graph import Graph, graph, pygraph
+    from .ops.cudnn.autotune import set_autotune
+    from .recording.frontend_steps import graph_cache, jit
+    from .serving.paged_attention import PagedAttention
+    from .varlen import varlen_sdpa
+
+# Each public name and the module that defines it, imported when the name is first used: the
+# package's modules (and through them the frontend, Triton, ...) cost start-up a script that only
+# imports the package should not pay. ``graph`` is the frontend's function, not the module.
+_LAZY = {
+    "nn": ".nn",
+    "BucketedAttention": ".buckets",
+    "PlanCache": ".cache",
+    "default_cache": ".cache",
+    **dict.fromkeys(
+        (
+            "Handle",
+            "attention_implementation",
+            "backend_version",
+            "backend_version_string",
+            "build_plan_policy",
+            "create_handle",
+            "destroy_handle",
+            "diagonal_alignment",
+            "get_last_error_string",
+            "get_stream",
+            "handle",
+            "heur_mode",
+            "set_stream",
+        ),
+        ".compat",
+    ),  # fmt: skip
+    "data_type": ".core.dtypes",
+    **dict.fromkeys(("AttentionProblem", "Causal", "KVCacheLayout", "Op", "TensorSpec"), ".core.problem"),
+    "cudnnGraphNotSupportedError": ".errors",
+    "sdpa_fp8": ".fp8",
+    "Fp8Scaling": ".fp8_scaling",
+    "sdpa": ".functional",
+    **dict.fromkeys(("Graph", "graph", "pygraph"), ".graph"),
+    "set_autotune": ".ops.cudnn.autotune",
+    **dict.fromkeys(("graph_cache", "jit"), ".recording.frontend_steps"),
+    "PagedAttention": ".serving.paged_attention",
+    "varlen_sdpa": ".varlen",
+}
 
 __version__ = "0.1.0"  # this library's version; the frontend's is cudnn.__version__
 
 
 def __getattr__(name: str) -> Any:
-    """Names this package does not have: the frontend's (outside the attention surface covered
-    here) are pointed to ``import cudnn``; any other, private names included, is the usual
-    ``AttributeError``, so ``hasattr`` answers as without this hook."""
+    """A public name on first use (imported from its module, then kept here). Names this package
+    does not have: the frontend's (outside the attention surface covered here) are pointed to
+    ``import cudnn``; any other, private names included, is the usual ``AttributeError``, so
+    ``hasattr`` answers as without this hook."""
+    where = _LAZY.get(name)
+    if where is not None:
+        module = importlib.import_module(where, __name__)
+        value = module if where == f".{name}" else getattr(module, name)
+        globals()[name] = value
+        return value
     message = f"module {__name__!r} has no attribute {name!r}"
     public = name.isidentifier() and not name.startswith("_")
     # A submodule of ours not imported yet is ours, whatever the frontend calls the same name.
-    if public and name in _frontend_names() and importlib.util.find_spec(f"{__name__}.{name}") is None:
-        message += (
-            f"; cudnn_attn covers the cuDNN frontend's attention surface only, and {name!r} is a frontend name it "
-            f"does not provide: use cudnn.{name} from nvidia-cudnn-frontend (import cudnn)"
-        )
+    if public and importlib.util.find_spec(f"{__name__}.{name}") is None:
+        from .compat import frontend_names
+
+        if name in frontend_names():
+            message += (
+                f"; cudnn_attn covers the cuDNN frontend's attention surface only, and {name!r} is a frontend name "
+                f"it does not provide: use cudnn.{name} from nvidia-cudnn-frontend (import cudnn)"
+            )
     raise AttributeError(message, name=name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+class _Package(types.ModuleType):
+    """This package's module type: importing the submodule ``graph`` (which the package's own
+    modules do) binds the frontend's function ``graph`` here, not the module, as the frontend's
+    ``cudnn.graph`` is. The module itself stays ``sys.modules["cudnn_attn.graph"]``."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "graph" and isinstance(value, types.ModuleType):
+            value = value.graph
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [

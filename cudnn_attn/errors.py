@@ -1,43 +1,58 @@
 """The library's exceptions: each lists every problem it found, one per line.
 
-``UnsupportedError`` is also the cuDNN frontend's ``cudnnGraphNotSupportedError`` (its subclass,
-where the frontend imports): code written for the frontend skips a case with
+``UnsupportedError`` is also the cuDNN frontend's ``cudnnGraphNotSupportedError`` (its subclass)
+wherever the frontend is imported: code written for the frontend skips a case with
 ``except cudnn.cudnnGraphNotSupportedError`` whichever of the two packages ``cudnn`` names.
+Importing this library does not import the frontend (it costs start-up, and the reference
+backend needs none of it): until something imports it, a stand-in of the same name is the base,
+and the frontend's class takes its place once the frontend is imported and an error is made, or
+``cudnn_attn.cudnnGraphNotSupportedError`` is asked for.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 
-def _frontend_not_supported() -> type[Exception]:
-    """The frontend's "this GPU / cuDNN cannot run this graph" exception; where the frontend does
-    not import (it is a dependency, but the reference backend needs none of it) a stand-in of the
-    same name, so the name exists either way."""
+class _StandInError(Exception):
+    """The frontend's exception until the frontend is imported."""
+
+
+_StandInError.__name__ = _StandInError.__qualname__ = "cudnnGraphNotSupportedError"
+
+
+def frontend_not_supported() -> type[Exception]:
+    """The frontend's "this GPU / cuDNN cannot run this graph" exception (importing the frontend),
+    with ``UnsupportedError`` rebased on it; the stand-in where the frontend does not import."""
     try:
         import cudnn
 
         found = cudnn.cudnnGraphNotSupportedError
         if isinstance(found, type) and issubclass(found, Exception):
-            return found
+            return _rebase(found)
     except Exception as error:  # not installed, or broken: the library still runs on the reference backend
         logging.getLogger("cudnn_attn").debug(
             "nvidia-cudnn-frontend unavailable (%s); its exception is stood in", error
         )
-    return type("cudnnGraphNotSupportedError", (Exception,), {"__module__": __name__})
+    return _StandInError
 
 
-# The frontend's class itself (not a subclass of ours): catching it catches the frontend's own
-# refusals as well as this library's. The type checker sees its shape: an Exception.
-if TYPE_CHECKING:
+def _rebase(frontend: type[Exception]) -> type[Exception]:
+    """``UnsupportedError`` derived from the frontend's class from now on (instances made before too)."""
+    if frontend not in UnsupportedError.__mro__:
+        UnsupportedError.__bases__ = tuple(frontend if b is _StandInError else b for b in UnsupportedError.__bases__)
+    return frontend
 
-    class cudnnGraphNotSupportedError(Exception):  # noqa: N801 - the frontend's spelling
-        pass
 
-else:
-    cudnnGraphNotSupportedError = _frontend_not_supported()  # noqa: N816 - the frontend's spelling
+def _adopt_imported_frontend() -> None:
+    """Rebase on the frontend's class if the frontend has been imported since."""
+    if _StandInError in UnsupportedError.__bases__:
+        found = getattr(sys.modules.get("cudnn"), "cudnnGraphNotSupportedError", None)
+        if isinstance(found, type) and issubclass(found, Exception):
+            _rebase(found)
 
 
 def shown(value: Any, limit: int = 40) -> str:
@@ -84,7 +99,7 @@ class ValidationError(_ProblemList, ValueError):
         super().__init__(self._format(problems, context))
 
 
-class UnsupportedError(_ProblemList, NotImplementedError, cudnnGraphNotSupportedError):
+class UnsupportedError(_ProblemList, NotImplementedError, _StandInError):
     """Well formed, but this GPU / cuDNN version / backend cannot run it.
 
     ``.problems`` lists the reasons; ``.alternatives`` what would work, where known. Caught by
@@ -95,6 +110,7 @@ class UnsupportedError(_ProblemList, NotImplementedError, cudnnGraphNotSupported
     headline = "reasons"
 
     def __init__(self, reasons: Iterable[str], context: str | None = None, alternatives: Iterable[str] = ()):
+        _adopt_imported_frontend()  # before the raise: the frontend's except clause then catches it
         self.alternatives = list(alternatives)
         message = self._format(reasons, context)
         if self.alternatives:
@@ -113,3 +129,10 @@ class ShapeMismatchError(_ProblemList, ValueError):
 
 class GraphStateError(RuntimeError):
     """The graph was used out of order (ops added after build, run before build, ...)."""
+
+
+def __getattr__(name: str) -> Any:
+    """``cudnnGraphNotSupportedError``: the frontend's class, imported when first asked for."""
+    if name == "cudnnGraphNotSupportedError":
+        return frontend_not_supported()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}", name=name)

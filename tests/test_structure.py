@@ -137,16 +137,38 @@ def _binds(node: ast.stmt) -> list[str]:
 
 @cache
 def top_level_names(module: str, root: Path = ROOT) -> frozenset[str] | None:
-    """The names module ``module`` binds at its top level (see ``_scope``); None for any name (a
-    module ``__getattr__`` that returns something, or a star import: permissive, not wrong). The
-    package root's ``__getattr__`` only words an AttributeError, so it resolves no name."""
+    """The names module ``module`` binds at its top level (see ``_scope``), with those its module
+    ``__getattr__`` resolves by name (the keys of a ``_LAZY`` table, strings it compares ``name``
+    with); None for any name (a ``__getattr__`` that resolves names it does not list, or a star
+    import: permissive, not wrong)."""
     path = module_file(module, root)
     assert path is not None, module
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     names = {n for node in _scope(tree.body) for n in _binds(node)}
     hooks = [n for n in _scope(tree.body) if isinstance(n, ast.FunctionDef) and n.name == "__getattr__"]
     resolves = any(isinstance(r, ast.Return) and r.value is not None for h in hooks for r in ast.walk(h))
-    return None if "*" in names or resolves or ("__getattr__" in names and not hooks) else frozenset(names)
+    listed = _lazy_names(tree) | {
+        c.value for h in hooks for cmp in ast.walk(h) if isinstance(cmp, ast.Compare)
+        for c in (cmp.left, *cmp.comparators) if isinstance(c, ast.Constant) and isinstance(c.value, str)
+    }  # fmt: skip
+    if "*" in names or (resolves and not listed) or ("__getattr__" in names and not hooks):
+        return None
+    return frozenset(names | listed)
+
+
+def _lazy_names(tree: ast.Module) -> set[str]:
+    """The string keys of a top-level ``_LAZY = {...}`` table (``**dict.fromkeys((...), ...)`` included)."""
+    keys: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets):
+            for sub in ast.walk(node.value):
+                if isinstance(sub, ast.Dict):
+                    keys |= {k.value for k in sub.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+                elif isinstance(sub, ast.Call) and getattr(sub.func, "attr", None) == "fromkeys" and sub.args:
+                    seq = sub.args[0]
+                    if isinstance(seq, ast.Tuple | ast.List):
+                        keys |= {e.value for e in seq.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+    return keys
 
 
 def problems(found: list[Import], root: Path = ROOT) -> list[str]:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from typing import Any
 
 import torch
-from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from ..core.dtypes import FLOATING_IO, dtype_name
 from ..core.mask import Causal, default_scale
@@ -36,7 +36,10 @@ def causal_from_mask(attn_mask: Any, is_causal: Any, query: Any, key: Any) -> tu
     """
     if not isinstance(attn_mask, torch.Tensor) or type(attn_mask) is torch.Tensor:
         return attn_mask, is_causal  # None, plain, or not a tensor (refused by check_arguments)
-    if isinstance(attn_mask, CausalBias):
+    # A CausalBias exists only once its module is imported; importing it here would load
+    # torch._dynamo with it (about 1 s of start-up).
+    bias = sys.modules.get("torch.nn.attention.bias")
+    if bias is not None and isinstance(attn_mask, bias.CausalBias):
         problems = []
         if is_causal is not False and is_causal != 0:
             problems.append("is_causal: True together with a CausalBias attn_mask; the bias already is the causal mask")
@@ -49,7 +52,7 @@ def causal_from_mask(attn_mask: Any, is_causal: Any, query: Any, key: Any) -> tu
                 )
         if problems:
             raise ValidationError(problems, context="sdpa")
-        upper_left = attn_mask.variant == CausalVariant.UPPER_LEFT or attn_mask.seq_len_q == attn_mask.seq_len_kv
+        upper_left = attn_mask.variant == bias.CausalVariant.UPPER_LEFT or attn_mask.seq_len_q == attn_mask.seq_len_kv
         return None, Causal.TOP_LEFT if upper_left else Causal.BOTTOM_RIGHT
     if _readable(attn_mask):
         return attn_mask, is_causal

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from .. import log
 from ..core.mask import Causal
@@ -87,6 +86,8 @@ def run(why: str, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: f
     if problems:  # what torch's kernel would raise a RuntimeError for, said as the graphs say it
         raise ValidationError(problems, context="sdpa")
     if causal is Causal.BOTTOM_RIGHT:
+        from torch.nn.attention.bias import causal_lower_right  # loads torch._dynamo: not at import
+
         attn_mask = causal_lower_right(query.shape[-2], key.shape[-2])
     if query.device.type == "cpu" or why is NON_POSITIVE_SCALE:
         # torch 2.13's CPU flash kernel returns NaN everywhere for a negative scale with a causal

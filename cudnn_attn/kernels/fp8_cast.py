@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from .launch import Launcher
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 BLOCK = 4096
@@ -68,7 +70,7 @@ def to_fp8(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None = Non
     out = torch.empty_like(x, dtype=E4M3)
     n = x.numel()
     record = amax if amax is not None else scale  # a pointer the kernel never writes when not recording
-    kernels.quantise[(_blocks(n),)](x, out, scale, record, n, E4M3_MAX, amax is not None, BLOCK=BLOCK)
+    kernels.quantise((_blocks(n),), x, out, scale, record, n, E4M3_MAX, RECORD=amax is not None, BLOCK=BLOCK)
     return out
 
 
@@ -98,8 +100,8 @@ def quantise_qkv(
     sizes = [x.numel() for x in xs]
     blocks = [_blocks(n) for n in sizes]
     source = scales if scales is not None else amaxes
-    kernels.quantise_qkv[(sum(blocks),)](
-        *xs, *outs, *sizes, blocks[0], blocks[0] + blocks[1], source, used, descales,
+    kernels.quantise_qkv(
+        (sum(blocks),), *xs, *outs, *sizes, blocks[0], blocks[0] + blocks[1], source, used, descales,
         record if record is not None else used, E4M3_MAX, SCALE_STRIDE,
         FROM_AMAX=amaxes is not None, RECORD=record is not None, BLOCK=BLOCK,
     )  # fmt: skip
@@ -115,7 +117,7 @@ def amax_qkv(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     out = torch.zeros(TENSORS, dtype=torch.float32, device=xs[0].device)
     sizes = [x.numel() for x in xs]
     blocks = [_blocks(n) for n in sizes]
-    kernels.amax_qkv[(sum(blocks),)](*xs, *sizes, blocks[0], blocks[0] + blocks[1], out, BLOCK=BLOCK)
+    kernels.amax_qkv((sum(blocks),), *xs, *sizes, blocks[0], blocks[0] + blocks[1], out, BLOCK=BLOCK)
     return out
 
 
@@ -132,7 +134,7 @@ def advance_history(history: torch.Tensor, current: torch.Tensor, slot: torch.Te
         slot.fill_((column + 1) % history.shape[1])
         return
     length = history.shape[1]
-    kernels.advance_history[(1,)](history, current, slot, scales, length, E4M3_MAX, SCALE_STRIDE,
+    kernels.advance_history((1,), history, current, slot, scales, length, E4M3_MAX, SCALE_STRIDE,
                                   SPAN=max(16, 1 << (length - 1).bit_length()))  # fmt: skip
 
 
@@ -143,7 +145,7 @@ def from_fp8(x8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> tor
         return (x8.float() * descale.reshape(())).to(dtype)
     out = torch.empty_like(x8, dtype=dtype)
     n = x8.numel()
-    kernels.dequantise[(_blocks(n),)](x8, out, descale, n, BLOCK=BLOCK)
+    kernels.dequantise((_blocks(n),), x8, out, descale, n, BLOCK=BLOCK)
     return out
 
 
@@ -268,5 +270,6 @@ def _kernels() -> Any:
         x = tl.load(x_ptr + offsets, mask=inside).to(tl.float32)
         tl.store(out_ptr + offsets, (x * tl.load(descale_ptr)).to(out_ptr.dtype.element_ty), mask=inside)
 
-    return types.SimpleNamespace(quantise=quantise, quantise_qkv=quantise_qkv, amax_qkv=amax_qkv,
-                                 advance_history=advance_history, dequantise=dequantise)  # fmt: skip
+    return types.SimpleNamespace(quantise=Launcher(quantise), quantise_qkv=Launcher(quantise_qkv),
+                                 amax_qkv=Launcher(amax_qkv), advance_history=Launcher(advance_history),
+                                 dequantise=Launcher(dequantise))  # fmt: skip

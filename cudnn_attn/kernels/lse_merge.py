@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..errors import ValidationError
+from .launch import Launcher
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 KERNEL_PARTS = 2  # the kernel's part slots: a body and a tail
@@ -54,6 +55,12 @@ def merge_partials(parts: Parts, out: torch.Tensor, lse: torch.Tensor | None = N
     problems = _problems(parts, out, lse)
     if problems:
         raise ValidationError(problems, "merge_partials")
+    return merge_checked(parts, out, lse)
+
+
+def merge_checked(parts: Parts, out: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """``merge_partials`` for arguments already known good (a decode kernel's own partial
+    buffers): the checks cost an eager decode step more host time than the launch."""
     launchable = out.is_cuda and out.numel() > 0 and len(parts) <= KERNEL_PARTS
     kernels = _kernels() if launchable else None
     if kernels is None:
@@ -170,12 +177,10 @@ def _merge_triton(kernels: Any, parts: Parts, out: torch.Tensor, lse: torch.Tens
     rows = b * h * s
     grid = (-(-rows // rows_per_program), -(-d // block_d))
     record = lse if lse is not None else out  # a pointer the kernel never writes when not recording
-    with torch.cuda.device(out.device):
-        kernels.merge[grid](
-            *args, out, *out.stride(), record, *(lse.stride() if lse is not None else (0, 0, 0)),
-            rows, h, s, d, WRITE_LSE=lse is not None, ROWS=rows_per_program, BLOCK_D=block_d,
-            CHUNKS=chunks,
-        )  # fmt: skip
+    kernels.merge(
+        grid, *args, out, *out.stride(), record, *(lse.stride() if lse is not None else (0, 0, 0)),
+        rows, h, s, d, WRITE_LSE=lse is not None, ROWS=rows_per_program, BLOCK_D=block_d, CHUNKS=chunks,
+    )  # fmt: skip
 
 
 @functools.cache
@@ -255,4 +260,4 @@ def _kernels() -> Any:
             tl.store(lse_ptr + bi * lse_sb + hi * lse_sh + si * lse_ss, base + tl.log(total),
                      mask=live & (tl.program_id(1) == 0))  # fmt: skip
 
-    return types.SimpleNamespace(merge=merge)
+    return types.SimpleNamespace(merge=Launcher(merge))

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from .lse_merge import merge_partials, split_targets
+from .launch import Launcher
+from .lse_merge import merge_checked, split_targets
 from .mla_decode_hopper import mla_decode_hopper, usable
 
 LOG2_E = 1.4426950408889634
@@ -110,8 +111,8 @@ def mla_decode(
                                                                    partial_lse)  # fmt: skip
     block_h = tuning.get("block_h", 64 if heads >= 64 else max(16, 1 << (heads - 1).bit_length()))
     grid = (splits, triton_cdiv(heads, block_h), batch)
-    kernels.decode[grid](
-        q, q.stride(0), q.stride(1), cache, cache.stride(0), c_st, v_cache, v_cache.stride(0), v_st, table,
+    kernels.decode(
+        grid, q, q.stride(0), q.stride(1), cache, cache.stride(0), c_st, v_cache, v_cache.stride(0), v_st, table,
         table.stride(0), lengths,
         o, o_sb, o_ss, o_sh, lse, l_sb, l_ss, l_sh, sink if sink is not None else lengths,
         scale * LOG2_E, chunk_pages, heads,
@@ -120,7 +121,7 @@ def mla_decode(
         num_warps=tuning.get("num_warps", 8), num_stages=tuning.get("num_stages", 2),
     )  # fmt: skip
     if splits > 1:
-        merge_partials([(o.unsqueeze(3), lse.unsqueeze(3))], out)
+        merge_checked([(o.unsqueeze(3), lse.unsqueeze(3))], out)
     return out
 
 
@@ -191,7 +192,7 @@ def _kernels() -> Any:
                            float("-inf"))  # fmt: skip
             tl.store(lse_ptr + b * l_sb + split * l_ss + h * l_sh, lse, mask=live)
 
-    return types.SimpleNamespace(decode=decode)
+    return types.SimpleNamespace(decode=Launcher(decode))
 
 
 __all__ = ["mla_decode", "supported"]

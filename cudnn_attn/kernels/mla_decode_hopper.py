@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from .lse_merge import merge_partials, split_targets
+from .launch import Launcher, Tma
+from .lse_merge import merge_checked, split_targets
 
 LOG2_E = 1.4426950408889634
 PAGE = 64  # tokens per page and per tile
@@ -41,10 +42,15 @@ def serves(device: torch.device, page_size: int, head_dim: int, head_dim_v: int)
     with Gluon, pages of 64 tokens, d 576 = 512 + 64."""
     return (
         device.type == "cuda"
-        and torch.cuda.get_device_capability(device) == (9, 0)
         and (page_size, head_dim, head_dim_v) == (PAGE, D_V + D_ROPE, D_V)
+        and _hopper(device.index if device.index is not None else torch.cuda.current_device())
         and _kernel() is not None
     )
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def usable(q: torch.Tensor, cache: torch.Tensor, v_cache: torch.Tensor, kv_layout: str) -> bool:
@@ -78,9 +84,6 @@ def mla_decode_hopper(
     sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``mla_decode`` for calls ``usable`` accepts (same arguments, V being the latent)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     kernel = _kernel()
     batch, heads, _, dim = q.shape
     rows = _rows(cache, 2 if kv_layout == "NHPD" else 1)
@@ -88,24 +91,18 @@ def mla_decode_hopper(
     q_rows = q.reshape(batch * heads, dim)  # S_q = 1: one row per (sequence, head)
     if q_rows.stride(-1) != 1 or (q_rows.stride(0) * q.element_size()) % 16 or q_rows.data_ptr() % 16:
         q_rows = q_rows.contiguous()
-    element = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-
-    def descriptor(t: torch.Tensor, block: list[int]) -> Any:
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
-                                gl.NVMMASharedLayout.get_default_for(block, element))  # fmt: skip
-
     o, (o_sb, o_ss, o_sh), lse, (l_sb, l_ss, l_sh) = split_targets(out, splits, heads, D_V, partial_o, partial_lse)
     grid = (splits, -(-heads // BLOCK_H), batch)
-    kernel[grid](
-        descriptor(q_rows, [BLOCK_H, D_V]), descriptor(q_rows, [BLOCK_H, D_ROPE]),
-        descriptor(rows, [PAGE, D_V]), descriptor(rows, [PAGE, D_ROPE]), table, table.stride(0), lengths,
+    kernel(
+        grid, Tma.of(q_rows, (BLOCK_H, D_V)), Tma.of(q_rows, (BLOCK_H, D_ROPE)),
+        Tma.of(rows, (PAGE, D_V)), Tma.of(rows, (PAGE, D_ROPE)), table, table.stride(0), lengths,
         o, o_sb, o_ss, o_sh, lse, l_sb, l_ss, l_sh, sink if sink is not None else lengths,
         scale * LOG2_E, chunk_pages, heads,
         D_V=D_V, D_ROPE=D_ROPE, BLOCK_H=BLOCK_H, PAGE=PAGE, STAGES=STAGES, SECOND=SECOND,
         NORMALISE=splits == 1, HAS_SINK=sink is not None, num_warps=4,
     )  # fmt: skip
     if splits > 1:
-        merge_partials([(o.unsqueeze(3), lse.unsqueeze(3))], out)
+        merge_checked([(o.unsqueeze(3), lse.unsqueeze(3))], out)
     return out
 
 
@@ -288,7 +285,7 @@ def _kernel() -> Any:
                       steps, D_V, PAGE, STAGES)),
         ], [4, 1], [232, 40])  # fmt: skip
 
-    return decode
+    return Launcher(decode)
 
 
 __all__ = ["mla_decode_hopper", "serves", "usable"]

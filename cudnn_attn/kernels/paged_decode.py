@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from .lse_merge import merge_partials, split_targets
+from .launch import Launcher
+from .lse_merge import merge_checked, split_targets
 
 LOG2_E = 1.4426950408889634
 MIN_ROWS = 16  # tl.dot needs 16 rows: smaller groups are padded
@@ -86,8 +87,8 @@ def paged_decode(
     o, (o_sb, o_ss, o_sh), lse, (l_sb, l_ss, l_sh) = split_targets(out, splits, heads, dim, partial_o, partial_lse)
     block_d = max(16, 1 << (dim - 1).bit_length())
     pages_per_step = tuning.get("pages_per_step", max(1, 128 // page))
-    kernels.decode[(splits, kv_heads, batch)](
-        q, q.stride(0), q.stride(1), k_cache, v_cache, stride_page, stride_head, stride_token,
+    kernels.decode(
+        (splits, kv_heads, batch), q, q.stride(0), q.stride(1), k_cache, v_cache, stride_page, stride_head, stride_token,
         table, table.stride(0), lengths, o, o_sb, o_ss, o_sh, lse, l_sb, l_ss, l_sh,
         scale * LOG2_E, chunk_pages, dim, sink if sink is not None else lengths,
         GROUP=group, BLOCK_G=max(MIN_ROWS, 1 << (group - 1).bit_length()), BLOCK_D=block_d, PAGE=page,
@@ -95,7 +96,7 @@ def paged_decode(
         num_warps=tuning.get("num_warps", 4 if block_d <= 128 else 8), num_stages=tuning.get("num_stages", 3),
     )  # fmt: skip
     if splits > 1:
-        merge_partials([(o.unsqueeze(3), lse.unsqueeze(3))], out)
+        merge_checked([(o.unsqueeze(3), lse.unsqueeze(3))], out)
     return out
 
 
@@ -159,7 +160,7 @@ def _kernels() -> Any:
                            float("-inf"))  # fmt: skip
             tl.store(lse_ptr + b * l_sb + split * l_ss + heads * l_sh, lse, mask=g < GROUP)
 
-    return types.SimpleNamespace(decode=decode)
+    return types.SimpleNamespace(decode=Launcher(decode))
 
 
 __all__ = ["paged_decode", "supported"]
