@@ -276,7 +276,7 @@ def run(
         from . import host
 
         report["host_time"] = host.host_paths()
-        print(host.format_host(report["host_time"], "host time per call, b1 h8 s128 d64 bf16:"))
+        print(host.format_host(report["host_time"], "host time per call (b1 h8 s128 d64 bf16; decode: b1 kv 2k):"))
         for batch, seq in ((2, 512), (8, 2048)):
             steps = host.layer_steps(batch, seq)
             report[f"layer_step_b{batch}_s{seq}"] = steps

@@ -9,6 +9,7 @@ spread is "same".
 
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 import time
@@ -78,6 +79,27 @@ def _frontend_runs(graph: Graph, t: dict) -> dict[str, Callable[[], object]]:
     }
 
 
+def _decode_runs() -> dict[str, Callable[[], object]]:
+    """Eager decode layers of one sequence at 2k (bf16, page 64): a GQA model's (32/8 heads, d128)
+    and an MLA model's (16 heads, the 576/512 latent); the GPU's work is a few microseconds."""
+    from ..serving.paged_attention import PagedAttention
+
+    pages = 32
+    table = torch.arange(pages, dtype=torch.int32, device="cuda").view(1, pages)
+    lengths = torch.tensor([pages * 64], dtype=torch.int32, device="cuda")
+    runs: dict[str, Callable[[], object]] = {}
+    for name, (hq, hkv, d, dv) in {"GQA": (32, 8, 128, 128), "MLA": (16, 1, 576, 512)}.items():
+        attn = PagedAttention(hq, hkv, d, 64, head_dim_v=dv, dtype=torch.bfloat16, device="cuda")
+        attn.plan(table, lengths)
+        cache = torch.randn(pages, hkv, 64, d, device="cuda", dtype=torch.bfloat16)
+        v_cache = cache[..., :dv] if dv != d else torch.randn_like(cache)
+        q = torch.randn(1, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(1, hq, 1, dv, device="cuda", dtype=torch.bfloat16)
+        attn.run(q, cache, v_cache, out)
+        runs[f"PagedAttention.run, {name} decode"] = functools.partial(attn.run, q, cache, v_cache, out)
+    return runs
+
+
 def host_paths() -> dict[str, dict]:
     shape = Shape(b=1, h=8, sq=128, skv=128, d=64, layout="BHSD")
     t = shape.tensors("cuda")
@@ -111,6 +133,7 @@ def host_paths() -> dict[str, dict]:
         "g(q, k, v, out=o)": lambda: g(q, k, v, out=out),
         **_frontend_runs(g, t),
         "with Graph() on a cache hit": rebuild,
+        **_decode_runs(),
     }
     return interleaved(paths)
 

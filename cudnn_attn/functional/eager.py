@@ -4,7 +4,8 @@ The first call of a signature is checked in full and prepares its runs (``proble
 Its key (shapes, strides, dtypes, devices, flags, aliasing) then proves the geometry of every
 later call with that key, so those pay a tuple, a lock-free dict lookup and the plans' own
 launches: no re-validation, no placeholder tensors, no custom-op dispatch. Training runs
-through a plain ``torch.autograd.Function``.
+through torch's own cuDNN attention op where it serves the call (``torch_cudnn.py``: its
+autograd node is C++), else through a plain ``torch.autograd.Function``.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
 from ..runtime.interop import in_layout_of
 from ..runtime.keyed import KeyedCache
 from ..runtime.prepared import PreparedRun
-from . import problems, torch_kernel
+from . import problems, torch_cudnn, torch_kernel
 from .arguments import ARGUMENT_NAMES, causal_kind, check_arguments, mask_as_bias, materialised
 
 MAX_ENTRIES = 512
-_prepared = KeyedCache(MAX_ENTRIES)  # flat key -> Prepared | TorchKernel
+_prepared = KeyedCache(MAX_ENTRIES)  # flat key -> Prepared | TorchKernel | TorchCudnnOp
 _SCALARS = (float, int, type(None))
 _CAUSAL = (bool, Causal)  # a bool, or the variant a CausalBias mask stands for
 
@@ -53,13 +54,16 @@ def run(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_cau
     return entry(query, key, value, attn_mask)
 
 
-def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, train) -> Prepared | TorchKernel:
+def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+             train) -> Prepared | TorchKernel | torch_cudnn.TorchCudnnOp:  # fmt: skip
     """Check the call in full and build its forward graph (the backward's comes with the first backward)."""
     check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     causal = causal_kind(is_causal)
     why = torch_kernel.reason(query, key, float(dropout_p), causal, train, scale)
     if why is not None:
         return TorchKernel(why, dropout_p, causal, scale, enable_gqa)
+    if train and torch_cudnn.serves(query, key, value, attn_mask, float(dropout_p), causal, enable_gqa):
+        return torch_cudnn.TorchCudnnOp(float(scale) if scale is not None else default_scale(query.shape[-1]), causal)
     entry = Prepared(
         scale=float(scale) if scale is not None else default_scale(query.shape[-1]),
         causal=causal,
