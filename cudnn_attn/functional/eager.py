@@ -62,10 +62,11 @@ def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
     why = torch_kernel.reason(query, key, float(dropout_p), causal, train, scale)
     if why is not None:
         return TorchKernel(why, dropout_p, causal, scale, enable_gqa)
+    scale = float(scale) if scale is not None else default_scale(query.shape[-1])
     if train and torch_cudnn.serves(query, key, value, attn_mask, float(dropout_p), causal, enable_gqa):
-        return torch_cudnn.TorchCudnnOp(float(scale) if scale is not None else default_scale(query.shape[-1]), causal)
+        return torch_cudnn.TorchCudnnOp(scale, causal)
     entry = Prepared(
-        scale=float(scale) if scale is not None else default_scale(query.shape[-1]),
+        scale=scale,
         causal=causal,
         dropout_p=float(dropout_p),
         train=train,

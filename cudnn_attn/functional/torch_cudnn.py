@@ -8,9 +8,10 @@ torch's forward + backward host time on an H100 host. torch's
 call exactly as we would, it runs it: CUDA fp16/bf16 ``[B, H, L, E]`` with one head count and
 one head dim, no mask, no dropout, causal only where L == S (so top-left and bottom-right
 agree), none of the shapes whose backward cuDNN gets wrong (``ops/cudnn/workarounds.py``: our
-path masks around them, torch's op does not), with ``torch.backends.cuda.can_use_cudnn_attention``
-(torch's own test, strides included) saying yes for the call's geometry. Graphs that autotune (``set_autotune``) keep
-our path: torch's op takes cuDNN's heuristic plan. The log says so once per signature.
+path masks around them, torch's op does not), with torch's own test,
+``torch.backends.cuda.can_use_cudnn_attention`` (strides included), saying yes for the call's
+geometry. With autotuning on (``set_autotune``) calls keep our path: torch's op takes cuDNN's
+heuristic plan. The log says so once per signature.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from .. import log
 from ..core.mask import Causal
 from ..ops.cudnn.autotune import enabled_by_default as autotune_default
-from ..ops.cudnn.workarounds import TILE
+from ..ops.cudnn.workarounds import nan_backward_reason
 
 WHERE = "cudnn_attn.sdpa"
 
@@ -38,8 +39,8 @@ def serves(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mas
     length, keys = query.shape[-2], key.shape[-2]
     if causal is not Causal.NONE and length != keys:
         return False
-    if length == 1 or (keys % TILE == TILE // 2 and causal is Causal.NONE):
-        return False  # cuDNN's NaN gradients there (ops/cudnn/workarounds.py): our path works around them
+    if nan_backward_reason(length, keys, causal) is not None:
+        return False  # cuDNN's NaN gradients: our path masks around them, torch's op does not
     if query.shape[1] != key.shape[1] or query.shape[-1] != value.shape[-1]:
         return False
     try:

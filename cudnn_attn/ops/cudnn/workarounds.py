@@ -24,8 +24,13 @@ def full_lengths_reason(p: AttentionProblem) -> str | None:
     """Why ``p`` needs a padding mask with full lengths; None when it does not."""
     if p.is_forward or p.options.padding:
         return None
-    if p.s_q == 1:
+    return nan_backward_reason(p.s_q, p.s_kv, p.options.causal)
+
+
+def nan_backward_reason(s_q: int, s_kv: int, causal: Causal) -> str | None:
+    """Why cuDNN's backward of this geometry without a padding mask gives NaN; None if it does not."""
+    if s_q == 1:
         return "backward with S_q = 1: NaN dK/dV on rows with a low log-sum-exp"
-    if p.s_kv % TILE == TILE // 2 and p.options.causal is Causal.NONE:
+    if s_kv % TILE == TILE // 2 and causal is Causal.NONE:
         return f"backward with S_kv % {TILE} == {TILE // 2} and no causal mask: NaN dQ on rows with a low log-sum-exp"
     return None
