@@ -56,6 +56,14 @@ CASES = {
     "triton-one-chunk": dict(lengths=[700, 4000], pages=64, decode_kernel="triton", splits=1),
     "triton-nphd-odd-split": dict(lengths=[500, 1000, 999], pages=16, layout="NPHD", decode_kernel="triton", splits=3),
     "cudnn-forced-b1": dict(lengths=[30000], pages=512, decode_kernel="cudnn"),
+    # several query tokens in the Triton kernel: G * S_q rows of one tile, causal per row
+    "triton-mtp-4": dict(lengths=[4000, 130, 64, 4], pages=64, s_q=4, decode_kernel="triton"),
+    "triton-mtp-8-split-short": dict(lengths=[8192, 8100, 1000, 9], pages=128, s_q=8, splits=5,
+                                     decode_kernel="triton"),
+    "triton-mtp-16-nphd": dict(lengths=[2048, 17, 1500], pages=32, s_q=16, layout="NPHD", decode_kernel="triton"),
+    "triton-mtp-2-one-chunk": dict(lengths=[700, 2], pages=64, s_q=2, splits=1, decode_kernel="triton"),
+    "sinks-triton-mtp-4-split": dict(lengths=[4000, 130], pages=64, s_q=4, splits=3, decode_kernel="triton",
+                                     sinks=True),
     # gpt-oss's sinks: in the Triton kernel's first chunk, or folded in after cuDNN's body or merge
     "sinks-triton-split-empty": dict(lengths=[0, 1, 3000], pages=64, decode_kernel="triton", sinks=True),
     "sinks-triton-one-chunk": dict(lengths=[700, 4000], pages=64, decode_kernel="triton", splits=1, sinks=True),
@@ -85,17 +93,18 @@ def test_cudnn_matches_the_reference(case):
     assert rel_err(got, want) < 1.5e-2, schedule
 
 
+@pytest.mark.parametrize("s_q", [1, 4], ids=["decode", "multi-token"])
 @pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
 @pytest.mark.parametrize("kernel", ["cudnn", "triton"])
-def test_a_captured_step_replays_after_new_plans(kernel, sinks):
-    """Two layers captured once; each later step is plan() then replay(), and matches eager runs
-    (with sinks: folded in inside the captured step too)."""
+def test_a_captured_step_replays_after_new_plans(kernel, sinks, s_q):
+    """Two layers captured once; each later step is plan() then replay(), and matches runs of
+    the same step not captured (with sinks: folded in inside the captured step too)."""
     extra = {"sinks": torch.randn(HQ, device="cuda")} if sinks else {}
     layers = 2
     max_batch, pages = 4, 32
     attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=max_batch,
                                      max_pages_per_seq=pages, cuda_graph=True, decode_kernel=kernel)  # fmt: skip
-    first = _step([100] * max_batch, pages, seed=1)
+    first = _step([100] * max_batch, pages, s_q=s_q, seed=1)
     q = first[0].cuda()
     caches = [(first[1].cuda() * (i + 1), first[2].cuda().roll(i, 0)) for i in range(layers)]
     outs = [torch.empty_like(q) for _ in range(layers)]
@@ -107,9 +116,10 @@ def test_a_captured_step_replays_after_new_plans(kernel, sinks):
         for (k, v), out in zip(caches, outs):
             attn.run(q, k, v, out=out, **extra)
     eager = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=max_batch,
-                                      max_pages_per_seq=pages, splits=attn.schedule.splits, decode_kernel=kernel)  # fmt: skip
-    for seed, lengths in enumerate(([2048, 5, 777, 1300], [64, 64, 2000, 1]), start=2):
-        step = _step(lengths, pages, seed=seed)
+                                      max_pages_per_seq=pages, cuda_graph=True, splits=attn.schedule.splits,
+                                      decode_kernel=kernel)  # fmt: skip
+    for seed, lengths in enumerate(([2048, 5, 777, 1300], [64, 64, 2000, 4]), start=2):
+        step = _step(lengths, pages, s_q=s_q, seed=seed)
         q.copy_(step[0])
         attn.plan(step[3].cuda(), step[4].cuda())
         for out in outs:
@@ -118,6 +128,10 @@ def test_a_captured_step_replays_after_new_plans(kernel, sinks):
         eager.plan(step[3].cuda(), step[4].cuda())
         for (k, v), out in zip(caches, outs):
             assert torch.equal(out, eager.run(q, k, v, **extra))
+        reference = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cpu")
+        reference.plan(step[3], step[4])
+        want = reference.run(step[0], *(c.cpu() for c in caches[-1]), **{k: v.cpu() for k, v in extra.items()})
+        assert rel_err(outs[-1], want) < 1.5e-2
 
 
 def test_plan_and_run_make_no_host_sync():

@@ -333,18 +333,22 @@ def test_a_prefill_run_needs_the_planned_tokens():
         attn.run(q.view(1, 12, HQ, D), k_cache, v_cache)
 
 
-@pytest.mark.parametrize(
-    "batch,pages,triton",
-    [(1, 32, True), (4, 128, True), (8, 512, True), (32, 64, True), (1, 512, False), (1, 256, False)],
-)
-def test_single_token_decode_takes_the_triton_kernel_where_it_measured_faster(batch, pages, triton):
-    """Page 64, 32 query / 8 K/V heads: the Triton kernel (packed, split) except for one group
-    of K/V heads over 16k tokens or more, where cuDNN's paged decode measured faster."""
-    schedule = paged_schedule.choose(batch, pages, 64, 32, 8, 1, triton=True)
-    assert schedule.kernel == ("triton" if triton else "cudnn")
-    assert schedule.packed == triton
-    assert paged_schedule.choose(batch, pages, 64, 32, 8, 1, triton=False).kernel == "cudnn"  # no Triton here
-    assert paged_schedule.choose(batch, pages, 64, 32, 8, 4, triton=True).kernel == "cudnn"  # multi-token: cuDNN
+@pytest.mark.parametrize("batch,pages", [(1, 32), (1, 512), (4, 128), (8, 512), (64, 64)])
+@pytest.mark.parametrize("s_q", [1, 4, 16])
+def test_decode_takes_the_triton_kernel_where_it_serves(batch, pages, s_q):
+    """Page 64, 32 query / 8 K/V heads: the Triton kernel (group and tokens packed, split, the
+    causal mask inside: no tail), measured faster than cuDNN's calls at every batch, cache length
+    and token count; cuDNN's calls where Triton is missing or the tile would pass 64 rows."""
+    schedule = paged_schedule.choose(batch, pages, 64, 32, 8, s_q, triton=True)
+    assert (schedule.kernel, schedule.packed, schedule.tail) == ("triton", True, False)
+    assert 1 <= schedule.splits <= pages and schedule.splits * schedule.chunk_pages >= pages
+    assert schedule.splits == 1 or (schedule.splits - 1) * schedule.chunk_pages < pages  # no empty chunk
+    plain = paged_schedule.choose(batch, pages, 64, 32, 8, s_q, triton=False)  # no Triton here
+    assert plain.kernel == "cudnn" and plain.tail == (s_q > 1)
+    wide = paged_schedule.choose(batch, pages, 64, 64, 2, s_q, triton=True)  # 32 heads a group
+    assert wide.kernel == ("triton" if 32 * s_q <= 64 else "cudnn")
+    forced = paged_schedule.choose(batch, pages, 64, 64, 2, s_q, triton=True, kernel="triton")
+    assert forced.kernel == wide.kernel  # forced, but the tile cannot hold the rows: cuDNN's calls
 
 
 @pytest.mark.parametrize(

@@ -1,19 +1,28 @@
-"""Single-token decode over paged caches in one Triton kernel: split-KV with the query heads of a
-GQA group packed, for the small batches cuDNN's paged decode leaves the GPU half idle on.
+"""Decode over paged caches in one Triton kernel: split-KV with the query heads of a GQA group
+and the query tokens of a multi-token step packed into one tile, for the small batches cuDNN's
+paged decode leaves the GPU half idle on.
 
 One program takes one sequence, one K/V head and one chunk of ``chunk_pages`` pages: it loads
-the group's ``G`` query rows once, walks its pages through the page table, and keeps a running
-softmax (max, sum, weighted V) in float32, so each K/V byte is read once for the whole group.
-With one chunk per sequence it writes the normalised output directly; with several, each
-chunk's normalised output and log-sum-exp go to float32 partial buffers, merged exactly by
-``lse_merge.merge_partials``. As plain torch, for sequence ``b`` and query head ``h``::
+the group's ``G * S_q`` query rows once, walks its pages through the page table, and keeps a
+running softmax (max, sum, weighted V) in float32, so each K/V byte is read once for the whole
+group and every query token. Query token ``t`` of ``S_q`` sees the keys before
+``length - S_q + 1 + t`` (bottom-right causal, as a speculative or multi-token decode step
+needs). With one chunk per sequence it writes the normalised output directly; with several,
+each chunk's normalised output and log-sum-exp go to float32 partial buffers, merged exactly by
+``lse_merge`` (a merge inside the kernel, by the last program to finish, ran 4-10% slower on an
+H100: one program merging serially, and more registers for every program). As plain torch, for
+sequence ``b``, query head ``h`` and query token ``t``::
 
-    k, v = gathered_pages(b, h // G)[:length[b]]       # [L, D]
-    out[b, h, 0] = softmax(q[b, h, 0] @ k.T * scale) @ v
+    k, v = gathered_pages(b, h // G)[:length[b] - S_q + 1 + t]      # [L_t, D]
+    out[b, h, t] = softmax(q[b, h, t] @ k.T * scale) @ v
 
 With ``sink`` (a logit per query head, gpt-oss's attention sinks) the first chunk starts its
 running softmax from the sink, one more term of the denominator weighing no value: its
 log-sum-exp then carries the sink into the merge, exactly once.
+
+The K/V loads have no mask along the head dim when it is a power of two, and the head dim is
+a compile-time constant: a mask with a runtime bound there kept Triton from vectorising and
+pipelining the loads.
 
 Lengths and the page table must already be in range (``PagedAttention.plan`` clamps them on
 the device). Needs CUDA and Triton; ``supported`` says when the kernel applies.
@@ -28,10 +37,11 @@ from typing import Any
 import torch
 
 from .launch import Launcher
-from .lse_merge import merge_checked, split_targets
+from .lse_merge import merge_checked
 
 LOG2_E = 1.4426950408889634
 MIN_ROWS = 16  # tl.dot needs 16 rows: smaller groups are padded
+MAX_ROWS = 64  # query rows of one tile (G * S_q): more would spill the accumulator
 
 
 def supported(device: torch.device, page_size: int, head_dim: int) -> bool:
@@ -44,6 +54,25 @@ def supported(device: torch.device, page_size: int, head_dim: int) -> bool:
         and head_dim <= 256
         and _kernels() is not None
     )
+
+
+def packs(group: int, s_q: int) -> bool:
+    """Whether ``G * S_q`` query rows fit one tile of the kernel."""
+    return group * s_q <= MAX_ROWS
+
+
+def default_pages_per_step(programs: int, page: int, device: torch.device) -> int:
+    """Pages a program loads per step: one where the grid is two programs or more per SM (smaller
+    tiles, more programs resident: at batch 64 over 4k tokens 100% of the memory's rate against
+    93% with two pages), else 128 tokens' worth (measured on an H100, CUDA-graph replay)."""
+    if programs >= 2 * _sm_count(device.index):
+        return 1
+    return max(1, 128 // page)
+
+
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
 
 
 def paged_decode(
@@ -63,19 +92,20 @@ def paged_decode(
     sink: torch.Tensor | None = None,
     tuning: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """Decode attention of ``q`` ``[B, H_q, 1, D]`` into ``out`` (same shape, any strides).
+    """Decode attention of ``q`` ``[B, H_q, S_q, D]`` into ``out`` (same shape, any strides),
+    bottom-right causal over each sequence's ``lengths[b]`` keys.
 
     table: ``[B, >= splits * chunk_pages or enough for every length]`` int32 page indices;
-    lengths: ``[B]`` int32; splits, chunk_pages: the split-KV layout; partial_o
-    ``[B, splits, H_q, D]`` and partial_lse ``[B, splits, H_q]`` float32: persistent buffers for
-    ``splits > 1`` (allocated here when not given); sink: ``[H_q]`` float32 contiguous, attention
-    sinks in units of the scaled scores; tuning: the kernel's launch settings
+    lengths: ``[B]`` int32, at least ``S_q`` each; splits, chunk_pages: the split-KV layout;
+    partial_o ``[B, splits, H_q * S_q, D]`` and partial_lse ``[B, splits, H_q * S_q]`` float32:
+    persistent buffers for ``splits > 1`` (allocated here when not given); sink: ``[H_q]`` float32
+    contiguous, attention sinks in units of the scaled scores; tuning: the kernel's launch settings
     (``pages_per_step``, ``num_warps``, ``num_stages``) where not the defaults.
     """
     tuning = tuning or {}
     kernels = _kernels()
     assert kernels is not None, "paged_decode needs Triton (see supported())"
-    batch, heads, _, dim = q.shape
+    batch, heads, s_q, dim = q.shape
     if kv_layout == "NHPD":  # [N, H_kv, P, D]
         kv_heads, page = k_cache.shape[1], k_cache.shape[2]
         stride_page, stride_head, stride_token = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
@@ -84,19 +114,30 @@ def paged_decode(
         stride_page, stride_head, stride_token = k_cache.stride(0), k_cache.stride(2), k_cache.stride(1)
     assert v_cache.stride() == k_cache.stride(), "k and v caches share one layout"
     group = heads // kv_heads
-    o, (o_sb, o_ss, o_sh), lse, (l_sb, l_ss, l_sh) = split_targets(out, splits, heads, dim, partial_o, partial_lse)
+    rows = group * s_q
     block_d = max(16, 1 << (dim - 1).bit_length())
-    pages_per_step = tuning.get("pages_per_step", max(1, 128 // page))
+    pages_per_step = tuning.get("pages_per_step", default_pages_per_step(batch * kv_heads * splits, page, q.device))
+    if splits > 1:
+        if partial_o is None:
+            partial_o = out.new_empty(batch, splits, heads * s_q, dim, dtype=torch.float32)
+        if partial_lse is None:
+            partial_lse = out.new_empty(batch, splits, heads * s_q, dtype=torch.float32)
+        o, lse = partial_o, partial_lse
+    else:  # normalised straight into out: the partial pointers are placeholders, never read
+        o = lse = out
+    block_r = max(MIN_ROWS, 1 << (rows - 1).bit_length())
     kernels.decode(
-        (splits, kv_heads, batch), q, q.stride(0), q.stride(1), k_cache, v_cache, stride_page, stride_head, stride_token,
-        table, table.stride(0), lengths, o, o_sb, o_ss, o_sh, lse, l_sb, l_ss, l_sh,
-        scale * LOG2_E, chunk_pages, dim, sink if sink is not None else lengths,
-        GROUP=group, BLOCK_G=max(MIN_ROWS, 1 << (group - 1).bit_length()), BLOCK_D=block_d, PAGE=page,
-        BLOCK_N=page * pages_per_step, NORMALISE=splits == 1, HAS_SINK=sink is not None,
+        (splits, kv_heads, batch), q, q.stride(0), q.stride(1), q.stride(2), k_cache, v_cache, stride_page,
+        stride_head, stride_token, table, table.stride(0), lengths, out, out.stride(0), out.stride(1),
+        out.stride(2), o, lse, heads * s_q, scale * LOG2_E, chunk_pages, splits,
+        sink if sink is not None else lengths,
+        GROUP=group, S_Q=s_q, BLOCK_R=block_r, HEAD_DIM=dim, BLOCK_D=block_d, PAGE=page,
+        BLOCK_N=page * pages_per_step, SPLIT=splits > 1, HAS_SINK=sink is not None,
         num_warps=tuning.get("num_warps", 4 if block_d <= 128 else 8), num_stages=tuning.get("num_stages", 3),
     )  # fmt: skip
     if splits > 1:
-        merge_checked([(o.unsqueeze(3), lse.unsqueeze(3))], out)
+        parts = o.view(batch, splits, heads, s_q, dim), lse.view(batch, splits, heads, s_q)
+        merge_checked([parts], out)
     return out
 
 
@@ -111,29 +152,32 @@ def _kernels() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def decode(q_ptr, q_sb, q_sh, k_ptr, v_ptr, c_sn, c_sh, c_st, table_ptr, t_sb, len_ptr,
-               o_ptr, o_sb, o_ss, o_sh, lse_ptr, l_sb, l_ss, l_sh, scale_log2, chunk_pages, dim, sink_ptr,
-               GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-               BLOCK_N: tl.constexpr, NORMALISE: tl.constexpr, HAS_SINK: tl.constexpr):  # fmt: skip
+    def decode(q_ptr, q_sb, q_sh, q_st, k_ptr, v_ptr, c_sn, c_sh, c_st, table_ptr, t_sb, len_ptr,
+               out_ptr, out_sb, out_sh, out_st, o_ptr, lse_ptr, hq_rows, scale_log2, chunk_pages,
+               num_splits, sink_ptr,
+               GROUP: tl.constexpr, S_Q: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+               HAS_SINK: tl.constexpr):  # fmt: skip
         split = tl.program_id(0)
         kv_head = tl.program_id(1)
         b = tl.program_id(2).to(tl.int64)
-        g = tl.arange(0, BLOCK_G)
+        r = tl.arange(0, BLOCK_R)  # row r: query head kv_head * GROUP + r // S_Q, token r % S_Q
         d = tl.arange(0, BLOCK_D)
         n = tl.arange(0, BLOCK_N)  # BLOCK_N / PAGE whole pages per step
-        heads = kv_head * GROUP + g
-        live = (g < GROUP)[:, None] & (d < dim)[None, :]
-        q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=live, other=0.0)
+        live = r < GROUP * S_Q
+        heads = kv_head * GROUP + r // S_Q
+        t = r % S_Q
+        q = tl.load(q_ptr + b * q_sb + (heads * q_sh + t * q_st)[:, None] + d[None, :],
+                    mask=live[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
         length = tl.load(len_ptr + b)
-        first = split * chunk_pages
-        start = first * PAGE
+        start = split * chunk_pages * PAGE
         end = tl.minimum(length, start + chunk_pages * PAGE)
-        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        total = tl.zeros([BLOCK_G], tl.float32)
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_R], tl.float32)
         if HAS_SINK:  # the first chunk's softmax starts from the sink: exp2(sink - m) = 1 at m = sink
-            m = tl.load(sink_ptr + heads, mask=(g < GROUP) & (split == 0), other=float("-inf")) * 1.4426950408889634
+            m = tl.load(sink_ptr + heads, mask=live & (split == 0), other=float("-inf")) * 1.4426950408889634
             total = tl.where(m > float("-inf"), 1.0, 0.0)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
         cache_head = kv_head.to(tl.int64) * c_sh
         steps = (tl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N
         for i in range(0, steps):
@@ -141,26 +185,39 @@ def _kernels() -> Any:
             valid = token < end
             page = tl.load(table_ptr + b * t_sb + token // PAGE, mask=valid, other=0).to(tl.int64)
             offsets = (page * c_sn + cache_head + (token % PAGE) * c_st)[:, None] + d[None, :]
-            inside = valid[:, None] & (d < dim)[None, :]
+            if HEAD_DIM == BLOCK_D:  # no mask along D: vector loads, which Triton pipelines
+                inside = valid[:, None]
+            else:
+                inside = valid[:, None] & (d < HEAD_DIM)[None, :]
             k = tl.load(k_ptr + offsets, mask=inside, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_G, BLOCK_N], log2 units
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))  # finite: every step holds a valid key
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_R, BLOCK_N], log2 units
+            if S_Q == 1:
+                s = tl.where(valid[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 1))  # finite: every step holds a valid key
+                m_use = m_new
+            else:  # a row may see none of this step's keys: its max stays -inf, used as 0
+                s = tl.where(valid[None, :] & (token[None, :] < (length - S_Q + 1 + t)[:, None]), s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_use)
+            p = tl.exp2(s - m_use[:, None])
             total = total * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + offsets, mask=inside, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
         result = acc / tl.where(total > 0, total, 1.0)[:, None]  # no key: zeros
-        o_ptrs = o_ptr + b * o_sb + split * o_ss + heads[:, None] * o_sh + d[None, :]
-        tl.store(o_ptrs, result.to(o_ptr.dtype.element_ty), mask=live)
-        if not NORMALISE:  # natural-log LSE of the chunk, -inf where it has no key
+        if SPLIT:  # float32 partials [B, splits, H_q * S_q, D] and their natural-log LSE
+            flat = kv_head * (GROUP * S_Q) + r
+            row = (b * num_splits + split) * hq_rows + flat
+            tl.store(o_ptr + row[:, None] * HEAD_DIM + d[None, :], result, mask=live[:, None] & (d < HEAD_DIM)[None, :])
             lse = tl.where(total > 0, (m + tl.log2(tl.where(total > 0, total, 1.0))) * 0.6931471805599453,
                            float("-inf"))  # fmt: skip
-            tl.store(lse_ptr + b * l_sb + split * l_ss + heads * l_sh, lse, mask=g < GROUP)
+            tl.store(lse_ptr + row, lse, mask=live)
+        else:
+            out_ptrs = out_ptr + b * out_sb + (heads * out_sh + t * out_st)[:, None] + d[None, :]
+            tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=live[:, None] & (d < HEAD_DIM)[None, :])
 
     return types.SimpleNamespace(decode=Launcher(decode))
 
 
-__all__ = ["paged_decode", "supported"]
+__all__ = ["packs", "paged_decode", "supported"]

@@ -275,13 +275,14 @@ class PagedAttention:
 
     def _run_triton(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, derived: dict[str, Any],
                     schedule: Schedule, result: torch.Tensor, sink: torch.Tensor | None) -> None:  # fmt: skip
-        rows, splits = q.shape[0], schedule.splits
+        rows, s_q, splits = q.shape[0], q.shape[2], schedule.splits
         partial_o = partial_lse = None
         if splits > 1:  # persistent: a captured step writes and merges the same buffers
-            partial_o = self._buffers.scratch("decode_o", (rows, splits, self.num_q_heads, self.head_dim_v),
-                                              torch.float32, q.device)  # fmt: skip
-            partial_lse = self._buffers.scratch("decode_lse", (rows, splits, self.num_q_heads), torch.float32,
-                                                q.device)  # fmt: skip
+            name = f"@{s_q},{splits}"  # a geometry's own: a captured step keeps its pointers
+            partial_o = self._buffers.scratch(f"decode_o{name}", (rows, splits, self.num_q_heads * s_q,
+                                                                  self.head_dim_v), torch.float32, q.device)  # fmt: skip
+            partial_lse = self._buffers.scratch(f"decode_lse{name}", (rows, splits, self.num_q_heads * s_q),
+                                                torch.float32, q.device)  # fmt: skip
         if self.head_dim_v != self.head_dim:  # MLA: one latent head for every query head
             mla_decode.mla_decode(q, k_cache, v_cache, derived["table"], self._buffers["lengths"], result,
                                   head_dim_v=self.head_dim_v, scale=self.scale, kv_layout=self.kv_layout,
@@ -290,8 +291,8 @@ class PagedAttention:
             return
         paged_decode.paged_decode(q, k_cache, v_cache, derived["table"], self._buffers["lengths"], result,
                                   scale=self.scale, kv_layout=self.kv_layout, splits=splits,
-                                  chunk_pages=schedule.chunk_pages, partial_o=partial_o,
-                                  partial_lse=partial_lse, sink=None if sink is None else sink.view(-1))  # fmt: skip
+                                  chunk_pages=schedule.chunk_pages, partial_o=partial_o, partial_lse=partial_lse,
+                                  sink=None if sink is None else sink.view(-1))  # fmt: skip
 
     def _run_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None,
                      step: Step, sink: torch.Tensor | None) -> torch.Tensor:  # fmt: skip

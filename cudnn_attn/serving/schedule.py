@@ -13,8 +13,8 @@ batch geometry alone (no device values, so no host sync):
 - **Split-KV** (flash-decoding): the body's pages are cut into ``splits`` chunks, each chunk a
   batch entry of its own, so ``B * H_kv * splits`` blocks run; the partial results are merged
   by their log-sum-exp (``kernels/lse_merge.py``), exactly.
-- **The kernel** of single-token decode: cuDNN's paged call, or, where the batch gives it too
-  few blocks, ``kernels/paged_decode.py`` (one Triton kernel doing both of the above).
+- **The kernel**: cuDNN's paged calls, or ``kernels/paged_decode.py``, one Triton kernel doing
+  both of the above (and the causal mask of several query tokens) in one launch.
 
 ``choose`` picks all three; every field can be forced (``PagedAttention(..., splits=, pack=,
 decode_kernel=)``).
@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from ..kernels import paged_decode
+from ..log import logger as log
 
 # Enough blocks to keep every SM busy with two in flight; H100/H200 have 132 SMs.
 TARGET_BLOCKS = 264
@@ -74,16 +77,20 @@ def choose(
     whether MLA's warp-specialised kernel serves the geometry (``mla_decode_hopper.serves``)."""
     if mla:
         return _mla(batch, pages_per_seq, num_q_heads, s_q, splits, kernel, sm_count, triton, hopper)
-    if kernel is None:
-        kernel = (
-            "triton"
-            if triton and s_q == 1 and triton_decodes(batch, num_kv_heads, pages_per_seq * page_size)
-            else "cudnn"
-        )
-    if kernel == "triton":  # one kernel packs the group and splits the keys itself
-        pack = True
+    packs = paged_decode.packs(num_q_heads // num_kv_heads, s_q)
+    if kernel is None:  # measured faster than cuDNN's calls at every shape of ``bench --serving``
+        kernel = "triton" if triton and packs else "cudnn"
+    elif kernel == "triton" and not packs:
+        log.debug("decode_kernel='triton': %d query heads per K/V head by %d tokens exceed its tile of %d rows; "
+                  "this step runs cuDNN's calls", num_q_heads // num_kv_heads, s_q, paged_decode.MAX_ROWS)  # fmt: skip
+        kernel = "cudnn"
+    if kernel == "triton":  # one kernel packs the group and tokens, splits the keys and masks itself
         if splits is None:
             splits = _splits(batch * num_kv_heads, pages_per_seq, page_size, sm_count)
+        splits = max(1, min(int(splits), pages_per_seq))
+        chunk_pages = math.ceil(pages_per_seq / splits)
+        return Schedule(batch=batch, s_q=s_q, splits=math.ceil(pages_per_seq / chunk_pages), chunk_pages=chunk_pages,
+                        packed=True, tail=False, kernel="triton")  # fmt: skip
     # Measured on an H200 (``cudnn-attn bench --serving``, CUDA-graph replay): with one query
     # token cuDNN's own paged decode beat every split and packing of cuDNN calls tried (it
     # spreads a sequence over the GPU itself), so its single-token decode runs plain unless
@@ -111,8 +118,10 @@ def _mla(batch: int, pages_per_seq: int, heads: int, s_q: int, splits: int | Non
     at B1 KV 32k the Triton kernel ran 15% behind cuDNN's, which stays with cuDNN unless the
     Hopper kernel serves (20.1 against 55.5 us there; 12.6 against 32.7 at KV 8k). Several query
     tokens go to cuDNN, unpacked."""
-    if kernel is None:
-        kernel = "triton" if triton and s_q == 1 and (batch > 1 or heads >= 64 or hopper) else "cudnn"
+    if s_q > 1:  # our MLA kernels take one query token
+        kernel = "cudnn"
+    elif kernel is None:
+        kernel = "triton" if triton and (batch > 1 or heads >= 64 or hopper) else "cudnn"
     if kernel == "cudnn":
         wanted = 1 if splits is None else max(1, min(int(splits), pages_per_seq))
         chunk = math.ceil(pages_per_seq / wanted)
@@ -124,14 +133,6 @@ def _mla(batch: int, pages_per_seq: int, heads: int, s_q: int, splits: int | Non
     chunk = math.ceil(pages_per_seq / splits)
     return Schedule(batch=batch, s_q=s_q, splits=math.ceil(pages_per_seq / chunk), chunk_pages=chunk, packed=True,
                     tail=False, kernel="triton")  # fmt: skip
-
-
-def triton_decodes(batch: int, num_kv_heads: int, tokens: int) -> bool:
-    """Whether single-token decode runs the Triton kernel. Measured on an H200 (Hq32 Hkv8 d128,
-    page 64, CUDA-graph replay): it ran 4-28% faster than cuDNN's paged decode from batch 1 at
-    2k tokens to batch 32 at 4k and batch 8 at 32k; cuDNN's ran 4% faster for a single group
-    of K/V heads over a long cache (batch 1, 32k tokens), which stays with cuDNN."""
-    return not (batch * num_kv_heads <= 8 and tokens >= 16384)
 
 
 def _splits(blocks: int, pages_per_seq: int, page_size: int, sm_count: int) -> int:

@@ -183,7 +183,7 @@ class StepTables:
         # against 52 us per run), so it is chosen for captured steps only, unless forced.
         schedule = paged_schedule.choose(
             rows, width, self.page_size, self.num_q_heads, self.num_kv_heads, s_q, sm_count=sm_count(device),
-            splits=self.splits, pack=self.pack, kernel=self.kernel if s_q == 1 else None,
+            splits=self.splits, pack=self.pack, kernel=self.kernel,
             triton=triton and (self.cuda_graph or mla), mla=mla, hopper=hopper,
         )  # fmt: skip
         page = self.page_size
