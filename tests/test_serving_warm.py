@@ -74,9 +74,10 @@ def test_after_warm_the_servers_steps_build_nothing(cuda_graph):
     misses = cudnn_attn.default_cache().stats()["misses"]
     steps = [_step(4, s_q=1), _step(4, s_q=4, seed=1), _step(4, q_lens=[20, 3, 1, 17], seed=2),
              _step(4, q_lens=[9, 0, 1, 2], seed=3), _step(4, q_lens=[15, 15, 15, 15], seed=4)]  # fmt: skip
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where warm() warmed
     for table, lengths, q_lens, q, k, v in steps:
-        attn.plan(table, lengths, q_lens=q_lens)
-        assert torch.isfinite(attn.run(q, k, v)).all()
+        attn.plan(table.to(device), lengths.to(device), q_lens=q_lens)
+        assert torch.isfinite(attn.run(q.to(device), k.to(device), v.to(device))).all()
     assert cudnn_attn.default_cache().stats()["misses"] == misses  # no plan built
     assert all(any(run is old for old in warmed) for run in prepared.held())  # no run prepared
 

@@ -14,6 +14,7 @@ from ...core.derived import derived
 from ...core.problem import AttentionProblem
 from ...core.roles import UID
 from ...core.sink_fold import add_sink, add_sink_fp8, sink_gradient
+from ...errors import UnsupportedError
 from ..base import RunInputs
 from . import autotune as autotune_
 from . import folded_sink
@@ -177,20 +178,41 @@ class CudnnPlan:
 
     def plan_count(self) -> int:
         """Candidate plans cuDNN ranked for this problem (a plan loaded from the store: that one)."""
-        return max(int(self.graph.get_execution_plan_count()), 1)
+        return max(self._candidates(), 1)
+
+    def _candidates(self) -> int:
+        """cuDNN's ranked candidates, 0 for a plan loaded from the store: a deserialised graph
+        counts its one plan but addresses none by index ("Plan index 0 is invalid")."""
+        return 0 if self.source == "disk" else int(self.graph.get_execution_plan_count())
 
     def plan_name_at(self, index: int) -> str:
-        return str(self.graph.get_plan_name_at_index(index)) if self.graph.get_execution_plan_count() else self.engine
+        if not self._candidates():
+            return self.engine  # loaded from the store: its one plan
+        try:
+            return str(self.graph.get_plan_name_at_index(index))
+        except RuntimeError:  # the frontend names built candidates only: build this one first
+            pass
+        self._build_candidate(index)
+        return str(self.graph.get_plan_name_at_index(index))
+
+    def _build_candidate(self, index: int) -> None:
+        """Build candidate ``index``; one cuDNN cannot build here is an ``UnsupportedError`` (the
+        frontend's ``cudnnGraphNotSupportedError`` kind), never a bare ``RuntimeError``."""
+        with torch.cuda.device(self.device_index):
+            try:
+                self.graph.build_plan_at_index(index)
+            except Exception as error:
+                raise UnsupportedError([f"plan index {index}: cuDNN could not build this candidate on this GPU "
+                                        f"({error})"], context=self.problem.describe()) from error  # fmt: skip
 
     def at_index(self, index: int) -> CudnnPlan:
         """This plan running candidate ``index`` (built here on first use) instead of the chosen one."""
-        if not self.graph.get_execution_plan_count():
+        if not self._candidates():
             return self  # loaded from the store: its one plan
         plan = copy.copy(self)
         plan._index, plan._native, plan._workspaces = index, None, {}
-        with torch.cuda.device(self.device_index):
-            self.graph.build_plan_at_index(index)
-            plan.workspace_size = int(self.graph.get_workspace_size_plan_at_index(index))
+        self._build_candidate(index)
+        plan.workspace_size = int(self.graph.get_workspace_size_plan_at_index(index))
         return plan
 
     @property
