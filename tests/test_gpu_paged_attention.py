@@ -58,12 +58,12 @@ CASES = {
     "cudnn-forced-b1": dict(lengths=[30000], pages=512, decode_kernel="cudnn"),
     # several query tokens in the Triton kernel: G * S_q rows of one tile, causal per row
     "triton-mtp-4": dict(lengths=[4000, 130, 64, 4], pages=64, s_q=4, decode_kernel="triton"),
-    "triton-mtp-8-split-short": dict(lengths=[8192, 8100, 1000, 9], pages=128, s_q=8, splits=5,
-                                     decode_kernel="triton"),
+    "triton-mtp-8-split-short": dict(lengths=[8192, 8100, 1000, 9], pages=128, s_q=8, splits=5, decode_kernel="triton"),
     "triton-mtp-16-nphd": dict(lengths=[2048, 17, 1500], pages=32, s_q=16, layout="NPHD", decode_kernel="triton"),
     "triton-mtp-2-one-chunk": dict(lengths=[700, 2], pages=64, s_q=2, splits=1, decode_kernel="triton"),
-    "sinks-triton-mtp-4-split": dict(lengths=[4000, 130], pages=64, s_q=4, splits=3, decode_kernel="triton",
-                                     sinks=True),
+    "sinks-triton-mtp-4-split": dict(
+        lengths=[4000, 130], pages=64, s_q=4, splits=3, decode_kernel="triton", sinks=True
+    ),
     # gpt-oss's sinks: in the Triton kernel's first chunk, or folded in after cuDNN's body or merge
     "sinks-triton-split-empty": dict(lengths=[0, 1, 3000], pages=64, decode_kernel="triton", sinks=True),
     "sinks-triton-one-chunk": dict(lengths=[700, 4000], pages=64, decode_kernel="triton", splits=1, sinks=True),

@@ -72,7 +72,9 @@ def default_pages_per_step(programs: int, page: int, device: torch.device) -> in
 
 @functools.cache
 def _sm_count(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
+    return torch.cuda.get_device_properties(
+        index if index is not None else torch.cuda.current_device()
+    ).multi_processor_count
 
 
 def paged_decode(
