@@ -17,6 +17,7 @@ Triton as before.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -98,6 +99,16 @@ class Launcher:
         return None
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The CUDA device's SM count (read once per device): what a grid is sized against."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _launch_hooked() -> bool:
     """Whether a launch hook is set (a profiler's): Triton 3.6 keeps an always-present chain of
     hooks, earlier versions None or a function."""
@@ -107,4 +118,4 @@ def _launch_hooked() -> bool:
     return hooks is not None and bool(getattr(hooks, "calls", True))
 
 
-__all__ = ["Launcher", "Tma"]
+__all__ = ["Launcher", "Tma", "sm_count"]

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from .launch import Launcher
-from .lse_merge import merge_checked
+from .launch import Launcher, sm_count
+from .lse_merge import merge_checked, split_targets
 
 LOG2_E = 1.4426950408889634
 MIN_ROWS = 16  # tl.dot needs 16 rows: smaller groups are padded
@@ -65,16 +65,9 @@ def default_pages_per_step(programs: int, page: int, device: torch.device) -> in
     """Pages a program loads per step: one where the grid is two programs or more per SM (smaller
     tiles, more programs resident: at batch 64 over 4k tokens 100% of the memory's rate against
     93% with two pages), else 128 tokens' worth (measured on an H100, CUDA-graph replay)."""
-    if programs >= 2 * _sm_count(device.index):
+    if programs >= 2 * sm_count(device):
         return 1
     return max(1, 128 // page)
-
-
-@functools.cache
-def _sm_count(index: int | None) -> int:
-    return torch.cuda.get_device_properties(
-        index if index is not None else torch.cuda.current_device()
-    ).multi_processor_count
 
 
 def paged_decode(
@@ -99,8 +92,8 @@ def paged_decode(
 
     table: ``[B, >= splits * chunk_pages or enough for every length]`` int32 page indices;
     lengths: ``[B]`` int32, at least ``S_q`` each; splits, chunk_pages: the split-KV layout;
-    partial_o ``[B, splits, H_q * S_q, D]`` and partial_lse ``[B, splits, H_q * S_q]`` float32:
-    persistent buffers for ``splits > 1`` (allocated here when not given); sink: ``[H_q]`` float32
+    partial_o ``[B, splits, H_q * S_q, D]`` and partial_lse ``[B, splits, H_q * S_q]`` float32 (any
+    strides, D contiguous): persistent buffers for ``splits > 1`` (allocated here when not given); sink: ``[H_q]`` float32
     contiguous, attention sinks in units of the scaled scores; tuning: the kernel's launch settings
     (``pages_per_step``, ``num_warps``, ``num_stages``) where not the defaults.
     """
@@ -119,26 +112,21 @@ def paged_decode(
     rows = group * s_q
     block_d = max(16, 1 << (dim - 1).bit_length())
     pages_per_step = tuning.get("pages_per_step", default_pages_per_step(batch * kv_heads * splits, page, q.device))
-    if splits > 1:
-        if partial_o is None:
-            partial_o = out.new_empty(batch, splits, heads * s_q, dim, dtype=torch.float32)
-        if partial_lse is None:
-            partial_lse = out.new_empty(batch, splits, heads * s_q, dtype=torch.float32)
-        o, lse = partial_o, partial_lse
-    else:  # normalised straight into out: the partial pointers are placeholders, never read
-        o = lse = out
+    # One split: normalised straight into out, the partial targets placeholders never written.
+    o, (o_sb, o_ss, o_sh), lse, (l_sb, l_ss, l_sh) = split_targets(out, splits, heads * s_q, dim, partial_o,
+                                                                   partial_lse)  # fmt: skip
     block_r = max(MIN_ROWS, 1 << (rows - 1).bit_length())
     kernels.decode(
         (splits, kv_heads, batch), q, q.stride(0), q.stride(1), q.stride(2), k_cache, v_cache, stride_page,
         stride_head, stride_token, table, table.stride(0), lengths, out, out.stride(0), out.stride(1),
-        out.stride(2), o, lse, heads * s_q, scale * LOG2_E, chunk_pages, splits,
+        out.stride(2), o, o_sb, o_ss, o_sh, lse, l_sb, l_ss, l_sh, scale * LOG2_E, chunk_pages,
         sink if sink is not None else lengths,
         GROUP=group, S_Q=s_q, BLOCK_R=block_r, HEAD_DIM=dim, BLOCK_D=block_d, PAGE=page,
         BLOCK_N=page * pages_per_step, SPLIT=splits > 1, HAS_SINK=sink is not None,
         num_warps=tuning.get("num_warps", 4 if block_d <= 128 else 8), num_stages=tuning.get("num_stages", 3),
     )  # fmt: skip
     if splits > 1:
-        parts = o.view(batch, splits, heads, s_q, dim), lse.view(batch, splits, heads, s_q)
+        parts = o.unflatten(2, (heads, s_q)), lse.unflatten(2, (heads, s_q))
         merge_checked([parts], out)
     return out
 
@@ -155,8 +143,8 @@ def _kernels() -> Any:
 
     @triton.jit
     def decode(q_ptr, q_sb, q_sh, q_st, k_ptr, v_ptr, c_sn, c_sh, c_st, table_ptr, t_sb, len_ptr,
-               out_ptr, out_sb, out_sh, out_st, o_ptr, lse_ptr, hq_rows, scale_log2, chunk_pages,
-               num_splits, sink_ptr,
+               out_ptr, out_sb, out_sh, out_st, o_ptr, o_sb, o_ss, o_sh, lse_ptr, l_sb, l_ss, l_sh,
+               scale_log2, chunk_pages, sink_ptr,
                GROUP: tl.constexpr, S_Q: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
                BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                HAS_SINK: tl.constexpr):  # fmt: skip
@@ -209,12 +197,12 @@ def _kernels() -> Any:
             m = m_new
         result = acc / tl.where(total > 0, total, 1.0)[:, None]  # no key: zeros
         if SPLIT:  # float32 partials [B, splits, H_q * S_q, D] and their natural-log LSE
-            flat = kv_head * (GROUP * S_Q) + r
-            row = (b * num_splits + split) * hq_rows + flat
-            tl.store(o_ptr + row[:, None] * HEAD_DIM + d[None, :], result, mask=live[:, None] & (d < HEAD_DIM)[None, :])
+            flat = kv_head * (GROUP * S_Q) + r  # the row's index in [H_q * S_q]: head-major
+            o_ptrs = o_ptr + b * o_sb + split * o_ss + flat[:, None] * o_sh + d[None, :]
+            tl.store(o_ptrs, result, mask=live[:, None] & (d < HEAD_DIM)[None, :])
             lse = tl.where(total > 0, (m + tl.log2(tl.where(total > 0, total, 1.0))) * 0.6931471805599453,
                            float("-inf"))  # fmt: skip
-            tl.store(lse_ptr + row, lse, mask=live)
+            tl.store(lse_ptr + b * l_sb + split * l_ss + flat * l_sh, lse, mask=live)
         else:
             out_ptrs = out_ptr + b * out_sb + (heads * out_sh + t * out_st)[:, None] + d[None, :]
             tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=live[:, None] & (d < HEAD_DIM)[None, :])

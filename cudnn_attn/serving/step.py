@@ -18,7 +18,7 @@ import torch
 
 from ..core.bounds import packed_lengths
 from ..errors import UnsupportedError
-from ..kernels import mla_decode, mla_decode_hopper, paged_decode
+from ..kernels import launch, mla_decode, mla_decode_hopper, paged_decode
 from . import schedule as paged_schedule
 from .schedule import Schedule
 
@@ -240,7 +240,7 @@ def bucket(n: int) -> int:
 def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return launch.sm_count(device)
 
 
 def geometry(tensors: dict[str, torch.Tensor]) -> tuple:
