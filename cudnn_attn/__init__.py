@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and edit
     from .errors import cudnnGraphNotSupportedError
     from .fp8 import sdpa_fp8
     from .fp8_scaling import Fp8Scaling
+    from .fp8_tensor import Fp8Tensor
     from .functional import sdpa
     from .graph import Graph, graph, pygraph
     from .ops.cudnn.autotune import set_autotune
@@ -85,6 +86,7 @@ _LAZY = {
     "cudnnGraphNotSupportedError": ".errors",
     "sdpa_fp8": ".fp8",
     "Fp8Scaling": ".fp8_scaling",
+    "Fp8Tensor": ".fp8_tensor",
     "sdpa": ".functional",
     **dict.fromkeys(("Graph", "graph", "pygraph"), ".graph"),
     "set_autotune": ".ops.cudnn.autotune",
@@ -175,6 +177,7 @@ __all__ = [
     "pygraph",
     "sdpa",
     "Fp8Scaling",
+    "Fp8Tensor",
     "sdpa_fp8",
     "set_autotune",
     "set_stream",

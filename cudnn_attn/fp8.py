@@ -24,10 +24,11 @@ from .core.dtypes import dtype_name
 from .core.mask import Causal, ScoreOptions, default_scale
 from .core.problem import TensorSpec
 from .core.roles import FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES
-from .errors import ShapeMismatchError, UnsupportedError, ValidationError
+from .errors import ShapeMismatchError, UnsupportedError, ValidationError, shown
 from .fp8_scaling import Fp8Scaling, current_scale
+from .fp8_tensor import Fp8Tensor
 from .functional.arguments import ARGUMENT_NAMES, check_arguments, materialised
-from .kernels.fp8_cast import E4M3_MAX, amax_qkv, from_fp8, quantise_qkv, scale_view, to_fp8
+from .kernels.fp8_cast import E4M3, E4M3_MAX, amax_qkv, from_fp8, quantise_qkv, scale_view, to_fp8
 from .runtime.prepared import PreparedRun, prepare
 
 BACKWARDS = ("bf16", "fp8")
@@ -45,13 +46,22 @@ def sdpa_fp8(
     *,
     backward: str = "bf16",
     scaling: Fp8Scaling | None = None,
-) -> torch.Tensor:
+    out_dtype: torch.dtype | None = None,
+) -> Any:
     """Attention through FP8 (E4M3) kernels: ``query``/``key``/``value`` fp16 or bf16
     ``[B, H, L, E]``, the output in their dtype. ``backward``: how gradients are computed
     (``"bf16"``: from the 16-bit inputs). ``scaling``: an ``Fp8Scaling`` for delayed scaling
     (one pass per tensor, scales from its amax history); None scales each call by its
-    current amaxes."""
-    check_arguments(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa)
+    current amaxes.
+
+    FP8 producers and consumers skip the casts: ``query``/``key``/``value`` may all be
+    ``Fp8Tensor`` (E4M3 data and its descale; no scaling, no gradients), and
+    ``out_dtype=torch.float8_e4m3fn`` returns O as an ``Fp8Tensor`` whose descale is V's
+    (``|O| <= max|V|``: never saturated). ``out_dtype`` (float16, bfloat16, float32 or
+    float8_e4m3fn) defaults to the inputs' dtype: FP8 in, FP8 out."""
+    if any(isinstance(x, Fp8Tensor) for x in (query, key, value)):
+        return _on_fp8_inputs(query, key, value, attn_mask, is_causal, scale, enable_gqa, backward, scaling, out_dtype)
+    _check_arguments(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     _check_tensors(query, key, value)
     if attn_mask is not None:
         raise UnsupportedError(
@@ -68,16 +78,120 @@ def sdpa_fp8(
              "come from its amax histories"],
             context="sdpa_fp8",
         )  # fmt: skip
+    fp8_out = _fp8_output(out_dtype, query.dtype)
     attn_scale = float(scale) if scale is not None else default_scale(query.shape[-1])
     # Autograd turns gradients off inside Function.forward: whether this call trains is decided here.
-    fp8_backward = backward == "fp8" and torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+    trains = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+    if fp8_out and trains:
+        raise ValidationError(
+            ["out_dtype: float8_e4m3fn output carries no gradient (torch does not differentiate through "
+             "float8 tensors); leave out_dtype unset to train, or run under torch.no_grad()"],
+            context="sdpa_fp8",
+        )  # fmt: skip
+    fp8_backward = backward == "fp8" and trains
     unbatched = query.dim() == 3  # [H, L, E]: one batch
     batch = (query[None], key[None], value[None]) if unbatched else (query, key, value)
     try:
+        if fp8_out:
+            out8, descale_o = forward(*batch, bool(is_causal), attn_scale, scaling, fp8_out=True)
+            return Fp8Tensor(out8[0] if unbatched else out8, descale_o)
         out = _Fp8Attention.apply(*batch, bool(is_causal), attn_scale, scaling, fp8_backward)
+        if out_dtype is not None and out_dtype != out.dtype:
+            out = out.to(out_dtype)
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:  # the graph's words for q, k, v
         raise error.renamed(ARGUMENT_NAMES, context="sdpa_fp8") from None
     return out[0] if unbatched else out
+
+
+OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, E4M3)
+
+
+def _fp8_output(out_dtype: Any, inputs: torch.dtype) -> bool:
+    """Whether O is returned in FP8 (``out_dtype``, or the inputs' dtype where it is None)."""
+    if out_dtype is not None and out_dtype not in OUT_DTYPES:
+        allowed = ", ".join(dtype_name(t) for t in OUT_DTYPES)
+        raise ValidationError([f"out_dtype: {shown(out_dtype)}; expected None or one of {allowed}"], context="sdpa_fp8")
+    return (out_dtype if out_dtype is not None else inputs) == E4M3
+
+
+def _on_fp8_inputs(query: Any, key: Any, value: Any, attn_mask: Any, is_causal: Any, scale: Any, enable_gqa: Any,
+                   backward: str, scaling: Any, out_dtype: Any) -> Any:  # fmt: skip
+    """``sdpa_fp8`` on ``Fp8Tensor`` inputs: no casts in, O in FP8 or dequantised once."""
+    tensors = {"query": query, "key": key, "value": value}
+    _check_fp8_inputs(tensors)
+    if attn_mask is not None:
+        raise UnsupportedError(
+            ["attn_mask: FP8 attention takes no mask tensor (cuDNN's FP8 op has no bias); use is_causal"],
+            context="sdpa_fp8",
+        )
+    # torch's rules on shapes and flags, read from stand-ins of the data's shapes in a dtype they take.
+    q, k, v = (torch.empty_strided(t.data.shape, t.data.stride(), dtype=torch.bfloat16, device="meta")
+               for t in tensors.values())  # fmt: skip
+    _check_arguments(q, k, v, None, is_causal, scale, enable_gqa)
+    problems = []
+    if scaling is not None:
+        problems.append("scaling: the inputs are Fp8Tensor, already quantised under their own descales; "
+                        "scaling applies to float16/bfloat16 inputs")  # fmt: skip
+    if backward not in BACKWARDS:
+        problems.append(f"backward: {backward!r}; allowed 'bf16' or 'fp8'")
+    for name, t in tensors.items():
+        if torch.is_grad_enabled() and t.data.requires_grad:
+            problems.append(f"{name}: an Fp8Tensor takes no gradient (torch does not differentiate through "
+                            "float8 tensors); pass the 16-bit tensors to train")  # fmt: skip
+    if problems:
+        raise ValidationError(problems, context="sdpa_fp8")
+    fp8_out = _fp8_output(out_dtype, E4M3)
+    attn_scale = float(scale) if scale is not None else default_scale(query.data.shape[-1])
+    unbatched = query.data.dim() == 3
+    q8, k8, v8 = (t.data[None] if unbatched else t.data for t in tensors.values())
+    descale_q, descale_k, descale_v = (t.descale.reshape(1, 1, 1, 1) for t in tensors.values())
+    try:
+        out8 = _run_forward(q8, k8, v8, descale_q, descale_k, descale_v, bool(is_causal), attn_scale)[0]
+    except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
+        raise error.renamed(ARGUMENT_NAMES, context="sdpa_fp8") from None
+    out8 = out8[0] if unbatched else out8
+    if fp8_out:
+        return Fp8Tensor(out8, value.descale.reshape(()))
+    return from_fp8(out8, descale_v, out_dtype)
+
+
+def _check_fp8_inputs(tensors: dict[str, Any]) -> None:
+    """All three ``Fp8Tensor``; E4M3 data; one float32 descale each, on the data's device."""
+    problems = []
+    for name, t in tensors.items():
+        if not isinstance(t, Fp8Tensor):
+            kind = f"a {dtype_name(t.dtype)} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
+            problems.append(f"{name}: {kind} beside an Fp8Tensor; pass query, key and value all as Fp8Tensor "
+                            "(Fp8Tensor.quantise) or all as float16/bfloat16 tensors")  # fmt: skip
+            continue
+        data, descale = t
+        if not isinstance(data, torch.Tensor) or data.dtype != E4M3:
+            what = dtype_name(data.dtype) if isinstance(data, torch.Tensor) else type(data).__name__
+            problems.append(f"{name}.data: {what}; expected a float8_e4m3fn tensor")
+        elif not isinstance(descale, torch.Tensor) or descale.dtype != torch.float32 or descale.numel() != 1:
+            what = (f"{dtype_name(descale.dtype)} of shape {list(descale.shape)}" if isinstance(descale, torch.Tensor)
+                    else type(descale).__name__)  # fmt: skip
+            problems.append(f"{name}.descale: {what}; expected a float32 tensor of one element")
+        elif descale.device != data.device:
+            problems.append(
+                f"{name}.descale: on {descale.device} but its data is on {data.device}; put them on one device"
+            )
+    if problems:
+        raise ValidationError(problems, context="sdpa_fp8")
+    devices = {name: t.data.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        where = ", ".join(f"{name} on {device}" for name, device in devices.items())
+        raise ValidationError([f"device: tensors are on several devices ({where}); put them on one device"],
+                              context="sdpa_fp8")  # fmt: skip
+
+
+def _check_arguments(query: Any, key: Any, value: Any, attn_mask: Any, is_causal: Any, scale: Any,
+                     enable_gqa: Any) -> None:  # fmt: skip
+    """torch's rules on the arguments ``sdpa_fp8`` shares with its SDPA, in its own name."""
+    try:
+        check_arguments(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa)
+    except ValidationError as error:
+        raise error.renamed({}, context="sdpa_fp8") from None
 
 
 def _check_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -110,24 +224,40 @@ def forward(
     attn_scale: float,
     scaling: Fp8Scaling | None = None,
     keep: dict[str, Any] | None = None,
-) -> torch.Tensor:
-    """O in the inputs' dtype; with ``keep``, what the FP8 backward needs is put there."""
+    fp8_out: bool = False,
+) -> Any:
+    """O in the inputs' dtype; with ``keep``, what the FP8 backward needs is put there. With
+    ``fp8_out``, O in E4M3 and its descale (V's, 0-d) instead."""
     inputs = tuple(materialised(x) for x in (query, key, value))
     if scaling is not None:
         (q8, k8, v8), used, descales = scaling.quantise_qkv(inputs)
     else:  # current scaling: one pass for the three amaxes, one for the three casts
         (q8, k8, v8), used, descales = quantise_qkv(inputs, amaxes=amax_qkv(inputs))
     descale_q, descale_k, descale_v = (scale_view(descales, i) for i in range(3))
-    descale_s, scale_s = _softmax_scales(query.device)
     scale_o = scale_view(used, 2)  # V's scale: |O| <= max|V|, so O under it never saturates
-    args = (q8, k8, v8, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o)
-    results = _forward_run(args, is_causal, attn_scale, stats=keep is not None).run_ordered(args)
+    softmax = _softmax_scales(query.device)
+    results = _run_forward(q8, k8, v8, descale_q, descale_k, descale_v, is_causal, attn_scale, scale_o, softmax,
+                           stats=keep is not None)  # fmt: skip
     out8 = results[0]
     if keep is not None:
-        stats = results[1]
-        keep.update(q8=q8, k8=k8, v8=v8, o8=out8, stats=stats, descale_q=descale_q, descale_k=descale_k,
-                    descale_v=descale_v, scale_s=scale_s, is_causal=is_causal, attn_scale=attn_scale)  # fmt: skip
+        keep.update(q8=q8, k8=k8, v8=v8, o8=out8, stats=results[1], descale_q=descale_q, descale_k=descale_k,
+                    descale_v=descale_v, scale_s=softmax[1], is_causal=is_causal,
+                    attn_scale=attn_scale)  # fmt: skip
+    if fp8_out:
+        return out8, descale_v.reshape(())
     return from_fp8(out8, descale_v, query.dtype)
+
+
+def _run_forward(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q: torch.Tensor,
+                 descale_k: torch.Tensor, descale_v: torch.Tensor, is_causal: bool, attn_scale: float,
+                 scale_o: torch.Tensor | None = None, softmax: tuple | None = None, stats: bool = False) -> tuple:  # fmt: skip
+    """The FP8 forward's results (O in E4M3 under ``scale_o``, default ``1 / descale_v``; Stats
+    where asked for). ``softmax``: P's descale and scale, default the device's constants."""
+    descale_s, scale_s = softmax if softmax is not None else _softmax_scales(q8.device)
+    if scale_o is None:
+        scale_o = torch.reciprocal(descale_v)
+    args = (q8, k8, v8, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o)
+    return tuple(_forward_run(args, is_causal, attn_scale, stats=stats).run_ordered(args))
 
 
 _softmax_constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -125,6 +125,23 @@ def test_sdpa_fp8_on_cudnn_within_fp8_error(causal):
         assert rel_err(a, b) < 1e-2
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp8_tensors_in_and_out_on_cudnn(causal):
+    # Fp8Tensor inputs skip the casts: the same FP8 data as the 16-bit path quantises gives the
+    # same O on cuDNN as that path, and O within FP8 error of float64 attention, in FP8 or dequantised.
+    q, k, v = (_randn(2, 8, 512, 128, seed=60 + i).to(torch.bfloat16) for i in range(3))
+    fp8 = [cudnn_attn.Fp8Tensor.quantise(x) for x in (q, k, v)]
+    out = cudnn_attn.sdpa_fp8(*fp8, is_causal=causal)
+    assert isinstance(out, cudnn_attn.Fp8Tensor) and out.data.is_cuda and out.data.dtype == E4M3
+    expected = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+    assert rel_err(out.dequantise(), expected) < 0.065
+    dequantised = cudnn_attn.sdpa_fp8(*fp8, is_causal=causal, out_dtype=torch.bfloat16)
+    assert torch.equal(dequantised, out.dequantise(torch.bfloat16))
+    assert torch.equal(dequantised, cudnn_attn.sdpa_fp8(q, k, v, is_causal=causal))
+    from_16_bit = cudnn_attn.sdpa_fp8(q, k, v, is_causal=causal, out_dtype=E4M3)
+    assert torch.equal(from_16_bit.data.view(torch.uint8), out.data.view(torch.uint8))
+
+
 def test_fp8_plans_are_autotuned_stored_and_loaded(tmp_path):
     args = _forward_inputs(seed=50)
     runs = []

@@ -111,3 +111,77 @@ def test_casts_are_the_emulations_quantisation():
     fp8 = fp8_cast.to_fp8(x, scale)
     assert torch.equal(fp8.float(), reference_fp8.quantise(x.float(), scale, torch.float8_e4m3fn).float())
     assert fp8.float().abs().max() == 448  # saturated, not NaN
+
+
+# FP8 producers and consumers: Fp8Tensor in, Fp8Tensor out, no casts around the kernel.
+
+
+def test_fp8_inputs_give_what_the_16_bit_path_quantises():
+    # The 16-bit path quantises each input under its current scale: the same Fp8Tensors give
+    # the same O, bit for bit, in FP8 and dequantised.
+    q, k, v = (randn(2, 4, 64, 32, generator=torch.Generator().manual_seed(60 + i)) for i in range(3))
+    fp8 = [cudnn_attn.Fp8Tensor.quantise(x) for x in (q, k, v)]
+    out = cudnn_attn.sdpa_fp8(*fp8, is_causal=True)
+    assert isinstance(out, cudnn_attn.Fp8Tensor) and out.data.dtype == torch.float8_e4m3fn
+    assert out.data.shape == q.shape and out.descale.shape == () and torch.equal(out.descale, fp8[2].descale)
+    expected = cudnn_attn.sdpa_fp8(q, k, v, is_causal=True)
+    assert torch.equal(out.dequantise(torch.bfloat16), expected)
+    assert torch.equal(cudnn_attn.sdpa_fp8(*fp8, is_causal=True, out_dtype=torch.bfloat16), expected)
+    assert rel_err(out.dequantise(), _float64(q, k, v, is_causal=True)) < 0.065
+
+
+def test_fp8_output_from_16_bit_inputs():
+    q, k, v = (
+        randn(2, 4, 48, 32, dtype=torch.float16, generator=torch.Generator().manual_seed(70 + i)) for i in range(3)
+    )
+    out = cudnn_attn.sdpa_fp8(q, k, v, out_dtype=torch.float8_e4m3fn)
+    assert isinstance(out, cudnn_attn.Fp8Tensor)
+    assert torch.equal(out.dequantise(torch.float16), cudnn_attn.sdpa_fp8(q, k, v))
+    # Its descale is V's: |O| <= max|V| never saturates E4M3.
+    assert float(out.descale) == pytest.approx(float(v.abs().max()) / 448.0, rel=1e-6)
+    assert out.data.float().abs().max() <= 448.0
+    wide = cudnn_attn.sdpa_fp8(q, k, v, out_dtype=torch.float32)
+    assert wide.dtype == torch.float32 and torch.equal(wide.half(), cudnn_attn.sdpa_fp8(q, k, v))
+
+
+def test_fp8_inputs_unbatched_with_gqa():
+    q, k, v = (
+        randn(8, 32, 16, generator=torch.Generator().manual_seed(80)),
+        randn(2, 32, 16, generator=torch.Generator().manual_seed(81)),
+        randn(2, 32, 16, generator=torch.Generator().manual_seed(82)),
+    )
+    fp8 = [cudnn_attn.Fp8Tensor.quantise(x) for x in (q, k, v)]
+    out = cudnn_attn.sdpa_fp8(*fp8, enable_gqa=True, out_dtype=torch.bfloat16)
+    assert out.shape == q.shape and rel_err(out, _float64(q, k, v, enable_gqa=True)) < 0.065
+
+
+def test_fp8_tensor_quantise_under_a_given_scale_and_zeros():
+    x = randn(4, 64, generator=torch.Generator().manual_seed(90))
+    t = cudnn_attn.Fp8Tensor.quantise(x, scale=torch.tensor(2.0))
+    assert float(t.descale) == 0.5 and rel_err(t.dequantise(), x) < 0.04
+    assert torch.equal(t.data.float(), (x.float() * 2).clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    zero = cudnn_attn.Fp8Tensor.quantise(torch.zeros(3, 5))
+    assert float(zero.descale) == 1.0 and torch.equal(zero.dequantise(torch.float32), torch.zeros(3, 5))
+
+
+def test_what_fp8_inputs_and_outputs_cannot_take_is_named():
+    q, k, v = (randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(100 + i)) for i in range(3))
+    fp8 = [cudnn_attn.Fp8Tensor.quantise(x) for x in (q, k, v)]
+    with pytest.raises(ValidationError, match="key: a bfloat16 tensor beside an Fp8Tensor"):
+        cudnn_attn.sdpa_fp8(fp8[0], k, fp8[2])
+    with pytest.raises(ValidationError, match="scaling: the inputs are Fp8Tensor"):
+        cudnn_attn.sdpa_fp8(*fp8, scaling=cudnn_attn.Fp8Scaling())
+    with pytest.raises(ValidationError, match="query.descale: float32 of shape \\[2\\]"):
+        cudnn_attn.sdpa_fp8(cudnn_attn.Fp8Tensor(fp8[0].data, torch.ones(2)), *fp8[1:])
+    with pytest.raises(ValidationError, match="value.data: bfloat16; expected a float8_e4m3fn tensor"):
+        cudnn_attn.sdpa_fp8(*fp8[:2], cudnn_attn.Fp8Tensor(v, fp8[2].descale))
+    with pytest.raises(ValidationError, match="out_dtype: torch.int8"):
+        cudnn_attn.sdpa_fp8(*fp8, out_dtype=torch.int8)
+    with pytest.raises(UnsupportedError, match="attn_mask"):
+        cudnn_attn.sdpa_fp8(*fp8, attn_mask=torch.ones(16, 16, dtype=torch.bool))
+    with pytest.raises(ValidationError, match="sdpa_fp8: key: 4 heads"):
+        cudnn_attn.sdpa_fp8(fp8[0], cudnn_attn.Fp8Tensor.quantise(randn(1, 4, 16, 16)), fp8[2])
+    with pytest.raises(ValidationError, match="out_dtype: float8_e4m3fn output carries no gradient"):
+        cudnn_attn.sdpa_fp8(q.requires_grad_(), k, v, out_dtype=torch.float8_e4m3fn)
+    with torch.no_grad():
+        assert isinstance(cudnn_attn.sdpa_fp8(q, k, v, out_dtype=torch.float8_e4m3fn), cudnn_attn.Fp8Tensor)

@@ -312,7 +312,17 @@ def test_a_stale_import_in_a_package_file_fails_the_walk(tmp_path):
 # sub-ranks 6.0, 6.1, ...; the root re-exports layers 1-6 and only a tool may import it, as a user
 # would, so it sits after the last door and below the tools; bench (7.0) is below cli (7.1), which
 # runs the bench command. The most specific prefix wins.
-DOORS = ("varlen.py", "functional/", "fp8_scaling.py", "fp8.py", "nn.py", "buckets.py", "serving/", "distributed/")
+DOORS = (
+    "varlen.py",
+    "functional/",
+    "fp8_scaling.py",
+    "fp8_tensor.py",
+    "fp8.py",
+    "nn.py",
+    "buckets.py",
+    "serving/",
+    "distributed/",
+)
 DOORS += ("integrations/",)
 ROOT_LAYER = round(6 + len(DOORS) / 10, 1)
 LAYERS: dict[str, float] = {

@@ -2,7 +2,8 @@
 
 Per shape (d128 grid shapes and S = 16384): our bf16 graph, our FP8 graph on pre-quantised
 inputs, ``cudnn_attn.sdpa_fp8`` (amax, scale and quantise of Q, K, V and the dequantised
-output included; current and delayed scaling) and torch's cuDNN backend in bf16; then the bf16 and FP8 backward graphs.
+output included; current and delayed scaling; and with FP8 in or out, ``Fp8Tensor``, as
+for an FP8 producer or consumer) and torch's cuDNN backend in bf16; then the bf16 and FP8 backward graphs.
 Columns are timed in shuffled interleaved rounds (``host.round_order``): medians and
 spreads. FP8 outputs are checked against the bf16 graph's (relative error of O).
 """
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .. import Fp8Scaling, Graph, PlanCache, sdpa_fp8
+from .. import Fp8Scaling, Fp8Tensor, Graph, PlanCache, sdpa_fp8
 from ..fp8 import quantised
 from ..functional import sdpa as cudnn_attn_sdpa
 from ..ops.cudnn import autotune
@@ -53,6 +54,7 @@ def _columns(b: int, h: int, s: int, d: int, causal: bool) -> tuple[dict[str, Ca
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     delayed = Fp8Scaling()
+    fp8_inputs = [Fp8Tensor.quantise(x) for x in (q, k, v)]
     forward = {
         "bf16 graph": lambda: bf16(q, k, v),
         "fp8 graph": lambda: fp8(*fp8_args),
@@ -60,6 +62,12 @@ def _columns(b: int, h: int, s: int, d: int, causal: bool) -> tuple[dict[str, Ca
         "fp8 graph, no Amax_S": lambda: fp8_lean(*fp8_args),
         "sdpa_fp8 (scaling included)": lambda: sdpa_fp8(q, k, v, is_causal=causal),
         "sdpa_fp8, delayed scaling": lambda: sdpa_fp8(q, k, v, is_causal=causal, scaling=delayed),
+        # Where the caller lets FP8 through (an FP8 producer or consumer), no casts or fewer:
+        "sdpa_fp8, bf16 in, FP8 out": lambda: sdpa_fp8(
+            q, k, v, is_causal=causal, scaling=delayed, out_dtype=torch.float8_e4m3fn
+        ),
+        "sdpa_fp8, FP8 in, bf16 out": lambda: sdpa_fp8(*fp8_inputs, is_causal=causal, out_dtype=torch.bfloat16),
+        "sdpa_fp8, FP8 in and out": lambda: sdpa_fp8(*fp8_inputs, is_causal=causal),
         "torch cudnn bf16": torch_cudnn,
     }
     backward: dict[str, Callable] = {}
