@@ -15,7 +15,7 @@ the scales of dS and of the gradients from the amax histories of ``scaling`` (re
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -36,9 +36,9 @@ INPUT_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def sdpa_fp8(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    query: torch.Tensor | Fp8Tensor,
+    key: torch.Tensor | Fp8Tensor,
+    value: torch.Tensor | Fp8Tensor,
     attn_mask: torch.Tensor | None = None,
     is_causal: bool = False,
     scale: float | None = None,
@@ -61,6 +61,7 @@ def sdpa_fp8(
     float8_e4m3fn) defaults to the inputs' dtype: FP8 in, FP8 out."""
     if any(isinstance(x, Fp8Tensor) for x in (query, key, value)):
         return _on_fp8_inputs(query, key, value, attn_mask, is_causal, scale, enable_gqa, backward, scaling, out_dtype)
+    query, key, value = cast(torch.Tensor, query), cast(torch.Tensor, key), cast(torch.Tensor, value)
     _check_arguments(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     _check_tensors(query, key, value)
     if attn_mask is not None:

@@ -54,7 +54,7 @@ def _columns(b: int, h: int, s: int, d: int, causal: bool) -> tuple[dict[str, Ca
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     delayed = Fp8Scaling()
-    fp8_inputs = [Fp8Tensor.quantise(x) for x in (q, k, v)]
+    fp8_q, fp8_k, fp8_v = (Fp8Tensor.quantise(x) for x in (q, k, v))
     forward = {
         "bf16 graph": lambda: bf16(q, k, v),
         "fp8 graph": lambda: fp8(*fp8_args),
@@ -66,8 +66,8 @@ def _columns(b: int, h: int, s: int, d: int, causal: bool) -> tuple[dict[str, Ca
         "sdpa_fp8, bf16 in, FP8 out": lambda: sdpa_fp8(
             q, k, v, is_causal=causal, scaling=delayed, out_dtype=torch.float8_e4m3fn
         ),
-        "sdpa_fp8, FP8 in, bf16 out": lambda: sdpa_fp8(*fp8_inputs, is_causal=causal, out_dtype=torch.bfloat16),
-        "sdpa_fp8, FP8 in and out": lambda: sdpa_fp8(*fp8_inputs, is_causal=causal),
+        "sdpa_fp8, FP8 in, bf16 out": lambda: sdpa_fp8(fp8_q, fp8_k, fp8_v, is_causal=causal, out_dtype=torch.bfloat16),
+        "sdpa_fp8, FP8 in and out": lambda: sdpa_fp8(fp8_q, fp8_k, fp8_v, is_causal=causal),
         "torch cudnn bf16": torch_cudnn,
     }
     backward: dict[str, Callable] = {}

@@ -4,7 +4,8 @@ Per shape (Hq32 Hkv8 d128 bf16, pages of 64 handed out in a random order): ``Pag
 with its chosen layout (split-KV, query packing, the causal tail), the same with neither
 (one paged cuDNN call per layer, as a plain paged graph runs), and torch's SDPA on the same K/V
 laid out contiguously. Each column is a step of ``LAYERS`` layers captured in a CUDA graph and
-replayed; the figure is time per layer. Bandwidth is the K/V bytes each layer must read (each
+replayed; the figure is time per layer. One more column runs the same decode over FP8 (e4m3)
+caches, half the bytes (its error against the bf16 caches' attention is FP8's). Bandwidth is the K/V bytes each layer must read (each
 sequence's valid tokens) plus q and o, as a fraction of the memory's peak measured in the same
 rounds: the better of a 1 GiB device copy (read + write) and a 4 GiB read-only stream (a sum).
 A transfer as small as the layer's own is launch-bound and would flatter small shapes; its
@@ -93,8 +94,14 @@ def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
     other = "cudnn" if _chosen_kernel(ours, t) == "triton" else "triton"
     forced = PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=batch,
                             max_pages_per_seq=kv // PAGE, cuda_graph=True, decode_kernel=other)  # fmt: skip
-    outs = {name: [torch.empty_like(q) for _ in range(LAYERS)] for name in ("ours", "plain", "forced", "torch")}
-    for attn in (ours, plain, forced):
+    # FP8 caches (e4m3, one scale per cache): half the bytes, read by the same decode kernel.
+    fp8 = PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn, device="cuda",
+                         max_batch=batch, max_pages_per_seq=kv // PAGE, cuda_graph=True)  # fmt: skip
+    scales = [[float(c.abs().max()) / 448.0 for c in layer] for layer in t["caches"]]
+    caches8 = [[(c.float() / sc).to(torch.float8_e4m3fn) for c, sc in zip(layer, layer_scales)]
+               for layer, layer_scales in zip(t["caches"], scales)]  # fmt: skip
+    outs = {name: [torch.empty_like(q) for _ in range(LAYERS)] for name in ("ours", "plain", "forced", "torch", "fp8")}
+    for attn in (ours, plain, forced, fp8):
         attn.plan(t["table"], t["lengths"])
     dense = [_dense(t, layer) for layer in range(LAYERS)]
     visible = torch.arange(kv, device="cuda")[None, :] <= (kv - s_q + torch.arange(s_q, device="cuda"))[:, None]
@@ -114,6 +121,10 @@ def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
         "torch sdpa, contiguous KV": _captured(torch_layer),
     }  # fmt: skip
     paths[f"PagedAttention, {other} kernel"] = _captured(layer_of(forced, "forced"))
+    paths["PagedAttention, FP8 caches"] = _captured(
+        lambda layer: fp8.run(q, caches8[layer][0], caches8[layer][1], out=outs["fp8"][layer],
+                              k_scale=scales[layer][0], v_scale=scales[layer][1])
+    )  # fmt: skip
     kv_bytes = 2 * batch * kv * HKV * D * 2
     nbytes = kv_bytes + 2 * q.numel() * 2
     source = torch.empty(kv_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
@@ -146,14 +157,16 @@ def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
         if name.startswith(("device copy", "read-only")):
             continue
         per_layer = cell["us"] / LAYERS
+        moved = nbytes - kv_bytes // 2 if name == "PagedAttention, FP8 caches" else nbytes  # one byte per element
         column = {"us_per_layer": per_layer, "spread_pct": 100 * (cell["high"] - cell["low"]) / cell["us"],
-                  "tbps": nbytes / (per_layer * 1e-6) / 1e12}  # fmt: skip
+                  "tbps": moved / (per_layer * 1e-6) / 1e12}  # fmt: skip
         column["pct_of_peak"] = 100 * column["tbps"] * 1e12 / best
         column["pct_of_small_rate"] = 100 * column["tbps"] * 1e12 / small
         key = {
             "PagedAttention": "ours",
             "paged, no split or packing": "plain",
             "torch sdpa, contiguous KV": "torch",
+            "PagedAttention, FP8 caches": "fp8",
         }.get(name, "forced")
         got = outs[key][LAYERS - 1].float()
         column["rel_err"] = float((got - expected).norm() / expected.norm())

@@ -42,6 +42,7 @@ from .lse_merge import merge_checked, split_targets
 LOG2_E = 1.4426950408889634
 MIN_ROWS = 16  # tl.dot needs 16 rows: smaller groups are padded
 MAX_ROWS = 64  # query rows of one tile (G * S_q): more would spill the accumulator
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def supported(device: torch.device, page_size: int, head_dim: int) -> bool:
@@ -86,6 +87,8 @@ def paged_decode(
     partial_lse: torch.Tensor | None = None,
     sink: torch.Tensor | None = None,
     tuning: dict[str, int] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Decode attention of ``q`` ``[B, H_q, S_q, D]`` into ``out`` (same shape, any strides),
     bottom-right causal over each sequence's ``lengths[b]`` keys.
@@ -95,7 +98,10 @@ def paged_decode(
     partial_o ``[B, splits, H_q * S_q, D]`` and partial_lse ``[B, splits, H_q * S_q]`` float32 (any
     strides, D contiguous): persistent buffers for ``splits > 1`` (allocated here when not given); sink: ``[H_q]`` float32
     contiguous, attention sinks in units of the scaled scores; tuning: the kernel's launch settings
-    (``pages_per_step``, ``num_warps``, ``num_stages``) where not the defaults.
+    (``pages_per_step``, ``num_warps``, ``num_stages``) where not the defaults. FP8 caches
+    (``float8_e4m3fn``/``float8_e5m2``) are read as they are, widened to ``q``'s dtype in
+    registers, and their real values are ``k_scale`` / ``v_scale`` times the stored ones: K's
+    folds into the softmax scale, V's multiplies the output.
     """
     tuning = tuning or {}
     kernels = _kernels()
@@ -116,13 +122,14 @@ def paged_decode(
     o, (o_sb, o_ss, o_sh), lse, (l_sb, l_ss, l_sh) = split_targets(out, splits, heads * s_q, dim, partial_o,
                                                                    partial_lse)  # fmt: skip
     block_r = max(MIN_ROWS, 1 << (rows - 1).bit_length())
+    kv_fp8 = k_cache.dtype in FP8_CACHE_DTYPES
     kernels.decode(
         (splits, kv_heads, batch), q, q.stride(0), q.stride(1), q.stride(2), k_cache, v_cache, stride_page,
         stride_head, stride_token, table, table.stride(0), lengths, out, out.stride(0), out.stride(1),
-        out.stride(2), o, o_sb, o_ss, o_sh, lse, l_sb, l_ss, l_sh, scale * LOG2_E, chunk_pages,
-        sink if sink is not None else lengths,
+        out.stride(2), o, o_sb, o_ss, o_sh, lse, l_sb, l_ss, l_sh, scale * LOG2_E * k_scale, chunk_pages,
+        sink if sink is not None else lengths, v_scale,
         GROUP=group, S_Q=s_q, BLOCK_R=block_r, HEAD_DIM=dim, BLOCK_D=block_d, PAGE=page,
-        BLOCK_N=page * pages_per_step, SPLIT=splits > 1, HAS_SINK=sink is not None,
+        BLOCK_N=page * pages_per_step, SPLIT=splits > 1, HAS_SINK=sink is not None, KV_FP8=kv_fp8,
         num_warps=tuning.get("num_warps", 4 if block_d <= 128 else 8), num_stages=tuning.get("num_stages", 3),
     )  # fmt: skip
     if splits > 1:
@@ -144,10 +151,10 @@ def _kernels() -> Any:
     @triton.jit
     def decode(q_ptr, q_sb, q_sh, q_st, k_ptr, v_ptr, c_sn, c_sh, c_st, table_ptr, t_sb, len_ptr,
                out_ptr, out_sb, out_sh, out_st, o_ptr, o_sb, o_ss, o_sh, lse_ptr, l_sb, l_ss, l_sh,
-               scale_log2, chunk_pages, sink_ptr,
+               scale_log2, chunk_pages, sink_ptr, v_scale,
                GROUP: tl.constexpr, S_Q: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
                BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-               HAS_SINK: tl.constexpr):  # fmt: skip
+               HAS_SINK: tl.constexpr, KV_FP8: tl.constexpr):  # fmt: skip
         split = tl.program_id(0)
         kv_head = tl.program_id(1)
         b = tl.program_id(2).to(tl.int64)
@@ -180,6 +187,8 @@ def _kernels() -> Any:
             else:
                 inside = valid[:, None] & (d < HEAD_DIM)[None, :]
             k = tl.load(k_ptr + offsets, mask=inside, other=0.0)
+            if KV_FP8:  # widened in registers: the cache's bytes are read once, in 8 bits
+                k = k.to(q.dtype)
             s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_R, BLOCK_N], log2 units
             if S_Q == 1:
                 s = tl.where(valid[None, :], s, float("-inf"))
@@ -193,9 +202,13 @@ def _kernels() -> Any:
             p = tl.exp2(s - m_use[:, None])
             total = total * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + offsets, mask=inside, other=0.0)
+            if KV_FP8:
+                v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
         result = acc / tl.where(total > 0, total, 1.0)[:, None]  # no key: zeros
+        if KV_FP8:  # V's scale: the merge is linear in O, so partials may carry it
+            result = result * v_scale
         if SPLIT:  # float32 partials [B, splits, H_q * S_q, D] and their natural-log LSE
             flat = kv_head * (GROUP * S_Q) + r  # the row's index in [H_q * S_q]: head-major
             o_ptrs = o_ptr + b * o_sb + split * o_ss + flat[:, None] * o_sh + d[None, :]

@@ -40,12 +40,14 @@ from ..core.mask import Causal, ScoreOptions, default_scale
 from ..core.problem import KVCacheLayout, TensorSpec
 from ..core.score_inputs import check_sinks, sink_token
 from ..core.sink_fold import add_sink
-from ..errors import ValidationError
+from ..errors import UnsupportedError, ValidationError
 from ..kernels import mla_decode, paged_decode
 from ..kernels.lse_merge import merge_partials
+from ..log import logger as log
 from ..runtime.keyed import KeyedCache
 from ..runtime.prepared import PreparedRun, prepare
 from . import schedule as paged_schedule
+from .fp8_cache import check_scales, compact_table, dequantised, dequantised_pages, is_fp8
 from .paged_checks import MAX_QUERY_TOKENS, check_plan, check_run
 from .schedule import Schedule
 from .step import Step, StepBuffers, StepTables, bucket, canonical_device, geometry
@@ -61,7 +63,9 @@ class PagedAttention:
         num_q_heads, num_kv_heads, head_dim, page_size: the model's attention geometry.
         head_dim_v: V's head dim where it differs from Q's and K's (MLA: 576 and 512, V being
             the first 512 of each latent K row, ``v_cache = k_cache[..., :512]``).
-        dtype: of q and the caches (float16 or bfloat16).
+        dtype: of q (and of the caches, unless ``kv_dtype``): float16 or bfloat16.
+        kv_dtype: of the caches where not ``dtype``: ``torch.float8_e4m3fn`` or ``float8_e5m2``
+            (FP8 caches, half the bytes a decode step reads; ``run``'s ``k_scale``/``v_scale``).
         kv_layout: ``"NHPD"`` or ``"NPHD"`` (see the module docstring).
         max_batch, max_pages_per_seq: the largest step (required with ``cuda_graph``).
         cuda_graph: fixed-size persistent buffers, so captured runs stay valid across plans.
@@ -91,6 +95,7 @@ class PagedAttention:
         autotune: bool = False,
         decode_kernel: str | None = None,
         head_dim_v: int | None = None,
+        kv_dtype: torch.dtype | None = None,
     ):
         problems = []
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -102,6 +107,9 @@ class PagedAttention:
             problems.append(f"num_kv_heads: {num_kv_heads} does not divide num_q_heads={num_q_heads}")
         if dtype not in (torch.float16, torch.bfloat16):
             problems.append(f"dtype: {dtype}; expected torch.float16 or torch.bfloat16")
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        if kv_dtype != dtype and not is_fp8(kv_dtype):
+            problems.append(f"kv_dtype: {kv_dtype}; expected None (dtype's), torch.float8_e4m3fn or float8_e5m2")
         if kv_layout not in LAYOUTS:
             problems.append(f"kv_layout: {kv_layout!r}; allowed 'NHPD' or 'NPHD'")
         for name, limit in (("max_batch", max_batch), ("max_pages_per_seq", max_pages_per_seq), ("splits", splits)):
@@ -113,9 +121,15 @@ class PagedAttention:
             problems.append("cuda_graph: True needs max_batch and max_pages_per_seq (the buffers' fixed sizes)")
         if problems:
             raise ValidationError(problems, context="PagedAttention")
+        if is_fp8(kv_dtype) and head_dim_v != head_dim:
+            raise UnsupportedError([f"kv_dtype: {kv_dtype} with head dims {head_dim}/{head_dim_v}: FP8 caches are "
+                                    "read by the decode kernel of one head dim for K and V; MLA's latent kernels "
+                                    "and cuDNN's paged attention read 16-bit caches"],
+                                   context="PagedAttention", alternatives=[f"kv_dtype=None ({dtype})"])  # fmt: skip
         self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size = (num_q_heads, num_kv_heads, head_dim,
                                                                               page_size)  # fmt: skip
         self.dtype, self.kv_layout, self.cuda_graph = dtype, kv_layout, cuda_graph
+        self.kv_dtype = kv_dtype
         self.max_batch, self.max_pages_per_seq = max_batch, max_pages_per_seq
         self.device = canonical_device(device) if device is not None else None
         self.head_dim_v = head_dim_v
@@ -127,7 +141,8 @@ class PagedAttention:
         self._fast = KeyedCache(4 * MAX_RUNS)  # by the call's tensor geometry, in front
         self._buffers = StepBuffers(cuda_graph)
         self._tables = StepTables(num_q_heads, num_kv_heads, head_dim, page_size, buffers=self._buffers,
-                                  splits=splits, pack=pack, kernel=decode_kernel, head_dim_v=head_dim_v)  # fmt: skip
+                                  splits=splits, pack=pack, kernel=decode_kernel, head_dim_v=head_dim_v,
+                                  eager_triton=is_fp8(kv_dtype))  # fmt: skip
         self.schedule: Schedule | None = None
         self.plans = 0
 
@@ -183,7 +198,7 @@ class PagedAttention:
         rows, width, page = self.max_batch, self.max_pages_per_seq, self.page_size
         k_cache, v_cache = (
             torch.zeros((num_pages, self.num_kv_heads, page, dim) if self.kv_layout == "NHPD"
-                        else (num_pages, page, self.num_kv_heads, dim), dtype=self.dtype, device=device)
+                        else (num_pages, page, self.num_kv_heads, dim), dtype=self.kv_dtype, device=device)
             for dim in (self.head_dim, self.head_dim_v)
         )  # fmt: skip
         table = (torch.arange(rows * width, dtype=torch.int32, device=device) % num_pages).view(rows, width)
@@ -207,24 +222,29 @@ class PagedAttention:
     # ---- run: per layer -----------------------------------------------------------------------
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None = None, *,
-            sinks: torch.Tensor | None = None):  # fmt: skip
+            sinks: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0):  # fmt: skip
         """One layer: ``q`` ``[B, H_q, S_q, D]`` (S_q <= 16), or packed ``[T, H_q, D]`` after a
         plan with ``q_lens``, and the layer's caches; returns ``out`` (or a new tensor) of
         ``q``'s shape. Output rows past ``sum(q_lens)`` are zero. A page table planned on the
         CPU is refused here if it names a page past ``k_cache``'s (``ValidationError``).
 
         ``sinks``: the layer's attention sinks (gpt-oss), a logit per query head, ``[H_q]``, in
-        every softmax denominator (``sdpa``'s ``sinks``; FlashInfer's name too)."""
+        every softmax denominator (``sdpa``'s ``sinks``; FlashInfer's name too).
+
+        ``k_scale``, ``v_scale``: FP8 caches' scales (FlashInfer's and vLLM's names): a stored
+        element's real value is ``scale * stored``."""
         step = self._tables.step
         if step is None:
             raise ValidationError(["plan: run() before any plan(); call plan(page_table, seq_lens_kv) each step"],
                                   context="PagedAttention.run")  # fmt: skip
         check_run(self, q, k_cache, v_cache, out, step)
+        fp8 = is_fp8(self.kv_dtype)
+        scales = check_scales(fp8, k_scale, v_scale)
         if sinks is not None:
             check_sinks(sinks, self.num_q_heads, q.device)
         sink = sink_token(sinks)
         if step.prefill:
-            return self._run_prefill(q, k_cache, v_cache, out, step, sink)
+            return self._run_prefill(q, k_cache, v_cache, out, step, sink, scales if fp8 else None)
         # A geometry new to this PagedAttention is derived now, and by every later plan().
         derived = self._tables.get(("decode", q.shape[2], k_cache.shape[0]), step)
         schedule = derived["schedule"]
@@ -240,8 +260,19 @@ class PagedAttention:
         if result is None:
             result = torch.empty(rows, *q.shape[1:-1], self.head_dim_v, dtype=q.dtype, device=q.device)
         if schedule.kernel == "triton":
-            self._run_triton(q_full, k_cache, v_cache, derived, schedule, result, sink)
+            self._run_triton(q_full, k_cache, v_cache, derived, schedule, result, sink, scales)
             return self._returned(result, q, out)
+        if fp8:  # cuDNN's paged calls read 16-bit caches
+            if q.is_cuda:
+                raise UnsupportedError([f"k_cache: {self.kv_dtype} caches decode through the Triton kernel, which "
+                                        f"does not run this step (decode_kernel={self._tables.kernel!r}, page "
+                                        f"{self.page_size}, head dim {self.head_dim}); cuDNN's paged attention "
+                                        "reads 16-bit caches"],
+                                       context="PagedAttention.run",
+                                       alternatives=["decode_kernel=None", "a power-of-two page of 16-256 tokens",
+                                                     f"kv_dtype=None ({self.dtype})"])  # fmt: skip
+            log.debug("PagedAttention.run: FP8 caches dequantised whole for the reference backend's decode")
+            k_cache, v_cache = (dequantised(c, self.dtype, sc) for c, sc in zip((k_cache, v_cache), scales))
         parts = []
         body_q = self._body_query(q_full, schedule)
         # With sinks every path keeps its log-sum-exp, and the sink is folded in from it after.
@@ -274,7 +305,8 @@ class PagedAttention:
         return result[: q.shape[0]] if result.shape[0] != q.shape[0] else result
 
     def _run_triton(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, derived: dict[str, Any],
-                    schedule: Schedule, result: torch.Tensor, sink: torch.Tensor | None) -> None:  # fmt: skip
+                    schedule: Schedule, result: torch.Tensor, sink: torch.Tensor | None,
+                    scales: tuple[float, float]) -> None:  # fmt: skip
         rows, s_q, splits = q.shape[0], q.shape[2], schedule.splits
         partial_o = partial_lse = None
         if splits > 1:  # persistent: a captured step writes and merges the same buffers
@@ -292,12 +324,14 @@ class PagedAttention:
         paged_decode.paged_decode(q, k_cache, v_cache, derived["table"], self._buffers["lengths"], result,
                                   scale=self.scale, kv_layout=self.kv_layout, splits=splits,
                                   chunk_pages=schedule.chunk_pages, partial_o=partial_o, partial_lse=partial_lse,
-                                  sink=None if sink is None else sink.view(-1))  # fmt: skip
+                                  sink=None if sink is None else sink.view(-1), k_scale=scales[0],
+                                  v_scale=scales[1])  # fmt: skip
 
     def _run_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None,
-                     step: Step, sink: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+                     step: Step, sink: torch.Tensor | None, fp8_scales: tuple[float, float] | None) -> torch.Tensor:  # fmt: skip
         """Chunked prefill: packed queries, bottom-right causal per sequence, one ragged call.
-        Prefill chunks bring query rows enough to fill the GPU: no split, no packing."""
+        Prefill chunks bring query rows enough to fill the GPU: no split, no packing. FP8
+        caches (``fp8_scales``) are read through a compact 16-bit copy of the step's pages."""
         tokens, num_pages = q.shape[0], k_cache.shape[0]
         longest = self._tables.longest_chunk(tokens, step)
         derived = self._tables.get(("prefill", tokens, longest, num_pages), step)
@@ -306,6 +340,10 @@ class PagedAttention:
         if result is None:
             result = torch.empty(*q.shape[:-1], self.head_dim_v, dtype=q.dtype, device=q.device)
         table, lengths, q_lengths = derived["table"], self._buffers["lengths"], derived["q_lengths"]
+        if fp8_scales is not None:
+            k_cache, v_cache = (dequantised_pages(c, table, self.dtype, sc) for c, sc in zip((k_cache, v_cache),
+                                                                                              fp8_scales))  # fmt: skip
+            table = compact_table(table)
         inputs = {"q": q, "k": k_cache, "v": v_cache, "page_table_k": table, "page_table_v": table,
                   "seq_len_q": q_lengths, "seq_len_kv": lengths}  # fmt: skip
         if sink is not None:  # cuDNN takes sinks with packed queries, from two query tokens up

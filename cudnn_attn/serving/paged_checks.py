@@ -66,8 +66,12 @@ def check_run(attn: Any, q: Any, k_cache: Any, v_cache: Any, out: Any, step: Ste
             form = ("a packed [T, H_q, D] tensor (the step was planned with q_lens)" if name == "q" and rank == 3
                     else "a 4-D tensor")  # fmt: skip
             problems.append(f"{name}: expected {form}, got {getattr(t, 'shape', type(t).__name__)}")
-        elif t.dtype != attn.dtype:
-            problems.append(f"{name}: dtype {t.dtype}; this PagedAttention takes {attn.dtype}")
+        elif t.dtype != (attn.dtype if name == "q" else attn.kv_dtype):
+            wanted = attn.dtype if name == "q" else attn.kv_dtype
+            problems.append(
+                f"{name}: dtype {t.dtype}; this PagedAttention takes {wanted}"
+                + (" caches (kv_dtype)" if name != "q" and attn.kv_dtype != attn.dtype else "")
+            )
         elif t.device != step.device:
             problems.append(f"{name}: on {t.device}; the step was planned on {step.device}")
     if problems:
