@@ -11,6 +11,7 @@ from test_paged_attention import HKV, HQ, PAGE, D, expected, expected_packed, ma
 
 import cudnn_attn
 from cudnn_attn.errors import UnsupportedError, ValidationError
+from cudnn_attn.serving import schedule as paged_schedule
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -72,3 +73,12 @@ def test_what_fp8_caches_cannot_take_is_named():
     plain.plan(table, lengths)
     with pytest.raises(ValidationError, match="k_scale: 0.5; scales apply to FP8 caches"):
         plain.run(q, k_cache, v_cache, k_scale=0.5)
+
+
+def test_fp8_caches_split_twice_as_finely_with_one_query_token():
+    # Half the bytes per chunk: one query token wants twice the splits (bench --serving); several
+    # query tokens keep the 16-bit layout.
+    geometry = dict(batch=4, pages_per_seq=128, page_size=64, num_q_heads=32, num_kv_heads=8, triton=True)
+    plain, fp8 = (paged_schedule.choose(**geometry, s_q=1, fp8=f) for f in (False, True))
+    assert fp8.kernel == "triton" and fp8.splits == min(paged_schedule.MAX_SPLITS, 2 * plain.splits) > plain.splits
+    assert paged_schedule.choose(**geometry, s_q=4, fp8=True) == paged_schedule.choose(**geometry, s_q=4)

@@ -142,7 +142,7 @@ class PagedAttention:
         self._buffers = StepBuffers(cuda_graph)
         self._tables = StepTables(num_q_heads, num_kv_heads, head_dim, page_size, buffers=self._buffers,
                                   splits=splits, pack=pack, kernel=decode_kernel, head_dim_v=head_dim_v,
-                                  eager_triton=is_fp8(kv_dtype))  # fmt: skip
+                                  fp8_caches=is_fp8(kv_dtype))  # fmt: skip
         self.schedule: Schedule | None = None
         self.plans = 0
 

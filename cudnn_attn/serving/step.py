@@ -90,13 +90,13 @@ class StepTables:
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *, buffers: StepBuffers,
                  splits: int | None, pack: bool | None, kernel: str | None, head_dim_v: int | None = None,
-                 eager_triton: bool = False):  # fmt: skip
+                 fp8_caches: bool = False):  # fmt: skip
         self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size = (num_q_heads, num_kv_heads, head_dim,
                                                                               page_size)  # fmt: skip
         self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
         self.buffers, self.cuda_graph = buffers, buffers.cuda_graph
         self.splits, self.pack, self.kernel = splits, pack, kernel
-        self.eager_triton = eager_triton  # FP8 caches: only the Triton kernel reads them
+        self.fp8_caches = fp8_caches  # only the Triton kernel reads them: eager steps take it too
         self.step: Step | None = None  # the planned step
         self._derived: dict[tuple, dict[str, Any]] = {}  # per geometry: the step's derived inputs
 
@@ -186,7 +186,8 @@ class StepTables:
         schedule = paged_schedule.choose(
             rows, width, self.page_size, self.num_q_heads, self.num_kv_heads, s_q, sm_count=sm_count(device),
             splits=self.splits, pack=self.pack, kernel=self.kernel,
-            triton=triton and (self.cuda_graph or mla or self.eager_triton), mla=mla, hopper=hopper,
+            triton=triton and (self.cuda_graph or mla or self.fp8_caches), mla=mla, hopper=hopper,
+            fp8=self.fp8_caches,
         )  # fmt: skip
         page = self.page_size
         if schedule.kernel == "triton":  # the kernel walks the clamped table itself
