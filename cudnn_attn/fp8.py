@@ -25,10 +25,10 @@ from .core.mask import Causal, ScoreOptions, default_scale
 from .core.problem import TensorSpec
 from .core.roles import FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError, shown
-from .fp8_scaling import Fp8Scaling, current_scale
+from .fp8_scaling import Fp8Scaling
 from .fp8_tensor import Fp8Tensor
 from .functional.arguments import ARGUMENT_NAMES, check_arguments, materialised
-from .kernels.fp8_cast import E4M3, E4M3_MAX, amax_qkv, from_fp8, quantise_qkv, scale_view, to_fp8
+from .kernels.fp8_cast import E4M3, E4M3_MAX, amax_qkv, from_fp8, quantise_qkv, scale_view
 from .runtime.prepared import PreparedRun, prepare
 
 BACKWARDS = ("bf16", "fp8")
@@ -213,8 +213,8 @@ def quantised(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Two passes: min/max, then one fused scale-saturate-cast (``fp8_cast``).
     """
-    scale = current_scale(x)
-    return to_fp8(x.detach(), scale), 1.0 / scale
+    data, descale = Fp8Tensor.quantise(x)
+    return data, descale.reshape(1, 1, 1, 1)
 
 
 def forward(

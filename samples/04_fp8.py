@@ -1,4 +1,5 @@
-"""FP8 attention: the graph op with scales by hand, then the drop-in that scales for you.
+"""FP8 attention: the graph op with scales by hand, the drop-in that scales for you, FP8 in and
+out for FP8 producers and consumers, and a paged decode over FP8 K/V caches.
 
 On a Hopper (or newer) GPU it runs cuDNN's FP8 kernels; elsewhere the reference backend's
 exact emulation of them. Every result is checked against attention in float32 on the
@@ -8,6 +9,8 @@ unquantised inputs: FP8 keeps about 6% relative error (five quantisations of ~3%
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -71,4 +74,29 @@ plain = cudnn.nn.Attention(512, 4, causal=True, device=device, dtype=torch.bfloa
 plain.load_state_dict(layer.state_dict())
 x = torch.randn(2, 128, 512, device=device, dtype=torch.bfloat16)
 check("nn.Attention(fp8=True) vs bf16", layer(x), plain(x))
+# 4. FP8 in and out: where the producer already writes FP8 (an FP8 projection or cache) and the
+#    consumer reads it (an FP8 matmul), Fp8Tensor skips the casts around the kernel.
+q8, k8, v8 = (cudnn.Fp8Tensor.quantise(x.detach()) for x in (q, k, v))  # E4M3 data and its descale
+o8 = cudnn.sdpa_fp8(q8, k8, v8, is_causal=True)  # FP8 in, FP8 out: an Fp8Tensor
+print(f"  O in {o8.data.dtype}, descale {float(o8.descale):.2e} (V's: |O| <= max|V|)")
+check("sdpa_fp8 on Fp8Tensors, dequantised O", o8.dequantise(), expected)
+
+# 5. Decode over FP8 K/V caches (vLLM's kv_cache_dtype="fp8"): half the bytes a step reads.
+heads, kv_heads, page, lengths = 8, 2, 16, [40, 64, 7]
+pages = math.ceil(max(lengths) / page)
+table = torch.arange(len(lengths) * pages, dtype=torch.int32, device=device).view(len(lengths), pages)
+k_cache, v_cache = (
+    torch.randn(table.numel(), kv_heads, page, d, device=device, dtype=torch.bfloat16) for _ in range(2)
+)
+k_scale, v_scale = (float(c.abs().max()) / 448.0 for c in (k_cache, v_cache))  # real = scale * stored
+k_cache8, v_cache8 = ((c.float() / sc).to(E4M3) for c, sc in ((k_cache, k_scale), (v_cache, v_scale)))
+attn = cudnn.PagedAttention(heads, kv_heads, d, page, dtype=torch.bfloat16, kv_dtype=E4M3, device=device)
+attn.plan(table, torch.tensor(lengths, dtype=torch.int32, device=device))
+query = torch.randn(len(lengths), heads, 1, d, device=device, dtype=torch.bfloat16)
+out = attn.run(query, k_cache8, v_cache8, k_scale=k_scale, v_scale=v_scale)
+for i, n in enumerate(lengths):  # each sequence against float32 attention over its 16-bit cache
+    keys, values = (c[table[i].long()].transpose(0, 1).flatten(1, 2)[:, :n].float() for c in (k_cache, v_cache))
+    alone = torch.nn.functional.scaled_dot_product_attention(query[i : i + 1].float(), keys[None], values[None],
+                                                             enable_gqa=True)  # fmt: skip
+    check(f"PagedAttention over FP8 caches, sequence {i}", out[i : i + 1], alone)
 print("all results match")

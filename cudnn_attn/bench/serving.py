@@ -5,8 +5,8 @@ with its chosen layout (split-KV, query packing, the causal tail), the same with
 (one paged cuDNN call per layer, as a plain paged graph runs), and torch's SDPA on the same K/V
 laid out contiguously. Each column is a step of ``LAYERS`` layers captured in a CUDA graph and
 replayed; the figure is time per layer. One more column runs the same decode over FP8 (e4m3)
-caches, half the bytes (its error against the bf16 caches' attention is FP8's). Bandwidth is the K/V bytes each layer must read (each
-sequence's valid tokens) plus q and o, as a fraction of the memory's peak measured in the same
+caches, half the bytes (its error against the bf16 caches' attention is FP8's). Bandwidth is
+the K/V bytes each layer must read (each sequence's valid tokens) plus q and o, as a fraction of the memory's peak measured in the same
 rounds: the better of a 1 GiB device copy (read + write) and a 4 GiB read-only stream (a sum).
 A transfer as small as the layer's own is launch-bound and would flatter small shapes; its
 rates (a copy and a sum of the K/V bytes) are reported beside, as ``pct_of_small_rate``. Every
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .. import PagedAttention
+from ..kernels.fp8_cast import E4M3_MAX
 from .host import round_order
 
 HQ, HKV, D, PAGE = 32, 8, 128, 64
@@ -97,7 +98,7 @@ def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
     # FP8 caches (e4m3, one scale per cache): half the bytes, read by the same decode kernel.
     fp8 = PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn, device="cuda",
                          max_batch=batch, max_pages_per_seq=kv // PAGE, cuda_graph=True)  # fmt: skip
-    scales = [[float(c.abs().max()) / 448.0 for c in layer] for layer in t["caches"]]
+    scales = [[float(c.abs().max()) / E4M3_MAX for c in layer] for layer in t["caches"]]
     caches8 = [[(c.float() / sc).to(torch.float8_e4m3fn) for c, sc in zip(layer, layer_scales)]
                for layer, layer_scales in zip(t["caches"], scales)]  # fmt: skip
     outs = {name: [torch.empty_like(q) for _ in range(LAYERS)] for name in ("ours", "plain", "forced", "torch", "fp8")}

@@ -36,13 +36,13 @@ from typing import Any
 
 import torch
 
+from ..core.dtypes import FP8
 from .launch import Launcher, sm_count
 from .lse_merge import merge_checked, split_targets
 
 LOG2_E = 1.4426950408889634
 MIN_ROWS = 16  # tl.dot needs 16 rows: smaller groups are padded
 MAX_ROWS = 64  # query rows of one tile (G * S_q): more would spill the accumulator
-FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def supported(device: torch.device, page_size: int, head_dim: int) -> bool:
@@ -117,7 +117,7 @@ def paged_decode(
     group = heads // kv_heads
     rows = group * s_q
     block_d = max(16, 1 << (dim - 1).bit_length())
-    kv_fp8 = k_cache.dtype in FP8_CACHE_DTYPES
+    kv_fp8 = k_cache.dtype in FP8
     # FP8 tiles are widened in registers before their dots: with one query token, one page a
     # step and two stages ran 9-16% faster than the 16-bit settings at every shape tried; with
     # 4-8 tokens 15-20% slower (H100, CUDA-graph replay).

@@ -18,12 +18,14 @@ from typing import Any
 
 import torch
 
+from ..core.dtypes import FP8
 from ..errors import ValidationError
-from ..kernels.paged_decode import FP8_CACHE_DTYPES
+
+UNIT_SCALES = (1.0, 1.0)  # k_scale, v_scale of 16-bit caches (and FP8 ones stored unscaled)
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in FP8_CACHE_DTYPES
+    return dtype in FP8
 
 
 def check_scales(fp8: bool, k_scale: Any, v_scale: Any) -> tuple[float, float]:
@@ -47,8 +49,7 @@ def check_scales(fp8: bool, k_scale: Any, v_scale: Any) -> tuple[float, float]:
 def dequantised_pages(cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype,
                       scale: float) -> torch.Tensor:  # fmt: skip
     """The pages ``table`` names, in its order (row by row), as ``dtype`` real values."""
-    pages = cache.index_select(0, table.reshape(-1).to(torch.long))
-    return (pages.to(torch.float32) * scale).to(dtype)
+    return dequantised(cache.index_select(0, table.reshape(-1).to(torch.long)), dtype, scale)
 
 
 def compact_table(table: torch.Tensor) -> torch.Tensor:
@@ -58,5 +59,5 @@ def compact_table(table: torch.Tensor) -> torch.Tensor:
 
 
 def dequantised(cache: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """The whole cache as ``dtype`` real values (the CPU reference's decode)."""
+    """``cache`` (all of it: the CPU reference's decode) as ``dtype`` real values."""
     return (cache.to(torch.float32) * scale).to(dtype)

@@ -47,7 +47,7 @@ from ..log import logger as log
 from ..runtime.keyed import KeyedCache
 from ..runtime.prepared import PreparedRun, prepare
 from . import schedule as paged_schedule
-from .fp8_cache import check_scales, compact_table, dequantised, dequantised_pages, is_fp8
+from .fp8_cache import UNIT_SCALES, check_scales, compact_table, dequantised, dequantised_pages, is_fp8
 from .paged_checks import MAX_QUERY_TOKENS, check_plan, check_run
 from .schedule import Schedule
 from .step import Step, StepBuffers, StepTables, bucket, canonical_device, geometry
@@ -129,7 +129,7 @@ class PagedAttention:
         self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size = (num_q_heads, num_kv_heads, head_dim,
                                                                               page_size)  # fmt: skip
         self.dtype, self.kv_layout, self.cuda_graph = dtype, kv_layout, cuda_graph
-        self.kv_dtype = kv_dtype
+        self.kv_dtype, self._fp8 = kv_dtype, is_fp8(kv_dtype)
         self.max_batch, self.max_pages_per_seq = max_batch, max_pages_per_seq
         self.device = canonical_device(device) if device is not None else None
         self.head_dim_v = head_dim_v
@@ -238,8 +238,10 @@ class PagedAttention:
             raise ValidationError(["plan: run() before any plan(); call plan(page_table, seq_lens_kv) each step"],
                                   context="PagedAttention.run")  # fmt: skip
         check_run(self, q, k_cache, v_cache, out, step)
-        fp8 = is_fp8(self.kv_dtype)
-        scales = check_scales(fp8, k_scale, v_scale)
+        fp8 = self._fp8
+        # The defaults, as every 16-bit step passes them, skip the checks: run() is per layer.
+        unit = type(k_scale) is float and type(v_scale) is float and k_scale == 1.0 == v_scale
+        scales = UNIT_SCALES if unit else check_scales(fp8, k_scale, v_scale)
         if sinks is not None:
             check_sinks(sinks, self.num_q_heads, q.device)
         sink = sink_token(sinks)
