@@ -207,6 +207,8 @@ def default_cache() -> PlanCache:
     """The process-wide cache that graphs use unless given ``cache=``; it persists plans under
     ``$CUDNN_ATTN_CACHE_DIR`` (default ``~/.cache/cudnn_attn``; ``""`` turns that off)."""
     global _default
+    if _default is not None:  # every graph asks: no lock once it exists
+        return _default
     with _default_lock:
         if _default is None:
             path = default_path()

@@ -37,6 +37,8 @@ from .recording.keywords import publishes_mask_keywords, stats_requested
 from .runtime import interop, lifecycle
 from .runtime.runner import Runner
 
+_DTYPE_ARGUMENTS = ("io_data_type", "intermediate_data_type", "compute_data_type")
+
 
 class Graph(Fp8Ops, steps.FrontendSteps):
     """A graph of attention nodes, built once and run many times.
@@ -85,16 +87,13 @@ class Graph(Fp8Ops, steps.FrontendSteps):
         **kwargs: Any,
     ):
         problems = []
-        self._dtypes: dict[str, torch.dtype | None] = {}
-        for arg, value in (
-            ("io_data_type", io_data_type),
-            ("intermediate_data_type", intermediate_data_type),
-            ("compute_data_type", compute_data_type),
-        ):
-            try:
-                self._dtypes[arg] = to_torch_dtype(value, arg)
-            except TypeError as error:
-                problems.append(str(error))
+        self._dtypes: dict[str, torch.dtype | None] = dict.fromkeys(_DTYPE_ARGUMENTS)
+        if io_data_type is not None or intermediate_data_type is not None or compute_data_type is not None:
+            for arg, value in zip(_DTYPE_ARGUMENTS, (io_data_type, intermediate_data_type, compute_data_type)):
+                try:
+                    self._dtypes[arg] = to_torch_dtype(value, arg)
+                except TypeError as error:
+                    problems.append(str(error))
         if backend not in BACKEND_NAMES:
             problems.append(f"backend: {backend!r}; allowed {', '.join(map(repr, BACKEND_NAMES))}")
         if cache is not None and not isinstance(cache, PlanCache):

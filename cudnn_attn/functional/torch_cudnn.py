@@ -55,7 +55,9 @@ class TorchCudnnOp:
 
     def __init__(self, scale: float, causal: Causal):
         self.scale, self.is_causal = scale, causal is not Causal.NONE
-        self.op = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+        # The op's C++ binding: its ``torch.ops`` overload adds a Python frame per call.
+        self.op = getattr(torch._C._VariableFunctions, "_scaled_dot_product_cudnn_attention", None) or \
+            torch.ops.aten._scaled_dot_product_cudnn_attention.default  # fmt: skip
         log.backend_chosen(WHERE, "torch's cuDNN attention op", "a training call it serves; its autograd node is C++")
 
     def __call__(self, query, key, value, attn_mask) -> torch.Tensor:

@@ -21,7 +21,7 @@ from .handles import InputHandle, OutputHandle
 if TYPE_CHECKING:
     from .state import Recording
 
-_SCALARS = (bool, int, float, str)
+_SCALARS = frozenset((bool, int, float, str))
 
 
 class _UnkeyedError(Exception):
@@ -48,8 +48,10 @@ class RecordingKey:
             return
         try:
             of = self._of
-            part = (method, of(name, recording), tuple([a if a is None else of(a, recording) for a in args]),
-                    tuple([(k, of(v, recording)) for k, v in mask.items()]))  # fmt: skip
+            # None is the commonest argument (unused keywords): kept inline, as are mask scalars.
+            part = (method, None if name is None else of(name, recording),
+                    tuple([a if a is None else of(a, recording) for a in args]),
+                    tuple([(k, (type(v), v) if type(v) in _SCALARS else of(v, recording)) for k, v in mask.items()]))  # fmt: skip
         except _UnkeyedError:
             self.keyed = False
             return
@@ -81,15 +83,17 @@ class RecordingKey:
     def _of(self, value: Any, recording: Recording) -> Hashable:
         kind = type(value)
         if kind is torch.Tensor:
-            made = recording.by_identity.get(id(value))
-            if made is not None:
-                return ("made", made.made_index)
-            slot = self._slots.get(id(value))
+            ident = id(value)
+            if recording.by_identity:
+                made = recording.by_identity.get(ident)
+                if made is not None:
+                    return ("made", made.made_index)
+            slot = self._slots.get(ident)
             if slot is not None:
                 return ("tensor", slot)
-            self._slots[id(value)] = len(self.tensors)
+            slot = self._slots[ident] = len(self.tensors)
             self.tensors.append(value)
-            return ("tensor", len(self.tensors) - 1, value.shape, value.stride(), value.dtype, value.device)
+            return ("tensor", slot, value.shape, value.stride(), value.dtype, value.device)
         if value is None:
             return None
         if kind in _SCALARS:

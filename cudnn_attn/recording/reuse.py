@@ -107,8 +107,7 @@ def adopt(recording: Recording, earlier: RecordedBuild, default_handle: Any) -> 
     outputs = [h for node in recording.nodes for h in node.outputs.values()]
     found = []
     for node, built in zip(recording.nodes, earlier.nodes):
-        for field, value in built.fields.items():
-            setattr(node, field, value)
+        node.__dict__.update(built.fields)
         node.inputs = {role: inputs[i] if kind == "input" else outputs[i] for role, kind, i in built.inputs}
         for output, spec in zip(node.outputs.values(), built.output_specs):
             output.built_spec = spec

@@ -7,6 +7,7 @@ recorded so the choice can be stored and replayed without tuning again.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import statistics
@@ -50,7 +51,12 @@ def enabled_by_default() -> bool:
     """``set_autotune(True)`` or ``CUDNN_ATTN_AUTOTUNE=1`` turn tuning on for graphs that do not say."""
     if _default is not None:
         return _default
-    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return _env_on(os.environ.get(ENV, ""))
+
+
+@functools.lru_cache(maxsize=8)
+def _env_on(raw: str) -> bool:  # parsed once per spelling: graphs read it on every construction
+    return raw.strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass
