@@ -14,7 +14,6 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-import oracle
 import torch
 import torch.distributed as dist
 
@@ -37,6 +36,26 @@ class Attention:
     dtype: str = "bfloat16"
     bshd: bool = False  # shards as BSHD views (sharded along dim 1)
     scale: float | None = None
+    window: int | None = None  # a causal sliding window's left bound (window_size=(window, 0))
+    sinks: bool = False  # a learnable logit per head (its gradient summed over ranks is checked)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Packed documents (THD shards with ``cu_seqlens``): results, q/k/v gradients (and the sinks'
+    summed over ranks) against float64 attention over the whole packed sequence, block-diagonal."""
+
+    id: str
+    docs: tuple[int, ...] = (3, 1, 2)  # each document's length in chunks (of 2W or W per document)
+    mode: str = "p2p"
+    is_causal: bool = True
+    layout: str = "zigzag"
+    heads: int = 2
+    kv_heads: int = 2
+    head_dim: int = 16
+    dtype: str = "bfloat16"
+    window: int | None = None
+    sinks: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,9 +68,19 @@ class RoundTrip:
 
 
 @dataclass(frozen=True)
+class PackedRoundTrip:
+    """``unshard(shard(x, cu_seqlens=cu))`` is ``x`` and the shard holds each document's chunks."""
+
+    id: str
+    layout: str
+    docs: tuple[int, ...] = (2, 1, 3)
+
+
+@dataclass(frozen=True)
 class Refusal:
     """A call every rank must refuse alike. ``per_rank``: rank -> overrides of the base call's
-    arguments (``seq``, ``heads``, ``dtype``, ``dims``, ``mode``, ``layout``, ``enable_gqa``)."""
+    arguments (``seq``, ``heads``, ``dtype``, ``dims``, ``mode``, ``layout``, ``enable_gqa``,
+    ``cu``: packed documents' lengths in units of W tokens, or ``"float"``; ``window``; ``sinks``: a shape)."""
 
     id: str
     expected: str  # the error class's name
@@ -103,19 +132,91 @@ def _attention(case: Attention, rank: int, world: int, device: torch.device, ind
     else:
         local = {n: shard(t.transpose(1, 2), seq_dim=2, layout=case.layout).to(device) for n, t in full.items()}
     leaves = {n: local[n].detach().requires_grad_() for n in "qkv"}
+    sinks = _sinks(case.sinks, case.heads, gen, device)
+    window = (-1, -1) if case.window is None else (case.window, 0)
     out = context_parallel_sdpa(leaves["q"], leaves["k"], leaves["v"], is_causal=case.is_causal, scale=case.scale,
-                                mode=case.mode, enable_gqa=case.kv_heads != case.heads, layout=case.layout)  # fmt: skip
+                                mode=case.mode, enable_gqa=case.kv_heads != case.heads, layout=case.layout,
+                                window_size=window, sinks=sinks)  # fmt: skip
     out.backward(local["d_out"])
     gathered = {"out": out, **{f"d{n}": leaves[n].grad for n in "qkv"}}
     ours = {name: unshard(t.contiguous(), seq_dim=2, layout=case.layout) for name, t in gathered.items()}
-
-    ref = {n: full[n].transpose(1, 2).double().requires_grad_() for n in "qkv"}
-    allowed = torch.ones(s, s, dtype=torch.bool).tril() if case.is_causal else None
+    positions = torch.arange(s)
+    allowed = _allowed(positions, positions, case.is_causal, case.window)
     scale = case.scale if case.scale is not None else case.head_dim**-0.5
-    expected_out = oracle.attention_autograd(ref["q"], ref["k"], ref["v"], scale=scale, allowed=allowed)
-    expected_out.backward(full["d_out"].transpose(1, 2).double())
+    whole = {n: full[n].transpose(1, 2) for n in full}
+    return _compare(ours, sinks, whole, allowed, scale)
+
+
+def _packed(case: Packed, rank: int, world: int, device: torch.device, index: int) -> dict[str, float]:
+    dtype = getattr(torch, case.dtype)
+    gen = torch.Generator().manual_seed(2000 + index)  # the same whole tensors on every rank
+    parts = (2 if case.layout == "zigzag" else 1) * world
+    lengths = [n * parts for n in case.docs]
+    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    t = int(cu[-1])
+    heads = {"q": case.heads, "k": case.kv_heads, "v": case.kv_heads, "d_out": case.heads}
+    full = {name: torch.randn(t, h, case.head_dim, generator=gen).to(dtype) for name, h in heads.items()}
+    local = {n: shard(x, cu_seqlens=cu, layout=case.layout).to(device) for n, x in full.items()}
+    leaves = {n: local[n].detach().requires_grad_() for n in "qkv"}
+    sinks = _sinks(case.sinks, case.heads, gen, device)
+    window = (-1, -1) if case.window is None else (case.window, 0)
+    out = context_parallel_sdpa(leaves["q"], leaves["k"], leaves["v"], cu_seqlens=cu, max_seqlen=max(lengths),
+                                is_causal=case.is_causal, mode=case.mode, enable_gqa=case.kv_heads != case.heads,
+                                layout=case.layout, window_size=window, sinks=sinks)  # fmt: skip
+    out.backward(local["d_out"])
+    gathered = {"out": out, **{f"d{n}": leaves[n].grad for n in "qkv"}}
+    ours = {name: unshard(x.contiguous(), cu_seqlens=cu, layout=case.layout) for name, x in gathered.items()}
+    ours = {name: x.transpose(0, 1).unsqueeze(0) for name, x in ours.items()}  # as [1, H, T, D]
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    position = torch.arange(t) - cu.cpu().long()[doc]
+    allowed = _allowed(position, position, case.is_causal, case.window) & (doc[:, None] == doc[None, :])
+    whole = {n: x.transpose(0, 1).unsqueeze(0) for n, x in full.items()}
+    return _compare(ours, sinks, whole, allowed, case.head_dim**-0.5)
+
+
+def _sinks(wanted: bool, heads: int, gen: torch.Generator, device: torch.device) -> torch.Tensor | None:
+    """A learnable logit per head, float32, the same on every rank (None when not wanted)."""
+    if not wanted:
+        return None
+    return torch.randn(heads, generator=gen, dtype=torch.float32).to(device).requires_grad_()
+
+
+def _allowed(rows: torch.Tensor, cols: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
+    """Which keys each query may see, from positions: causal, and at most ``window`` back."""
+    distance = rows[:, None] - cols[None, :]
+    allowed = torch.ones(distance.shape, dtype=torch.bool)
+    if causal or window is not None:
+        allowed &= distance >= 0
+    if window is not None:
+        allowed &= distance <= window
+    return allowed
+
+
+def _compare(ours: dict, sinks: torch.Tensor | None, whole: dict, allowed: torch.Tensor, scale: float) -> dict:
+    """Relative errors of ours against float64 attention over the whole ``[B, H, S, D]`` inputs
+    (the sinks' gradient summed over ranks: each rank's is its rows' share)."""
+    ref = {n: whole[n].double().requires_grad_() for n in "qkv"}
+    ref_sinks = None if sinks is None else sinks.detach().cpu().double().requires_grad_()
+    expected_out = _oracle(ref["q"], ref["k"], ref["v"], scale, allowed, ref_sinks)
+    expected_out.backward(whole["d_out"].double())
     expected = {"out": expected_out, **{f"d{n}": ref[n].grad for n in "qkv"}}
-    return {name: _rel_err(ours[name], expected[name]) for name in expected}
+    errors = {name: _rel_err(ours[name], expected[name]) for name in expected}
+    if sinks is not None:
+        d_sinks = sinks.grad.detach().clone()
+        dist.all_reduce(d_sinks)
+        errors["dsinks"] = _rel_err(d_sinks, ref_sinks.grad)
+    return errors
+
+
+def _oracle(q, k, v, scale: float, allowed: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Float64 attention with a sink column (a logit per head weighing no value), differentiable."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    s = torch.where(allowed, (q @ k.transpose(-1, -2)) * scale, torch.full((), -1e30, dtype=q.dtype))
+    if sinks is not None:
+        s = torch.cat([s, sinks.view(1, -1, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
+    probs = torch.softmax(s, -1)[..., : allowed.shape[-1]] * allowed
+    return probs @ v
 
 
 def _round_trip(case: RoundTrip, rank: int, world: int, device: torch.device, index: int) -> dict[str, float]:
@@ -135,27 +236,55 @@ def _round_trip(case: RoundTrip, rank: int, world: int, device: torch.device, in
     }
 
 
+def _packed_round_trip(case: PackedRoundTrip, rank: int, world: int, device: torch.device, index: int) -> dict:
+    parts = (2 if case.layout == "zigzag" else 1) * world
+    lengths = [n * parts for n in case.docs]
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(device)
+    x = torch.randn(int(cu[-1]), 3, 4, generator=torch.Generator().manual_seed(index)).to(device)
+    local = shard(x, cu_seqlens=cu, layout=case.layout)
+    ids = (rank, parts - 1 - rank) if case.layout == "zigzag" else (rank,)
+    expected = torch.cat([x[int(cu[d]) : int(cu[d + 1])].chunk(parts)[i] for d in range(len(lengths)) for i in ids])
+    back = unshard(local, cu_seqlens=cu, layout=case.layout)
+    return {
+        "shard_exact": float(torch.equal(local, expected)),
+        "shard_contiguous": float(local.is_contiguous()),
+        "round_trip_exact": float(torch.equal(back, x)),
+    }
+
+
 def _refusal(case: Refusal, rank: int, world: int, device: torch.device, index: int) -> dict[str, str]:
     call = {"seq": 8, "heads": 2, "kv_heads": 2, "dtype": "bfloat16", "dims": 4, "mode": "p2p", "layout": "zigzag",
-            "enable_gqa": False, "is_causal": True, **case.call, **case.per_rank.get(rank, {})}  # fmt: skip
+            "enable_gqa": False, "is_causal": True, "cu": None, "window": (-1, -1), "sinks": None, **case.call,
+            **case.per_rank.get(rank, {})}  # fmt: skip
     dtype = getattr(torch, call["dtype"])
-    lead = (1,) if call["dims"] == 4 else ()
+    cu = None
+    if call["cu"] == "float":
+        cu = torch.tensor([0.0, 6.0 * world, 12.0 * world], device=device)
+    elif call["cu"] is not None:
+        cu = torch.tensor([0, *(n * world for n in call["cu"])]).cumsum(0).to(device)
+    sinks = None if call["sinks"] is None else torch.zeros(call["sinks"], device=device)
 
     def tensor(heads: int) -> torch.Tensor:
-        return torch.randn(*lead, heads, call["seq"], 16).to(device, dtype)
+        if call["dims"] == 3:  # packed [T, H, D]: a shard, or the whole sequence for shard()
+            tokens = int(cu[-1]) if case.op == "shard" and cu is not None else call["seq"]
+            return torch.randn(tokens, heads, 16).to(device, dtype)
+        return torch.randn(1, heads, call["seq"], 16).to(device, dtype)
 
+    seq_dim = 0 if call["dims"] == 3 else 2
     try:
         if case.op == "shard":
-            shard(tensor(call["heads"]), seq_dim=2, layout=call["layout"])
+            shard(tensor(call["heads"]), seq_dim=seq_dim, layout=call["layout"], cu_seqlens=cu)
         elif case.op == "unshard":
-            unshard(tensor(call["heads"]), seq_dim=2, layout=call["layout"])
+            unshard(tensor(call["heads"]), seq_dim=seq_dim, layout=call["layout"], cu_seqlens=cu)
         else:
             context_parallel_sdpa(tensor(call["heads"]), tensor(call["kv_heads"]), tensor(call["kv_heads"]),
                                   is_causal=call["is_causal"], mode=call["mode"], layout=call["layout"],
-                                  enable_gqa=call["enable_gqa"])  # fmt: skip
+                                  enable_gqa=call["enable_gqa"], cu_seqlens=cu, window_size=call["window"],
+                                  sinks=sinks)  # fmt: skip
     except Exception as error:
         return {"raised": type(error).__name__, "message": str(error)}
     return {"raised": "nothing", "message": ""}
 
 
-RUNNERS: dict[type, Any] = {Attention: _attention, RoundTrip: _round_trip, Refusal: _refusal}
+RUNNERS: dict[type, Any] = {Attention: _attention, Packed: _packed, RoundTrip: _round_trip,
+                             PackedRoundTrip: _packed_round_trip, Refusal: _refusal}  # fmt: skip

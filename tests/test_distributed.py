@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import TOLERANCE
-from distributed_workers import Attention, Refusal, RoundTrip
+from distributed_workers import Attention, Packed, PackedRoundTrip, Refusal, RoundTrip
 
 import cudnn_attn
 from cudnn_attn.bench.context_parallel import SINGLE
@@ -49,10 +49,55 @@ ATTENTION = [
     Attention("all_gather-causal-zigzag-fp16-d64", mode="all_gather", dtype="float16", head_dim=64),
     Attention("p2p-causal-zigzag-bshd-views-scale", bshd=True, heads=4, kv_heads=1, scale=0.3),
     Attention("all_gather-causal-contiguous-bshd-views", mode="all_gather", layout="contiguous", bshd=True),
+    # Causal sliding windows (a window of 5 reaches into the next chunk but one; 2 only into the next) and sinks.
+    *(
+        Attention(
+            f"{mode}-window{w}-{layout}{'-sinks' if sinks else ''}",
+            mode=mode,
+            layout=layout,
+            window=w,
+            sinks=sinks,
+            chunk=3,
+        )
+        for mode in ("p2p", "all_gather")
+        for layout, w, sinks in (("zigzag", 2, False), ("zigzag", 5, True), ("contiguous", 4, False))
+    ),
+    Attention("p2p-full-zigzag-sinks", is_causal=False, sinks=True),
+    Attention("all_gather-causal-zigzag-sinks-gqa", mode="all_gather", sinks=True, heads=4, kv_heads=1),
 ]
+# Packed documents: each (3, 1, 2) chunks of 2W (zigzag) or W (contiguous) tokens, causal per document.
+PACKED = (
+    [
+        Packed(
+            f"packed-{mode}-{'causal' if causal else 'full'}-{layout}{'-gqa' if gqa else ''}",
+            mode=mode,
+            is_causal=causal,
+            layout=layout,
+            heads=4 if gqa else 2,
+            kv_heads=2,
+        )
+        for mode in ("p2p", "all_gather")
+        for causal, layout, gqa in ((True, "zigzag", False), (False, "zigzag", True), (True, "contiguous", True))
+    ]
+    + [
+        Packed(
+            f"packed-{mode}-window{w}-zigzag{'-sinks' if sinks else ''}",
+            mode=mode,
+            window=w,
+            sinks=sinks,
+            docs=(4, 1, 2),
+        )
+        for mode in ("p2p", "all_gather")
+        for w, sinks in ((3, True), (9, False))
+    ]
+    + [
+        Packed("packed-p2p-causal-zigzag-fp16-one-document", docs=(5,), dtype="float16", head_dim=64),
+        Packed("packed-all_gather-full-zigzag-sinks", mode="all_gather", is_causal=False, sinks=True),
+    ]
+)
 ROUND_TRIPS = [
     RoundTrip(f"{layout}-seq_dim{dim}", layout, dim) for layout in ("zigzag", "contiguous") for dim in (1, 2)
-]
+] + [PackedRoundTrip(f"packed-{layout}", layout) for layout in ("zigzag", "contiguous")]
 REFUSALS = [
     Refusal("unequal-shard-lengths", "ValidationError", "differs across ranks", per_rank={0: {"seq": 10}}),
     Refusal("dtype-differs-across-ranks", "ValidationError", "q: dtype differs", per_rank={1: {"dtype": "float16"}}),
@@ -67,14 +112,39 @@ REFUSALS = [
     Refusal("bad-mode", "ValidationError", "mode: 'ring'", call={"mode": "ring"}),
     Refusal("bad-layout", "ValidationError", "layout: 'striped'", call={"layout": "striped"}),
     Refusal("gqa-needs-enable_gqa", "ValidationError", "enable_gqa=True", call={"heads": 4}),
-    Refusal("packed-thd-shards", "UnsupportedError", "THD", call={"dims": 3}),
+    Refusal("thd-shards-without-cu_seqlens", "ValidationError", "need cu_seqlens", call={"dims": 3}),
     Refusal("shard-not-divisible", "ValidationError", "does not split", call={"seq": 10}, op="shard"),
     Refusal(
         "unshard-unequal-shards", "ValidationError", "differs across ranks", per_rank={0: {"seq": 6}}, op="unshard"
     ),
+    # Packed documents, windows and sinks (base packed call: 2 documents of 6W tokens, shards of 12).
+    *(
+        Refusal(name, expected, text, call={"dims": 3, "seq": 12, "cu": [6, 6], **call}, per_rank=per_rank)
+        for name, expected, text, call, per_rank in (
+            ("packed-document-not-divisible", "ValidationError", "not a multiple", {"cu": [5, 7]}, {}),
+            (
+                "packed-cu_seqlens-differ-across-ranks",
+                "ValidationError",
+                "cu_seqlens: checksum",
+                {},
+                {1: {"cu": [8, 4]}},
+            ),
+            ("packed-cu_seqlens-ends-past-the-shards", "ValidationError", "cu_seqlens: ends at", {"cu": [6, 12]}, {}),
+            ("packed-cu_seqlens-float", "ValidationError", "cu_seqlens: float32", {"cu": "float"}, {}),
+            ("packed-4d-shards", "ValidationError", "expected packed [T_shard, H, D]", {"dims": 4}, {}),
+            ("window-right-bound", "UnsupportedError", "causal sliding window", {"window": (4, 3)}, {}),
+            ("window-without-causal", "UnsupportedError", "causal sliding window", {"window": (4, -1)}, {}),
+            ("window-malformed", "ValidationError", "window_size: (4,)", {"window": (4,)}, {}),
+            ("sinks-wrong-shape", "ValidationError", "sinks: shape [3]", {"sinks": (3,)}, {}),
+            ("sinks-on-one-rank", "ValidationError", "sinks: given differs", {}, {0: {"sinks": (2,)}}),
+        )
+    ),
+    Refusal(
+        "packed-shard-not-divisible", "ValidationError", "not a multiple", call={"dims": 3, "cu": [5, 7]}, op="shard"
+    ),
 ]
 # Refusals first: the attention cases after them show that no rank was left stuck.
-CASES = [*REFUSALS, *ROUND_TRIPS, *ATTENTION]
+CASES = [*REFUSALS, *ROUND_TRIPS, *ATTENTION, *PACKED]
 
 
 def run_ranks(world: int, cases: list, init_file: Path, backend: str = "gloo") -> dict[str, dict[int, dict]]:
@@ -120,11 +190,11 @@ def _outcomes(world, case_id: str) -> list[dict]:
     return [found[rank] for rank in range(size)]
 
 
-@pytest.mark.parametrize("case", ATTENTION, ids=[c.id for c in ATTENTION])
+@pytest.mark.parametrize("case", ATTENTION + PACKED, ids=[c.id for c in ATTENTION + PACKED])
 def test_results_and_gradients_match_unsharded_attention(world, case):
     tol = TOLERANCE[getattr(torch, case.dtype)]
     for rank, errors in enumerate(_outcomes(world, case.id)):
-        assert set(errors) == {"out", "dq", "dk", "dv"}
+        assert set(errors) == {"out", "dq", "dk", "dv"} | ({"dsinks"} if case.sinks else set())
         for name, err in errors.items():
             assert err < tol, f"rank {rank}: {name} relative error {err:.2e} (tolerance {tol:.1e})"  # NaN fails
 
@@ -165,12 +235,12 @@ def test_uninitialised_group_is_refused_not_waited_on(call):
 def test_nccl_on_two_gpus(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 CUDA GPUs ({torch.cuda.device_count()} here)")
-    cases = [*REFUSALS[:4], *ROUND_TRIPS, *ATTENTION]
+    cases = [*REFUSALS[:4], *ROUND_TRIPS, *ATTENTION, *PACKED]
     outcomes = run_ranks(2, cases, tmp_path / "init", backend="nccl")
     gpu_world = (2, outcomes)
     for case in cases:
         found = _outcomes(gpu_world, case.id)
-        if isinstance(case, Attention):
+        if isinstance(case, (Attention, Packed)):
             tol = TOLERANCE[getattr(torch, case.dtype)]
             for errors in found:
                 assert all(err < tol for err in errors.values()), (case.id, errors)

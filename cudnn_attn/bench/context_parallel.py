@@ -60,8 +60,8 @@ def compute_only_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
     to its own K/V at every step. Wrong results by design: the compute-only column, timed beside
     ``context_parallel_sdpa``, never read."""
     m = members(None, CONTEXT)
-    resolved = checked(q, k, v, m, is_causal, None, "p2p", False, "zigzag")
-    return attend(q, k, v, Setup(m, resolved, is_causal, "p2p", "zigzag", ring_type=LocalRing))
+    c = checked(q, k, v, m, is_causal, None, "p2p", False, "zigzag")
+    return attend(q, k, v, Setup(m, c.scale, c.is_causal, "p2p", "zigzag", ring_type=LocalRing))
 
 
 def main(argv: list[str] | None = None) -> int:

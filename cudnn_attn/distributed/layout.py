@@ -10,31 +10,19 @@ has the same work (an early chunk sees few keys, its partner many). Equivalent p
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..errors import ValidationError, shown
+from . import documents
 from .agreement import Field, agree, dtype_field, shape_fields
+from .chunks import LAYOUTS, chunk_ids, chunks_per_rank, layout_problems
 from .process_group import collective_device, members
 
-LAYOUTS = ("zigzag", "contiguous")
-
-
-def chunks_per_rank(layout: str) -> int:
-    return 2 if layout == "zigzag" else 1
-
-
-def chunk_ids(layout: str, rank: int, world: int) -> tuple[int, ...]:
-    """The chunks of the full sequence ``rank`` holds, in the order its shard holds them."""
-    return (rank, 2 * world - 1 - rank) if layout == "zigzag" else (rank,)
-
-
-def layout_problems(layout: Any) -> list[str]:
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        return [f"layout: {shown(layout)}; expected one of {', '.join(map(repr, LAYOUTS))}"]
-    return []
+__all__ = ["LAYOUTS", "join_shards", "layout_problems", "shard", "shard_of", "unshard"]
 
 
 def join_shards(shards: list[torch.Tensor], layout: str, seq_dim: int) -> torch.Tensor:
@@ -55,17 +43,24 @@ def shard_of(x: torch.Tensor, layout: str, rank: int, world: int, seq_dim: int) 
     return torch.cat(parts, dim=seq_dim).contiguous()
 
 
-def shard(x: torch.Tensor, group: Any = None, seq_dim: int = 2, layout: str = "zigzag") -> torch.Tensor:
+def shard(x: torch.Tensor, group: Any = None, seq_dim: int | None = None, layout: str = "zigzag", *,
+          cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """This rank's shard of the full sequence ``x`` along ``seq_dim``: a local op, no communication.
 
     Returns a contiguous copy (differentiable: gradients flow back into ``x``'s positions).
+    ``cu_seqlens``: ``x`` is packed documents (``[T, H, D]``, ``seq_dim`` 0 by default), each
+    document cut into the layout's chunks (``documents.py``); otherwise ``seq_dim`` is 2 by default.
 
     Example, a ``[B, H, S, D]`` tensor over 2 ranks: rank 0 gets positions ``[0:S/4] + [3S/4:S]``::
 
         q_local = cudnn_attn.distributed.shard(q, seq_dim=2, layout="zigzag")
+        q_local = cudnn_attn.distributed.shard(q_packed, cu_seqlens=cu)   # [T / W, H, D]
     """
     m = members(group, "shard")
-    seq_dim = _checked(x, seq_dim, layout, "shard")
+    seq_dim = _checked(x, _default_dim(seq_dim, cu_seqlens), layout, "shard")
+    if cu_seqlens is not None:
+        docs = _documents(cu_seqlens, x, seq_dim, m.world, layout, "shard")
+        return documents.shard_of(x, docs, m.rank, seq_dim)
     parts = chunks_per_rank(layout) * m.world
     if x.shape[seq_dim] % parts:
         raise ValidationError(
@@ -78,30 +73,56 @@ def shard(x: torch.Tensor, group: Any = None, seq_dim: int = 2, layout: str = "z
     return shard_of(x, layout, m.rank, m.world, seq_dim)
 
 
-def unshard(x: torch.Tensor, group: Any = None, seq_dim: int = 2, layout: str = "zigzag") -> torch.Tensor:
+def unshard(x: torch.Tensor, group: Any = None, seq_dim: int | None = None, layout: str = "zigzag", *,
+            cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The full sequence from every rank's shard ``x``: a collective (all-gather) every rank calls.
 
     Shards must agree in shape and dtype on every rank (checked once per signature; every rank
     raises alike). Not differentiable: it returns gathered values, for checks and outputs.
+    ``cu_seqlens``: the shards are of packed documents (the whole sequence's, as ``shard`` took).
 
     Example, the inverse of ``shard``::
 
         full = cudnn_attn.distributed.unshard(out_local, seq_dim=2)   # [B, H, S, D] on every rank
     """
     m = members(group, "unshard")
-    seq_dim = _checked(x, seq_dim, layout, "unshard")
+    seq_dim = _checked(x, _default_dim(seq_dim, cu_seqlens), layout, "unshard")
     local = []
-    if x.shape[seq_dim] % chunks_per_rank(layout):
+    docs = None
+    if cu_seqlens is not None:
+        local = documents.cu_problems(cu_seqlens, m.world, layout, x.shape[seq_dim], None)
+        if not local:
+            docs = documents.Documents(documents.host_lengths(cu_seqlens), m.world, layout)
+    elif x.shape[seq_dim] % chunks_per_rank(layout):
         local.append(
             f"x: shard length {x.shape[seq_dim]} (dim {seq_dim}) is odd; a zigzag shard holds two equal chunks"
         )
     fields = [*shape_fields("x", x.shape), dtype_field("x", x.dtype), Field("seq_dim", seq_dim)]
-    key = ("unshard", m.group, m.world, x.shape, x.dtype, x.device, seq_dim, layout)
+    lengths = None if docs is None else docs.lengths
+    fields.append(Field("cu_seqlens: checksum of the lengths", zlib.crc32(repr(lengths).encode())))
+    key = ("unshard", m.group, m.world, x.shape, x.dtype, x.device, seq_dim, layout, lengths)
     agree(m, key, local, fields, collective_device(m, x), "unshard")
     local_shard = x.detach().contiguous()
     gathered = [torch.empty_like(local_shard) for _ in range(m.world)]
     dist.all_gather(gathered, local_shard, group=m.group)
+    if docs is not None:
+        return documents.join_shards(gathered, docs, seq_dim)
     return join_shards(gathered, layout, seq_dim)
+
+
+def _default_dim(seq_dim: Any, cu_seqlens: Any) -> Any:
+    return seq_dim if seq_dim is not None else 0 if cu_seqlens is not None else 2
+
+
+def _documents(cu: Any, x: torch.Tensor, seq_dim: int, world: int, layout: str, context: str) -> documents.Documents:
+    """The documents of a whole packed ``x``, or a ``ValidationError`` naming ``cu_seqlens``."""
+    problems = documents.cu_problems(cu, world, layout, None, None)
+    if not problems and sum(documents.host_lengths(cu)) != x.shape[seq_dim]:
+        problems.append(f"cu_seqlens: ends at {sum(documents.host_lengths(cu))}; x holds {x.shape[seq_dim]} tokens "
+                        f"(dim {seq_dim})")  # fmt: skip
+    if problems:
+        raise ValidationError(problems, context=context)
+    return documents.Documents(documents.host_lengths(cu), world, layout)
 
 
 def _checked(x: Any, seq_dim: Any, layout: Any, context: str) -> int:

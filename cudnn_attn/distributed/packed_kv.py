@@ -1,6 +1,6 @@
 """K and V of one shard in one flat buffer: one message per ring step instead of two.
 
-The buffer holds K then V, each contiguous ``[B, H_kv, S, D]``, so every step's attention
+The buffer holds K then V, each contiguous (``[B, H_kv, S, D]``, packed ``[T, H_kv, D]``), so every step's attention
 sees the same geometry (one graph per block shape), whatever strides the caller's K/V had.
 Their gradients travel in a buffer of the same shape in float32.
 """
@@ -20,7 +20,7 @@ class PackedKV:
 
         packing = PackedKV.of(k, v)
         buffer = packing.pack(k, v)                  # one copy of each
-        k_view, v_view = packing.views(buffer)       # [B, H_kv, S, D] views into it
+        k_view, v_view = packing.views(buffer)       # views into it, shaped as k and v
     """
 
     k_shape: torch.Size
@@ -48,8 +48,8 @@ class PackedKV:
     def views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return buffer[: self.k_numel].view(self.k_shape), buffer[self.k_numel :].view(self.v_shape)
 
-    def with_length(self, length: int) -> PackedKV:
-        """The same heads and dims over ``length`` positions (the gathered sequence)."""
+    def with_length(self, length: int, seq_dim: int = 2) -> PackedKV:
+        """The same heads and dims over ``length`` positions along ``seq_dim`` (the gathered sequence)."""
         k, v = list(self.k_shape), list(self.v_shape)
-        k[2] = v[2] = length
+        k[seq_dim] = v[seq_dim] = length
         return PackedKV(torch.Size(k), torch.Size(v))

@@ -16,34 +16,34 @@ from __future__ import annotations
 
 import torch
 
-from . import blocks, schedule
 from .exchange import Ring
 from .packed_kv import PackedKV
-from .running_merge import RunningOutput
+from .shards import DenseShards, PackedShards
 
 KV_TAG, GRAD_TAG = 0, 1  # two shifts in flight at once in the backward
+Shards = DenseShards | PackedShards
 
 
-def forward(
-    q: torch.Tensor, kv: torch.Tensor, packing: PackedKV, ring: Ring, scale: float, is_causal: bool, layout: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's ``(out, lse)``: ``out`` in q's dtype ``[B, H, S, D_v]``, ``lse`` float32 ``[B, H, S, 1]``.
+def forward(q: torch.Tensor, kv: torch.Tensor, packing: PackedKV, ring: Ring, shards: Shards,
+            sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """This rank's ``(out, lse)``: ``out`` in q's dtype, laid out as q with V's head dim, ``lse``
+    float32 with a last dim of 1; ``sink`` (float32, broadcasting to the LSE) folds in after the
+    last step. A step with no calls (its keys all unseen) only passes the K/V on.
 
     Example::
 
-        out, lse = forward(q, packing.pack(k, v), packing, Ring(m), scale, True, "zigzag")
+        out, lse = forward(q, packing.pack(k, v), packing, Ring(m), shards)
     """
-    acc = RunningOutput(q.shape[:3], packing.v_shape[-1], q.device)
+    acc = shards.running_output(q, packing.v_shape[-1])
     for step in range(ring.world):
         pending = ring.shift(kv, KV_TAG) if step + 1 < ring.world else None
-        block = schedule.ring_block(layout, is_causal, ring.rank, (ring.rank - step) % ring.world, q.shape[2])
-        if block is not None:
-            k, v = packing.views(kv)
-            o, lse = blocks.forward(q[:, :, block.rows], k[:, :, block.keys], v[:, :, block.keys], scale, block.mask)
-            acc.add(block.rows, o, lse)
+        k, v = packing.views(kv)
+        for call in shards.ring_calls((ring.rank - step) % ring.world, q.device):
+            o, lse = call.forward(q, k, v)
+            acc.add(call.rows, o, lse)
         if pending is not None:
             kv = pending.wait()
-    return acc.result(q.dtype)
+    return acc.result(q.dtype, sink)
 
 
 def backward(
@@ -54,34 +54,26 @@ def backward(
     d_out: torch.Tensor,
     lse: torch.Tensor,
     ring: Ring,
-    scale: float,
-    is_causal: bool,
-    layout: str,
+    shards: Shards,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dq float32 [B, H, S, D], d_kv float32 flat, packed as ``packing``)`` of this rank's shard."""
+    """``(dq float32 like q, d_kv float32 flat, packed as ``packing``)`` of this rank's shard."""
     d_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse_of = _row_stats(lse)
+    stats_of = shards.row_stats(lse)
     d_kv = None
     pending_grad = None
     for step in range(ring.world):
         pending_kv = ring.shift(kv, KV_TAG) if step + 1 < ring.world else None
-        block = schedule.ring_block(layout, is_causal, ring.rank, (ring.rank - step) % ring.world, q.shape[2])
-        grads = None
-        if block is not None:
-            k, v = packing.views(kv)
-            rows, keys = block.rows, block.keys
-            grads = blocks.backward(q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
-                                    d_out[:, :, rows], lse_of(rows), scale, block.mask)  # fmt: skip
-            d_q[:, :, rows].add_(grads[0])
+        k, v = packing.views(kv)
+        calls = shards.ring_calls((ring.rank - step) % ring.world, q.device)
+        grads = [(call, call.backward(q, k, v, out, d_out, stats_of)) for call in calls]
         # This block's dK/dV so far: fresh at step 0 (our own block), else from rank r-1.
         if pending_grad is None:
             d_kv = torch.zeros(packing.numel, dtype=torch.float32, device=q.device)
         else:
             d_kv = pending_grad.wait()
-        if grads is not None:
-            d_k, d_v = packing.views(d_kv)
-            d_k[:, :, keys].add_(grads[1])
-            d_v[:, :, keys].add_(grads[2])
+        d_k, d_v = packing.views(d_kv)
+        for call, grad in grads:
+            call.add_grads(d_q, d_k, d_v, grad)
         if ring.world > 1:
             pending_grad = ring.shift(d_kv, GRAD_TAG)  # one more hop after the last step: home
         if pending_kv is not None:
@@ -90,16 +82,3 @@ def backward(
         d_kv = pending_grad.wait()
     assert d_kv is not None
     return d_q, d_kv
-
-
-def _row_stats(lse: torch.Tensor):
-    """The LSE of a slice of rows, contiguous as the backward graphs read it (each made once)."""
-    made: dict[tuple, torch.Tensor] = {}
-
-    def of(rows: slice) -> torch.Tensor:
-        key = (rows.start, rows.stop)
-        if key not in made:
-            made[key] = lse if rows == schedule.ALL else lse[:, :, rows].contiguous()
-        return made[key]
-
-    return of

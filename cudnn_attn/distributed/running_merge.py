@@ -8,16 +8,20 @@ float32 output whatever the ring length. Per step, as plain torch::
     O = O * exp(L - L_new) + o_i * exp(lse_i - L_new);  L = L_new
 
 Rows no block has reached keep ``O = 0``, ``L = -inf`` (never NaN: the exponent's base is 0
-where ``L_new`` is -inf).
+where ``L_new`` is -inf). A sink folds in once, after the last block (``core.sink_fold``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..core.sink_fold import add_sink
+
 
 class RunningOutput:
-    """The float32 output and LSE of ``[B, H, S, ·]`` query rows, merged block by block.
+    """The float32 output and LSE of query rows, merged block by block. ``rows_shape``: the
+    output's shape less its head dim (``[B, H, S]`` dense, ``[T, H]`` packed); ``seq_dim``: the
+    dimension blocks select rows along, by a slice (a view) or an int64 index (packed rows).
 
     Example::
 
@@ -27,25 +31,35 @@ class RunningOutput:
         out, lse = acc.result(torch.bfloat16)
     """
 
-    def __init__(self, rows_shape: tuple[int, ...] | torch.Size, d_v: int, device: torch.device):
-        b, h, s = rows_shape
-        self.out = torch.zeros(b, h, s, d_v, dtype=torch.float32, device=device)
-        self.lse = torch.full((b, h, s, 1), float("-inf"), dtype=torch.float32, device=device)
+    def __init__(self, rows_shape: tuple[int, ...] | torch.Size, d_v: int, device: torch.device, seq_dim: int = 2):
+        self.out = torch.zeros(*rows_shape, d_v, dtype=torch.float32, device=device)
+        self.lse = torch.full((*rows_shape, 1), float("-inf"), dtype=torch.float32, device=device)
+        self.seq_dim = seq_dim
         self._empty = True
 
-    def add(self, rows: slice, o: torch.Tensor, lse: torch.Tensor) -> None:
-        if self._empty and rows == slice(None):  # the first block of every row: nothing to rescale
+    def add(self, rows: slice | torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+        if self._empty and isinstance(rows, slice) and rows == slice(None):  # the first block: nothing to rescale
             self.out.copy_(o)
             self.lse.copy_(lse)
             self._empty = False
             return
         self._empty = False
-        out, old = self.out[:, :, rows], self.lse[:, :, rows]
+        if isinstance(rows, torch.Tensor):
+            out, old = self.out.index_select(self.seq_dim, rows), self.lse.index_select(self.seq_dim, rows)
+        else:
+            at = (slice(None),) * self.seq_dim + (rows,)
+            out, old = self.out[at], self.lse[at]
         new = torch.logaddexp(old, lse)
         base = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
         out.mul_(torch.exp(old - base)).add_(o * torch.exp(lse - base))
         old.copy_(new)
+        if isinstance(rows, torch.Tensor):  # merged in a copy: written back
+            self.out.index_copy_(self.seq_dim, rows, out)
+            self.lse.index_copy_(self.seq_dim, rows, old)
 
-    def result(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out in dtype, lse in float32)``, both contiguous."""
+    def result(self, dtype: torch.dtype, sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out in dtype, lse in float32)``, both contiguous; ``sink`` (float32, broadcasting
+        to the LSE) is one more term of every row's denominator, weighing no value."""
+        if sink is not None:
+            add_sink(self.out, self.lse, sink)
         return self.out.to(dtype), self.lse
