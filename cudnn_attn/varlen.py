@@ -5,11 +5,17 @@ Sequences of different lengths are packed back to back, ``q`` ``[T_q, H, D]`` an
 
     out = cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True)
 
+The signature is FlashAttention's ``flash_attn_varlen_func`` (its positional order, ``causal``,
+``softmax_scale``, ``softcap``, ``deterministic``, ``return_attn_probs``) with torch's keywords
+beside it (``core/varlen_keywords.py`` resolves the two spellings); fewer K/V heads than query
+heads is grouped-query attention, as in FlashAttention. ``return_lse=True`` also returns the
+log-sum-exp per token, ``[H, T_q]`` float32 (``lse_by_token``).
+
 No padding is computed: cuDNN's ragged (THD) attention skips it, which is where a mixed-length
-batch gains over padded attention. Causal masks are aligned top-left per sequence (query i
-sees keys 0..i of its own sequence), as FlashAttention and torch's ``varlen_attn`` do for
-self-attention; ``window_size=(left, right)`` keeps keys ``i - left .. i + right`` (-1: no
-bound), measured from the same diagonal.
+batch gains over padded attention. ``is_causal`` aligns the causal mask top-left per sequence
+(query i sees keys 0..i of its own sequence); FlashAttention's ``causal`` aligns it bottom-right
+(query i of L sees keys 0..i + S - L), the same mask wherever L = S. ``window_size=(left, right)``
+keeps keys ``i - left .. i + right`` (-1: no bound), measured from the causal mask's diagonal.
 
 Plans: a ragged plan depends on the number of sequences and on the longest length, not on
 the packing. Both are rounded up to buckets (powers of two; missing sequences are empty), so a
@@ -28,9 +34,10 @@ from typing import Any
 
 import torch
 
+from .core import varlen_keywords
 from .core.constructors import backward_problem, forward_problem
 from .core.derived import derived
-from .core.mask import Causal, ScoreOptions, default_scale, window_band
+from .core.mask import Causal, ScoreOptions, default_scale
 from .core.problem import AttentionProblem, TensorSpec
 from .core.score_inputs import check_sinks, sink_token
 from .core.score_mod import ScoreModifier
@@ -54,29 +61,87 @@ def varlen_sdpa(
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
-    *,
     dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
+    softmax_scale: float | None = None,
+    causal: bool | None = None,
     window_size: tuple[int, int] = (-1, -1),
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+    *,
+    is_causal: bool | None = None,
+    scale: float | None = None,
     enable_gqa: bool = False,
     sinks: torch.Tensor | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Attention over packed sequences: ``q`` ``[T_q, H, D]``, ``k``/``v`` ``[T_k, H_kv, D]``
-    (fp16/bf16), ``cu_seqlens_*`` int32 ``[B + 1]``; returns ``[T_q, H, D_v]``. Differentiable.
-    ``sinks``: attention sinks, a logit per query head (``[H]``), learnable as in ``sdpa``.
-    ``softcap``: logit soft-capping, scores ``cap * tanh(s / cap)`` (FlashAttention's, Gemma-2's)."""
-    left, right = _window(window_size)
-    if right not in (-1, 0):
-        raise UnsupportedError(
-            [f"window_size: right bound {right}; cuDNN's band takes a right bound of 0 (causal) or none (-1)"],
-            context="varlen_sdpa",
-        )
-    causal = "top_left" if is_causal or right == 0 else None
-    return varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                            window_left=None if left < 0 else left, scale=scale, dropout_p=dropout_p,
-                            enable_gqa=enable_gqa, sinks=sinks, softcap=softcap, context="varlen_sdpa")  # fmt: skip
+    return_lse: bool = False,
+) -> Any:  # the output, or a tuple with return_lse/return_attn_probs (as FlashAttention's)
+    """Attention over packed variable-length sequences, differentiable; FlashAttention's
+    ``flash_attn_varlen_func`` signature (positional order and keywords) and torch's keywords.
+
+    Args:
+        q: ``[T_q, H, D]`` fp16/bf16, the sequences' queries back to back.
+        k, v: ``[T_k, H_kv, D]`` and ``[T_k, H_kv, D_v]``. ``H_kv`` must divide ``H``: fewer K/V
+            heads is grouped-query attention (GQA/MQA), inferred as FlashAttention does (query
+            head ``h`` reads K/V head ``h // (H / H_kv)``); ``enable_gqa`` is accepted, not needed.
+        cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]``, where each sequence starts (from 0).
+        max_seqlen_q, max_seqlen_k: the longest query and key sequence (ints).
+        dropout_p: attention dropout probability (training).
+        softmax_scale / scale: the scores' scale (one argument, two names); None: ``1 / sqrt(D)``.
+        causal: FlashAttention's causal mask, aligned bottom-right per sequence (query ``i`` of
+            a sequence with ``L`` queries and ``S`` keys sees keys ``0 .. i + S - L``).
+        is_causal: torch's causal mask, aligned top-left (keys ``0 .. i``). The two are the same
+            wherever a sequence has as many queries as keys; give one of them.
+        window_size: ``(left, right)``, keys ``i - left .. i + right`` around the causal mask's
+            diagonal (-1: no bound; a right bound of 0 is causal; other right bounds are
+            ``UnsupportedError``, cuDNN's band has none).
+        softcap: logit soft-capping, scores ``cap * tanh(s / cap)`` (Gemma-2's); None or 0.0: off.
+        alibi_slopes: FlashAttention's per-head ALiBi slopes: ``UnsupportedError`` (cuDNN's ALiBi
+            takes no slopes; ``Graph.sdpa(use_alibi_mask=True)`` has the standard ones).
+        deterministic: a deterministic backward (cuDNN's deterministic algorithm; the forward
+            is always deterministic).
+        return_attn_probs: FlashAttention's flag: return ``(out, lse, None)``. The probabilities
+            are not materialised (FlashAttention's are for testing only); ``None`` stands in.
+        block_table: FlashAttention's paged K/V: ``UnsupportedError``, ``PagedAttention`` serves it.
+        sinks: attention sinks, a logit per query head (``[H]``), learnable as in ``sdpa``.
+        return_lse: return ``(out, lse)``.
+
+    Returns:
+        ``out`` ``[T_q, H, D_v]`` in q's dtype (rows past ``cu_seqlens_q[-1]`` are zero); with
+        ``return_lse``/``return_attn_probs`` also ``lse``: float32 ``[H, T_q]``, the natural-log
+        sum of ``exp(scale * q.k)`` over the keys each query sees (and its sink), as
+        FlashAttention's varlen ``softmax_lse``; ``-inf`` where a query sees no key and for rows
+        no sequence covers. ``lse`` is not differentiable (``lse.requires_grad`` is False):
+        gradients flow through ``out``.
+
+    Raises:
+        ValidationError: malformed tensors, ``cu_seqlens``, flags, or an alias and its torch name
+            given with different values (both named).
+        UnsupportedError: what cuDNN cannot run (with the reason and what would work).
+
+    Example::
+
+        >>> q = torch.randn(7, 4, 64, dtype=torch.bfloat16)  # two sequences: 3 and 4 tokens
+        >>> kv = torch.randn(7, 2, 64, dtype=torch.bfloat16)  # 2 K/V heads: GQA
+        >>> cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+        >>> out, lse = varlen_sdpa(q, kv, kv, cu, cu, 4, 4, causal=True, return_lse=True)
+        >>> out.shape, lse.shape
+        (torch.Size([7, 4, 64]), torch.Size([4, 7]))
+    """
+    call = varlen_keywords.resolve(
+        causal=causal, is_causal=is_causal, softmax_scale=softmax_scale, scale=scale, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+        return_attn_probs=return_attn_probs, return_lse=return_lse, block_table=block_table,
+        same_lengths=varlen_keywords.same_lengths(cu_seqlens_q, cu_seqlens_k),
+    )  # fmt: skip
+    result = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=call.causal,
+                              window_left=call.window_left, scale=call.scale, dropout_p=dropout_p,
+                              enable_gqa=True, sinks=sinks, softcap=call.softcap, deterministic=call.deterministic,
+                              return_lse=call.returns > 1, context="varlen_sdpa")  # fmt: skip
+    if call.returns == 3:
+        return (*result, None)
+    return result
 
 
 def varlen_attention(
@@ -95,12 +160,15 @@ def varlen_attention(
     enable_gqa: bool = False,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
     context: str = "varlen_attention",
-) -> torch.Tensor:
+) -> Any:
     """The varlen door the other doors share (nested tensors, transformers): ``causal`` is
     None, ``"top_left"`` or ``"bottom_right"`` (each sequence's last query row sees its last
     key, as decoding with a cache needs); ``window_left``: keys more than this many positions
-    left of the diagonal are masked."""
+    left of the diagonal are masked; ``deterministic``: cuDNN's deterministic backward. Returns
+    ``out``, or ``(out, lse)`` with ``return_lse`` (``varlen_sdpa`` says what each holds)."""
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, dropout_p,
            enable_gqa, context)  # fmt: skip
     batch = cu_seqlens_q.shape[0] - 1
@@ -117,6 +185,8 @@ def varlen_attention(
         ),
         _bucket(max_seqlen_q, SMALLEST_BUCKET),
         _bucket(max_seqlen_k, SMALLEST_BUCKET),
+        deterministic=bool(deterministic),
+        lse=bool(return_lse),
     )
     if dropout_p > 0:
         options.rng = (torch.randint(0, 2**62, (1,), dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
@@ -135,7 +205,7 @@ def varlen_attention(
         except ValidationError as error:
             raise ValidationError(error.problems, context=context) from None
     try:
-        return _Varlen.apply(q, k, v, lengths_q, lengths_k, options, sinks)
+        return _Varlen.apply(q, k, v, lengths_q, lengths_k, options, sinks, cu_seqlens_q)
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
         raise error.renamed(_NAMES, context=context) from None
 
@@ -146,10 +216,12 @@ _NAMES = {"seq_len_q": "cu_seqlens_q", "seq_len_kv": "cu_seqlens_k", "max_seq_le
 
 
 class _Options:
-    """A call's score options, its bucketed maximum lengths and its dropout seed and offset."""
+    """A call's score options, its bucketed maximum lengths, its dropout seed and offset, whether
+    its backward is deterministic and whether it returns the log-sum-exp."""
 
-    def __init__(self, scores: ScoreOptions, max_q: int, max_k: int):
+    def __init__(self, scores: ScoreOptions, max_q: int, max_k: int, deterministic: bool = False, lse: bool = False):
         self.scores, self.max_q, self.max_k = scores, max_q, max_k
+        self.deterministic, self.lse = deterministic, lse
         self.rng: tuple[torch.Tensor, torch.Tensor] | None = None
         self.modifier: ScoreModifier | None = None  # softcap's, holding the causal mask and window
 
@@ -166,20 +238,24 @@ class _Options:
 
 class _Varlen(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, lengths_q, lengths_k, options, sinks):  # type: ignore[override]
+    def forward(ctx, q, k, v, lengths_q, lengths_k, options, sinks, cu_seqlens_q):  # type: ignore[override]
         train = any(ctx.needs_input_grad[:3]) or (sinks is not None and ctx.needs_input_grad[6])
         sink = sink_token(sinks)
-        run = _forward_run(q, k, v, lengths_q, lengths_k, options, train, sink)
+        run = _forward_run(q, k, v, lengths_q, lengths_k, options, train or options.lse, sink)
         out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)  # every row written
         outputs = run.run(options.inputs(q=q, k=k, v=v, seq_len_q=lengths_q, seq_len_kv=lengths_k, sink_token=sink),
                           {"o": out})  # fmt: skip
         if train:
             ctx.save_for_backward(q, k, v, out, outputs["stats"], lengths_q, lengths_k, sink)
             ctx.options, ctx.sink_meta = options, None if sinks is None else (sinks.shape, sinks.dtype)
-        return out
+        if not options.lse:
+            return out
+        lse = lse_by_token(outputs["stats"], cu_seqlens_q, q.shape[0])
+        ctx.mark_non_differentiable(lse)  # gradients flow through out alone
+        return out, lse
 
     @staticmethod
-    def backward(ctx, d_out):  # type: ignore[override]
+    def backward(ctx, d_out, *_):  # type: ignore[override]
         q, k, v, out, stats, lengths_q, lengths_k, sink = ctx.saved_tensors
         d_out = in_layout_of(d_out, out)
         run = _backward_run(q, k, v, out, d_out, stats, lengths_q, lengths_k, ctx.options, sink)
@@ -190,7 +266,7 @@ class _Varlen(torch.autograd.Function):
                                     seq_len_kv=lengths_k, sink_token=sink)  # fmt: skip
         written = run.run(inputs, grads)
         d_sink = None if sink is None else written["grad_sink"].reshape(ctx.sink_meta[0]).to(ctx.sink_meta[1])
-        return (*grads.values(), None, None, None, d_sink)
+        return (*grads.values(), None, None, None, d_sink, None)
 
 
 def _spec(t: torch.Tensor) -> TensorSpec:
@@ -209,7 +285,8 @@ def _backward_run(q, k, v, out, d_out, stats, lengths_q, lengths_k, options: _Op
     problem = backward_problem(_spec(q), _spec(k), _spec(v), _spec(out), _spec(d_out), _spec(stats), options.scores,
                                seq_len_q=_spec(lengths_q), seq_len_kv=_spec(lengths_k), max_seq_len_q=options.max_q,
                                max_seq_len_kv=options.max_k, dropout_seed=options.rng_specs()[0], dropout_offset=options.rng_specs()[1],
-                               sink_token=None if sink is None else _spec(sink), score_mod=options.modifier)  # fmt: skip
+                               sink_token=None if sink is None else _spec(sink), score_mod=options.modifier,
+                               deterministic=options.deterministic)  # fmt: skip
     return _prepared(problem, lengths_q, lengths_k)
 
 
@@ -225,6 +302,22 @@ def _prepared(problem: AttentionProblem, lengths_q: torch.Tensor, lengths_k: tor
     return run
 
 
+def lse_by_token(stats: torch.Tensor, cu_seqlens_q: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The packed tokens' log-sum-exp, float32 ``[H, tokens]`` (FlashAttention's varlen layout),
+    from the plan's padded stats ``[slots, H, S_max, 1]``: token ``t`` of sequence ``b`` is row
+    ``t - cu_seqlens_q[b]``. Tokens no sequence covers get -inf. No host sync: the indices are
+    made on the device and clamped into the stats."""
+    cu = cu_seqlens_q.to(torch.int64)
+    batch = cu.shape[0] - 1
+    token = torch.arange(tokens, device=stats.device)
+    seq = torch.searchsorted(cu[1:], token, right=True)  # the sequence holding each token
+    covered = (seq < batch) & (token >= cu[0])
+    seq = seq.clamp(max=batch - 1)
+    row = (token - cu[seq]).clamp(0, stats.shape[2] - 1)
+    lse = stats[seq, :, row, 0]  # [tokens, H]
+    return torch.where(covered.unsqueeze(1), lse, float("-inf")).t().contiguous()
+
+
 def _lengths(cu_seqlens: torch.Tensor, slots: int) -> torch.Tensor:
     """Each sequence's length (int32 ``[slots, 1, 1, 1]``), empty sequences after the last."""
     lengths = torch.zeros(slots, 1, 1, 1, dtype=torch.int32, device=cu_seqlens.device)
@@ -235,14 +328,6 @@ def _lengths(cu_seqlens: torch.Tensor, slots: int) -> torch.Tensor:
 def _bucket(n: int, smallest: int) -> int:
     """The power of two at or above ``n`` (at least ``smallest``)."""
     return max(smallest, 1 << (max(n, 1) - 1).bit_length())
-
-
-def _window(window_size: Any) -> tuple[int, int]:
-    try:
-        window_band(window_size, Causal.NONE)
-    except ValueError as error:
-        raise ValidationError([str(error)], context="varlen_sdpa") from None
-    return int(window_size[0]), int(window_size[1])
 
 
 def _check(q, k, v, cu_q, cu_k, max_q, max_k, causal, window_left, dropout_p, enable_gqa, context: str) -> None:

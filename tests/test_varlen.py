@@ -137,8 +137,8 @@ def test_bad_cu_seqlens_are_refused_naming_the_argument(bad):
 
 def test_other_bad_arguments_are_named():
     q, k, v, cu_q, cu_k = packed([4, 5], [4, 5], h_kv=2, seed=8)
-    with pytest.raises(ValidationError, match="k: 2 heads, q has 4; pass enable_gqa=True"):
-        cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 8)
+    with pytest.raises(ValidationError, match="k: 3 heads do not divide q's 4"):  # GQA is inferred when they divide
+        cudnn_attn.varlen_sdpa(q, k[:, :1].expand(-1, 3, -1), v[:, :1].expand(-1, 3, -1), cu_q, cu_k, 8, 8)
     with pytest.raises(ValidationError, match="max_seqlen_k: 0"):
         cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 0, enable_gqa=True)
     with pytest.raises(ValidationError, match="q: no tokens"):
