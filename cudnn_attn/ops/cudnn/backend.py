@@ -41,7 +41,10 @@ class CudnnBackend:
             return ["no CUDA device is available"]
         try:
             here = platform(cudnn_platform.device_index(problem.device))
-        except Exception as error:  # the frontend or libcudnn is missing or unloadable
+        except ModuleNotFoundError as error:  # a CPU install: the frontend comes with the GPU extras
+            return [f"nvidia-cudnn-frontend is not installed ({error}); on a GPU machine install "
+                    'cudnn-attn with the extra of your torch\'s CUDA: pip install "cudnn-attn[cu12]" or "[cu13]"']  # fmt: skip
+        except Exception as error:  # the frontend is there but libcudnn is missing or unloadable
             return [f"the cuDNN library cannot be loaded: {str(error).splitlines()[0]}"]
         return capabilities.unsupported_reasons(problem, here)
 
