@@ -24,7 +24,7 @@ from conftest import TOLERANCE
 from distributed_workers import Attention, Packed, PackedRoundTrip, Refusal, RoundTrip
 
 import cudnn_attn
-from cudnn_attn.bench.context_parallel import SINGLE
+from cudnn_attn.bench.context_parallel import PADDED, SINGLE, VARLEN, document_lengths
 from cudnn_attn.distributed import context_parallel_sdpa, shard, unshard
 
 WORLD_TIMEOUT_S = 240  # every case of a world size, ranks started included; a hang fails, never waits
@@ -272,3 +272,33 @@ def test_bench_runs_on_cpu_ranks(tmp_path):
     overlap = data["overlap"]
     assert overlap["transfers_ms"] > 0 and 0.0 <= overlap["hidden_fraction"] <= 1.0
     assert "overlap: the transfers add" in run.stdout
+
+
+def test_bench_packed_documents_run_on_cpu_ranks(tmp_path):
+    """The benchmark's packed-documents mode on gloo ranks: seeded long-tailed lengths in multiples
+    of 2W summing to S, and every column (packed over the ranks, varlen and padded on one)."""
+    report = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "cudnn_attn.bench.context_parallel", "--cpu", "--packed", "--gpus", "2", "--seq", "128",
+         "--rounds", "2", "--json", str(report)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    data = json.loads(report.read_text())
+    assert (data["world"], data["seq"], data["documents"]["count"]) == (2, 128, len(document_lengths(128, 2)))
+    columns = ["context_parallel p2p, packed", VARLEN, PADDED]
+    assert sorted(data["cells"]) == sorted(columns)
+    for column in columns:
+        cell = data["cells"][column]
+        assert math.isfinite(cell["median_ms"]) and cell["low_ms"] <= cell["median_ms"] <= cell["high_ms"]
+    assert data["rel_err_vs_single"] < TOLERANCE[torch.bfloat16]  # NaN fails
+    assert "x varlen" in run.stdout
+
+
+@pytest.mark.parametrize("total,world,seed", [(131072, 2, 0), (262144, 4, 0), (64, 2, 3)])
+def test_bench_document_lengths_are_long_tailed_multiples_of_2w_summing_to_s(total, world, seed):
+    lengths = document_lengths(total, world, seed)
+    assert sum(lengths) == total and all(n > 0 and n % (2 * world) == 0 for n in lengths)
+    assert lengths == document_lengths(total, world, seed)  # seeded
+    if total > 1000:  # a long tail: the longest is several times the median
+        assert max(lengths) > 3 * sorted(lengths)[len(lengths) // 2]

@@ -10,6 +10,12 @@ ring it also times the overlap evidence: the same ring with every transfer left 
 (``communication only``). With full overlap, p2p takes max(compute, communication), not
 their sum. ``--cpu`` runs the same on gloo CPU processes with tiny shapes (a smoke test).
 
+``--packed`` times packed documents instead: S tokens in all (128k, 256k), document lengths
+drawn from a long-tailed (lognormal, seeded) distribution and rounded to multiples of 2W, each
+document causal within itself. Columns: packed context parallelism over W GPUs, the same
+packing on one GPU (``cudnn_attn.varlen_sdpa``), and the documents padded to the longest on
+one GPU (``cudnn_attn.sdpa``, causal, padding computed).
+
 Columns are timed in short interleaved rounds in a shuffled order (``host.round_order``,
 the same on every rank) after equal warm-up; a round's time is the slowest rank's wall time
 per step (a step ends when every rank's GPU is done); each column reports its median over
@@ -20,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import queue
+import random
 import statistics
 import sys
 import tempfile
@@ -40,9 +48,12 @@ from ..distributed.context_parallel import Setup, attend
 from ..distributed.exchange import Pending, Ring
 from ..distributed.process_group import Members, members
 from ..functional import sdpa
+from ..varlen import varlen_sdpa
 from .host import round_order
 
 SINGLE = "single device (cudnn_attn.sdpa)"
+VARLEN = "same packing, one device (varlen_sdpa)"
+PADDED = "padded to the longest, one device (sdpa)"
 
 
 class LocalRing(Ring):
@@ -75,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.cpu and world > torch.cuda.device_count():
         print(f"bench.context_parallel: --gpus {world} but {torch.cuda.device_count()} here", file=sys.stderr)
         return 2
-    seq = args.seq or (64 if args.cpu else 65536)
+    seq = args.seq or (64 if args.cpu else 131072 if args.packed else 65536)
     if world < 1 or seq % (2 * world):
         print(f"bench.context_parallel: --seq {seq} must be a multiple of 2 x {world} ranks (zigzag: 2 chunks each)",
               file=sys.stderr)  # fmt: skip
@@ -101,6 +112,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (the spread comes from these)")
     parser.add_argument("--steps", type=int, default=None, help="steps per column per round (default 3; 1 with --cpu)")
     parser.add_argument("--cpu", action="store_true", help="gloo CPU processes and tiny shapes: a smoke test")
+    parser.add_argument(
+        "--packed", action="store_true", help="packed documents of long-tailed lengths, S tokens in all"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the document lengths' seed (--packed)")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     return parser
 
@@ -110,13 +125,15 @@ def run(world: int, options: dict[str, Any]) -> dict[str, Any]:
     cpu = bool(options.get("cpu"))
     options = {
         **options,
-        "seq": options.get("seq") or (64 if cpu else 65536),
+        "seq": options.get("seq") or (64 if cpu else 131072 if options.get("packed") else 65536),
         "heads": options.get("heads") or (2 if cpu else 16),
         "head_dim": options.get("head_dim") or (32 if cpu else 128),
         "steps": options.get("steps") or (1 if cpu else 3),
         "batch": options.get("batch") or 1,
         "rounds": options.get("rounds") or 7,
         "mode": options.get("mode") or "p2p",
+        "packed": bool(options.get("packed")),
+        "seed": options.get("seed") or 0,
     }
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -158,7 +175,7 @@ def _rank(rank: int, world: int, init: str, options: dict[str, Any], results: An
         device, backend = torch.device("cuda", rank), "nccl"
     dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world)
     try:
-        report = _measure(rank, world, device, options)
+        report = (_measure_packed if options["packed"] else _measure)(rank, world, device, options)
         if rank == 0:
             results.put(report)
     except Exception:
@@ -176,24 +193,16 @@ def _measure(rank: int, world: int, device: torch.device, o: dict[str, Any]) -> 
     if rank != 0:
         whole = []  # only rank 0 runs the single-device column
 
-    def step(attend: Callable[..., torch.Tensor], inputs: list[torch.Tensor], d_out: torch.Tensor) -> Callable:
-        def run() -> None:
-            for leaf in inputs:
-                leaf.grad = None
-            attend(*inputs).backward(d_out)
-
-        return run
-
-    columns = {f"context_parallel {mode}": step(
+    columns = {f"context_parallel {mode}": _step(
         lambda q, k, v: context_parallel_sdpa(q, k, v, is_causal=True, mode=mode), leaves, local[3])}  # fmt: skip
     if mode == "p2p":
-        columns["context_parallel p2p, compute only"] = step(
+        columns["context_parallel p2p, compute only"] = _step(
             lambda q, k, v: compute_only_ring(q, k, v, is_causal=True), leaves, local[3]
         )
         columns["communication only"] = _ring_transfers(leaves[1], leaves[2])
     if rank == 0:
         single = [t.detach().requires_grad_() for t in whole[:3]]
-        columns[SINGLE] = step(lambda q, k, v: sdpa(q, k, v, is_causal=True), single, whole[3])
+        columns[SINGLE] = _step(lambda q, k, v: sdpa(q, k, v, is_causal=True), single, whole[3])
     else:
         columns[SINGLE] = lambda: None  # the others wait at the barrier: the slowest rank is rank 0
 
@@ -203,20 +212,8 @@ def _measure(rank: int, world: int, device: torch.device, o: dict[str, Any]) -> 
         expected = sdpa(whole[0], whole[1], whole[2], is_causal=True).float()
         error = float((out.float() - expected).norm() / expected.norm())
 
-    samples: dict[str, list[float]] = {name: [] for name in columns}
-    for name in sorted(columns):  # equal warm-up: builds, allocator, communicators
-        _timed(columns[name], 2, device)
-    for r in range(o["rounds"]):
-        for name in round_order(sorted(columns), r):  # sorted: the same order on every rank
-            samples[name].append(_timed(columns[name], o["steps"], device))
     flops = 3.5 * 4.0 * b * h * s * s * d / 2  # causal forward (half the square) + backward (2.5x)
-    cells = {}
-    for name, values in samples.items():
-        median = statistics.median(values)
-        cells[name] = {"median_ms": median, "low_ms": min(values), "high_ms": max(values),
-                       "spread_pct": 100.0 * (max(values) - min(values)) / median}  # fmt: skip
-        if name != "communication only":
-            cells[name]["tflops"] = flops / (median * 1e-3) / 1e12
+    cells = _cells(columns, o, device, flops)
     overlap = None
     if mode == "p2p":
         exposed = cells["context_parallel p2p"]["median_ms"] - cells["context_parallel p2p, compute only"]["median_ms"]
@@ -225,7 +222,106 @@ def _measure(rank: int, world: int, device: torch.device, o: dict[str, Any]) -> 
         overlap = {"exposed_ms": exposed, "transfers_ms": transfers, "hidden_fraction": hidden}
     return {"world": world, "seq": s, "batch": b, "heads": h, "head_dim": d, "mode": mode, "layout": "zigzag",
             "dtype": "bfloat16", "device": _device_name(device), "rounds": o["rounds"], "steps": o["steps"],
-            "cells": cells, "overlap": overlap, "rel_err_vs_single": error}  # fmt: skip
+            "cells": cells, "overlap": overlap, "rel_err_vs_single": error, "baseline": SINGLE}  # fmt: skip
+
+
+def _step(attend: Callable[..., torch.Tensor], inputs: list[torch.Tensor], d_out: torch.Tensor) -> Callable[[], None]:
+    """One training step of ``attend`` on ``inputs`` (fresh gradients each time)."""
+
+    def run() -> None:
+        for leaf in inputs:
+            leaf.grad = None
+        attend(*inputs).backward(d_out)
+
+    return run
+
+
+def _cells(columns: dict[str, Callable[[], None]], o: dict[str, Any], device: torch.device,
+           flops: float) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Each column's median, spread and TFLOP/s over interleaved rounds, after equal warm-up."""
+    samples: dict[str, list[float]] = {name: [] for name in columns}
+    for name in sorted(columns):  # equal warm-up: builds, allocator, communicators
+        _timed(columns[name], 2, device)
+    for r in range(o["rounds"]):
+        for name in round_order(sorted(columns), r):  # sorted: the same order on every rank
+            samples[name].append(_timed(columns[name], o["steps"], device))
+    cells = {}
+    for name, values in samples.items():
+        median = statistics.median(values)
+        cells[name] = {"median_ms": median, "low_ms": min(values), "high_ms": max(values),
+                       "spread_pct": 100.0 * (max(values) - min(values)) / median}  # fmt: skip
+        if name != "communication only":
+            cells[name]["tflops"] = flops / (median * 1e-3) / 1e12
+    return cells
+
+
+def document_lengths(total: int, world: int, seed: int = 0, sigma: float = 1.0) -> list[int]:
+    """Document lengths summing to ``total``: lognormal (median total/32, ``sigma``), seeded, each
+    rounded to a multiple of 2 x ``world`` (at least one such chunk); the last one cut to fit.
+
+    Example::
+
+        document_lengths(131072, 2)   # a few dozen documents, most a few thousand tokens, some 20k+
+    """
+    unit = 2 * world
+    rng = random.Random(seed)
+    median = max(unit, total // 32)
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        n = max(unit, round(rng.lognormvariate(math.log(median), sigma) / unit) * unit)
+        lengths.append(min(n, total - sum(lengths)))
+    return lengths
+
+
+def _measure_packed(rank: int, world: int, device: torch.device, o: dict[str, Any]) -> dict[str, Any]:
+    """Packed documents: context parallelism over ``world`` ranks against one device, packed and padded."""
+    h, d, total, mode = o["heads"], o["head_dim"], o["seq"], o["mode"]
+    lengths = document_lengths(total, world, o["seed"])
+    longest = max(lengths)
+    cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(device, torch.int32)
+    gen = torch.Generator(device).manual_seed(0)  # the same whole sequence on every rank
+    whole = [torch.randn(total, h, d, generator=gen, device=device).to(torch.bfloat16) for _ in range(4)]
+    local = [shard(t, cu_seqlens=cu) for t in whole]
+    leaves = [t.detach().requires_grad_() for t in local[:3]]
+
+    def packed_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return context_parallel_sdpa(q, k, v, cu_seqlens=cu, max_seqlen=longest, is_causal=True, mode=mode)
+
+    def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return varlen_sdpa(q, k, v, cu, cu, longest, longest, is_causal=True)
+
+    columns: dict[str, Callable[[], None]] = {f"context_parallel {mode}, packed": _step(packed_cp, leaves, local[3])}
+    error = float("nan")
+    out = unshard(packed_cp(*leaves).detach(), cu_seqlens=cu)
+    if rank == 0:
+        single = [t.detach().requires_grad_() for t in whole[:3]]
+        columns[VARLEN] = _step(varlen, single, whole[3])
+        padded = [_padded(t, lengths, longest) for t in whole]
+        leaves_padded = [t.requires_grad_() for t in padded[:3]]
+        columns[PADDED] = _step(lambda q, k, v: sdpa(q, k, v, is_causal=True), leaves_padded, padded[3])
+        expected = varlen(*whole[:3]).float()
+        error = float((out.float() - expected).norm() / expected.norm())
+    else:
+        columns[VARLEN] = columns[PADDED] = lambda: None  # the others wait at the barrier
+    del whole
+    flops = 3.5 * 4.0 * h * d * sum(n * n for n in lengths) / 2  # each document causal, forward + backward
+    cells = _cells(columns, o, device, flops)
+    return {"world": world, "seq": total, "batch": 1, "heads": h, "head_dim": d, "mode": mode, "layout": "zigzag",
+            "dtype": "bfloat16", "device": _device_name(device), "rounds": o["rounds"], "steps": o["steps"],
+            "cells": cells, "overlap": None, "rel_err_vs_single": error, "baseline": VARLEN,
+            "documents": {"count": len(lengths), "shortest": min(lengths), "median": int(statistics.median(lengths)),
+                          "longest": longest, "seed": o["seed"]}}  # fmt: skip
+
+
+def _padded(packed: torch.Tensor, lengths: list[int], longest: int) -> torch.Tensor:
+    """Packed ``[T, H, D]`` as ``[N, H, longest, D]``, each document padded at its end with zeros
+    (under a causal mask a document's rows never see its padding)."""
+    out = torch.zeros(len(lengths), packed.shape[1], longest, packed.shape[2], dtype=packed.dtype, device=packed.device)
+    start = 0
+    for i, n in enumerate(lengths):
+        out[i, :, :n] = packed[start : start + n].transpose(0, 1)
+        start += n
+    return out
 
 
 def _ring_transfers(k: torch.Tensor, v: torch.Tensor) -> Callable[[], None]:
@@ -276,15 +372,23 @@ def _device_name(device: torch.device) -> str:
 
 def format_report(r: dict[str, Any]) -> str:
     cells = r["cells"]
+    docs = r.get("documents")
+    what = (
+        f"{docs['count']} packed documents (lengths {docs['shortest']}..{docs['longest']}, median {docs['median']}, "
+        f"seed {docs['seed']}), each causal, "
+        if docs
+        else f"B{r['batch']} "
+    )
     lines = [
-        f"Context parallelism, causal bf16 training step (forward+backward), B{r['batch']} H{r['heads']} "
+        f"Context parallelism, causal bf16 training step (forward+backward), {what}H{r['heads']} "
         f"d{r['head_dim']}, S={r['seq']} over {r['world']} x {r['device']} ({r['mode']}, {r['layout']}); "
         f"median of {r['rounds']} interleaved rounds:"
     ]
-    single = cells[SINGLE]["median_ms"]
+    baseline = r.get("baseline", SINGLE)
+    single = cells[baseline]["median_ms"]
     for name, cell in cells.items():
         work = f"{cell['tflops']:8.3g} TFLOP/s" if "tflops" in cell else " " * 16
-        versus = f"  {single / cell['median_ms']:5.2f}x single" if name.startswith("context_parallel") else ""
+        versus = f"  {single / cell['median_ms']:5.2f}x {'varlen' if docs else 'single'}" if name != baseline else ""
         lines.append(f"  {name:<38}{cell['median_ms']:10.3f} ms  (spread {cell['spread_pct']:3.0f}%)  {work}{versus}")
     overlap = r.get("overlap")
     if overlap:
@@ -295,7 +399,8 @@ def format_report(r: dict[str, Any]) -> str:
         )
         lines.append(f"  overlap: the transfers add {overlap['exposed_ms']:.3f} ms over compute only; alone they take "
                      f"{overlap['transfers_ms']:.3f} ms: {100 * overlap['hidden_fraction']:.0f}% hidden{note}")  # fmt: skip
-    lines.append(f"  output against single-device attention: rel_err={r['rel_err_vs_single']:.2e}")
+    against = "the same packing on one device" if docs else "single-device attention"
+    lines.append(f"  output against {against}: rel_err={r['rel_err_vs_single']:.2e}")
     return "\n".join(lines)
 
 
