@@ -13,8 +13,16 @@ full tensor into this rank's shard (local); ``unshard`` rejoins every rank's (a 
     out = context_parallel_sdpa(q, k, v, is_causal=True)  # mode="p2p": a ring, overlapped
     out_full = unshard(out, seq_dim=2)
 
-Padded and packed (THD) sequences are not supported: shards are dense ``[B, H, S_shard, D]``
-of equal length on every rank.
+Packed documents (THD, ``cu_seqlens``: each document causal within itself) are sharded per
+document, each cut into 2W chunks as one sequence is, so every rank has the same work::
+
+    q_local = shard(q_packed, cu_seqlens=cu)              # [T / W, H, D]
+    out = context_parallel_sdpa(q_local, k_local, v_local, cu_seqlens=cu, is_causal=True)
+    out_full = unshard(out, cu_seqlens=cu)
+
+``window_size=(left, 0)`` (a causal sliding window) skips the blocks and ring steps it cannot
+see; ``sinks`` (a logit per head) is one more term of the final merge. Padding masks, bias and
+dropout are not supported.
 """
 
 from __future__ import annotations

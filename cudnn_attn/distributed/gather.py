@@ -2,11 +2,13 @@
 
 Simpler than the ring and with fewer, larger transfers, but nothing overlaps them and each
 rank holds the whole K/V during the call. Forward: one all-gather of the packed K/V shards,
-put in sequence order, then one attention call per query chunk over the keys it may see
-(``schedule.gathered_blocks``: one call unless causal and zigzag, then one per chunk, each
-causal aligned bottom-right). Only the local shards are kept for the backward, which gathers
-again, computes dQ and the whole sequence's dK/dV partials (float32) and reduce-scatters
-them, so each rank receives the sum over ranks of its own shard's dK/dV.
+put in sequence order (``shards.py``: dense, or document by document), then the attention
+calls of the keys each query chunk may see (``schedule.all_gathered_blocks``: one call unless
+causal and zigzag, then one per chunk, each causal aligned bottom-right, from the window's
+start when there is one; packed, one call for every document's chunks). Only the local
+shards are kept for the backward, which gathers again, computes dQ and the whole sequence's
+dK/dV partials (float32) and reduce-scatters them, so each rank receives the sum over ranks of
+its own shard's dK/dV.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """How a sequence is split over the ranks of a group, and the ``shard``/``unshard`` pair.
 
-The full sequence is cut into equal chunks. ``"contiguous"``: W chunks, rank r holds chunk r.
-``"zigzag"``: 2W chunks, rank r holds chunks r and 2W-1-r, so under a causal mask every rank
-has the same work (an early chunk sees few keys, its partner many). Equivalent plain torch::
+The full sequence is cut into equal chunks (``chunks.py``). ``"contiguous"``: W chunks, rank r
+holds chunk r. ``"zigzag"``: 2W chunks, rank r holds chunks r and 2W-1-r, so under a causal
+mask every rank has the same work (an early chunk sees few keys, its partner many). With
+``cu_seqlens``, packed documents: each document cut so (``documents.py``). Equivalent plain torch::
 
     chunks = x.chunk(2 * W, dim=seq_dim)
     shard = torch.cat([chunks[r], chunks[2 * W - 1 - r]], dim=seq_dim)    # zigzag

@@ -3,6 +3,8 @@
 Forward, W steps: at step i rank r holds the K/V of rank ``(r - i) mod W``. It posts passing
 them on (and receiving the next) before it attends to them, so the transfer overlaps the
 attention of the step; partial outputs merge by log-sum-exp in float32 (``running_merge``).
+What a step computes comes from the shards (``shards.py``: dense blocks or packed calls); a
+step whose keys the rank never sees (a window) computes nothing and only passes them on.
 
 Backward, W steps over the same ring, with the forward's global output and LSE: each block's
 ``(dQ, dK, dV)`` is then exactly that block's share of the gradient. dQ adds up locally. dK/dV
