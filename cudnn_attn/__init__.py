@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and edit
     from .graph import Graph, graph, pygraph
     from .ops.cudnn.autotune import set_autotune
     from .recording.frontend_steps import graph_cache, jit
+    from .runtime.backend_choice import backend
     from .serving.paged_attention import PagedAttention
     from .varlen import varlen_sdpa
 
@@ -91,6 +92,7 @@ _LAZY = {
     **dict.fromkeys(("Graph", "graph", "pygraph"), ".graph"),
     "set_autotune": ".ops.cudnn.autotune",
     **dict.fromkeys(("graph_cache", "jit"), ".recording.frontend_steps"),
+    "backend": ".runtime.backend_choice",
     "PagedAttention": ".serving.paged_attention",
     "varlen_sdpa": ".varlen",
 }
@@ -157,6 +159,7 @@ __all__ = [
     "UnsupportedError",
     "ValidationError",
     "attention_implementation",
+    "backend",
     "backend_version",
     "backend_version_string",
     "build_plan_policy",

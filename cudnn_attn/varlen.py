@@ -43,6 +43,7 @@ from .core.score_inputs import check_sinks, sink_token
 from .core.score_mod import ScoreModifier
 from .core.softcap import softcap_modifier
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError
+from .runtime import backend_choice
 from .runtime.interop import in_layout_of
 from .runtime.keyed import KeyedCache
 from .runtime.prepared import PreparedRun, prepare
@@ -295,7 +296,7 @@ def _prepared(problem: AttentionProblem, lengths_q: torch.Tensor, lengths_k: tor
     every packing of a geometry (the plan reads the token counts from its inputs). The lengths'
     values are checked when a geometry is first prepared, as a graph's build checks them; later
     calls on a GPU are clamped on the device instead (see the module's docstring)."""
-    key = problem.for_plan()
+    key = (problem.for_plan(), backend_choice.chosen())
     run = _runs.get(key)
     if run is None:
         run = _runs.put(key, prepare(problem, values={"seq_len_q": lengths_q, "seq_len_kv": lengths_k}))

@@ -16,6 +16,7 @@ import torch
 
 from ..core.mask import Causal, default_scale
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
+from ..runtime import backend_choice
 from ..runtime.interop import in_layout_of
 from ..runtime.keyed import KeyedCache
 from ..runtime.prepared import PreparedRun
@@ -46,7 +47,7 @@ def run(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_cau
     mask = None if attn_mask is None else (attn_mask.shape, attn_mask.stride(), attn_mask.dtype, attn_mask.device)
     flat = (query.shape, query.stride(), query.dtype, query.device, key.shape, key.stride(), key.dtype, key.device,
             value.shape, value.stride(), value.dtype, value.device, mask, dropout_p, is_causal, scale, enable_gqa,
-            query is key, key is value, query is value, train)  # fmt: skip
+            query is key, key is value, query is value, train, backend_choice.chosen())  # fmt: skip
     entry = _prepared.get(flat)
     if entry is None:
         entry = _prepared.put(flat, _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
@@ -63,7 +64,8 @@ def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
     if why is not None:
         return TorchKernel(why, dropout_p, causal, scale, enable_gqa)
     scale = float(scale) if scale is not None else default_scale(query.shape[-1])
-    if train and torch_cudnn.serves(query, key, value, attn_mask, float(dropout_p), causal, enable_gqa):
+    on_cudnn = backend_choice.chosen() != "reference"  # torch's cuDNN op is cuDNN, never the reference
+    if train and on_cudnn and torch_cudnn.serves(query, key, value, attn_mask, float(dropout_p), causal, enable_gqa):
         return torch_cudnn.TorchCudnnOp(scale, causal)
     entry = Prepared(
         scale=scale,

@@ -25,6 +25,7 @@ from ..core.problem import TensorSpec
 from ..core.score_inputs import check_sinks, sink_token
 from ..core.softcap import softcap_modifier
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
+from ..runtime import backend_choice
 from ..runtime.interop import in_layout_of
 from ..runtime.keyed import KeyedCache
 from ..runtime.prepared import PreparedRun, prepare
@@ -92,7 +93,8 @@ def _rng_specs(rng: tuple | None) -> tuple[TensorSpec | None, TensorSpec | None]
 
 
 def _forward_run(q, k, v, bias, sink, options: ScoreOptions, modifier, rng) -> PreparedRun:
-    fast = (_geometry(q), _geometry(k), _geometry(v), _geometry(bias), sink is not None, options, modifier)
+    fast = (_geometry(q), _geometry(k), _geometry(v), _geometry(bias), sink is not None, options, modifier,
+            backend_choice.chosen())  # fmt: skip
     run = _forward_runs.get(fast)
     if run is None:
         problem = forward_problem(TensorSpec.of(q), TensorSpec.of(k), TensorSpec.of(v), options, stats=True,
@@ -106,7 +108,7 @@ def _forward_run(q, k, v, bias, sink, options: ScoreOptions, modifier, rng) -> P
 def _backward_run(ctx, q, k, v, bias, sink, out, d_out, stats, rng) -> PreparedRun:
     grad_bias = bias is not None and ctx.needs_input_grad[3]
     fast = (*(_geometry(t) for t in (q, k, v, out, d_out, stats, bias)), grad_bias, sink is not None, ctx.options,
-            ctx.modifier)  # fmt: skip
+            ctx.modifier, backend_choice.chosen())  # fmt: skip
     run = _backward_runs.get(fast)
     if run is None:
         spec = TensorSpec.of

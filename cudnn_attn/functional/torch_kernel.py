@@ -16,7 +16,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import log
 from ..core.mask import Causal
-from ..errors import ValidationError
+from ..errors import UnsupportedError, ValidationError
+from ..runtime import backend_choice
 
 WHERE = "cudnn_attn.sdpa"
 _said: set[str] = set()  # each reason is logged once, not per call
@@ -36,10 +37,22 @@ NON_POSITIVE_SCALE = "scale <= 0: cuDNN's kernels give NaN there (torch's math k
 
 def reason(query: torch.Tensor, key: torch.Tensor, dropout_p: float, causal: Causal, train: bool,
            scale: Any = None) -> str | None:  # fmt: skip
-    """Why this call cannot run on cudnn_attn's graphs and goes to torch's kernel; None if it can."""
-    if scale is not None and float(scale) <= 0 and query.is_cuda:  # the reference backend is exact there
-        return NON_POSITIVE_SCALE
-    return reason_for(query.dtype, query.is_cuda, query.shape[-2], key.shape[-2], dropout_p, causal, train)
+    """Why this call cannot run on cudnn_attn's graphs and goes to torch's kernel; None if it can.
+
+    Under ``cudnn_attn.backend("reference")`` a CUDA call is judged as a CPU one (the reference
+    backend runs it); under ``backend("cudnn")`` a call cuDNN cannot serve raises
+    ``UnsupportedError`` instead of leaving for torch's kernel (float32 forward runs on cuDNN)."""
+    chosen = "auto" if torch.compiler.is_compiling() else backend_choice.chosen()
+    on_cudnn = query.is_cuda and chosen != "reference"
+    why = None
+    if scale is not None and float(scale) <= 0 and on_cudnn:  # the reference backend is exact there
+        why = NON_POSITIVE_SCALE
+    else:
+        why = reason_for(query.dtype, on_cudnn, query.shape[-2], key.shape[-2], dropout_p, causal, train)
+    if why is None or chosen != "cudnn" or why is FLOAT32_FORWARD:
+        return why
+    raise UnsupportedError([why], context='sdpa under cudnn_attn.backend("cudnn")',
+                           alternatives=['cudnn_attn.backend("auto") runs it on torch\'s kernel'])  # fmt: skip
 
 
 def reason_for(dtype: torch.dtype, on_gpu: bool, l: int, s: int, dropout_p: float, causal: Causal,  # noqa: E741

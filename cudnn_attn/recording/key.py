@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..runtime import backend_choice
 from .handles import InputHandle, OutputHandle
 
 if TYPE_CHECKING:
@@ -62,7 +63,8 @@ class RecordingKey:
         return self._slots.get(id(tensor))
 
     def key(self, recording: Recording) -> tuple | None:
-        """The whole recording's key, with the handles' settings as they are now; None if unkeyed."""
+        """The whole recording's key, with the handles' settings as they are now, and the backend
+        an enclosing ``cudnn_attn.backend(...)`` block chose (a build adopts no other's); None if unkeyed."""
         if not self.keyed:
             return None
         made = tuple(
@@ -73,7 +75,7 @@ class RecordingKey:
             [(h.name, h.is_output, h.dim, h.stride, h.dtype, _offsets(h))
              for node in recording.nodes for h in node.outputs.values()]
         )  # fmt: skip
-        return (*self.parts, made, outputs)
+        return (*self.parts, made, outputs, backend_choice.chosen())
 
     def forget(self) -> None:
         """Drop the tensors (the graph is built: it must not keep its first call's tensors alive)."""

@@ -17,6 +17,7 @@ from .. import log
 from ..core.problem import AttentionProblem
 from ..ops import get_backend, select_backend
 from ..ops.base import Plan
+from . import backend_choice
 
 
 @dataclass(frozen=True)
@@ -29,9 +30,10 @@ class Planned:
 
 
 def plan(problem: AttentionProblem, backend: str, autotune: bool, cache: Any) -> Planned:
-    """``problem``'s plan on ``backend`` ("auto", "cudnn" or "reference") through ``cache`` (a
-    ``PlanCache``). Raises ``UnsupportedError`` when the backend cannot run the problem."""
-    chosen = select_backend(backend, problem)
+    """``problem``'s plan on ``backend`` ("auto", "cudnn" or "reference"; "auto" takes an enclosing
+    ``cudnn_attn.backend(...)`` block's choice) through ``cache`` (a ``PlanCache``). Raises
+    ``UnsupportedError`` when the backend cannot run the problem."""
+    chosen = select_backend(backend_choice.resolve(backend), problem)
     tune = autotune and chosen.name == "cudnn"  # the reference has nothing to tune
     planned = problem.for_plan()  # packed tensors' token counts do not split plans
     key = (chosen.name, chosen.plan_key(planned), planned, tune)

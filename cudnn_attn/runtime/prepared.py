@@ -25,7 +25,7 @@ from ..core.problem import AttentionProblem
 from ..core.roles import problem_inputs, problem_outputs
 from ..errors import UnsupportedError, ValidationError
 from ..ops.cudnn.autotune import enabled_by_default
-from . import planner
+from . import backend_choice, planner
 from .keyed import KeyedCache
 
 MAX_PREPARED = 1024
@@ -97,7 +97,9 @@ def prepare(
 ) -> PreparedRun:
     """``problem`` validated and planned (``ValidationError``/``UnsupportedError`` naming what is
     wrong, with ``context``). ``values``: integer inputs at hand (lengths, page tables, by role)
-    whose values are checked too. ``cache``: a ``PlanCache``, the default one if None."""
+    whose values are checked too. ``cache``: a ``PlanCache``, the default one if None.
+    ``backend``: "auto" takes an enclosing ``cudnn_attn.backend(...)`` block's choice."""
+    backend = backend_choice.resolve(backend)  # before the key: runs never cross backends
     cache = cache if cache is not None else default_cache()
     tune = enabled_by_default() if autotune is None else bool(autotune)
     key = (problem, backend, tune, id(cache))
