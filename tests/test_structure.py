@@ -337,6 +337,7 @@ LAYERS: dict[str, float] = {
         "__init__.py": ROOT_LAYER,
         "bench/": 7.0,
         "cli/": 7.1,
+        "__main__.py": 7.1,  # python -m cudnn_attn: the command line, as a tool
     }.items()
 }
 LAYER_NAMES = {1: "core", 2: "kernels", 3: "backends", 4: "runtime", 5: "graph", 6: "doors", 7: "tools"}
