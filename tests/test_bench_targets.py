@@ -13,6 +13,7 @@ import cudnn_attn
 from cudnn_attn.bench import attention, targets
 from cudnn_attn.bench.targets import DecoderStack, PagedDecodeShape, naive_attention, torch_sdpa
 from cudnn_attn.cli import commands as cli
+from cudnn_attn.cli import versions
 
 TINY = {"hidden": 64, "heads": 4, "layers": 4}
 
@@ -135,6 +136,7 @@ def recorded_run(monkeypatch):
     """``bench.run`` replaced by a recorder, on a machine that claims a GPU."""
     calls: list[tuple[list, dict]] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(versions, "cudnn_missing", lambda: None)  # and a loadable cuDNN
     monkeypatch.setattr(attention, "run", lambda shapes, **kw: calls.append((shapes, kw)))
     return calls
 

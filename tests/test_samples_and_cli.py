@@ -15,7 +15,7 @@ import torch
 
 import cudnn_attn
 from cudnn_attn.cli import commands as cli
-from cudnn_attn.cli import info
+from cudnn_attn.cli import features, info
 from cudnn_attn.core import validation
 
 SAMPLES = sorted((Path(__file__).parent.parent / "samples").glob("*.py"))
@@ -61,7 +61,7 @@ def test_info_reports_versions_and_features(capsys):
 
 def test_info_features_are_the_backends_answers_for_well_formed_problems(monkeypatch):
     # A "yes" means something only if the problem asked about is well formed ...
-    for feature, problem in info._sample_problems("cpu").items():
+    for feature, problem in features.sample_problems("cpu").items():
         assert validation.problems(problem) == [], feature
 
     # ... and if the status is the backend's answer, not a fixed string.
@@ -70,9 +70,9 @@ def test_info_features_are_the_backends_answers_for_well_formed_problems(monkeyp
             return ["no paged caches here"] if problem.is_paged else []
 
     monkeypatch.setattr(info, "get_backend", lambda name: NoPagedCaches())
-    features = info.collect()["features"]
-    assert features.pop("paged KV cache") == "no: no paged caches here"
-    assert set(features.values()) == {"yes"}
+    found = info.collect()["features"]
+    assert found.pop("paged KV cache") == "no: no paged caches here"
+    assert set(found.values()) == {"yes"}
 
 
 def test_bench_bare_h_prints_help(capsys):
@@ -102,7 +102,7 @@ def test_every_bench_flag_has_help():
 
 def test_bench_plot_without_matplotlib_names_the_extra(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails, as when it is missing
-    assert cli.main(["bench", "--plot", "bench.png"]) == 2
+    assert cli.main(["bench", "--plot", "bench.png"]) == 1  # an environment error: the extra is missing
     err = capsys.readouterr().err
     assert "matplotlib" in err and 'pip install "cudnn-attn[plot]"' in err
 

@@ -23,7 +23,10 @@ import torch
 from .. import Graph, PlanCache
 from ..core import synthetic
 from ..ops.cudnn import autotune
+from .charts import draw
 from .host import round_order
+from .progress import progress
+from .reports import write_json
 from .shapes import Shape
 
 COLUMNS = ("cudnn_attn", "cudnn_attn tuned", "frontend direct", "torch cudnn", "torch flash", "torch efficient")
@@ -146,7 +149,8 @@ def bench_shape(shape: Shape, warmup: int = 5, repeats: int = 15, rounds: int = 
     # thermal drift during the run favour no column.
     medians: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
-    for round_ in range(rounds):  # columns in a fresh order each round: none always follows a light one
+    # Columns in a fresh order each round: none always follows a light one.
+    for round_ in progress(range(rounds), shape.label()):
         for name in round_order(names, round_):
             medians[name].append(autotune.time_plan(runs[name], device, warmup, repeats))
     expected = _reference_output(shape, t)
@@ -234,27 +238,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(8, 1.8 * len(rows)), 4.5))
-    width = 0.8 / len(COLUMNS)
-    for i, column in enumerate(COLUMNS):
-        values = [row["columns"].get(column, {}).get("tflops", 0.0) for row in rows]
-        ax.bar([x + i * width for x in range(len(rows))], values, width, label=column)
-    ax.set_xticks(
-        [x + 0.4 - width / 2 for x in range(len(rows))], [r["shape"] for r in rows], rotation=20, ha="right", fontsize=8
-    )
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title(f"attention on {torch.cuda.get_device_name()}")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def run(
     shapes: list[Shape],
     *,
@@ -300,8 +283,7 @@ def run(
             + json.dumps({k: round(v, 3) for k, v in report["cold_start"].items()})
         )
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(json_path, report)
     if plot_path:
-        plot(report["rows"], plot_path)
+        draw(report, plot_path)
     return report

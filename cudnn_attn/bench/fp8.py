@@ -21,6 +21,7 @@ from ..fp8 import quantised
 from ..functional import sdpa as cudnn_attn_sdpa
 from ..ops.cudnn import autotune
 from .host import round_order
+from .progress import progress
 
 SHAPES = ((4, 16, 4096, 128, False), (4, 16, 4096, 128, True), (1, 16, 16384, 128, False),
           (1, 16, 16384, 128, True), (4, 16, 4096, 64, True))  # fmt: skip
@@ -132,7 +133,7 @@ def _time(paths: dict[str, Callable], rounds: int = 12) -> dict[str, dict]:
 
 def fp8_rows() -> list[dict[str, Any]]:
     rows = []
-    for b, h, s, d, causal in SHAPES:
+    for b, h, s, d, causal in progress(SHAPES, "fp8", unit="shape"):
         forward, backward, checks = _columns(b, h, s, d, causal)
         flops = _flops(b, h, s, d, causal)
         row: dict[str, Any] = {"shape": f"b{b}-h{h}-s{s}-d{d}{'-causal' if causal else ''}"}
@@ -163,7 +164,7 @@ def crossover(tokens: int = 32768, h: int = 16, d: int = 128) -> list[dict[str, 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rows = []
-    for s in CROSSOVER_LENGTHS:
+    for s in progress(CROSSOVER_LENGTHS, "fp8 crossover", unit="length"):
         for causal in (False, True):
             gen = torch.Generator().manual_seed(s)
             q, k, v = (torch.randn(tokens // s, h, s, d, generator=gen).to("cuda", torch.bfloat16) for _ in range(3))

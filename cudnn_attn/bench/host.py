@@ -21,6 +21,7 @@ import torch
 from .. import Graph, sdpa
 from ..core import synthetic
 from ..nn import Attention
+from .progress import progress
 from .shapes import Shape
 
 ROUNDS = 15
@@ -53,7 +54,7 @@ def interleaved(
     torch.cuda.synchronize()
     samples: dict[str, list[float]] = {name: [] for name in paths}
     names = list(paths)
-    for r in range(rounds):
+    for r in progress(range(rounds), "host rounds"):
         for name in round_order(names, r):
             samples[name].append(_per_call_us(paths[name], calls, sync))
             torch.cuda.synchronize()

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..serving.paged_attention import PagedAttention
+from .progress import progress
 
 D, DV, PAGE, LAYERS, ROUNDS = 576, 512, 64, 8, 12
 SHAPES = ((128, 16, 4096), (128, 64, 4096), (128, 1, 32768), (16, 16, 4096), (16, 4, 8192), (16, 1, 32768))
@@ -84,7 +85,7 @@ def mla_rows() -> dict[str, Any]:
     peaks = memory_peak()
     peak = max(peaks.values())
     rows = []
-    for heads, batch, kv in SHAPES:
+    for heads, batch, kv in progress(SHAPES, "mla", unit="shape"):
         rows.append(mla_row(heads, batch, kv, peak))
         print(format_row(rows[-1]), flush=True)
         torch.cuda.empty_cache()

@@ -27,6 +27,7 @@ import torch
 
 from ..ops.cudnn import autotune
 from .host import round_order
+from .progress import progress
 
 SEQS = (4096, 8192, 16384, 32768)
 ROUNDS = 8
@@ -217,7 +218,7 @@ def model_row(m: Model, s: int) -> dict[str, Any]:
 
 def model_rows(models: tuple[Model, ...] = MODELS, seqs: tuple[int, ...] = SEQS) -> list[dict[str, Any]]:
     rows = []
-    for m in models:
+    for m in progress(models, "models", unit="model"):
         for s in seqs:
             rows.append(model_row(m, s))
             print(format_row(rows[-1]), flush=True)

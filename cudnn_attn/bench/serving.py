@@ -25,6 +25,7 @@ import torch
 from .. import PagedAttention
 from ..kernels.fp8_cast import E4M3_MAX
 from .host import round_order
+from .progress import progress
 
 HQ, HKV, D, PAGE = 32, 8, 128, 64
 LAYERS = 4
@@ -185,7 +186,7 @@ def _chosen_kernel(attn: PagedAttention, t: dict[str, Any]) -> str:
 
 def serving_rows(shapes: tuple[tuple[int, int, int], ...] = SHAPES) -> list[dict[str, Any]]:
     rows = []
-    for shape in shapes:
+    for shape in progress(shapes, "serving", unit="shape"):
         rows.append(serving_row(*shape))
         torch.cuda.empty_cache()
     return rows

@@ -21,6 +21,7 @@ import torch
 from .. import default_cache, varlen_sdpa
 from ..functional import sdpa
 from .host import round_order
+from .progress import progress
 
 HEADS, HEAD_DIM = 16, 128
 LENGTHS = (128, 8192)
@@ -99,7 +100,7 @@ def plans_over_packings(packings: int = 1000, token_budget: int = 32768, seed: i
     cache.clear()
     gen = torch.Generator().manual_seed(seed)
     batches: dict[int, int] = {}
-    for _ in range(packings):
+    for _ in progress(range(packings), "packings", unit="packing"):
         lengths: list[int] = []
         while sum(lengths) < token_budget:
             lengths += _lengths(gen, 1)

@@ -1,4 +1,4 @@
-"""``python -m cudnn_attn.cli``: the ``cudnn-attn`` command."""
+"""``python -m cudnn_attn.cli``: the ``cudnn-attn`` command (so is ``python -m cudnn_attn``)."""
 
 import sys
 

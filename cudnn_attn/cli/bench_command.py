@@ -1,0 +1,171 @@
+"""``cudnn-attn bench``: run the sections asked for, then write ``--json`` and draw ``--plot``.
+
+Every section's figures form one report (what ``--json`` writes and ``--plot-from`` reads back),
+so a chart drawn now and one redrawn later from the JSON are the same chart. Usage errors are
+found before anything is measured, environment errors before anything is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import os
+import sys
+import tempfile
+from typing import Any
+
+from ..bench import charts
+from ..bench.reports import STDOUT, read_json, write_json
+from ..bench.shapes import STANDARD_GRID, Shape, parse
+from .failures import environment, needs_gpu, usage
+
+ALONE = ("serving", "mla", "models", "frontend_rebuild", "varlen")  # each runs by itself when given
+TARGETS = ("stack", "paged_decode", "naive")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.plot_from:
+        return _redraw(args)
+    sections = requested(args)
+    if args.plot:
+        missing = [name for name in sections if name not in charts.CHARTED]
+        if missing:
+            raise usage(f"cudnn-attn bench: --plot has no chart for the {', '.join(missing)} section; drop --plot "
+                        "(--json keeps every figure)")  # fmt: skip
+        _needs_matplotlib()
+    needs_gpu("bench")
+    out = sys.stdout  # the JSON's stream: with --json -, every table goes to stderr instead
+    with contextlib.redirect_stdout(sys.stderr) if args.json == STDOUT else contextlib.nullcontext():
+        report = _measure(args)
+    if args.json:
+        write_json(args.json, report, out)
+    if args.plot:
+        charts.draw(report, args.plot)
+    return 0
+
+
+def requested(args: argparse.Namespace) -> list[str]:
+    """The sections this command line runs, named as the report and ``charts`` name them."""
+    if args.dtype == "fp8":
+        return ["fp8"]
+    if args.context_parallel is not None:
+        return ["context_parallel"]
+    for name in ALONE:
+        if getattr(args, name):
+            return [name]
+    names = ["attention"] if _shapes(args) else []
+    names += [name for name in TARGETS if getattr(args, name)]
+    return names + ["overhead"] * args.overhead + ["cold_start"] * args.cold_start
+
+
+def _shapes(args: argparse.Namespace) -> list[Shape]:
+    if args.grid:
+        return [parse(s) for s in STANDARD_GRID]
+    if args.shapes:
+        return [parse(s) for s in args.shapes]
+    if any(getattr(args, name) for name in TARGETS):
+        return []  # the sections bring their own shapes
+    return [Shape(b=args.batch, h=args.heads, hkv=args.kv_heads, sq=args.seq, skv=args.seq, d=args.head_dim,
+                  dtype=args.dtype, causal=args.causal, bwd=args.bwd)]  # fmt: skip
+
+
+def _redraw(args: argparse.Namespace) -> int:
+    if not args.plot:
+        raise usage("cudnn-attn bench: --plot-from needs --plot OUT.png")
+    try:
+        report = read_json(args.plot_from)
+    except (OSError, ValueError) as error:  # missing, unreadable, or not JSON
+        raise usage(f"cudnn-attn bench: cannot read --plot-from {args.plot_from}: {error}") from error
+    try:
+        charts.panels(report)  # a report with nothing to draw is refused before matplotlib is asked for
+    except charts.NoChartError as error:
+        raise usage(f"cudnn-attn bench: --plot-from {args.plot_from}: {error}") from error
+    _needs_matplotlib()
+    charts.draw(report, args.plot)
+    return 0
+
+
+def _needs_matplotlib() -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise environment('cudnn-attn bench: --plot needs matplotlib: pip install "cudnn-attn[plot]"')
+
+
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the sections asked for; their figures as one report, with the GPU's name."""
+    if args.dtype == "fp8":
+        from ..bench import fp8
+
+        rows = fp8.fp8_rows()
+        print(fp8.format_fp8(rows))
+        crossover = fp8.crossover()
+        print(fp8.format_crossover(crossover))
+        accuracy = fp8.accuracy()
+        print(fp8.format_accuracy(accuracy))
+        return {**_device(), "fp8": rows, "crossover": crossover, "accuracy": accuracy}
+    if args.context_parallel is not None:
+        return _context_parallel(args)
+    if args.serving:
+        from ..bench import prefill, serving
+
+        rows = serving.serving_rows()
+        print(serving.format_serving(rows))
+        prefill_row = prefill.prefill_row()
+        print(prefill.format_prefill(prefill_row))
+        return {**_device(), "serving": rows, "prefill": prefill_row}
+    if args.mla:
+        from ..bench import mla
+
+        return {**_device(), **mla.mla_rows()}
+    if args.models:
+        from ..bench import model_shapes
+
+        models = model_shapes.model_rows()
+        print(model_shapes.format_models(models))
+        return {**_device(), "models": models}
+    if args.frontend_rebuild:
+        from ..bench import frontend_rebuild
+
+        rebuild = frontend_rebuild.rebuild_loop()
+        print(frontend_rebuild.format_rebuild(rebuild))
+        return {**_device(), **rebuild}
+    if args.varlen:
+        from ..bench import varlen
+
+        mixed, plans = varlen.mixed_batch(), varlen.plans_over_packings()
+        llama = varlen.llama_step() if importlib.util.find_spec("transformers") else None
+        print(varlen.format_varlen(mixed, plans, llama))
+        return {**_device(), "mixed": mixed, "plans": plans, "llama": llama}
+    from ..bench import attention
+
+    sections = {name: getattr(args, name) for name in TARGETS}
+    return attention.run(
+        _shapes(args), json_path=None, plot_path=None, overhead=args.overhead, cold=args.cold_start, **sections
+    )
+
+
+def _device() -> dict[str, str]:
+    import torch
+
+    return {"device": torch.cuda.get_device_name()}
+
+
+def _context_parallel(args: argparse.Namespace) -> dict[str, Any]:
+    """The ring benchmark runs its ranks in processes of its own and writes its report to a file;
+    read back here, it is written and drawn as every other section's."""
+    import torch
+
+    from ..bench import context_parallel
+
+    gpus = args.context_parallel
+    if torch.cuda.device_count() < max(gpus, 2):
+        raise environment(f"cudnn-attn bench: --context-parallel {gpus} needs {max(gpus, 2)} CUDA GPUs "
+                          f"({torch.cuda.device_count()} here)")  # fmt: skip
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "context_parallel.json")
+        options = ["--gpus", str(gpus), "--seq", str(args.seq), "--heads", str(args.heads),
+                   "--head-dim", str(args.head_dim), "--json", path]  # fmt: skip
+        code = context_parallel.main(options)
+        if code:  # its own checks of --seq against the ranks: a usage error, said on stderr already
+            raise usage(f"cudnn-attn bench: --context-parallel {gpus} refused its options (exit {code})")
+        return read_json(path)

@@ -1,0 +1,104 @@
+"""``cudnn-attn cache ls | clear | warm``: the persistent plan store, listed, emptied or filled."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from typing import Any
+
+from ..bench.progress import progress
+from ..bench.reports import STDOUT, write_json
+from ..bench.shapes import parse
+from .failures import environment, needs_gpu, usage
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cache import default_cache
+    from ..plan_store import UnsafeStoreError
+
+    store = default_cache().store
+    if store is None:
+        raise environment("cudnn-attn cache: the persistent store is off (CUDNN_ATTN_CACHE_DIR is empty)")
+    if args.action == "warm":
+        return _warm(args)
+    try:  # an unsafe or unreadable directory is refused with one line, never a traceback
+        if args.action == "clear":
+            print(f"removed {store.clear()} plan(s) from {store.path}")
+            return 0
+        rows = [_row(listed) for listed in store.entries()]
+    except (UnsafeStoreError, OSError) as error:
+        raise environment(f"cudnn-attn cache {args.action}: {error}") from error
+    if args.json:
+        write_json(args.json, {"path": str(store.path), "plans": rows})
+        if args.json == STDOUT:
+            return 0
+    print(f"{store.path}: {len(rows)} plan(s)")
+    for r in rows:
+        status = "" if r["ok"] else f"  DAMAGED ({r['problem']}; ignored, rewritten on next build)"
+        size = "?" if r["bytes"] is None else r["bytes"]
+        print(f"  {r['file'][:12]}  {r['plan']:<52} {r['variant']:<9} {r['gpu']} cuDNN {r['cudnn']}  {size} B{status}")
+    return 0
+
+
+def _row(listed: Any) -> dict[str, Any]:
+    header = listed.entry.header if listed.entry else {}
+    platform = header.get("platform") or {}
+    return {
+        "file": listed.path.name, "ok": listed.entry is not None, "bytes": listed.size, "problem": listed.problem,
+        "plan": header.get("describe", "?"), "variant": header.get("variant", "?"),
+        "engine": (header.get("choice") or {}).get("name", "?"), "gpu": platform.get("gpu", "?"),
+        "cudnn": platform.get("cudnn", "?"),
+    }  # fmt: skip
+
+
+def _warm(args: argparse.Namespace) -> int:
+    texts = list(args.shapes)
+    if args.file:
+        try:
+            with open(args.file) as f:
+                texts += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+        except (OSError, UnicodeDecodeError) as error:  # missing, unreadable or not text
+            reason = getattr(error, "strerror", None) or error
+            raise usage(f"cudnn-attn cache warm: cannot read --file {args.file}: {reason}") from error
+    if not texts:
+        raise usage("cudnn-attn cache warm: give shapes or --file")
+    from ..bench import serving_shapes
+
+    servers = [serving_shapes.parse(t) for t in texts if serving_shapes.is_serving(t)]
+    shapes = [parse(t) for t in texts if not serving_shapes.is_serving(t)]
+    needs_gpu("cache warm")
+    out = sys.stdout  # the JSON's stream: with --json -, the lines go to stderr instead
+    with contextlib.redirect_stdout(sys.stderr) if args.json == STDOUT else contextlib.nullcontext():
+        warmed = _build(servers, shapes, autotune=not args.no_autotune)
+    if args.json:
+        write_json(args.json, {"warmed": warmed}, out)
+    return 0
+
+
+def _build(servers: list[Any], shapes: list[Any], autotune: bool) -> list[dict[str, Any]]:
+    """Each server's steps and each shape's graphs built (and stored); a line each as it is done."""
+    from .. import Graph
+
+    warmed = []
+    items = [(server, True) for server in servers] + [(shape, False) for shape in shapes]
+    bar = progress(items, "cache warm", unit="item", leave=True)
+    for item, is_server in bar:
+        start = time.perf_counter()
+        if is_server:  # tuned: a server's PagedAttention without autotune loads them as they are
+            sources = item.warm(autotune=autotune)
+        else:
+            t = item.tensors("cuda")
+            with Graph(autotune=autotune) as g:
+                g.sdpa(t["q"], t["k"], t["v"], use_causal_mask=item.causal, generate_stats=item.bwd)
+            if item.bwd:
+                o, stats = g(t["q"], t["k"], t["v"])
+                with Graph(autotune=autotune) as gb:
+                    gb.sdpa_backward(t["q"], t["k"], t["v"], o, t["grad_o"], stats, use_causal_mask=item.causal)
+            sources = [getattr(n.plan, "source", "?") for n in g.nodes]
+        seconds = time.perf_counter() - start
+        counts = ", ".join(f"{sources.count(s)} {s}" for s in sorted(set(sources)))
+        bar.write(f"{item.label():<44} {seconds:7.2f} s  ({counts})", file=sys.stdout)
+        warmed.append({"shape": item.label(), "seconds": seconds, "sources": sources})
+    return warmed
