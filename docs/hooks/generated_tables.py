@@ -13,8 +13,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import torch
-
 MARKER = re.compile(r"^<!-- generated: ([a-z-]+) -->$", re.M)
 HAVE = re.compile(r" \(have [^)]*\)")
 
@@ -31,14 +29,10 @@ PLATFORMS = [
 
 
 def support_matrix() -> str:
-    from cudnn_attn.cli.info import _sample_problems
-    from cudnn_attn.core.problem import TensorSpec
+    from cudnn_attn.cli.features import sample_problems
     from cudnn_attn.ops.cudnn.capabilities import Platform, unsupported_reasons
 
-    problems = _sample_problems("cuda:0")
-    base = problems["forward bf16"]
-    sink = TensorSpec.contiguous((1, base.q.shape[1], 1, 1), torch.float32, "cuda:0")
-    problems["attention sinks"] = base.replace(sink_token=sink)
+    problems = sample_problems("cuda:0")
     header = "| feature | " + " | ".join(title for title, _, _ in PLATFORMS) + " |"
     lines = [header, "| --- |" + " :---: |" * len(PLATFORMS)]
     notes: dict[str, int] = {}
@@ -51,7 +45,7 @@ def support_matrix() -> str:
                 continue
             # "(have 9.0)" differs per column; the rule does not: one note per rule
             marks = [notes.setdefault(HAVE.sub("", reason), len(notes) + 1) for reason in reasons]
-            cells.append("no " + " ".join(f"[{m}]" for m in marks))
+            cells.append("no (" + ", ".join(map(str, marks)) + ")")
         lines.append(f"| {feature} | " + " | ".join(cells) + " |")
     lines.append("")
     lines += [f"{number}. {reason}" for reason, number in notes.items()]
