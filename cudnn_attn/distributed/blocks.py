@@ -28,10 +28,10 @@ from ..core.problem import TensorSpec
 from ..runtime.interop import in_layout_of
 from ..runtime.keyed import KeyedCache
 from ..runtime.prepared import PreparedRun, prepare
+from .checks import CONTEXT
 
 MASKS = ("none", "top_left", "bottom_right")
 MAX_ENTRIES = 512
-CONTEXT = "context_parallel_sdpa"
 _runs = KeyedCache(MAX_ENTRIES)  # flat key -> PreparedRun
 
 
