@@ -59,6 +59,15 @@ def execute(path: Path):
             else:
                 os.environ[key] = value
     notebook.metadata = {"kernelspec": notebook.metadata["kernelspec"], "language_info": {"name": "python"}}
+    for cell in code_cells(notebook):  # one message per run of a stream: saved files do not churn
+        merged: list = []
+        for output in cell.outputs:
+            last = merged[-1] if merged else None
+            if output.output_type == "stream" and last and last.output_type == "stream" and last.name == output.name:
+                last.text += output.text
+            else:
+                merged.append(output)
+        cell.outputs = merged
     return notebook
 
 
