@@ -121,14 +121,18 @@ def varlen_sdpa(
             given with different values (both named).
         UnsupportedError: what cuDNN cannot run (with the reason and what would work).
 
-    Example::
+    Example:
+        ```python
+        import torch
 
-        >>> q = torch.randn(7, 4, 64, dtype=torch.bfloat16)  # two sequences: 3 and 4 tokens
-        >>> kv = torch.randn(7, 2, 64, dtype=torch.bfloat16)  # 2 K/V heads: GQA
-        >>> cu = torch.tensor([0, 3, 7], dtype=torch.int32)
-        >>> out, lse = varlen_sdpa(q, kv, kv, cu, cu, 4, 4, causal=True, return_lse=True)
-        >>> out.shape, lse.shape
-        (torch.Size([7, 4, 64]), torch.Size([4, 7]))
+        import cudnn_attn
+
+        q = torch.randn(7, 4, 64, dtype=torch.bfloat16)  # two sequences: 3 and 4 tokens
+        kv = torch.randn(7, 2, 64, dtype=torch.bfloat16)  # 2 K/V heads: GQA, inferred
+        cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+        out, lse = cudnn_attn.varlen_sdpa(q, kv, kv, cu, cu, 4, 4, causal=True, return_lse=True)
+        assert out.shape == (7, 4, 64) and lse.shape == (4, 7)  # lse: float32 [H, T_q]
+        ```
     """
     call = varlen_keywords.resolve(
         causal=causal, is_causal=is_causal, softmax_scale=softmax_scale, scale=scale, window_size=window_size,

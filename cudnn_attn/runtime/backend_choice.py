@@ -41,11 +41,16 @@ def backend(name: str) -> Iterator[None]:
     Raises:
         ValidationError: ``name`` is not a backend.
 
-    Example::
+    Example:
+        ```python
+        import torch
 
-        >>> q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
-        >>> with cudnn_attn.backend("reference"):
-        ...     out = cudnn_attn.sdpa(q, q, q)  # on the reference backend, whatever the device
+        import cudnn_attn
+
+        q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+        with cudnn_attn.backend("reference"):
+            out = cudnn_attn.sdpa(q, q, q)  # on the reference backend, whatever the device
+        ```
     """
     if not isinstance(name, str) or name not in BACKEND_NAMES:
         raise ValidationError([f"name: {name!r}; allowed {', '.join(map(repr, BACKEND_NAMES))}"], context="backend")
