@@ -206,6 +206,7 @@ def test_usage_errors_exit_2(capsys, tmp_path):
         (["bench", "b=1,frogs=2"], "frogs: unknown shape key"),
         (["bench", "--plot-from", str(ROOT / "docs/bench/grid_h100.json")], "--plot-from needs --plot"),
         (["bench", "--plot-from", str(tmp_path / "missing.json"), "--plot", str(tmp_path / "x.png")], "cannot read"),
+        (["bench", "--plot-from", "r.json", "--plot", "x.png", "--serving", "b=1"], "takes no shapes, --serving"),
         (["cache", "warm"], "give shapes or --file"),
     ]
     for argv, message in cases:
@@ -333,6 +334,9 @@ def test_a_section_without_a_chart_is_a_usage_error_before_anything_runs(gpu_mac
     path.write_text(json.dumps(report))
     assert commands.main(["bench", "--plot-from", str(path), "--plot", str(tmp_path / "f.png")]) == 2
     assert "no chart for section 'frogs'" in capsys.readouterr().err
+    path.write_text(json.dumps({"device": "x", "serving": [{"batch": 1}]}))  # not as bench writes it
+    assert commands.main(["bench", "--plot-from", str(path), "--plot", str(tmp_path / "l.png")]) == 2
+    assert "section 'serving' is not laid out as bench writes it" in capsys.readouterr().err
     path.write_text(json.dumps({"device": "x", "rows": []}))  # nothing to draw: refused, never an empty chart
     assert commands.main(["bench", "--plot-from", str(path), "--plot", str(tmp_path / "e.png")]) == 2
     assert "no figures to draw" in capsys.readouterr().err

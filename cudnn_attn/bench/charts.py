@@ -244,7 +244,12 @@ def panels(report: dict[str, Any]) -> list[Panel]:
     """Every panel ``report`` calls for; ``NoChartError`` when there is none."""
     if not isinstance(report, dict):
         raise NoChartError(f"a report is a JSON object, not {type(report).__name__}")
-    drawn = [panel for section in sections_in(report) for panel in section.panels(report)]
+    drawn = []
+    for section in sections_in(report):
+        try:
+            drawn += section.panels(report)
+        except (KeyError, TypeError, AttributeError, ValueError) as error:  # a hand-edited or foreign report
+            raise NoChartError(f"section {section.name!r} is not laid out as bench writes it ({error!r})") from error
     if not drawn:
         raise NoChartError("the report has no figures to draw")
     return drawn

@@ -18,6 +18,7 @@ from typing import Any
 from ..bench import charts
 from ..bench.reports import STDOUT, read_json, write_json
 from ..bench.shapes import STANDARD_GRID, Shape, parse
+from . import parser
 from .failures import environment, needs_gpu, usage
 
 ALONE = ("serving", "mla", "models", "frontend_rebuild", "varlen")  # each runs by itself when given
@@ -73,6 +74,11 @@ def _shapes(args: argparse.Namespace) -> list[Shape]:
 def _redraw(args: argparse.Namespace) -> int:
     if not args.plot:
         raise usage("cudnn-attn bench: --plot-from needs --plot OUT.png")
+    defaults = vars(parser.bench().parse_args([]))
+    measuring = [k for k, v in defaults.items() if k not in ("plot", "plot_from") and getattr(args, k) != v]
+    if measuring:  # it measures nothing: a flag that would is refused, not ignored
+        flags = ", ".join("--" + k.replace("_", "-") if k != "shapes" else "shapes" for k in measuring)
+        raise usage(f"cudnn-attn bench: --plot-from redraws a saved report; it takes no {flags}")
     try:
         report = read_json(args.plot_from)
     except (OSError, ValueError) as error:  # missing, unreadable, or not JSON
