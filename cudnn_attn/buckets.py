@@ -32,14 +32,35 @@ DEFAULT_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class BucketedAttention:
-    """Attention over ``[B, H, S, D]`` tensors of any length up to the largest bucket.
+    """Attention over ``[B, H, S, D]`` tensors of any length up to the largest bucket, on few plans.
+
+    Each request is padded up to the next bucket length and the padding masked (a padding mask
+    with the real lengths), so N distinct lengths need at most one plan per bucket pair and
+    batch geometry, and the results are those of the unpadded request. The price is a copy
+    into the padded buffers and the work on the padded tail (< 2x with power-of-two buckets).
 
     Args:
-        buckets: the padded lengths plans are built for, ascending.
-        causal: ``"top_left"`` (``True``), ``"bottom_right"`` or ``False``; bottom-right aligns
-            the diagonal with each request's real lengths, as decoding with a cache needs.
+        buckets: the padded lengths plans are built for: distinct, positive, ascending.
+        causal: ``False``, ``True`` or ``"top_left"``, or ``"bottom_right"`` (the diagonal
+            aligned with each request's real lengths, as decoding with a cache needs).
         max_plans: how many plans (bucket pairs times batch geometries) to keep at most.
-        graph_options: as ``Graph`` takes them: ``backend``, ``autotune``, ``cache``.
+        **graph_options: as ``Graph`` takes them: ``backend``, ``autotune``, ``cache``.
+
+    Raises:
+        ValidationError: bad buckets, causal value, option or ``max_plans``.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn
+
+        attend = cudnn_attn.BucketedAttention(buckets=(64, 128, 256), causal=True)
+        for length in (50, 100, 120):  # three lengths, two plans
+            q, k, v = (torch.randn(1, 4, length, 64, dtype=torch.float16) for _ in range(3))
+            out = attend(q, k, v)  # [1, 4, length, 64]
+        assert attend.plan_count == 2
+        ```
     """
 
     def __init__(self, buckets: tuple[int, ...] = DEFAULT_BUCKETS, causal: bool | str = False, max_plans: int = 256,
@@ -65,6 +86,7 @@ class BucketedAttention:
         self._runs = KeyedCache(max_plans, release_at_exit=True)
 
     def bucket(self, length: int) -> int:
+        """The bucket a sequence of ``length`` is padded to; ``ValidationError`` past the largest."""
         i = bisect.bisect_left(self.buckets, length)
         if i == len(self.buckets):
             raise ValidationError([f"sequence length {length} exceeds the largest bucket {self.buckets[-1]}"])
@@ -73,6 +95,20 @@ class BucketedAttention:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_scale: float | None = None
     ) -> torch.Tensor:
+        """Attention of one request, padded to its buckets and cut back.
+
+        Args:
+            q: ``[B, H_q, S_q, D]``, float16 or bfloat16 (float32 on the reference backend).
+            k: ``[B, H_kv, S_kv, D]``.
+            v: ``[B, H_kv, S_kv, D_v]``.
+            attn_scale: softmax scale; ``1 / sqrt(D)`` by default.
+
+        Returns:
+            ``[B, H_q, S_q, D_v]``, as attention over the unpadded tensors.
+
+        Raises:
+            ValidationError: a length past the largest bucket, or a malformed request.
+        """
         s_q, s_kv = q.shape[2], k.shape[2]
         bq, bkv = self.bucket(s_q), self.bucket(s_kv)
         padded = [_pad(t, n) for t, n in ((q, bq), (k, bkv), (v, bkv))]

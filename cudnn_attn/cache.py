@@ -31,15 +31,36 @@ DEFAULT_MAX_BYTES = 4 << 30  # device memory plans may hold in workspaces and pr
 
 
 class PlanCache:
-    """LRU cache of built plans, bounded in entries and in the bytes the plans hold
-    (``plan.nbytes``: workspaces and prepared buffers).
+    """LRU cache of built plans, bounded in entries and in the bytes the plans hold.
 
-    Example::
+    Every backend goes through one (for the reference backend the cached plan is its prepared
+    callable). Keys hold everything that changes a plan (every shape, stride, dtype, mask and
+    flag, the scale, the GPU, the cuDNN and frontend versions) and nothing else. Thread-safe:
+    concurrent first requests for one key build once. With ``path``, built cuDNN plans are
+    also stored on disk and loaded by later processes (every byte checked).
+
+    Args:
+        maxsize: plans kept at most (least recently used dropped first).
+        path: a directory to store built plans in (private to this user), or None.
+        max_bytes: device and host bytes the plans may hold in workspaces and prepared buffers.
+
+    Raises:
+        ValidationError: ``maxsize`` or ``max_bytes`` not an int >= 1.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn
 
         cache = cudnn_attn.PlanCache(maxsize=64)
-        with cudnn_attn.Graph(cache=cache) as g:
-            o, _ = g.sdpa(q, k, v)
-        cache.stats()  # {'hits': 0, 'misses': 1, 'builds': 1, 'evictions': 0, ...}
+        q = torch.randn(1, 2, 32, 64)
+        for _ in range(2):
+            with cudnn_attn.Graph(cache=cache) as g:
+                g.sdpa(q, q, q)
+        stats = cache.stats()
+        assert stats["builds"] == 1 and len(cache) == 1
+        ```
     """
 
     def __init__(
@@ -176,6 +197,8 @@ class PlanCache:
             return sum(getattr(plan, "nbytes", 0) for plan in self._entries.values())
 
     def stats(self) -> dict[str, float]:
+        """Counters: ``hits``, ``misses``, ``builds``, ``evictions``, ``build_errors``,
+        ``build_seconds``, ``size`` (plans held) and ``in_flight`` (builds under way)."""
         with self._lock:
             return {**self._counts, "build_seconds": self._build_seconds, "size": len(self._entries),
                     "in_flight": len(self._building)}  # fmt: skip
@@ -189,6 +212,7 @@ class PlanCache:
             self._build_seconds = 0.0
 
     def keys(self) -> list[Hashable]:
+        """The keys of the cached plans, least recently used first."""
         with self._lock:
             return list(self._entries)
 
@@ -204,8 +228,22 @@ _default_lock = threading.Lock()
 
 
 def default_cache() -> PlanCache:
-    """The process-wide cache that graphs use unless given ``cache=``; it persists plans under
-    ``$CUDNN_ATTN_CACHE_DIR`` (default ``~/.cache/cudnn_attn``; ``""`` turns that off)."""
+    """The process-wide plan cache: what graphs and functional calls use unless given ``cache=``.
+
+    It stores built cuDNN plans under ``$CUDNN_ATTN_CACHE_DIR`` (default
+    ``~/.cache/cudnn_attn``; ``CUDNN_ATTN_CACHE_DIR=""`` turns storing off).
+
+    Returns:
+        The one ``PlanCache`` of this process, made on first use.
+
+    Example:
+        ```python
+        import cudnn_attn
+
+        cache = cudnn_attn.default_cache()
+        print(len(cache), cache.stats()["hits"])
+        ```
+    """
     global _default
     if _default is not None:  # every graph asks: no lock once it exists
         return _default

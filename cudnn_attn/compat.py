@@ -29,6 +29,17 @@ from .errors import UnsupportedError
 # Our own enums with the frontend's member names (why: the module docstring); keywords read any
 # member by its ``.name``, so the frontend's members work wherever ours do.
 class heur_mode(enum.Enum):  # noqa: N801 - the frontend's spelling
+    """The frontend's heuristic modes, accepted wherever the frontend takes them (``build``,
+    ``jit``, ``create_execution_plans``); plans are chosen with mode A, FALLBACK behind it.
+
+    Example:
+        ```python
+        import cudnn_attn as cudnn
+
+        modes = [cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK]
+        ```
+    """
+
     A = "A"
     B = "B"
     FALLBACK = "FALLBACK"
@@ -36,29 +47,86 @@ class heur_mode(enum.Enum):  # noqa: N801 - the frontend's spelling
 
 
 class diagonal_alignment(enum.Enum):  # noqa: N801 - the frontend's spelling
-    """Where a diagonal band's diagonal starts: row 0 at key 0, or the last row at the last key."""
+    """Where a diagonal band's diagonal starts: row 0 at key 0 (``TOP_LEFT``), or the last row at
+    the last key (``BOTTOM_RIGHT``); ``Graph.sdpa(diagonal_alignment=...)``.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn as cudnn
+
+        q, kv = torch.randn(1, 2, 4, 64), torch.randn(1, 2, 16, 64)
+        with cudnn.Graph() as g:  # the 4 queries are the last 4 of 16 positions, causal
+            g.sdpa(q, kv, kv, diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT,
+                   diagonal_band_right_bound=0)
+        out = g(q, kv)  # k and v are one tensor: one input
+        ```
+    """
 
     TOP_LEFT = "TOP_LEFT"
     BOTTOM_RIGHT = "BOTTOM_RIGHT"
 
 
 class attention_implementation(enum.Enum):  # noqa: N801 - the frontend's spelling
+    """The frontend's engine families (``sdpa(implementation=...)``), accepted; cuDNN's
+    heuristics choose the engine.
+
+    Example:
+        ```python
+        import cudnn_attn as cudnn
+
+        choice = cudnn.attention_implementation.AUTO
+        ```
+    """
+
     AUTO = "AUTO"
     COMPOSITE = "COMPOSITE"
     UNIFIED = "UNIFIED"
 
 
 class build_plan_policy(enum.Enum):  # noqa: N801 - the frontend's spelling
+    """The frontend's ``build_plans(policy)``: ``HEURISTICS_CHOICE`` builds the chosen plan,
+    ``ALL`` lets ``execute_plan_at_index`` run any candidate (each built when first run).
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn as cudnn
+
+        q = torch.randn(1, 2, 16, 64, dtype=torch.float16)
+        g = cudnn.pygraph()
+        Q = g.tensor_like(q)
+        O, _ = g.sdpa(Q, Q, Q)
+        g.build_plans(cudnn.build_plan_policy.ALL)
+        print(g.get_execution_plan_count())
+        ```
+    """
+
     HEURISTICS_CHOICE = "HEURISTICS_CHOICE"
     ALL = "ALL"
 
 
 class Handle:
-    """A library handle: binds work to a device and a stream; the cuDNN backend attaches its cuDNN
-    handle (``native``) on first use on a GPU.
+    """A library handle: binds work to a device and a stream (the frontend's ``cudnn.Handle``).
 
-    ``stream`` is the raw CUDA stream set by ``set_stream``; None (the default, unlike the
-    frontend's stream 0) runs on torch's current stream at each call.
+    Optional everywhere: one per device and thread is made when none is passed. The cuDNN
+    backend attaches its cuDNN handle (``native``) on first use on a GPU. ``stream`` is the raw
+    CUDA stream set by ``set_stream``; None (the default, unlike the frontend's stream 0) runs
+    on torch's current stream at each call. ``cudnn_attn.handle`` is the same class.
+
+    Args:
+        device: the device (the current one by default).
+        stream: a raw ``cudaStream_t`` int, a torch stream, or None.
+
+    Example:
+        ```python
+        import cudnn_attn as cudnn
+
+        handle = cudnn.create_handle()
+        assert isinstance(handle, cudnn.Handle) and cudnn.get_stream(handle) is None
+        ```
     """
 
     def __init__(self, device: Any = None, stream: Any = None):
@@ -76,13 +144,43 @@ handle = Handle
 
 
 def create_handle(device: Any = None) -> Handle:
-    """A handle for ``device`` (the current one by default); no GPU work until it is used."""
+    """A handle for ``device`` (the current one by default); no GPU work until it is used.
+
+    Args:
+        device: the device, or None.
+
+    Returns:
+        A ``Handle``.
+
+    Example:
+        ```python
+        import cudnn_attn as cudnn
+
+        handle = cudnn.create_handle()
+        cudnn.destroy_handle(handle)
+        ```
+    """
     return Handle(device)
 
 
 def destroy_handle(handle: Any) -> None:
-    """Release ``handle``'s cuDNN handle and forget its stream (as the frontend's does); a later
-    use makes a fresh cuDNN handle. Takes this library's handles and the frontend's."""
+    """Release ``handle``'s cuDNN handle and forget its stream, as the frontend's does.
+
+    A later use makes a fresh cuDNN handle. Takes this library's handles and the frontend's.
+
+    Args:
+        handle: the handle.
+
+    Raises:
+        TypeError: ``handle`` is neither this library's nor the frontend's.
+
+    Example:
+        ```python
+        import cudnn_attn as cudnn
+
+        cudnn.destroy_handle(cudnn.create_handle())
+        ```
+    """
     if isinstance(handle, Handle):
         native, handle.native, handle.stream = handle.native, None, None
         frontend = _frontend_handle_type()
@@ -93,11 +191,27 @@ def destroy_handle(handle: Any) -> None:
 
 
 def set_stream(handle: Any, stream: Any) -> None:
-    """Run ``handle``'s work on ``stream``: a raw ``cudaStream_t`` as an int (the frontend's
-    spelling), a torch stream, or None for torch's current stream at each call.
+    """Run ``handle``'s work on ``stream``.
+
+    Args:
+        handle: this library's handle or the frontend's.
+        stream: a raw ``cudaStream_t`` as an int (the frontend's spelling), a torch stream, or
+            None for torch's current stream at each call.
+
+    Raises:
+        TypeError: a stream of another kind, or a negative pointer; or not a handle.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn as cudnn
 
         handle = cudnn.create_handle()
-        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+        if torch.cuda.is_available():
+            cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+        cudnn.set_stream(handle, None)  # back to torch's current stream
+        ```
     """
     if isinstance(handle, Handle):
         handle.stream = _stream_pointer(stream)
@@ -106,7 +220,21 @@ def set_stream(handle: Any, stream: Any) -> None:
 
 
 def get_stream(handle: Any) -> int | None:
-    """The stream ``set_stream`` gave ``handle`` (None: torch's current stream at each call)."""
+    """The stream ``set_stream`` gave ``handle``.
+
+    Args:
+        handle: this library's handle or the frontend's.
+
+    Returns:
+        The raw stream pointer, or None (torch's current stream at each call).
+
+    Example:
+        ```python
+        import cudnn_attn as cudnn
+
+        assert cudnn.get_stream(cudnn.create_handle()) is None
+        ```
+    """
     if isinstance(handle, Handle):
         return handle.stream
     return _frontend_call("get_stream", handle)(handle)
@@ -115,22 +243,67 @@ def get_stream(handle: Any) -> int | None:
 def backend_version() -> int:
     """The cuDNN library's version as an int (9.19.0 is ``91900``), as the frontend reports it.
 
-    Raises ``UnsupportedError`` (a ``RuntimeError``, as the frontend's own failure is) where the
-    frontend has no cuDNN library loaded: CPU tensors still run, on the reference backend. The
-    version of a cuDNN that torch links is not reported in its place: the cuDNN backend runs
-    through the frontend, so only the library the frontend loaded can run a plan.
+    The version of a cuDNN that torch links is not reported in its place: the cuDNN backend
+    runs through the frontend, so only the library the frontend loaded can run a plan.
+
+    Returns:
+        The version.
+
+    Raises:
+        UnsupportedError: the frontend does not import or has no cuDNN library loaded (a
+            ``RuntimeError``, as the frontend's own failure is); CPU tensors still run, on the
+            reference backend.
+
+    Example:
+        ```python
+        import cudnn_attn as cudnn
+
+        try:
+            print(cudnn.backend_version())
+        except cudnn.UnsupportedError as error:  # no cuDNN here
+            print(error.alternatives)
+        ```
     """
     return int(_frontend_version_call("backend_version"))
 
 
 def backend_version_string() -> str:
-    """The cuDNN library's version as text (``"9.19.0"``); raises as ``backend_version`` does."""
+    """The cuDNN library's version as text (``"9.19.0"``).
+
+    Returns:
+        The version.
+
+    Raises:
+        UnsupportedError: as ``backend_version``.
+
+    Example:
+        ```python
+        import cudnn_attn as cudnn
+
+        try:
+            print(cudnn.backend_version_string())
+        except cudnn.UnsupportedError:
+            print("no cuDNN library loaded")
+        ```
+    """
     return str(_frontend_version_call("backend_version_string"))
 
 
 def get_last_error_string() -> str:
-    """cuDNN's message for its last failed call in this thread; empty where no cuDNN library is
-    loaded (no cuDNN call can have failed). This library's own errors carry their reasons."""
+    """cuDNN's message for its last failed call in this thread.
+
+    This library's own errors carry their reasons; this is for frontend code that asks.
+
+    Returns:
+        The message; empty where no cuDNN library is loaded (no cuDNN call can have failed).
+
+    Example:
+        ```python
+        import cudnn_attn as cudnn
+
+        print(repr(cudnn.get_last_error_string()))
+        ```
+    """
     try:
         return str(_frontend().get_last_error_string())
     except Exception:

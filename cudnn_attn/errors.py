@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 
 class _StandInError(Exception):
@@ -87,10 +87,29 @@ class _ProblemList:
 
 
 class ValidationError(_ProblemList, ValueError):
-    """The request is malformed. ``.problems`` holds one line per problem.
+    """The request is malformed: every problem found, one per line.
 
-    Each line names the argument, what was given and what is allowed, e.g.
-    ``"k: head dim d_qk=60 differs from q's 64; q and k must share d_qk"``.
+    A ``ValueError``. Raised by the same checks on every backend, before any GPU work. Each
+    line names the argument, what was given and what is allowed, e.g.
+    ``"k: head dim d_qk=60 differs from q's 64; q and k must share d_qk"``; ``.problems``
+    holds the lines.
+
+    Args:
+        problems: the lines, one per problem.
+        context: what was called (``"sdpa"``, a graph's name), prefixed to the message.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn
+
+        q = torch.randn(1, 2, 8, 64)
+        try:
+            cudnn_attn.sdpa(q, q, q, dropout_p=1.5, is_causal="yes")
+        except cudnn_attn.ValidationError as error:
+            assert [line.split(":")[0] for line in error.problems] == ["dropout_p", "is_causal"]
+        ```
     """
 
     headline = "problems"
@@ -100,11 +119,33 @@ class ValidationError(_ProblemList, ValueError):
 
 
 class UnsupportedError(_ProblemList, NotImplementedError, _StandInError):
-    """Well formed, but this GPU / cuDNN version / backend cannot run it.
+    """Well formed, but this GPU, cuDNN version or backend cannot run it.
 
-    ``.problems`` lists the reasons; ``.alternatives`` what would work, where known. Caught by
-    ``except NotImplementedError`` (and so ``RuntimeError``) and by the frontend's
-    ``except cudnn.cudnnGraphNotSupportedError``.
+    A ``NotImplementedError`` (so a ``RuntimeError``), and the cuDNN frontend's
+    ``cudnnGraphNotSupportedError`` wherever the frontend is imported: frontend code that skips
+    a case with ``except cudnn.cudnnGraphNotSupportedError`` keeps working. ``.problems`` lists
+    the reasons (phrased as the failing condition, e.g. ``"paged K/V caches need cuDNN >= 9.5
+    (have 9.3)"``); ``.alternatives`` what would work, where known. Code written on a CPU runs
+    unchanged on a GPU except for these limits.
+
+    Args:
+        reasons: the lines, one per reason.
+        context: what was called, prefixed to the message.
+        alternatives: what would work instead, where known.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn
+
+        q = torch.randn(1, 2, 8, 64, dtype=torch.float16)
+        try:  # the cuDNN backend runs CUDA tensors only
+            with cudnn_attn.Graph(backend="cudnn") as g:
+                g.sdpa(q, q, q)
+        except cudnn_attn.UnsupportedError as error:
+            print(error.problems, error.alternatives)
+        ```
     """
 
     headline = "reasons"
@@ -119,7 +160,31 @@ class UnsupportedError(_ProblemList, NotImplementedError, _StandInError):
 
 
 class ShapeMismatchError(_ProblemList, ValueError):
-    """A run's tensors do not match the geometry of the graph they are run on."""
+    """A run's tensors do not match the graph they are run on.
+
+    A ``ValueError``, raised when a built graph is called: an input missing or extra, or of
+    another shape, strides, dtype or device than the template the graph was built for. Checked
+    on the host, before any GPU work. ``.problems`` names each input.
+
+    Args:
+        problems: the lines, one per mismatch.
+        context: the graph's name, prefixed to the message.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn
+
+        q = torch.randn(1, 2, 16, 64)
+        with cudnn_attn.Graph() as g:
+            g.sdpa(q, q, q)
+        try:
+            g(torch.randn(1, 2, 32, 64))  # S = 32: the graph was built for 16
+        except cudnn_attn.ShapeMismatchError as error:
+            print(error)
+        ```
+    """
 
     headline = "mismatches"
 
@@ -128,7 +193,50 @@ class ShapeMismatchError(_ProblemList, ValueError):
 
 
 class GraphStateError(RuntimeError):
-    """The graph was used out of order (ops added after build, run before build, ...)."""
+    """A graph was used out of order: a tensor or op added after the build, a setter called on a
+    built graph's output, or a graph run after its plans were released at exit. A ``RuntimeError``.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn
+
+        q = torch.randn(1, 2, 16, 64)
+        with cudnn_attn.Graph() as g:
+            o, _ = g.sdpa(q, q, q)
+        try:
+            g.sdpa(q, q, q)  # the graph was built on leaving the block
+        except cudnn_attn.GraphStateError as error:
+            print(error)
+        ```
+    """
+
+
+if TYPE_CHECKING:  # resolved by __getattr__ below; declared for type checkers and the API reference
+
+    class cudnnGraphNotSupportedError(Exception):  # noqa: N801 - the frontend's spelling
+        """The cuDNN frontend's "this GPU or cuDNN cannot run this graph" exception.
+
+        ``cudnn_attn.cudnnGraphNotSupportedError`` is the frontend's own class, imported when
+        first asked for (a stand-in of the same name where the frontend does not import), and
+        ``UnsupportedError`` derives from it: ``except cudnn.cudnnGraphNotSupportedError``
+        catches this library's refusals whichever package ``cudnn`` names.
+
+        Example:
+            ```python
+            import torch
+
+            import cudnn_attn as cudnn
+
+            q = torch.randn(1, 2, 8, 64, dtype=torch.float16)
+            try:
+                with cudnn.Graph(backend="cudnn") as g:  # CPU tensors: refused
+                    g.sdpa(q, q, q)
+            except cudnn.cudnnGraphNotSupportedError:
+                print("skipped")
+            ```
+        """
 
 
 def __getattr__(name: str) -> Any:

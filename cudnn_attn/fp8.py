@@ -29,6 +29,7 @@ from .fp8_scaling import Fp8Scaling
 from .fp8_tensor import Fp8Tensor
 from .functional.arguments import ARGUMENT_NAMES, check_arguments, materialised
 from .kernels.fp8_cast import E4M3, E4M3_MAX, amax_qkv, from_fp8, quantise_qkv, scale_view
+from .runtime import backend_choice
 from .runtime.prepared import PreparedRun, prepare
 
 BACKWARDS = ("bf16", "fp8")
@@ -48,17 +49,58 @@ def sdpa_fp8(
     scaling: Fp8Scaling | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> Any:
-    """Attention through FP8 (E4M3) kernels: ``query``/``key``/``value`` fp16 or bf16
-    ``[B, H, L, E]``, the output in their dtype. ``backward``: how gradients are computed
-    (``"bf16"``: from the 16-bit inputs). ``scaling``: an ``Fp8Scaling`` for delayed scaling
-    (one pass per tensor, scales from its amax history); None scales each call by its
-    current amaxes.
+    """Attention through FP8 (E4M3) kernels, with the scaling done for the caller.
 
-    FP8 producers and consumers skip the casts: ``query``/``key``/``value`` may all be
-    ``Fp8Tensor`` (E4M3 data and its descale; no scaling, no gradients), and
-    ``out_dtype=torch.float8_e4m3fn`` returns O as an ``Fp8Tensor`` whose descale is V's
-    (``|O| <= max|V|``: never saturated). ``out_dtype`` (float16, bfloat16, float32 or
-    float8_e4m3fn) defaults to the inputs' dtype: FP8 in, FP8 out."""
+    fp16/bf16 in and out: each of Q, K, V is scaled so that its largest magnitude lands on
+    E4M3's largest value (448), quantised, attended with the matching descales, and O
+    dequantised into the inputs' dtype (current scaling, TransformerEngine's recipe); or, with
+    ``scaling``, delayed scaling from an amax history. FP8 producers and consumers skip the
+    casts: pass three ``Fp8Tensor`` and/or ask ``out_dtype=torch.float8_e4m3fn``. On a GPU this
+    needs Hopper or newer and cuDNN >= 9.7 (not 9.10.0), head dims up to 128; on the CPU the
+    reference backend emulates the FP8 kernels exactly. Differentiable.
+
+    Args:
+        query: ``[B, H_q, L, E]`` (or ``[H_q, L, E]``) float16 or bfloat16, or an ``Fp8Tensor``.
+        key: ``[B, H_kv, S, E]``, as query.
+        value: ``[B, H_kv, S, E_v]``, as query.
+        attn_mask: must be None: cuDNN's FP8 attention takes no bias (use ``is_causal``).
+        is_causal: top-left causal mask.
+        scale: factor on ``query @ key^T``; ``1 / sqrt(E)`` by default.
+        enable_gqa: let ``H_kv`` divide ``H_q``.
+        backward: how gradients are computed: ``"bf16"`` (the default) recomputes attention
+            from the 16-bit inputs with the 16-bit plans; ``"fp8"`` runs cuDNN's FP8 backward,
+            with the gradients' scales from ``scaling``'s histories (required then).
+        scaling: an ``Fp8Scaling`` for delayed scaling (one pass per tensor, scales from its
+            amax history; keep one per attention site); None scales by each call's amaxes.
+        out_dtype: float16, bfloat16, float32 or float8_e4m3fn; the inputs' dtype by default
+            (FP8 in, FP8 out). ``float8_e4m3fn`` returns an ``Fp8Tensor`` whose descale is V's
+            (``|O| <= max|V|``: never saturated); it carries no gradient.
+
+    Returns:
+        The attention output ``[B, H_q, L, E_v]`` in ``out_dtype``, or an ``Fp8Tensor``.
+
+    Raises:
+        ValidationError: torch's rules on the arguments; inputs other than float16/bfloat16
+            (or three ``Fp8Tensor``); empty inputs; a bad ``backward``, ``scaling`` or
+            ``out_dtype``; gradients asked of FP8 inputs or outputs.
+        UnsupportedError: ``attn_mask`` given, or a GPU/cuDNN that cannot run FP8 attention.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn
+
+        q, k, v = (torch.randn(2, 4, 128, 64, dtype=torch.bfloat16) for _ in range(3))
+        out = cudnn_attn.sdpa_fp8(q, k, v, is_causal=True)  # bf16 out, within FP8's error
+        expected = cudnn_attn.sdpa(q, k, v, is_causal=True).float()
+        assert (out.float() - expected).norm() / expected.norm() < 0.1
+
+        q8, k8, v8 = (cudnn_attn.Fp8Tensor.quantise(t) for t in (q, k, v))  # FP8 in and out
+        o8 = cudnn_attn.sdpa_fp8(q8, k8, v8, is_causal=True)
+        assert o8.data.dtype == torch.float8_e4m3fn
+        ```
+    """
     if any(isinstance(x, Fp8Tensor) for x in (query, key, value)):
         return _on_fp8_inputs(query, key, value, attn_mask, is_causal, scale, enable_gqa, backward, scaling, out_dtype)
     query, key, value = cast(torch.Tensor, query), cast(torch.Tensor, key), cast(torch.Tensor, value)
@@ -293,6 +335,7 @@ def _forward_run(args: tuple, is_causal: bool, attn_scale: float, stats: bool = 
 _FP8_SAVED = ("q8", "k8", "v8", "o8", "stats", "descale_q", "descale_k", "descale_v", "scale_s")
 
 
+@backend_choice.kept_for_backward
 class _Fp8Attention(torch.autograd.Function):
     """The FP8 forward; gradients from the 16-bit inputs (``backward="bf16"``) or through the
     FP8 backward (``backward="fp8"``, ``gradients`` below)."""

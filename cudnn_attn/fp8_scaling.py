@@ -20,11 +20,34 @@ from .kernels.fp8_cast import TENSORS, advance_history, amax_qkv, quantise_qkv, 
 
 
 class Fp8Scaling:
-    """The amax history of one attention site's Q, K and V (float32, on their device).
+    """Delayed FP8 scaling: the amax history of one attention site's Q, K and V.
 
-    The history, its next column and the next call's scales live on the device and advance
-    there (``kernels.fp8_cast.advance_history``): after one call outside capture, calls can be
-    captured in a CUDA graph, each replay advancing the history as an eager call would.
+    Pass it as ``sdpa_fp8(..., scaling=)``: each call scales Q, K and V by the largest amax of
+    the last ``history`` calls and records its own amax during the cast, so each tensor is
+    read once (current scaling reads it twice). The first call has no history and scales by its
+    current amaxes. A tensor whose magnitude outgrows its history is saturated on that call.
+    The history lives on the device and advances there: after one call outside capture, calls
+    can be captured in a CUDA graph. Keep one per attention site (``nn.Attention(fp8=True)``
+    does); ``backward="fp8"`` keeps the gradients' histories here too.
+
+    Args:
+        history: how many calls' amaxes decide the scale (>= 1).
+
+    Raises:
+        ValidationError: ``history`` is not an int >= 1.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn
+
+        scaling = cudnn_attn.Fp8Scaling(history=16)
+        q, k, v = (torch.randn(1, 4, 64, 64, dtype=torch.bfloat16) for _ in range(3))
+        for _ in range(3):
+            out = cudnn_attn.sdpa_fp8(q, k, v, is_causal=True, scaling=scaling)
+        assert scaling.calls == 3
+        ```
     """
 
     def __init__(self, history: int = 16):

@@ -19,30 +19,68 @@ from .kernels.fp8_cast import from_fp8, to_fp8
 
 
 class Fp8Tensor(NamedTuple):
-    """``data`` (``torch.float8_e4m3fn``) and ``descale`` (float32, one element): the real
-    values are ``data.float() * descale``. A tuple, so ``data, descale = t`` unpacks it."""
+    """An E4M3 tensor and the descale that gives its real values: ``data.float() * descale``.
+
+    What ``sdpa_fp8`` takes from a producer that already writes FP8 (an FP8 projection, an FP8
+    KV cache) and returns to a consumer that reads FP8 (``torch._scaled_mm`` takes the descale
+    as ``scale_a``), so the 16-bit casts around the FP8 kernel are not paid. A ``NamedTuple``:
+    ``data, descale = t`` unpacks it.
+
+    Attributes:
+        data: the values, ``torch.float8_e4m3fn``, any shape.
+        descale: float32, one element, on data's device.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn
+
+        x = torch.randn(2, 4, 16, 64, dtype=torch.bfloat16)
+        x8 = cudnn_attn.Fp8Tensor.quantise(x)  # scale 448 / max|x|
+        data, descale = x8
+        assert data.dtype == torch.float8_e4m3fn and descale.numel() == 1
+        assert (x8.dequantise(torch.float32) - x.float()).abs().max() < 0.1 * x.abs().max()
+        ```
+    """
 
     data: torch.Tensor
     descale: torch.Tensor
 
     @classmethod
     def quantise(cls, x: torch.Tensor, scale: torch.Tensor | None = None) -> Fp8Tensor:
-        """``x`` (fp16/bf16/float32) in E4M3: ``x * scale`` saturated to +-448. ``scale``
-        (float32, one element) defaults to the current scale, ``448 / max|x|`` (1 if ``x`` is
-        all zeros), which takes one more pass over ``x``."""
+        """``x`` in E4M3: ``x * scale`` saturated to +-448, with the descale ``1 / scale``.
+
+        Args:
+            x: float16, bfloat16 or float32, any shape.
+            scale: float32, one element; by default the current scale ``448 / max|x|`` (1 if
+                ``x`` is all zeros), which takes one more pass over ``x``.
+
+        Returns:
+            The ``Fp8Tensor``.
+        """
         used = current_scale(x) if scale is None else scale.detach().float().reshape(1, 1, 1, 1)
         return cls(to_fp8(x.detach(), used), (1.0 / used).reshape(()))
 
     def dequantise(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """The real values in ``dtype`` (``data * descale``, float32 arithmetic)."""
+        """The real values, ``data * descale`` in float32 arithmetic.
+
+        Args:
+            dtype: the result's dtype.
+
+        Returns:
+            A tensor of data's shape in ``dtype``.
+        """
         return from_fp8(self.data, self.descale.reshape(1, 1, 1, 1), dtype)
 
     @property
     def shape(self) -> torch.Size:
+        """data's shape."""
         return self.data.shape
 
     @property
     def device(self) -> torch.device:
+        """data's device."""
         return self.data.device
 
     def __repr__(self) -> str:

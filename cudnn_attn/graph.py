@@ -41,22 +41,67 @@ _DTYPE_ARGUMENTS = ("io_data_type", "intermediate_data_type", "compute_data_type
 
 
 class Graph(Fp8Ops, steps.FrontendSteps):
-    """A graph of attention nodes, built once and run many times.
+    """A graph of attention nodes: recorded once, built once, run many times.
 
-    Args:
-        io_data_type: dtype of q/k/v/o; ``None`` takes q's. Accepts ``cudnn_attn.data_type``
-            members, torch dtypes and the frontend's own enum.
-        backend: ``"auto"`` (cuDNN for CUDA tensors, the reference backend for CPU
-            tensors), ``"cudnn"`` or ``"reference"``.
-        autotune: time every candidate plan and keep the fastest (cuDNN only); ``None`` follows
-            ``cudnn_attn.set_autotune`` / ``CUDNN_ATTN_AUTOTUNE=1``.
-        cache: the ``PlanCache`` to use; the process-wide ``default_cache()`` by default.
+    Inside ``with Graph() as g:`` the ops (``sdpa``, ``sdpa_backward``, ``sdpa_with_paged_cache``,
+    ``sdpa_fp8``, ``sdpa_fp8_backward``) record nodes; the tensors they are given are templates
+    whose shape, strides, dtype and device define the graph, and nothing runs. Leaving the block
+    builds: every node is validated (all problems in one ``ValidationError``) and each node's
+    plan is taken from the plan cache, built on a miss; a recording identical to an earlier one
+    adopts that build. Calling the graph runs the plans on tensors of the same geometry.
 
     The frontend's ``pygraph`` parameters are accepted in its positional order (``name``,
-    ``io_data_type``, ..., ``cuda_graph_retention``); see ``recording/frontend_steps.py`` for what
-    each means here. ``inputs=``/``outputs=`` make it the frontend's pythonic ``cudnn.Graph``: calls
-    take the declared inputs in order (or a dict by name) and return the declared outputs
-    (``recording/declared.py``); ``heuristics`` and ``workspace_alloc`` are accepted.
+    ``io_data_type``, ..., ``cuda_graph_retention``). ``inputs=``/``outputs=`` make it the
+    frontend's pythonic ``cudnn.Graph``: calls take the declared inputs in order (or a dict by
+    name) and return the declared outputs.
+
+    Args:
+        name: the graph's name, used in errors and logs (default ``"graph"``).
+        io_data_type: dtype of q/k/v/o; None takes q's. Data types accept ``cudnn_attn.data_type``
+            members (``HALF``, ``BFLOAT16``, ``FLOAT``, ``FP8_E4M3``, ...), torch dtypes, the
+            frontend's enum and their names.
+        intermediate_data_type: dtype of the scores and softmax; float32 (the default) only.
+        compute_data_type: dtype of the arithmetic; float32 (the default) only.
+        handle: a handle from ``create_handle`` (ours or the frontend's), optional: one per
+            device and thread is made when none is given.
+        sm_count: the frontend's SM count hint; recorded, plans use the whole GPU.
+        sm_version: the frontend's target architecture hint; recorded, plans are built for the
+            GPU that runs them.
+        kernel_cache: the frontend's kernel cache; accepted (the plan cache keeps built plans).
+        device_property: the frontend's deviceless compilation; refused (``UnsupportedError``).
+        is_dynamic_shape_enabled: accepted; a packed (THD) plan serves every token count anyway.
+        is_override_shape_enabled: allow ``execute(override_uids=, override_shapes=,
+            override_strides=)``: a run's own dims and strides for some tensors.
+        cuda_graph_retention: the frontend's CUDA-graph hint (None, ``PER_GRAPH`` or ``NONE``).
+        is_cuda_graph_replay_expected: the frontend's CUDA-graph hint; accepted.
+        inputs: declared inputs (handles or names), the pythonic graph's call order.
+        outputs: declared outputs (handles or names): calls return these; others are virtual.
+        heuristics: the pythonic graph's heuristic modes; accepted (cuDNN mode A, FALLBACK behind).
+        workspace_alloc: the pythonic graph's flag; accepted (workspaces are allocated here).
+        backend: ``"auto"`` (cuDNN for CUDA tensors, the reference backend for CPU tensors),
+            ``"cudnn"`` or ``"reference"`` (the pure-PyTorch backend, on any device).
+        autotune: time every candidate cuDNN plan at build and keep the fastest; None follows
+            ``cudnn_attn.set_autotune`` and ``CUDNN_ATTN_AUTOTUNE=1``.
+        cache: the ``PlanCache`` to take plans from; ``default_cache()`` by default.
+        **kwargs: anything else is refused, naming it.
+
+    Raises:
+        ValidationError: a bad data type, backend, cache, name or frontend option (every
+            problem listed); at build, everything wrong with the recorded ops.
+        UnsupportedError: at build, a node this GPU, cuDNN version or backend cannot run.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn
+
+        q, k, v = (torch.randn(2, 4, 64, 32, dtype=torch.bfloat16) for _ in range(3))
+        with cudnn_attn.Graph() as g:  # ops record; leaving the block builds
+            o, stats = g.sdpa(q, k, v, use_causal_mask=True, generate_stats=True)
+        O, S = g(q, k, v)  # any tensors of this geometry: [B, H, S, D] bf16 on the CPU here
+        assert O.shape == (2, 4, 64, 32) and S.shape == (2, 4, 64, 1)  # Stats: float32 log-sum-exp
+        ```
     """
 
     virtual_outputs = False  # every output is produced unless set_output(False); pygraph: the frontend's rule
@@ -131,12 +176,12 @@ class Graph(Fp8Ops, steps.FrontendSteps):
         if exc_type is None:
             self.build()
 
-    is_built = property(lambda self: self.recording.built)
-    nodes = property(lambda self: self.recording.nodes)
+    is_built = property(lambda self: self.recording.built, doc="Whether the graph has been built.")
+    nodes = property(lambda self: self.recording.nodes, doc="The recorded nodes, one per op call.")
 
     @property
     def inputs(self) -> list[InputHandle]:
-        """The graph's inputs: in creation order while recording, in positional order once built."""
+        """The graph's input handles: in creation order while recording, in positional order once built."""
         return self.recording.inputs
 
     # ---- tensors -----------------------------------------------------------------------------
@@ -159,9 +204,31 @@ class Graph(Fp8Ops, steps.FrontendSteps):
     ) -> InputHandle:
         """An input described without data (the frontend's ``graph.tensor``, in its positional order).
 
-        ``stride`` defaults to row-major, ``data_type`` to the graph's ``io_data_type``; ``device``
-        to the current CUDA device where there is one, else (and for pass-by-value scalars) the CPU. ``alignment_value`` is a
-        promise about the values, accepted as given.
+        For frontend code that builds a graph from descriptors and runs it with ``execute``.
+
+        Args:
+            dim: the tensor's dims (required).
+            stride: its strides; row-major by default.
+            data_type: its dtype (``data_type`` member or torch dtype); the graph's
+                ``io_data_type`` by default.
+            is_virtual: virtual tensors link the frontend's other ops; refused.
+            is_pass_by_value: a host scalar (e.g. ``attn_scale``), read at each run.
+            ragged_offset: a graph tensor of ``B + 1`` element offsets: this tensor is THD.
+            reordering_type: block-scaled layouts; only None or ``NONE`` is taken.
+            name: the tensor's name, a key of ``execute``'s variant pack.
+            uid: the frontend's uid, another key of the variant pack.
+            ragged_offset_multiplier: only 1 (offsets are in elements).
+            alignment_value: a promise about the values; accepted as given.
+            device: its device; the current CUDA device where there is one, else (and for
+                pass-by-value scalars) the CPU.
+
+        Returns:
+            The input's handle.
+
+        Raises:
+            ValidationError: a missing or malformed dim, stride, data type, device or name.
+            UnsupportedError: ``is_virtual``, a reordering or a multiplier other than 1.
+            GraphStateError: the graph is already built.
         """
         self.recording.check_open("tensor")
         unsupported = steps.frontend_tensor_options(is_virtual, reordering_type, ragged_offset_multiplier)
@@ -202,8 +269,20 @@ class Graph(Fp8Ops, steps.FrontendSteps):
         return handle
 
     def tensor_like(self, template: Any, name: str = "") -> InputHandle:
-        """An input with ``template``'s geometry (the frontend's ``graph.tensor_like``): a tensor, a
-        DLPack array, or another graph tensor (an input, or an output whose dims are set)."""
+        """An input with ``template``'s geometry (the frontend's ``graph.tensor_like``).
+
+        Args:
+            template: a torch tensor, a DLPack array, or a graph tensor (an input, or an output
+                whose dims and data type are set).
+            name: the input's name; the template's (or ``"tensor"``) by default.
+
+        Returns:
+            The input's handle.
+
+        Raises:
+            ValidationError: ``template`` is none of those.
+            GraphStateError: the graph is already built.
+        """
         self.recording.check_open("tensor_like")
         if isinstance(template, TensorHandle):
             return self.recording.made_input(handle_spec(template), name or template.name, None)
@@ -239,15 +318,87 @@ class Graph(Fp8Ops, steps.FrontendSteps):
         name: str | None = None,
         **mask: Any,
     ) -> tuple[OutputHandle, OutputHandle | None]:
-        """Scaled dot-product attention forward: ``(O, Stats)``, Stats ``None`` unless generated.
+        """Scaled dot-product attention forward: records a node, returns ``(O, Stats)``.
 
-        ``q``/``k``/``v`` are ``[B, H, S, D]`` tensors with any strides (unit last stride),
-        or ``[T, H, D]`` packed (THD) tensors with ``seq_len_q``/``seq_len_kv``. With
-        ``paged_attention_k_table``, ``k``/``v`` are paged caches (see ``sdpa_with_paged_cache``).
-        ``attn_scale`` defaults to ``1/sqrt(d_qk)``. ``generate_stats`` defaults to False.
-        The mask keywords are those of ``cudnn_attn.recording.keywords.MaskKeywords``. ``rng_dump``:
-        a float32 ``[B, H_q, S_q, S_kv]`` tensor the caller made (the frontend's debug output) that
-        receives the dropout keep-mask (on the reference backend, its own mask: 1 kept, 0 dropped).
+        ``O = softmax(q @ k^T * attn_scale + masks and bias) @ v``, dropout applied to the
+        softmax; ``Stats`` is the log-sum-exp of each row's scaled, masked scores (natural log,
+        float32 ``[B, H_q, S_q, 1]``), which ``sdpa_backward`` reads. Tensors: ``[B, H, S, D]``
+        with any strides and a unit last stride (BHSD, BSHD and SBHD views, packed QKV), or THD
+        ``[T, H, D]`` (sequences back to back) with ``seq_len_q``/``seq_len_kv``; q, k, v share
+        one dtype (float16, bfloat16 or float32); head dims are multiples of 8; K/V heads divide
+        Q heads (GQA/MQA). The run's positional inputs, in this order, are those given of
+        q, k, v, attn_bias, seq_len_q, seq_len_kv, dropout_seed, dropout_offset, the page tables.
+
+        Args:
+            q: queries, ``[B, H_q, S_q, D_qk]`` (or THD ``[T_q, H_q, D_qk]``).
+            k: keys, ``[B, H_kv, S_kv, D_qk]``; with ``paged_attention_k_table``, a paged cache.
+            v: values, ``[B, H_kv, S_kv, D_v]``; with ``paged_attention_v_table``, a paged cache.
+            is_inference: the frontend's flag: False generates Stats (for training).
+            generate_stats: whether Stats is produced; default False. Given with
+                ``is_inference``, the two must agree.
+            paged_attention_k_table: page table ``[B, 1, pages_per_seq, 1]`` int32 (K/V are
+                then caches ``[num_pages, H_kv, page_size, D]``; cuDNN >= 9.5).
+            paged_attention_v_table: V's page table, same form.
+            paged_attention_max_seq_len_kv: the longest cache length (default: pages x page size).
+            kv_cache_layout: ``"NHPD"`` (``[num_pages, H_kv, page_size, D]``) or ``"NPHD"``.
+            compute_data_type: float32 only, as the graph's.
+            rng_dump: a float32 ``[B, H_q, S_q, S_kv]`` tensor the caller made that receives the
+                dropout keep-mask (1 kept, 0 dropped; the frontend's debug output).
+            name: the node's name, prefixing its outputs' names.
+            **mask: the mask, scale, length and dropout keywords below (``help(g.sdpa)`` and
+                editors list them all).
+
+        Other Parameters:
+            attn_scale (float | tensor): factor on ``q @ k^T``; default ``1 / sqrt(D_qk)``. A
+                pass-by-value graph tensor is read at each run.
+            use_causal_mask (bool): top-left causal: query ``i`` sees keys ``j <= i``.
+            use_causal_mask_bottom_right (bool): causal aligned to the last key: query ``i``
+                sees keys ``j <= i + S_kv - S_q`` (decode, chunked prefill; cuDNN >= 9.3).
+            sliding_window_length (int): a window of W keys, the query's own included, left of
+                the diagonal (cuDNN >= 9.2). Alias ``diagonal_band_left_bound``.
+            diagonal_band_right_bound (int): keys up to R past the diagonal (0 is causal).
+            diagonal_alignment (diagonal_alignment): where the band's diagonal starts,
+                ``TOP_LEFT`` or ``BOTTOM_RIGHT``.
+            attn_bias (tensor): additive bias broadcastable to ``[B, H_q, S_q, S_kv]`` (alias
+                ``bias``); q's dtype.
+            use_alibi_mask (bool): ALiBi slopes; with top-left causal only.
+            use_padding_mask (bool): mask past each sequence's length (``seq_len_q``/``_kv``).
+            seq_len_q (tensor): int32 ``[B, 1, 1, 1]`` (or ``[B]``) valid query lengths.
+            seq_len_kv (tensor): int32 ``[B, 1, 1, 1]`` (or ``[B]``) valid key lengths.
+            max_seq_len_q (int): THD: the longest query sequence the plan serves.
+            max_seq_len_kv (int): THD and paged: the longest key sequence.
+            dropout (float | tuple): a probability ``0 <= p < 1``, or the frontend's
+                ``(p, seed_tensor, offset_tensor)``.
+            dropout_seed (int | tensor): the dropout RNG's seed (int64).
+            dropout_offset (int | tensor): the dropout RNG's offset (int64).
+            sink_token (tensor): attention sinks, float32 ``[1, H_q, 1, 1]``, one logit per head
+                in every softmax denominator (cuDNN >= 9.13).
+            score_mod (callable): ``(graph, scores) -> scores``, a pointwise modifier traced at
+                build (cuDNN >= 9.6); ``score_mod_bprop`` is its gradient's, backward.
+
+        Returns:
+            ``(O, Stats)``: output handles; ``O`` is ``[B, H_q, S_q, D_v]`` in q's layout and
+            dtype, ``Stats`` is None unless generated.
+
+        Raises:
+            GraphStateError: the graph is already built.
+
+        Problems with the arguments are reported when the graph is built, all together, as a
+        ``ValidationError`` (malformed) or an ``UnsupportedError`` (this GPU, cuDNN version or
+        backend cannot run it).
+
+        Example:
+            ```python
+            import torch
+
+            import cudnn_attn
+
+            q = torch.randn(1, 8, 100, 64, dtype=torch.float16)
+            k, v = (torch.randn(1, 2, 300, 64, dtype=torch.float16) for _ in range(2))
+            with cudnn_attn.Graph() as g:
+                o, _ = g.sdpa(q, k, v, use_causal_mask_bottom_right=True, sliding_window_length=128)
+            out = g(q, k, v)  # [1, 8, 100, 64]: the last 100 queries of 300 keys, each sees 128
+            ```
         """
         if kv_cache_layout is None and self.virtual_outputs and paged_attention_k_table is not None:
             kv_cache_layout = "NHPD"  # pygraph: caches are [num_pages, H_kv, page_size, D] by dims, as in the frontend
@@ -279,11 +430,46 @@ class Graph(Fp8Ops, steps.FrontendSteps):
     ) -> tuple[OutputHandle, None]:
         """Attention over paged K/V caches, for decode (S_q = 1) and chunked prefill.
 
-        ``k``/``v`` are caches ``[num_pages, page_size, H_kv, D]`` (or, with
-        ``kv_cache_layout="NHPD"``, ``[num_pages, H_kv, page_size, D]``); ``page_table`` is
-        ``[B, pages_per_seq]`` (or ``[B, 1, pages_per_seq, 1]``) int32; ``seq_len_kv`` [B]
-        int32 gives each sequence's valid cache length, ``seq_len_q`` defaults to S_q.
-        Runs as ``g(q, k, v, page_table, seq_len_q, seq_len_kv, page_table_v)`` (those given).
+        K and V live in pages of a shared cache; ``page_table`` lists each sequence's pages in
+        order, and ``seq_len_kv`` its valid length. Runs as ``g(q, k, v, page_table, seq_len_q,
+        seq_len_kv, page_table_v)`` (those given). Needs cuDNN >= 9.5 on a GPU; page sizes are
+        powers of two. ``cudnn_attn.PagedAttention`` wraps this for a serving loop.
+
+        Args:
+            q: queries ``[B, H_q, S_q, D]``.
+            k: K cache ``[num_pages, page_size, H_kv, D]`` (``"NPHD"``, the default), or
+                ``[num_pages, H_kv, page_size, D]`` with ``kv_cache_layout="NHPD"``.
+            v: V cache, same layout.
+            page_table: ``[B, pages_per_seq]`` (or ``[B, 1, pages_per_seq, 1]``) int32 page indices.
+            seq_len_q: int32 ``[B]`` valid query lengths; default ``S_q`` for every sequence.
+            seq_len_kv: int32 ``[B]`` valid cache lengths.
+            page_table_v: V's page table where it differs from K's.
+            max_seq_len_kv: the longest cache length (default: pages x page size).
+            kv_cache_layout: ``"NPHD"`` or ``"NHPD"``.
+            name: the node's name.
+            **mask: the mask, scale and dropout keywords of ``sdpa``.
+
+        Returns:
+            ``(O, None)``: O's handle, ``[B, H_q, S_q, D]``.
+
+        Raises:
+            GraphStateError: the graph is already built.
+
+        Example:
+            ```python
+            import torch
+
+            import cudnn_attn
+
+            B, H, D, page, pages = 2, 4, 64, 16, 8
+            q = torch.randn(B, H, 1, D, dtype=torch.bfloat16)
+            k_cache, v_cache = (torch.randn(pages, page, H, D, dtype=torch.bfloat16) for _ in range(2))
+            table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
+            lengths = torch.tensor([40, 64], dtype=torch.int32)
+            with cudnn_attn.Graph() as g:
+                o, _ = g.sdpa_with_paged_cache(q, k_cache, v_cache, table, seq_len_kv=lengths)
+            out = g(q, k_cache, v_cache, table, lengths)  # [2, 4, 1, 64]
+            ```
         """
         args = (q, k, v, page_table, seq_len_q, seq_len_kv, page_table_v, max_seq_len_kv, kv_cache_layout)
         node = self.recording.record_call(
@@ -309,13 +495,52 @@ class Graph(Fp8Ops, steps.FrontendSteps):
         dSink_token: Any = None,  # noqa: N803 - the frontend's spelling
         **mask: Any,
     ) -> tuple[OutputHandle, ...]:
-        """Gradients of sdpa: ``(dQ, dK, dV)``, plus ``dBias`` when ``bias_grad=True``.
+        """Gradients of ``sdpa``: records a node, returns ``(dQ, dK, dV)``.
 
-        Give the same mask, bias, scale and dropout (seed and offset included) as the
-        forward whose ``o`` and ``stats`` are passed. ``dBias``: the frontend's form, a tensor
-        the caller made (``g.tensor_like(d_bias)``, any strides) that receives the bias gradient;
-        the call then returns ``(dQ, dK, dV)`` and ``execute`` takes that tensor as an output.
-        ``dSink_token``: likewise, a ``[1, H_q, 1, 1]`` float32 tensor receiving ``sink_token``'s gradient.
+        Give the same mask, bias, scale and dropout (seed and offset included) as the forward
+        whose ``o`` and ``stats`` are passed. The run's positional inputs are q, k, v, o, dO,
+        stats, then as ``sdpa``'s. Head dims above 128 need Hopper or newer; S_q = S_kv = 1 is
+        refused (cuDNN has no such backward).
+
+        Args:
+            q: the forward's queries.
+            k: the forward's keys.
+            v: the forward's values.
+            o: the forward's output.
+            dO: the gradient of the loss with respect to ``o``, o's shape and dtype.
+            stats: the forward's Stats (``generate_stats=True``), float32 ``[B, H_q, S_q, 1]``.
+            use_deterministic_algorithm: ask cuDNN for a deterministic dQ (no atomics).
+            bias_grad: also return ``dBias``, the gradient of ``attn_bias``.
+            dBias: the frontend's form: a tensor the caller made (``g.tensor_like(d_bias)``, any
+                strides) that receives the bias gradient; ``execute`` takes it as an output.
+            compute_data_type: float32 only.
+            name: the node's name.
+            dSink_token: a float32 ``[1, H_q, 1, 1]`` tensor the caller made that receives
+                ``sink_token``'s gradient.
+            **mask: the mask, scale, length and dropout keywords of ``sdpa``.
+
+        Returns:
+            ``(dQ, dK, dV)``: output handles with q's, k's and v's shapes, plus ``dBias`` when
+            ``bias_grad=True`` (and no ``dBias`` tensor is given).
+
+        Raises:
+            GraphStateError: the graph is already built.
+
+        Example:
+            ```python
+            import torch
+
+            import cudnn_attn
+
+            q, k, v = (torch.randn(2, 4, 64, 32, dtype=torch.bfloat16) for _ in range(3))
+            with cudnn_attn.Graph() as fwd:
+                fwd.sdpa(q, k, v, use_causal_mask=True, generate_stats=True)
+            o, stats = fwd(q, k, v)
+            d_o = torch.randn_like(o)
+            with cudnn_attn.Graph() as bwd:
+                bwd.sdpa_backward(q, k, v, o, d_o, stats, use_causal_mask=True)
+            dq, dk, dv = bwd(q, k, v, o, d_o, stats)
+            ```
         """
         args = (q, k, v, o, dO, stats, use_deterministic_algorithm, bias_grad, dBias, compute_data_type)
         roles = (
@@ -335,12 +560,23 @@ class Graph(Fp8Ops, steps.FrontendSteps):
     # ---- build and run -------------------------------------------------------------------------
 
     def build(self, heuristics: Any = None) -> Graph:
-        """Validate every node, then get each node's plan from the cache (building on a miss).
+        """Validate every node, then take each node's plan from the cache (building on a miss).
 
-        Called on leaving the ``with`` block; calling it again does nothing. A recording that
-        repeats an earlier one (same ops, arguments, geometry, options) adopts that build.
-        ``heuristics``: the frontend's ``build([heur_mode.A, ...])`` list, accepted (the plan
-        cache asks cuDNN for mode A with FALLBACK behind it).
+        Called on leaving the ``with`` block (and by the first call otherwise); calling it
+        again does nothing. A recording that repeats an earlier one (same ops, arguments,
+        geometry, options) adopts that build.
+
+        Args:
+            heuristics: the frontend's ``build([heur_mode.A, ...])`` list, accepted (the plan
+                cache asks cuDNN for mode A with FALLBACK behind it).
+
+        Returns:
+            The graph itself.
+
+        Raises:
+            ValidationError: every problem with every node, one per line.
+            UnsupportedError: a node this GPU, cuDNN version or backend cannot run, with the
+                reasons and what would work.
         """
         recording = self.recording
         if heuristics is not None and (problems := steps.heuristics_problems(heuristics)):
@@ -379,9 +615,31 @@ class Graph(Fp8Ops, steps.FrontendSteps):
     def __call__(
         self, *args: Any, handle: Any = None, stream: Any = None, out: Any = None, workspace: Any = None
     ) -> Any:
-        """Run the graph: ``g(q, k, v, ...)`` positionally or ``g({name: tensor})``.
+        """Run the graph: ``g(q, k, v, ...)`` positionally, or ``g({name: tensor})``.
 
-        Returns the one output, or a tuple of the outputs in node order.
+        Positional inputs are the graph's distinct input tensors, node by node, each node's in
+        the order of its method's parameters (``g.inputs`` lists them); a tensor given twice
+        counts once. Inputs must match the graph's geometry (shape, strides, dtype, device).
+        Torch tensors and DLPack arrays (CuPy) are taken; outputs come back as the inputs' kind.
+        Runs on the current torch stream unless ``stream=`` is given; safe in CUDA-graph capture.
+
+        Args:
+            *args: the inputs, positionally, or one dict from input name (or handle) to tensor.
+            handle: a handle to run with (its stream, unless ``stream`` is given).
+            stream: a torch stream or a raw ``cudaStream_t`` int to run on.
+            out: tensors to write the outputs into: one tensor, a sequence in output order, or a
+                dict by output name; new tensors otherwise.
+            workspace: a device buffer of at least ``get_workspace_size()`` bytes for cuDNN's
+                workspace; allocated here otherwise.
+
+        Returns:
+            The one output, or a tuple of the outputs in node order (``(O, Stats)``,
+            ``(dQ, dK, dV)``, ...).
+
+        Raises:
+            ShapeMismatchError: an input missing, extra, or of another geometry than the
+                graph's (named, before any GPU work).
+            GraphStateError: the graph's plans were released (the interpreter is exiting).
         """
         if not self.recording.built:
             self.build()
@@ -405,15 +663,16 @@ class Graph(Fp8Ops, steps.FrontendSteps):
 
     @property
     def problems(self) -> list[AttentionProblem]:
-        """The built problem of each node (the cache keys), once built."""
+        """The ``AttentionProblem`` of each node (what its plan was built for), once built."""
         return [node.problem for node in self.nodes if node.problem is not None]
 
     @property
     def outputs(self) -> list[OutputHandle]:
+        """The output handles the graph produces (those not marked ``set_output(False)``)."""
         return [h for node in self.nodes for h in node.outputs.values() if h.is_output]
 
     def nbytes(self) -> int:
-        """Device and host memory this graph's plans hold (workspaces, prepared buffers)."""
+        """Bytes of device and host memory this graph's plans hold (workspaces, prepared buffers)."""
         return sum(getattr(node.plan, "nbytes", 0) for node in self.nodes)
 
     def release(self) -> None:
@@ -429,10 +688,29 @@ class Graph(Fp8Ops, steps.FrontendSteps):
 
 
 class pygraph(Graph):  # noqa: N801 - the frontend's spelling
-    """``Graph`` with the frontend's rules, for code written against ``cudnn.pygraph``: once any
-    output is marked with ``set_output(True)``, the outputs never marked are virtual (not
-    produced, absent from the variant pack); a graph with no output marked produces them all.
-    ``io_data_type`` is the type of tensors made without one, never a constraint on the others."""
+    """``Graph`` with the frontend's rules, for code written against ``cudnn.pygraph``.
+
+    Once any output is marked with ``set_output(True)``, the outputs never marked are virtual
+    (not produced, absent from the variant pack); a graph with no output marked produces them
+    all. ``io_data_type`` is the type of tensors made without one, never a constraint on the
+    others. Takes ``Graph``'s arguments.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn as cudnn
+
+        q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.float16) for _ in range(3))
+        g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF)
+        Q, K, V = (g.tensor_like(t, name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
+        O, _ = g.sdpa(Q, K, V, attn_scale=0.125, use_causal_mask=True)
+        O.set_output(True).set_dim(q.shape).set_stride(q.stride())
+        g.build([cudnn.heur_mode.A])
+        o = torch.empty_like(q)
+        g.execute({Q: q, K: k, V: v, O: o}, workspace=None)
+        ```
+    """
 
     virtual_outputs = True
 
@@ -441,7 +719,34 @@ class pygraph(Graph):  # noqa: N801 - the frontend's spelling
 def graph(handle: Any, name: str = "cudnn_graph", io_data_type: Any = data_type.HALF,
           intermediate_data_type: Any = data_type.FLOAT, compute_data_type: Any = data_type.FLOAT,
           **graph_kwargs: Any) -> Iterator[tuple[pygraph, list]]:  # fmt: skip
-    """The frontend's ``with cudnn.graph(handle) as (g, _):``: a ``pygraph`` (with the frontend's
-    io/intermediate/compute defaults) and an empty list; nothing is built on leaving the block
-    (``cudnn_attn.jit`` builds, or the caller does)."""
+    """The frontend's ``with cudnn.graph(handle) as (g, _):`` context manager.
+
+    Yields a ``pygraph`` (with the frontend's io/intermediate/compute defaults) and an empty
+    list; nothing is built on leaving the block (``cudnn_attn.jit`` builds, or the caller does).
+
+    Args:
+        handle: a handle (ours or the frontend's), or None.
+        name: the graph's name.
+        io_data_type: dtype of tensors made without one; HALF by default, as in the frontend.
+        intermediate_data_type: FLOAT only.
+        compute_data_type: FLOAT only.
+        **graph_kwargs: further ``pygraph`` arguments.
+
+    Yields:
+        ``(graph, [])``.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn as cudnn
+
+        q = torch.randn(1, 2, 16, 64, dtype=torch.float16)
+        with cudnn.graph(cudnn.create_handle()) as (g, _):
+            Q = g.tensor(dim=q.shape, stride=q.stride(), name="q")
+            O, _ = g.sdpa(Q, Q, Q, use_causal_mask=True)
+            O.set_output(True)
+        g.build()
+        ```
+    """
     yield pygraph(name, io_data_type, intermediate_data_type, compute_data_type, handle, **graph_kwargs), []

@@ -29,18 +29,56 @@ from .functional import sdpa
 class Attention(nn.Module):
     """Multi-head (or grouped-query) self-attention on ``[B, S, embed_dim]`` inputs.
 
+    One fused QKV projection, attention through ``cudnn_attn.sdpa`` (or ``sdpa_fp8``), and an
+    output projection. Q, K and V stay views of the projection's output (BSHD, no copies) all
+    the way into the fused kernel. Errors speak of the layer's arguments (``x``, ``dropout``,
+    ``num_kv_heads``).
+
+    Equivalent plain torch (``forward``; ``B, S = x.shape[:2]``):
+
+    ```python
+    qkv = self.qkv(x).view(B, S, H + 2 * H_kv, D)
+    q, k, v = (t.transpose(1, 2) for t in qkv.split([H, H_kv, H_kv], dim=2))
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p=dropout if self.training else 0.0,
+                                       is_causal=causal and attn_mask is None, enable_gqa=H_kv != H)
+    return self.out(o.transpose(1, 2).reshape(B, S, H * D))
+    ```
+
     Args:
-        num_kv_heads: K/V heads (default ``num_heads``); must divide ``num_heads``.
+        embed_dim: model width; ``num_heads`` must divide it (head dim ``embed_dim // num_heads``,
+            a multiple of 8).
+        num_heads: query heads ``H``.
+        num_kv_heads: K/V heads ``H_kv`` (default ``num_heads``); must divide ``num_heads``.
+        bias: whether the projections have biases.
         causal: apply a causal mask by default (``forward(is_causal=...)`` overrides).
         dropout: attention dropout probability, applied in training mode only.
         fp8: attend through FP8 kernels (``cudnn_attn.sdpa_fp8`` with delayed scaling: the
-            layer keeps the amax history of its Q, K, V; gradients from the 16-bit inputs);
-            takes no mask tensor and no dropout.
+            layer keeps the amax history of its Q, K, V in ``fp8_scaling``; gradients from the
+            16-bit inputs); takes no dropout, sinks, window or softcap.
         sinks: learned attention sinks (gpt-oss): a float32 parameter ``sinks`` of one logit per
             head, zeros at first, in every softmax denominator.
         window: a causal sliding window of this many tokens, the query's own included
-            (transformers' ``sliding_window``; ``sdpa(window_size=(window - 1, 0))``).
+            (transformers' ``sliding_window``; ``sdpa(window_size=(window - 1, 0))``); needs
+            ``causal=True``.
         softcap: logit soft-capping (Gemma-2): scores ``softcap * tanh(s / softcap)``.
+        device: the parameters' device.
+        dtype: the parameters' dtype (float16 or bfloat16 for cuDNN on a GPU).
+
+    Raises:
+        ValidationError: heads that do not divide, or options that do not combine.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn
+
+        layer = cudnn_attn.nn.Attention(256, 8, num_kv_heads=2, causal=True, dtype=torch.bfloat16)
+        x = torch.randn(2, 100, 256, dtype=torch.bfloat16, requires_grad=True)  # [B, S, embed_dim]
+        y = layer(x)
+        y.float().square().mean().backward()
+        assert y.shape == x.shape and x.grad is not None
+        ```
     """
 
     def __init__(
@@ -93,6 +131,21 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool | None = None
     ) -> torch.Tensor:
+        """Self-attention of ``x``.
+
+        Args:
+            x: ``[B, S, embed_dim]`` in the parameters' dtype.
+            attn_mask: a bool (True takes part) or additive mask broadcastable to
+                ``[B, num_heads, S, S]``; replaces the causal mask.
+            is_causal: overrides the layer's ``causal`` for this call.
+
+        Returns:
+            ``[B, S, embed_dim]``.
+
+        Raises:
+            ValidationError: a malformed input, in the layer's terms.
+            UnsupportedError: a call this GPU or cuDNN cannot run.
+        """
         b, s, _ = x.shape
         h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x).view(b, s, h + 2 * h_kv, d)

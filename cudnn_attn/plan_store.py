@@ -59,7 +59,23 @@ _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLO
 
 
 class UnsafeStoreError(Exception):
-    """The store's directory cannot be used: not a directory, unreadable, or not private to this user."""
+    """The plan store's directory cannot be used: not a directory, unreadable, or not private to this user.
+
+    Stored plans carry native code, so a directory other users can write (or a link, or a
+    file that is not regular) is refused. Plan lookups then go without the store (logged);
+    listing and clearing it (``cudnn-attn cache ls``/``clear``) raise this. Fix the directory's
+    owner and mode (``chmod 700``), or point ``CUDNN_ATTN_CACHE_DIR`` elsewhere (``""``: no store).
+
+    Example:
+        ```python
+        from cudnn_attn.plan_store import UnsafeStoreError
+
+        try:
+            raise UnsafeStoreError("plan store /tmp/x refused: writable by others")
+        except UnsafeStoreError as error:
+            print(error)
+        ```
+    """
 
 
 class _RefusedFileError(Exception):

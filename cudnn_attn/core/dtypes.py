@@ -15,9 +15,24 @@ from torch import dtype as TorchDtype
 
 
 class data_type(enum.Enum):  # noqa: N801 - the frontend's spelling
-    """The frontend's data types, every member by its frontend name. A member's value is the torch
-    dtype it stands for; the members with no torch element type of their own carry a name of
-    their own and are refused where a torch dtype is needed (``to_torch_dtype``)."""
+    """The cuDNN frontend's data types, by the frontend's member names, mapped to torch dtypes.
+
+    A member's value is the torch dtype's name (``HALF`` is ``"float16"``); ``.torch`` gives the
+    dtype. Every place that takes a data type accepts a member, a torch dtype, the frontend's
+    own ``cudnn.data_type`` member or its name. Attention takes ``HALF``, ``BFLOAT16``,
+    ``FLOAT``, ``FP8_E4M3`` and ``FP8_E5M2`` data, ``INT32``/``INT64`` lengths and offsets; the
+    members with no torch dtype (``INT8x4``, ``FP4_E2M1``, ...) are refused where one is needed.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn
+
+        assert cudnn_attn.data_type.BFLOAT16.torch is torch.bfloat16
+        assert cudnn_attn.data_type.from_torch(torch.float16) is cudnn_attn.data_type.HALF
+        ```
+    """
 
     HALF = "float16"
     BFLOAT16 = "bfloat16"

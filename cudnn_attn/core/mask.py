@@ -19,6 +19,17 @@ def default_scale(d_qk: int) -> float:
 
 
 class Causal(str, enum.Enum):
+    """A causal mask's variant: none, top-left (query ``i`` sees keys ``j <= i``) or bottom-right
+    (aligned to the last key: ``j <= i + S_kv - S_q``, for decode and chunked prefill).
+
+    Example:
+        ```python
+        import cudnn_attn
+
+        assert cudnn_attn.Causal("bottom_right") is cudnn_attn.Causal.BOTTOM_RIGHT
+        ```
+    """
+
     NONE = "none"
     TOP_LEFT = "top_left"
     BOTTOM_RIGHT = "bottom_right"

@@ -35,18 +35,56 @@ if TYPE_CHECKING:
 
 
 class Op(str, enum.Enum):
+    """A node's operation: the forward (``sdpa``, ``sdpa_fp8``, paged) or the backward.
+
+    Example:
+        ```python
+        import cudnn_attn
+
+        assert cudnn_attn.Op("sdpa") is cudnn_attn.Op.FORWARD
+        ```
+    """
+
     FORWARD = "sdpa"
     BACKWARD = "sdpa_backward"
 
 
 class KVCacheLayout(str, enum.Enum):
+    """How a paged K/V cache is laid out: ``NPHD`` is ``[num_pages, page_size, H_kv, D]``,
+    ``NHPD`` is ``[num_pages, H_kv, page_size, D]``.
+
+    Example:
+        ```python
+        import cudnn_attn
+
+        assert cudnn_attn.KVCacheLayout("NHPD") is cudnn_attn.KVCacheLayout.NHPD
+        ```
+    """
+
     NPHD = "NPHD"  # [num_pages, page_size, H_kv, D]
     NHPD = "NHPD"  # [num_pages, H_kv, page_size, D]
 
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Geometry of one tensor: what a plan is specialised on."""
+    """The geometry of one tensor: what a plan is specialised on (no data).
+
+    Args:
+        shape: the dims.
+        stride: the strides, in elements.
+        dtype: the torch dtype.
+        device: ``"cpu"`` or ``"cuda:N"``.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn
+
+        spec = cudnn_attn.TensorSpec.of(torch.randn(2, 8, 128, 64).transpose(1, 2))
+        assert spec.shape == (2, 128, 8, 64) and spec.stride == (65536, 64, 8192, 1)
+        ```
+    """
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
@@ -112,7 +150,35 @@ def strides_like(shape: tuple[int, ...], template_stride: tuple[int, ...]) -> tu
 
 @dataclass(frozen=True)
 class AttentionProblem:
-    """One sdpa or sdpa_backward node. Equal problems can share one built plan."""
+    """One attention node, frozen and hashable: the validation input, the plan-cache key and the test id.
+
+    It holds every tensor's geometry (``TensorSpec`` by role: ``q``, ``k``, ``v``, ``o``,
+    ``stats``, ``bias``, the gradients, lengths, page tables, FP8 scales, ...), the data types,
+    the mask, scale, dropout and paging options, and the training flag; no tensor data. Equal
+    problems share one built plan. ``Graph.problems`` lists a built graph's; ``describe()``
+    gives the short id used in logs and errors.
+
+    Attributes:
+        op: ``Op.FORWARD`` or ``Op.BACKWARD``.
+        q: the queries' geometry; ``k``, ``v``, ``o`` and the other roles likewise (None when
+            absent).
+        options: the ``ScoreOptions``: ``attn_scale``, ``causal``, ``sliding_window``,
+            ``alibi``, ``padding``, ``dropout_p``.
+        kv_cache_layout: ``KVCacheLayout`` when K/V are paged caches, else None.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn
+
+        q = torch.randn(2, 8, 128, 64, dtype=torch.float16)
+        with cudnn_attn.Graph() as g:
+            g.sdpa(q, q, q, use_causal_mask=True)
+        (problem,) = g.problems
+        print(problem.describe(), problem.flops())
+        ```
+    """
 
     op: Op
     q: TensorSpec

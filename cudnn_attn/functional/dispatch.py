@@ -57,15 +57,104 @@ def sdpa(
 ) -> torch.Tensor:
     """Scaled dot-product attention with torch's signature, on cached cuDNN graphs.
 
-    Beyond torch's arguments, as FlashAttention and FlashInfer name them
-    (``functional/score_terms.py``):
+    A drop-in for ``torch.nn.functional.scaled_dot_product_attention``: the same arguments,
+    defaults, dtypes and results, differentiable; under ``torch.compile`` one opaque op. CUDA
+    tensors run on cuDNN, CPU tensors on the reference backend; the first call of a signature
+    (shapes, strides, dtypes, flags) builds or loads a plan, later calls reuse it. What cuDNN
+    lacks or serves worse runs on torch's own kernel, and the log (``CUDNN_ATTN_LOG_LEVEL=info``)
+    says so: float64; float32 on a GPU; a scale <= 0 on a GPU; a bottom-right ``CausalBias``
+    with dropout or with L > S (inside ``cudnn_attn.backend("cudnn")`` such a call raises
+    ``UnsupportedError`` instead). Under ``torch.autocast`` the inputs are cast to its dtype first,
+    as torch does. Jagged nested tensors (``torch.nested``, ``layout=torch.jagged``,
+    ``[B, H, (S), E]``) are taken too.
 
-    - ``sinks``: attention sinks, a logit per query head (``[H_q]``, gpt-oss's) in every
-      softmax denominator, weighing no value; learnable.
-    - ``softcap``: logit soft-capping (Gemma-2's), scores ``cap * tanh(s / cap)`` before the mask.
-    - ``window_size=(left, right)``: query ``i`` keeps keys ``i - left .. i + right`` (-1: no
-      bound; a right bound of 0 is the causal mask), measured from the top-left diagonal as
-      ``is_causal``: gpt-oss's and Mistral's sliding windows."""
+    Equivalent plain torch (``sinks``, ``softcap`` and ``window_size`` aside, torch's own
+    reference implementation; the kernels never form the ``[L, S]`` scores):
+
+    ```python
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+             enable_gqa=False, sinks=None, softcap=None, window_size=(-1, -1)):
+        L, S = query.size(-2), key.size(-2)
+        scale = 1 / math.sqrt(query.size(-1)) if scale is None else scale
+        if enable_gqa:
+            key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
+            value = value.repeat_interleave(query.size(-3) // value.size(-3), -3)
+        scores = query @ key.transpose(-2, -1) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
+        left, right = window_size
+        keep = torch.ones(L, S, dtype=torch.bool)
+        if is_causal:
+            keep &= j <= i
+        if left >= 0:
+            keep &= j >= i - left
+        if right >= 0:
+            keep &= j <= i + right
+        scores = scores.masked_fill(~keep, float("-inf"))
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        elif attn_mask is not None:
+            scores = scores + attn_mask
+        if sinks is not None:  # one more logit per head in each row's denominator
+            sink = sinks.to(scores.dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+            weights = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+        else:
+            weights = torch.softmax(scores, -1)
+        weights = torch.dropout(weights, dropout_p, train=True)
+        return weights @ value
+    ```
+
+    Args:
+        query: ``[B, H_q, L, E]``, or ``[H_q, L, E]`` unbatched; float16, bfloat16, float32 or
+            float64; any strides.
+        key: ``[B, H_kv, S, E]``, query's dtype and device. ``H_kv == H_q`` unless ``enable_gqa``.
+        value: ``[B, H_kv, S, E_v]``, query's dtype and device.
+        attn_mask: None; a bool mask (True takes part) or an additive float mask, broadcastable
+            to ``[B, H_q, L, S]``; or torch's ``causal_upper_left(L, S)`` /
+            ``causal_lower_right(L, S)`` (cuDNN's top-left and bottom-right causal masks, no
+            memory read). Not together with ``is_causal``.
+        dropout_p: probability of dropping an attention weight, ``0 <= p < 1``. Applied whenever
+            it is > 0 (pass 0.0 at inference, as with torch); the seed is drawn from torch's
+            default generator (``torch.manual_seed`` repeats it), the backward reuses the mask.
+        is_causal: top-left causal mask: query ``i`` sees keys ``j <= i``.
+        scale: factor on ``query @ key^T``; None is ``1 / sqrt(E)``.
+        enable_gqa: let ``H_kv`` divide ``H_q`` (grouped-query / multi-query attention).
+        sinks: attention sinks (gpt-oss): a real ``[H_q]`` (or ``[1, H_q, 1, 1]``) tensor of one
+            logit per query head, in every softmax denominator, weighing no value; learnable.
+        softcap: logit soft-capping (Gemma-2): scores become ``softcap * tanh(s / softcap)``
+            before the masks.
+        window_size: FlashAttention's ``(left, right)`` band: query ``i`` keeps keys
+            ``i - left .. i + right`` (-1: no bound; ``(w, 0)`` is a causal sliding window),
+            measured from the top-left diagonal as ``is_causal``.
+
+    Returns:
+        The attention output, ``[B, H_q, L, E_v]`` (``[H_q, L, E_v]`` unbatched), in query's
+        dtype and on its device.
+
+    Raises:
+        ValidationError: the call is malformed, one line per problem in torch's argument names:
+            dtypes or devices that differ, ranks other than 3 or 4, head counts without
+            ``enable_gqa``, a mask that does not broadcast, ``is_causal`` with ``attn_mask``,
+            ``dropout_p`` outside ``[0, 1)``, a tensor subclass whose storage is not its values.
+        UnsupportedError: well formed, but this GPU or cuDNN version cannot run it (for example
+            a head dim over 256, or a feature that needs a newer cuDNN); the reasons, and what
+            would work, are listed.
+
+    Example:
+        ```python
+        import torch
+        import torch.nn.functional as F
+
+        import cudnn_attn
+
+        q = torch.randn(2, 8, 128, 64)  # [B, H, L, E]; CPU: the reference backend runs it
+        k, v = torch.randn(2, 2, 128, 64), torch.randn(2, 2, 128, 64)  # 2 K/V heads: GQA
+        out = cudnn_attn.sdpa(q, k, v, is_causal=True, enable_gqa=True)
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert out.shape == (2, 8, 128, 64) and torch.allclose(out, expected, atol=1e-5)
+        ```
+    """
     try:  # nested tensors take the varlen door (functional/nested.py)
         nested = query.is_nested or key.is_nested or value.is_nested or attn_mask is not None and attn_mask.is_nested
     except AttributeError:

@@ -69,9 +69,27 @@ _ALTERNATIVES = ["attn_implementation='sdpa' (or 'eager') for this model"]
 
 
 def register(name: str = NAME) -> str:
-    """Make ``attn_implementation=name`` run cudnn_attn in every transformers model (idempotent).
+    """Make ``attn_implementation=name`` run cudnn_attn in every transformers model.
 
-    Returns ``name``."""
+    Registers ``attention_forward`` with transformers' ``AttentionInterface`` and ``token_mask``
+    with its ``AttentionMaskInterface``, under one name; idempotent. Call it once per process,
+    before ``from_pretrained(..., attn_implementation=name)`` or
+    ``model.set_attn_implementation(name)``; an unregistered name is refused by transformers.
+
+    Args:
+        name: the implementation's name.
+
+    Returns:
+        ``name``.
+
+    Example:
+        ```python
+        import cudnn_attn.integrations.transformers as cudnn_hf
+
+        name = cudnn_hf.register()  # "cudnn_attn"
+        # model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation=name)
+        ```
+    """
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, token_mask)
     return name
@@ -90,9 +108,47 @@ def attention_forward(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """One attention layer as transformers calls it: ``query`` ``[B, H, Q, D]``, ``key``/``value``
-    ``[B, H_kv, K, D]`` (the cache already updated), ``attention_mask`` from ``token_mask``.
-    Returns ``(output [B, Q, H, D_v], None)``."""
+    """One attention layer as transformers calls it (registered by ``register``).
+
+    Padding becomes packed varlen rows, decoding aligns causal masks bottom-right, padding-free
+    packed batches run one sequence per packed run, and anything else runs ``cudnn_attn.sdpa``
+    with transformers' dense mask (see the module's description).
+
+    Args:
+        module: the attention layer (its ``is_causal`` is read).
+        query: ``[B, H, Q, D]``.
+        key: ``[B, H_kv, K, D]``, the cache already updated.
+        value: ``[B, H_kv, K, D_v]``.
+        attention_mask: what ``token_mask`` returned (None, ``[B, M]`` token ids) or a dense
+            ``[B, 1, Q, K]`` mask.
+        dropout: attention dropout probability.
+        scaling: softmax scale; ``1 / sqrt(D)`` when None.
+        sliding_window: a window of this many tokens, the query's own included.
+        softcap: logit soft-capping.
+        is_causal: overrides ``module.is_causal``.
+        **kwargs: transformers' other keywords (``position_ids``, ``cu_seq_lens_q``, ``s_aux``
+            sinks, ...).
+
+    Returns:
+        ``(output [B, Q, H, D_v], None)``: no attention weights.
+
+    Raises:
+        UnsupportedError: what this path cannot run (e.g. a sliding window without a causal
+            mask), with ``attn_implementation='sdpa'`` as the alternative.
+
+    Example:
+        ```python
+        import torch
+
+        from cudnn_attn.integrations.transformers import attention_forward
+
+        layer = torch.nn.Module()
+        layer.is_causal = True
+        q, k, v = (torch.randn(1, 4, 16, 64, dtype=torch.bfloat16) for _ in range(3))
+        out, weights = attention_forward(layer, q, k, v, attention_mask=None)
+        assert out.shape == (1, 16, 4, 64) and weights is None
+        ```
+    """
     query, key, value, _ = autocast_inputs(query, key, value, None)  # as torch's SDPA does
     _refuse_unsupported(query, attention_mask, softcap, kwargs)
     if kwargs.get("output_attentions"):
@@ -129,8 +185,30 @@ def token_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> torch.Tensor | None:
-    """transformers' mask hook for this implementation, called once per forward and mask kind:
-    ``None``, per-token sequence ids ``[B, M]`` or a dense mask (see the module's docstring)."""
+    """transformers' mask hook for this implementation, called once per forward and mask kind.
+
+    Args:
+        batch_size: the batch size.
+        kv_length: the key length (cache included).
+        kv_offset: the first key's position.
+        mask_function: transformers' mask function (causal, sliding, packed, custom).
+        attention_mask: the ``[B, K]`` padding mask, or None.
+        **kwargs: transformers' other keywords (``cache_position``, ...).
+
+    Returns:
+        None (nothing beyond ``is_causal``), per-token sequence ids ``[B, M]`` (bool for
+        padding; integers for packed runs, 0 = padding) or a dense ``[B, 1, Q, K]`` mask.
+
+    Example:
+        ```python
+        import torch
+
+        from cudnn_attn.integrations.transformers import token_mask
+
+        padding = torch.tensor([[1, 1, 1, 0]])
+        ids = token_mask(1, 4, attention_mask=padding, cache_position=torch.arange(4))
+        ```
+    """
     q_length, q_offset = _queries(kwargs)
     pattern = _pattern(mask_function)
     live = kv_length  # keys a causal query may see: none after the last query
@@ -233,9 +311,11 @@ def _packed(query, key, value, packing: Packing, causal: bool, window: int | Non
     k, v = _gather(key, packing.rows_k), _gather(value, packing.rows_k)
     if q.shape[0] == 0 or k.shape[0] == 0:  # nothing but padding: varlen takes no empty batch
         return query.new_zeros(batch, q_len, heads, value.shape[-1])
-    out = varlen_attention(q, k, v, packing.cu_q, packing.cu_k, packing.max_q, packing.max_k,
-                           causal=_alignment(packing, options) if causal else None, window_left=window,
-                           context=CONTEXT, **options)  # fmt: skip
+    alignment = _alignment(packing, options) if causal else None
+    # Top-left only where every sequence's lengths agree: one tensor for both then tells varlen so.
+    cu_k = packing.cu_q if alignment == "top_left" else packing.cu_k
+    out = varlen_attention(q, k, v, packing.cu_q, cu_k, packing.max_q, packing.max_k, causal=alignment,
+                           window_left=window, context=CONTEXT, **options)  # fmt: skip
     if packing.rows_q is None:
         return out.view(batch, q_len, heads, out.shape[-1])
     return out.new_zeros(batch, q_len, heads, out.shape[-1]).index_put(packing.rows_q, out)

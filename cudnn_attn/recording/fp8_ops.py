@@ -53,14 +53,53 @@ class Fp8Ops:
         fn: Any = None,
         **mask: Any,
     ) -> tuple[OutputHandle, OutputHandle | None, OutputHandle, OutputHandle]:
-        """FP8 attention forward: ``(O, Stats or None, Amax_S, Amax_O)``.
+        """FP8 attention forward (the frontend's ``sdpa_fp8``): ``(O, Stats or None, Amax_S, Amax_O)``.
 
         S = q k^T * attn_scale * descale_q * descale_k; P = softmax(S) (Amax_S = max|P|) is
         quantised with ``scale_s``; O = (P v) * descale_s * descale_v (Amax_O = max|O|) is
-        written as ``O * scale_o`` in O's dtype (q's by default). Mask keywords as ``sdpa``'s,
-        ``sink_token`` included (the sink is one more score in S's units). ``fn``: the frontend's
-        name here for ``score_mod``, a callback ``(graph, S) -> S'`` applied to the descaled
-        scores before the masks (inference only: ``sdpa_fp8_backward`` takes no modifier).
+        written as ``O * scale_o`` in O's dtype (q's by default). On a GPU this needs Hopper or
+        newer and cuDNN >= 9.7 (not 9.10.0), head dims up to 128 (d_qk up to 192); the reference
+        backend emulates it exactly on the CPU. ``cudnn_attn.sdpa_fp8`` does the scaling for
+        16-bit callers.
+
+        Args:
+            q: ``[B, H_q, S_q, D]`` ``torch.float8_e4m3fn`` (or ``float8_e5m2``).
+            k: ``[B, H_kv, S_kv, D]``, q's dtype.
+            v: ``[B, H_kv, S_kv, D_v]``, q's dtype.
+            descale_q: float32 ``[1, 1, 1, 1]``, the inverse of q's quantisation scale.
+            descale_k: as ``descale_q``, for k.
+            descale_v: as ``descale_q``, for v.
+            descale_s: float32 ``[1, 1, 1, 1]``, the inverse of ``scale_s``.
+            scale_s: float32 ``[1, 1, 1, 1]``, P's quantisation scale.
+            scale_o: float32 ``[1, 1, 1, 1]``, O's quantisation scale.
+            is_inference: the frontend's flag: False generates Stats.
+            generate_stats: whether Stats is produced; default False.
+            compute_data_type: float32 only.
+            name: the node's name.
+            fn: the frontend's name here for ``score_mod``: ``(graph, S) -> S'`` on the descaled
+                scores before the masks (inference only).
+            **mask: the mask and scale keywords of ``sdpa`` (``sink_token`` included).
+
+        Returns:
+            ``(O, Stats, Amax_S, Amax_O)`` handles; Stats is None unless generated, the amaxes
+            are float32 ``[1, 1, 1, 1]``.
+
+        Example:
+            ```python
+            import torch
+
+            import cudnn_attn
+
+            q, k, v = (torch.randn(1, 2, 64, 64).to(torch.float8_e4m3fn) for _ in range(3))
+            def scale(x):  # every scale and descale: a float32 [1, 1, 1, 1] tensor
+                return torch.full((1, 1, 1, 1), x)
+
+            # descale_q, descale_k, descale_v (unit: values as stored), descale_s, scale_s, scale_o
+            scales = [scale(1.0), scale(1.0), scale(1.0), scale(1 / 448), scale(448.0), scale(1.0)]
+            with cudnn_attn.Graph() as g:
+                o, _, amax_s, amax_o = g.sdpa_fp8(q, k, v, *scales, use_causal_mask=True)
+            out, amax_s, amax_o = g(q, k, v, *scales)  # O in float8_e4m3fn
+            ```
         """
         scales = (descale_q, descale_k, descale_v, descale_s, scale_s, scale_o)
         args = (q, k, v, scales, is_inference, generate_stats, compute_data_type, fn)
@@ -101,9 +140,39 @@ class Fp8Ops:
     ) -> tuple[OutputHandle, ...]:
         """Gradients of ``sdpa_fp8``: ``(dQ, dK, dV, Amax_dQ, Amax_dK, Amax_dV, Amax_dP)``.
 
-        Give the same mask, scale and ``sink_token`` as the forward whose ``o`` and ``stats`` are
-        passed. ``dSink_token``: a ``[1, H_q, 1, 1]`` float32 tensor the caller made that receives
-        the sink's gradient, ``-sum(exp(sink - stats) * rowsum(dO * O) * descale_dO * descale_o)``.
+        Give the same mask, scale and ``sink_token`` as the forward whose ``o`` and ``stats``
+        are passed. Every scale and descale is a float32 ``[1, 1, 1, 1]`` tensor; the gradients
+        are written scaled by ``scale_dQ``/``scale_dK``/``scale_dV`` in q's dtype. Same GPU and
+        cuDNN needs as ``sdpa_fp8``, head dims up to 128.
+
+        Args:
+            q: the forward's FP8 queries.
+            k: the forward's FP8 keys.
+            v: the forward's FP8 values.
+            o: the forward's FP8 output.
+            dO: the output's gradient, FP8.
+            stats: the forward's Stats, float32 ``[B, H_q, S_q, 1]``.
+            descale_q: q's descale.
+            descale_k: k's descale.
+            descale_v: v's descale.
+            descale_o: o's descale.
+            descale_dO: dO's descale.
+            descale_s: P's descale.
+            descale_dP: dP's descale.
+            scale_s: P's scale.
+            scale_dQ: dQ's scale.
+            scale_dK: dK's scale.
+            scale_dV: dV's scale.
+            scale_dP: dP's scale.
+            use_deterministic_algorithm: ask cuDNN for a deterministic dQ.
+            compute_data_type: float32 only.
+            name: the node's name.
+            dSink_token: a ``[1, H_q, 1, 1]`` float32 tensor the caller made that receives the
+                sink's gradient.
+            **mask: the mask and scale keywords of ``sdpa``.
+
+        Returns:
+            ``(dQ, dK, dV, Amax_dQ, Amax_dK, Amax_dV, Amax_dP)`` handles.
         """
         scales = (descale_q, descale_k, descale_v, descale_o, descale_dO, descale_s, descale_dP, scale_s, scale_dQ,
                   scale_dK, scale_dV, scale_dP)  # fmt: skip

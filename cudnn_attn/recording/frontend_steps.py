@@ -91,9 +91,35 @@ def heuristics_problems(modes: Any, argument: str = "heuristics") -> list[str]:
 
 
 def graph_cache(key_fn: Callable[..., Any], maxsize: int = 256) -> Callable:
-    """The frontend's memo decorator: the wrapped function's result by ``key_fn(*args, **kwargs)``,
-    the oldest entry dropped past ``maxsize``. (The plan cache behind every graph makes it
-    optional here: a graph rebuilt per call is a cache hit.)"""
+    """The frontend's memo decorator: a function's result kept by a key of its arguments.
+
+    The wrapped function's result is kept under ``key_fn(*args, **kwargs)``, the oldest entry
+    dropped past ``maxsize``. The plan cache behind every graph makes it optional here: a graph
+    rebuilt per call is a plan-cache hit.
+
+    Args:
+        key_fn: maps the wrapped function's arguments to a hashable key.
+        maxsize: entries kept at most.
+
+    Returns:
+        A decorator.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn as cudnn
+
+        @cudnn.graph_cache(key_fn=lambda q: (tuple(q.shape), q.dtype))
+        def attention_graph(q):
+            with cudnn.Graph() as g:
+                g.sdpa(q, q, q, use_causal_mask=True)
+            return g
+
+        q = torch.randn(1, 2, 16, 64, dtype=torch.float16)
+        assert attention_graph(q) is attention_graph(q.clone())
+        ```
+    """
 
     def decorator(func: Callable) -> Callable:
         cache: dict[Any, Any] = {}
@@ -115,8 +141,39 @@ def graph_cache(key_fn: Callable[..., Any], maxsize: int = 256) -> Callable:
 
 
 def jit(heur_modes: Any = "A", **kwargs: Any) -> Callable:
-    """The frontend's build decorator: the wrapped function returns ``(graph, tensors)``; the graph
-    is built (``build(heur_modes)``) unless it has plans already, and ``(graph, uids)`` returned."""
+    """The frontend's build decorator: builds the graph a function returns.
+
+    The wrapped function returns ``(graph, tensors)``; the graph is built
+    (``build(heur_modes)``) unless it has plans already, and ``(graph, uids)`` is returned, the
+    uids of ``tensors`` in order (keys of ``execute``'s variant pack).
+
+    Args:
+        heur_modes: a ``heur_mode`` or a list of them, accepted (cuDNN mode A, FALLBACK behind).
+        **kwargs: the frontend's other options, accepted.
+
+    Returns:
+        A decorator.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn as cudnn
+
+        @cudnn.jit(heur_modes=[cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        def attention_graph(q):
+            with cudnn.graph(None) as (g, _):
+                Q = g.tensor_like(q)
+                O, _ = g.sdpa(Q, Q, Q, use_causal_mask=True)
+                O.set_output(True).set_dim(q.shape).set_stride(q.stride())
+            return g, [Q, O]
+
+        q = torch.randn(1, 2, 16, 64, dtype=torch.float16)
+        g, (q_uid, o_uid) = attention_graph(q)
+        o = torch.empty_like(q)
+        g.execute({q_uid: q, o_uid: o})
+        ```
+    """
     modes = heur_modes if isinstance(heur_modes, list) else [heur_modes]
 
     def decorator(func: Callable) -> Callable:
@@ -133,7 +190,7 @@ def jit(heur_modes: Any = "A", **kwargs: Any) -> Callable:
 
 
 class FrontendSteps:
-    """Mixed into ``Graph``: the frontend's method names, each a call of ``build()``."""
+    """Mixed into ``Graph``: the frontend's build steps, plan helpers and ``execute``."""
 
     _runner: Runner | None
 
@@ -141,23 +198,27 @@ class FrontendSteps:
         raise NotImplementedError
 
     def validate(self) -> Any:
+        """The frontend's first build step: builds the graph (all steps are one ``build()`` here)."""
         return self.build()
 
     def build_operation_graph(self) -> Any:
+        """The frontend's second build step: builds the graph."""
         return self.build()
 
     def create_execution_plans(self, *heuristics: Any) -> Any:
-        """The frontend's modes are checked; the plan cache ranks with mode A, FALLBACK behind it."""
+        """The frontend's plan step: the modes are checked, the graph built (mode A, FALLBACK behind)."""
         problems = [p for modes in heuristics for p in heuristics_problems(modes)]
         if problems:
             raise ValidationError(problems, context=self.name)  # type: ignore[attr-defined]
         return self.build()
 
     def check_support(self, *args: Any) -> Any:
+        """The frontend's support check: builds the graph (``UnsupportedError`` lists the reasons)."""
         return self.build()
 
     def build_plans(self, *args: Any, **kwargs: Any) -> Any:
-        """``build_plan_policy.ALL`` is honoured lazily: a candidate is built when first run by index."""
+        """The frontend's last build step: builds; with ``build_plan_policy.ALL`` each candidate plan is
+        built when first run by index."""
         policies = [*args, *kwargs.values()]
         bad = [p for p in policies if getattr(p, "name", p) not in ("HEURISTICS_CHOICE", "ALL")]
         if bad or set(kwargs) - {"policy"}:
@@ -168,7 +229,7 @@ class FrontendSteps:
 
     def get_workspace_size(self, handle: Any = None, override_uids: Any = None, override_shapes: Any = None,
                            override_strides: Any = None) -> int:  # fmt: skip
-        """The largest workspace of the graph's plans (the library allocates its own when none is passed)."""
+        """The largest workspace, in bytes, of the graph's plans (allocated when ``execute`` gets none)."""
         self.build()
         return max((getattr(node.plan, "workspace_size", 0) for node in self.nodes), default=0)  # type: ignore[attr-defined]
 
@@ -207,10 +268,12 @@ class FrontendSteps:
         return min(_plan_count(node) for node in self.nodes)  # type: ignore[attr-defined]
 
     def get_plan_name_at_index(self, index: int) -> str:
+        """The engine name of candidate plan ``index`` of a one-node graph."""
         return _single(self, "get_plan_name_at_index").plan.plan_name_at(_index(self, index))  # type: ignore[union-attr]
 
     def get_workspace_size_plan_at_index(self, index: int, handle: Any = None, override_uids: Any = None,
                                          override_shapes: Any = None, override_strides: Any = None) -> int:  # fmt: skip
+        """The workspace, in bytes, of candidate plan ``index`` of a one-node graph."""
         return _single(self, "get_workspace_size_plan_at_index").plan.at_index(_index(self, index)).workspace_size  # type: ignore[union-attr]
 
     def execute_plan_at_index(self, variant_pack: Mapping[Any, Any], workspace: Any = None, index: int = 0,
@@ -230,10 +293,40 @@ class FrontendSteps:
     def execute(self, variant_pack: Mapping[Any, Any], workspace: Any = None, handle: Any = None,
                 override_uids: Any = None, override_shapes: Any = None, override_strides: Any = None, *,
                 tensor_uids: Any = None, stream: Any = None) -> None:  # fmt: skip
-        """The frontend's run: ``variant_pack`` maps every tensor of the graph (inputs and the outputs
-        produced) to its data, keyed by handle, name or uid; ``None`` keys are ignored, as there.
-        ``override_*`` (a graph made with ``is_override_shape_enabled=True``): the run's own dims and
-        strides for the tensors of those uids (``overrides.py``)."""
+        """The frontend's run: every tensor of the graph, inputs and outputs, given in one dict.
+
+        Args:
+            variant_pack: every input and every produced output of the graph, keyed by handle,
+                name or uid; outputs are written in place. ``None`` keys are ignored.
+            workspace: a device buffer of at least ``get_workspace_size()`` bytes, or None.
+            handle: a handle to run with.
+            override_uids: with ``is_override_shape_enabled=True``: the uids whose dims and
+                strides this run overrides.
+            override_shapes: their dims, in ``override_uids``' order.
+            override_strides: their strides, likewise.
+            tensor_uids: the frontend's keyword, accepted.
+            stream: a torch stream or raw ``cudaStream_t`` int; the current stream by default.
+
+        Raises:
+            ShapeMismatchError: a key not of this graph, an output missing from the pack, or a
+                tensor of another geometry.
+
+        Example:
+            ```python
+            import torch
+
+            import cudnn_attn as cudnn
+
+            q = torch.randn(1, 2, 16, 64, dtype=torch.float16)
+            g = cudnn.pygraph()
+            Q = g.tensor_like(q, "q")
+            O, _ = g.sdpa(Q, Q, Q, use_causal_mask=True)
+            O.set_output(True).set_name("o")
+            g.build()
+            o = torch.empty_like(q)
+            g.execute({"q": q, "o": o})
+            ```
+        """
         found = None
         if override_uids is not None or override_shapes is not None or override_strides is not None:
             self.build()

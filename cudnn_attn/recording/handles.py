@@ -32,17 +32,21 @@ class TensorHandle:
 
     @property
     def name(self) -> str:
+        """The tensor's name."""
         return self._name
 
     def get_name(self) -> str:
+        """The tensor's name (the frontend's getter)."""
         return self._name
 
     def set_name(self, name: str) -> TensorHandle:
+        """Rename the tensor (a key of ``execute``'s variant pack and of ``g({name: tensor})``); returns self."""
         self.recording.claim_name(self._name, name)
         self._name = name
         return self
 
     def get_uid(self) -> int:
+        """The tensor's uid, a key of ``execute``'s variant pack."""
         return self.uid
 
     def set_uid(self, uid: int) -> TensorHandle:
@@ -53,13 +57,16 @@ class TensorHandle:
         return self
 
     def get_is_virtual(self) -> bool:
+        """Always False: every tensor here is an input or a produced output."""
         return False
 
     def set_is_pass_by_value(self, value: bool) -> TensorHandle:
+        """Mark a host scalar (read at each run), as the frontend's; returns self."""
         self.is_pass_by_value = bool(value)
         return self
 
     def get_is_pass_by_value(self) -> bool:
+        """Whether the tensor is a host scalar passed by value."""
         return self.is_pass_by_value
 
     def set_ragged_offset(self, offsets: Any) -> TensorHandle:
@@ -78,26 +85,32 @@ class TensorHandle:
         return self
 
     def get_ragged_offset(self) -> InputHandle | None:
+        """The offsets tensor ``set_ragged_offset`` gave, or None."""
         return self.ragged_offset
 
     @property
     def spec(self) -> TensorSpec | None:
+        """The tensor's geometry: shape, strides, dtype, device."""
         raise NotImplementedError
 
     @property
     def shape(self) -> tuple[int, ...] | None:
+        """The tensor's dims (an output's once the graph is built)."""
         spec = self.spec
         return None if spec is None else spec.shape
 
     def get_dim(self) -> list[int] | None:
+        """The tensor's dims as a list (the frontend's getter)."""
         shape = self.shape
         return None if shape is None else list(shape)
 
     def get_stride(self) -> list[int] | None:
+        """The tensor's strides as a list."""
         spec = self.spec
         return None if spec is None else list(spec.stride)
 
     def get_data_type(self) -> torch.dtype | None:
+        """The tensor's torch dtype."""
         spec = self.spec
         return None if spec is None else spec.dtype
 
@@ -107,7 +120,23 @@ class TensorHandle:
 
 
 class InputHandle(TensorHandle):
-    """One graph input; ``role`` is the op argument it first fed (q, k, attn_bias, ...)."""
+    """One graph input: a template tensor's geometry, or a descriptor made with ``Graph.tensor``.
+
+    ``role`` is the op argument it first fed (q, k, attn_bias, ...). Its setters describe the
+    tensors later runs pass; they may be called until the graph is built.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn as cudnn
+
+        g = cudnn.pygraph()
+        q = g.tensor(dim=(1, 2, 16, 64), stride=(2048, 64, 128, 1), data_type=cudnn.data_type.HALF, name="q")
+        q.set_stride((2048, 1024, 64, 1))  # BHSD after all
+        assert q.get_dim() == [1, 2, 16, 64] and q.get_data_type() is torch.float16
+        ```
+    """
 
     def __init__(self, recording: Recording, name: str, spec: TensorSpec, role: str, template: torch.Tensor | None):
         super().__init__(recording, name)
@@ -119,6 +148,7 @@ class InputHandle(TensorHandle):
 
     @property
     def spec(self) -> TensorSpec:
+        """The input's geometry: shape, strides, dtype, device."""
         return self._spec
 
     # The frontend's setters on an input: they describe the tensors later runs will pass.
@@ -129,12 +159,14 @@ class InputHandle(TensorHandle):
         return self
 
     def set_dim(self, dim: Any) -> InputHandle:
+        """Set the input's dims (strides become row-major); returns self."""
         self.recording.check_open(f"{self._name}.set_dim")
         shape = int_tuple(dim, f"{self._name}.set_dim")
         self._spec = TensorSpec(shape, contiguous_strides(shape), self._spec.dtype, self._spec.device)
         return self
 
     def set_stride(self, stride: Any) -> InputHandle:
+        """Set the input's strides, one per dim; returns self."""
         self.recording.check_open(f"{self._name}.set_stride")
         strides = int_tuple(stride, f"{self._name}.set_stride")
         if len(strides) != len(self._spec.shape):
@@ -143,6 +175,7 @@ class InputHandle(TensorHandle):
         return self
 
     def set_data_type(self, data_type: Any) -> InputHandle:
+        """Set the input's dtype (``data_type`` member or torch dtype); returns self."""
         self.recording.check_open(f"{self._name}.set_data_type")
         try:
             dtype = to_torch_dtype(data_type, f"{self._name}.set_data_type")
@@ -154,7 +187,22 @@ class InputHandle(TensorHandle):
 
 
 class OutputHandle(TensorHandle):
-    """An op's output. Setters may be called until the graph is built; each returns self."""
+    """An op's output (O, Stats, dQ, ...); its setters may be called until the graph is built.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn
+
+        q = torch.randn(1, 2, 16, 64, dtype=torch.float16)
+        with cudnn_attn.Graph() as g:
+            o, stats = g.sdpa(q, q, q, generate_stats=True)
+            o.set_name("o").set_output(True)
+            stats.set_output(False)  # virtual: not produced
+        out = g(q)  # only O; a tensor given three times is one input
+        ```
+    """
 
     def __init__(self, recording: Recording, name: str, node: Any, port: str, index: int = 0):
         super().__init__(recording, name)
@@ -171,6 +219,7 @@ class OutputHandle(TensorHandle):
 
     @property
     def spec(self) -> TensorSpec | None:
+        """The output's geometry, known once the graph is built (None before)."""
         return self.built_spec
 
     def _check_open(self, what: str) -> None:
@@ -178,21 +227,25 @@ class OutputHandle(TensorHandle):
             raise GraphStateError(f"{self._name}.{what}: the graph is already built; set it inside the `with` block")
 
     def set_output(self, is_output: bool = True) -> OutputHandle:
+        """Mark the output produced (True) or virtual (False: not computed unless an op reads it); returns self."""
         self._check_open("set_output")
         self.is_output = self.marked = bool(is_output)
         return self
 
     def set_dim(self, dim: Any) -> OutputHandle:
+        """Check the output's dims against what the op produces, at build; returns self."""
         self._check_open("set_dim")
         self.dim = int_tuple(dim, f"{self._name}.set_dim")
         return self
 
     def set_stride(self, stride: Any) -> OutputHandle:
+        """The output's strides (a layout of its own, e.g. BSHD); returns self."""
         self._check_open("set_stride")
         self.stride = int_tuple(stride, f"{self._name}.set_stride")
         return self
 
     def set_data_type(self, data_type: Any) -> OutputHandle:
+        """The output's dtype (e.g. FP8 O from FP8 inputs); returns self."""
         self._check_open("set_data_type")
         try:
             self.dtype = to_torch_dtype(data_type, f"{self._name}.set_data_type")

@@ -59,21 +59,60 @@ MAX_RUNS = 256  # the prepared runs one instance keeps: a few per layer geometry
 class PagedAttention:
     """Attention over paged K/V caches for a serving loop: ``plan`` per step, ``run`` per layer.
 
+    ``plan`` does a step's work once for every layer: checks the page table and lengths,
+    makes their values safe on the device without a host sync, chooses the layout (split-KV,
+    query packing, the decode kernel) and derives every table in persistent buffers. ``run``
+    then launches only attention work: no host sync, no allocation when ``out`` is given, safe to
+    capture in a CUDA graph. Decode takes ``S_q`` = 1 to 16 query tokens per sequence (the last
+    ``S_q`` positions of its cache: bottom-right causal); chunked prefill plans with ``q_lens``
+    and runs packed ``[T, H_q, D]`` queries, so one step mixes prefill chunks and decode tokens.
+    CUDA tensors run on cuDNN's paged attention (cuDNN >= 9.5) or a Triton decode kernel, CPU
+    tensors on the reference backend.
+
     Args:
-        num_q_heads, num_kv_heads, head_dim, page_size: the model's attention geometry.
-        head_dim_v: V's head dim where it differs from Q's and K's (MLA: 576 and 512, V being
-            the first 512 of each latent K row, ``v_cache = k_cache[..., :512]``).
+        num_q_heads: query heads ``H_q``.
+        num_kv_heads: K/V heads ``H_kv``; must divide ``num_q_heads``.
+        head_dim: Q's and K's head dim ``D``.
+        page_size: tokens per cache page (a power of two on a GPU).
         dtype: of q (and of the caches, unless ``kv_dtype``): float16 or bfloat16.
-        kv_dtype: of the caches where not ``dtype``: ``torch.float8_e4m3fn`` or ``float8_e5m2``
-            (FP8 caches, half the bytes a decode step reads; ``run``'s ``k_scale``/``v_scale``).
-        kv_layout: ``"NHPD"`` or ``"NPHD"`` (see the module docstring).
-        max_batch, max_pages_per_seq: the largest step (required with ``cuda_graph``).
-        cuda_graph: fixed-size persistent buffers, so captured runs stay valid across plans.
-        splits, pack, decode_kernel: force the layout and single-token decode's kernel
-            (``"cudnn"`` or ``"triton"``; None: chosen per step, ``paged_schedule.choose``).
-        scale: softmax scale (default ``1/sqrt(head_dim)``).
-        autotune: time every cuDNN candidate when a plan is built (plans found in the plan store,
-            tuned or not, load as they are; ``cudnn-attn cache warm`` stores tuned ones).
+        kv_layout: ``"NHPD"`` (caches ``[num_pages, H_kv, page_size, D]``) or ``"NPHD"``
+            (``[num_pages, page_size, H_kv, D]``).
+        max_batch: the most sequences a step holds (required with ``cuda_graph``).
+        max_pages_per_seq: the most pages a sequence holds (required with ``cuda_graph``).
+        cuda_graph: fixed-size persistent buffers of ``max_batch`` rows, so a captured step
+            (all layers' ``run``) replays after each ``plan``, which rewrites them in place;
+            smaller batches are padded with empty sequences. Keep the instance alive while the
+            graph replays.
+        device: the caches' device; taken from the tensors when None.
+        splits: force the number of split-KV chunks (None: chosen per step).
+        pack: force GQA query packing on or off (None: chosen per step).
+        scale: softmax scale; ``1 / sqrt(head_dim)`` by default.
+        autotune: time every cuDNN candidate when a plan is built (plans found in the plan store
+            load as they are; ``cudnn-attn cache warm`` stores tuned ones).
+        decode_kernel: force single-token decode's kernel, ``"cudnn"`` or ``"triton"``.
+        head_dim_v: V's head dim where it differs (MLA: 576 and 512, V being the first 512 of
+            each latent K row, ``v_cache = k_cache[..., :512]``).
+        kv_dtype: the caches' dtype where not ``dtype``: ``torch.float8_e4m3fn`` or
+            ``float8_e5m2`` (half the bytes a decode step reads; see ``run``'s ``k_scale``).
+
+    Raises:
+        ValidationError: a bad geometry, dtype, layout or limit (every problem listed).
+        UnsupportedError: FP8 caches with different K and V head dims.
+
+    Example:
+        ```python
+        import torch
+
+        import cudnn_attn
+
+        attn = cudnn_attn.PagedAttention(8, 2, 64, page_size=16, dtype=torch.bfloat16, device="cpu")
+        k_cache, v_cache = (torch.randn(32, 2, 16, 64, dtype=torch.bfloat16) for _ in range(2))  # NHPD
+        page_table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)  # [B, pages]
+        attn.plan(page_table, seq_lens_kv=torch.tensor([50, 64], dtype=torch.int32))  # once per step
+        q = torch.randn(2, 8, 1, 64, dtype=torch.bfloat16)  # one new token per sequence
+        out = attn.run(q, k_cache, v_cache)  # per layer, with that layer's caches
+        assert out.shape == (2, 8, 1, 64)
+        ```
     """
 
     def __init__(
@@ -149,14 +188,24 @@ class PagedAttention:
     # ---- plan: once per step ------------------------------------------------------------------
 
     def plan(self, page_table: torch.Tensor, seq_lens_kv: torch.Tensor, q_lens: torch.Tensor | None = None) -> None:
-        """Prepare a step: ``page_table`` ``[B, pages_per_seq]`` int32 (page indices into the
-        caches), ``seq_lens_kv`` ``[B]`` int32 (each sequence's cache length, the new tokens
-        included), ``q_lens`` ``[B]`` int32 for chunked prefill (each sequence's new tokens, at
-        most its cache length; ``run`` then takes packed ``[T, H_q, D]`` queries). CPU tensors
-        are checked value by value, here, and page indices against each cache at ``run`` (which
-        sees the cache); CUDA ones are clamped into range on the device, without a host sync: a
-        page past the cache reads its last page, and a bad value gives wrong rows for its
-        sequence, never an access out of bounds."""
+        """Prepare a step, for every layer's ``run``.
+
+        CPU tensors are checked value by value here (page indices against each cache at
+        ``run``, which sees the cache); CUDA ones are clamped into range on the device, without
+        a host sync: a page past the cache reads its last page, and a bad value gives wrong rows
+        for its sequence, never an access out of bounds.
+
+        Args:
+            page_table: ``[B, pages_per_seq]`` int32 page indices into the caches.
+            seq_lens_kv: ``[B]`` int32, each sequence's cache length, the new tokens included.
+            q_lens: ``[B]`` int32 for chunked prefill: each sequence's new tokens (at most its
+                cache length; they are its last ones). ``run`` then takes packed
+                ``[T, H_q, D]`` queries with ``T >= sum(q_lens)``.
+
+        Raises:
+            ValidationError: shapes, dtypes, devices or (CPU tensors) values out of range,
+                named by argument and row.
+        """
         device = check_plan(self, page_table, seq_lens_kv, q_lens)
         batch, pages = page_table.shape
         rows = self.max_batch if self.cuda_graph else batch
@@ -168,18 +217,36 @@ class PagedAttention:
     # ---- warm: at a server's start ---------------------------------------------------------------
 
     def warm(self, num_pages: int, *, s_q: tuple[int, ...] = (1,), prefill_tokens: tuple[int, ...] = ()) -> list[str]:
-        """Build (or load from the plan store) every plan the steps of this server run, before
-        the first request: decode with each of ``s_q`` query tokens, and chunked prefill with
-        each packed token count of ``prefill_tokens``, for caches of ``num_pages`` pages and
-        steps of ``max_batch`` sequences of ``max_pages_per_seq`` pages (required here). With
+        """Build (or load from the plan store) every plan this server's steps run, before the first request.
+
+        Decode with each of ``s_q`` query tokens, and chunked prefill with each packed token
+        count of ``prefill_tokens``, for caches of ``num_pages`` pages and steps of
+        ``max_batch`` sequences of ``max_pages_per_seq`` pages (required here). With
         ``cuda_graph`` that is every plan a step can need; without it, steps of other sizes
-        build their own. Returns each plan's source ("built", "disk"); plan again after.
+        build their own. ``plan`` again afterwards. ``cudnn-attn cache warm`` does the same
+        from a shape list.
 
-        Example, at a server's start (``cudnn-attn cache warm`` does the same from a shape list)::
+        Args:
+            num_pages: pages in each cache.
+            s_q: query tokens per sequence of the decode steps to plan for (1..16).
+            prefill_tokens: packed token counts of the prefill steps to plan for.
 
-            attn = PagedAttention(32, 8, 128, 64, dtype=torch.bfloat16, max_batch=64,
-                                  max_pages_per_seq=512, cuda_graph=True, device="cuda")
-            attn.warm(num_pages=40_000, s_q=(1, 4), prefill_tokens=(4096,))
+        Returns:
+            Each plan's source: ``"built"``, ``"disk"`` (the plan store) or ``"reference"``.
+
+        Raises:
+            ValidationError: no ``max_batch``/``max_pages_per_seq``, or bad counts.
+
+        Example:
+            ```python
+            import torch
+
+            import cudnn_attn
+
+            attn = cudnn_attn.PagedAttention(8, 2, 64, 16, dtype=torch.bfloat16, max_batch=4,
+                                             max_pages_per_seq=8, device="cpu")
+            sources = attn.warm(num_pages=64, s_q=(1, 4))
+            ```
         """
         problems = []
         if self.max_batch is None or self.max_pages_per_seq is None:
@@ -222,17 +289,32 @@ class PagedAttention:
     # ---- run: per layer -----------------------------------------------------------------------
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None = None, *,
-            sinks: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0):  # fmt: skip
-        """One layer: ``q`` ``[B, H_q, S_q, D]`` (S_q <= 16), or packed ``[T, H_q, D]`` after a
-        plan with ``q_lens``, and the layer's caches; returns ``out`` (or a new tensor) of
-        ``q``'s shape. Output rows past ``sum(q_lens)`` are zero. A page table planned on the
-        CPU is refused here if it names a page past ``k_cache``'s (``ValidationError``).
+            sinks: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:  # fmt: skip
+        """Attention for one layer of the planned step.
 
-        ``sinks``: the layer's attention sinks (gpt-oss), a logit per query head, ``[H_q]``, in
-        every softmax denominator (``sdpa``'s ``sinks``; FlashInfer's name too).
+        No host sync, and no allocation when ``out`` is given: safe to capture in a CUDA graph.
 
-        ``k_scale``, ``v_scale``: FP8 caches' scales (FlashInfer's and vLLM's names): a stored
-        element's real value is ``scale * stored``."""
+        Args:
+            q: ``[B, H_q, S_q, D]`` (``S_q`` <= 16), or packed ``[T, H_q, D]`` after a plan with
+                ``q_lens``; ``dtype``.
+            k_cache: the layer's K cache, in ``kv_layout`` and ``kv_dtype``.
+            v_cache: the layer's V cache, likewise.
+            out: a tensor of the result's shape to write into; a new one otherwise.
+            sinks: the layer's attention sinks (gpt-oss), a logit per query head, ``[H_q]``, in
+                every softmax denominator (``sdpa``'s ``sinks``; FlashInfer's name too).
+            k_scale: FP8 caches' scale (FlashInfer's and vLLM's name): a stored element's real
+                value is ``k_scale * stored``.
+            v_scale: likewise for V.
+
+        Returns:
+            The output, ``out`` or a new tensor, ``[B, H_q, S_q, D_v]`` (or ``[T, H_q, D_v]``)
+                in q's dtype; packed rows past ``sum(q_lens)`` are zero.
+
+        Raises:
+            ValidationError: ``run`` before any ``plan``; tensors that do not match the plan or
+                the constructor's geometry; a CPU-planned page past ``k_cache``'s pages.
+            UnsupportedError: FP8 caches on a GPU step the Triton decode kernel cannot run.
+        """
         step = self._tables.step
         if step is None:
             raise ValidationError(["plan: run() before any plan(); call plan(page_table, seq_lens_kv) each step"],
