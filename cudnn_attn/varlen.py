@@ -206,7 +206,9 @@ def varlen_attention(
             raise UnsupportedError(["softcap with a bottom-right causal mask in a packed batch: not supported yet"],
                                    context=context)  # fmt: skip
         try:
-            options.modifier, options.scores = softcap_modifier(softcap, options.scores, options.max_q, options.max_k)
+            same = cu_seqlens_q is cu_seqlens_k or (not q.is_cuda and torch.equal(cu_seqlens_q, cu_seqlens_k))
+            options.modifier, options.scores = softcap_modifier(softcap, options.scores, options.max_q, options.max_k,
+                                                                same)  # fmt: skip
         except ValidationError as error:
             raise ValidationError(error.problems, context=context) from None
     try:
@@ -241,6 +243,7 @@ class _Options:
         return TensorSpec.of(self.rng[0]), TensorSpec.of(self.rng[1])
 
 
+@backend_choice.kept_for_backward
 class _Varlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, lengths_q, lengths_k, options, sinks, cu_seqlens_q):  # type: ignore[override]

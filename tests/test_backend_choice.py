@@ -13,7 +13,7 @@ from conftest import randn, rel_err
 
 import cudnn_attn
 from cudnn_attn.errors import UnsupportedError, ValidationError
-from cudnn_attn.runtime import prepared
+from cudnn_attn.runtime import backend_choice, prepared
 from cudnn_attn.runtime.backend_choice import chosen
 
 
@@ -230,3 +230,29 @@ def test_gpu_cudnn_block_refuses_what_would_leave_for_torch():
         with pytest.raises(UnsupportedError, match="no double-precision path"):
             cudnn_attn.sdpa(q.double(), k.double(), v.double())
     assert rel_err(out, float64_attention(q.cpu(), k.cpu(), v.cpu())) < 1e-3
+
+
+def test_a_backward_on_another_thread_runs_in_the_forwards_block():
+    """The autograd engine runs CUDA backwards on a thread of its own, which starts outside the
+    caller's block: the library's autograd functions carry the forward's choice to it."""
+    seen = []
+
+    @backend_choice.kept_for_backward
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(backend_choice.chosen())
+            return grad * 2
+
+    x = torch.ones(3, requires_grad=True)
+    with cudnn_attn.backend("reference"):
+        y = Spy.apply(x).sum()
+    worker = threading.Thread(target=y.backward)  # a fresh thread: outside any block
+    worker.start()
+    worker.join()
+    assert seen == ["reference"] and torch.equal(x.grad, torch.full((3,), 2.0))
+    assert backend_choice.chosen() == "auto"

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from cudnn_attn.core.mask import Causal, ScoreOptions
 from cudnn_attn.core.problem import AttentionProblem, KVCacheLayout, Op, TensorSpec
+from cudnn_attn.core.softcap import softcap_modifier
 from cudnn_attn.ops.cudnn.capabilities import Platform, unsupported_reasons
 
 H200 = Platform("NVIDIA H200", (9, 0), 91900, "1.32.0")
@@ -120,3 +123,19 @@ def test_paged_needs_cudnn_9_5():
 
 def test_platform_describes_itself():
     assert H200.describe() == "NVIDIA H200 (sm90), cuDNN 9.19.0, frontend 1.32.0"
+
+
+def test_sequence_lengths_beside_a_score_modifier_are_refused_unless_the_modifier_bounds_the_keys():
+    """cuDNN 9.19 drops the padding mask beside a score modifier (measured on an H100: keys past a
+    sequence's length attended, O off by 45-64%). A top-left causal modifier over equal lengths
+    (packed self-attention) keeps every row's keys inside its sequence and needs no bound."""
+    lengths = dict(seq_len_q=spec(2, 1, 1, 1, dtype=torch.int32), seq_len_kv=spec(2, 1, 1, 1, dtype=torch.int32))
+    plain = ScoreOptions(attn_scale=0.125, padding=True)
+    causal = dataclasses.replace(plain, causal=Causal.TOP_LEFT)
+    loose, options = softcap_modifier(20.0, plain, 128, 128)
+    assert "applies no padding mask" in reasons(forward(score_mod=loose, padding=True, **lengths))
+    bounded, options = softcap_modifier(20.0, causal, 128, 128, same_lengths=True)
+    assert bounded.keys_in_bounds and reasons(forward(score_mod=bounded, padding=True, **lengths)) == ""
+    unequal, _ = softcap_modifier(20.0, causal, 128, 128, same_lengths=False)
+    assert "applies no padding mask" in reasons(forward(score_mod=unequal, padding=True, **lengths))
+    assert reasons(forward(score_mod=loose)) == ""  # no lengths: nothing for cuDNN to drop

@@ -112,6 +112,10 @@ class ScoreModifier:
     backward: Expr | None = None
     inputs: tuple[TensorSpec, ...] = ()
     name: str = "score_mod"  # how describe() and errors name it (softcap50, ...)
+    # The expression masks every key past its row's sequence itself (a top-left causal mask over
+    # self-attention's equal lengths): cuDNN applies no padding mask beside a modifier, and then
+    # needs none (ops/cudnn/capabilities.py).
+    keys_in_bounds: bool = False
 
     def leaves(self, kind: str) -> list[Expr]:
         roots = [self.forward] + ([self.backward] if self.backward is not None else [])
@@ -141,7 +145,7 @@ def modifier_problems(mod: ScoreModifier, *, forward: bool, scores: tuple[int, i
     return found
 
 
-def softcap(cap: float, mask: Expr | None = None) -> ScoreModifier:
+def softcap(cap: float, mask: Expr | None = None, keys_in_bounds: bool = False) -> ScoreModifier:
     """FlashAttention's and Gemma-2's logit soft-capping, ``cap * tanh(s / cap)``, and its gradient
     ``dS * (1 - tanh(s / cap)^2)`` (the frontend's ``Softcap`` modifier). ``mask``: a boolean
     expression of the positions kept (the others get -inf after capping), e.g. ``band_mask``."""
@@ -151,7 +155,7 @@ def softcap(cap: float, mask: Expr | None = None) -> ScoreModifier:
     if mask is not None:
         capped = op("binary_select", capped, constant(float("-inf")), mask)
     backward = op("div", op("tanh_backward", op("mul", GRAD, cap_value), before_tanh), cap_value)
-    return ScoreModifier(forward=capped, backward=backward, name=f"softcap{cap:g}")
+    return ScoreModifier(forward=capped, backward=backward, name=f"softcap{cap:g}", keys_in_bounds=keys_in_bounds)
 
 
 def band_mask(*, causal: bool, window: int | None, offset: int) -> Expr | None:

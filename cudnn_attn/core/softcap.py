@@ -17,22 +17,24 @@ from .mask import Causal, ScoreOptions
 
 
 def softcap_modifier(
-    cap: Any, options: ScoreOptions, s_q: int, s_kv: int
+    cap: Any, options: ScoreOptions, s_q: int, s_kv: int, same_lengths: bool = False
 ) -> tuple[score_mod.ScoreModifier, ScoreOptions]:
     """``cap`` checked, as a score modifier holding the options' causal mask and window, and the
     options without them. ``s_q``, ``s_kv``: the score tile's extent (where a bottom-right
-    diagonal sits)."""
+    diagonal sits). ``same_lengths``: every sequence has as many queries as keys (packed
+    self-attention), so a top-left causal mask keeps each row's keys inside its sequence."""
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
         raise ValidationError([f"softcap: {cap!r}; expected a finite number > 0 (scores become cap * tanh(s / cap))"])
-    return _softcap_modifier(float(cap), options, s_q, s_kv)
+    return _softcap_modifier(float(cap), options, s_q, s_kv, same_lengths)
 
 
 @functools.lru_cache(maxsize=256)
-def _softcap_modifier(cap: float, options: ScoreOptions, s_q: int, s_kv: int) -> tuple[score_mod.ScoreModifier,
-                                                                                         ScoreOptions]:  # fmt: skip
+def _softcap_modifier(cap: float, options: ScoreOptions, s_q: int, s_kv: int,
+                      same_lengths: bool) -> tuple[score_mod.ScoreModifier, ScoreOptions]:  # fmt: skip
     if options.right_bound is not None or options.alibi:
         raise UnsupportedError(["softcap with a right bound or ALiBi: not supported here"])
     offset = s_kv - s_q if options.aligned_bottom_right else 0
     mask = score_mod.band_mask(causal=options.causal is not Causal.NONE, window=options.sliding_window, offset=offset)
     plain = ScoreOptions(attn_scale=options.attn_scale, padding=options.padding, dropout_p=options.dropout_p)
-    return score_mod.softcap(cap, mask), plain
+    in_bounds = same_lengths and options.causal is Causal.TOP_LEFT
+    return score_mod.softcap(cap, mask, keys_in_bounds=in_bounds), plain

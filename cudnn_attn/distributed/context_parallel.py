@@ -18,6 +18,7 @@ import torch
 from ..core.score_inputs import sink_token
 from ..core.sink_fold import sink_gradient
 from ..functional.arguments import materialised
+from ..runtime import backend_choice
 from . import gather, ring
 from .checks import CONTEXT, checked
 from .exchange import Ring
@@ -111,6 +112,7 @@ class Setup:
         return DenseShards(self.layout, self.is_causal, self.left, m.rank, m.world, q.shape[2], self.scale)
 
 
+@backend_choice.kept_for_backward
 class _ContextParallel(torch.autograd.Function):
     """Forward keeps q, the packed local K/V, the output and its LSE; the backward runs the
     same mode again with them, and gives the sinks the gradient of their column."""

@@ -146,6 +146,7 @@ class Prepared:
                                                         offset))  # fmt: skip
 
 
+@backend_choice.kept_for_backward
 class _Attention(torch.autograd.Function):
     """Eager training: the forward graph with stats, the backward graph on demand."""
 

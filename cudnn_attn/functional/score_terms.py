@@ -120,6 +120,7 @@ def _backward_run(ctx, q, k, v, bias, sink, out, d_out, stats, rng) -> PreparedR
     return run
 
 
+@backend_choice.kept_for_backward
 class _ScoreTermsAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, sinks, options: ScoreOptions, modifier, rng):  # type: ignore[override]

@@ -13,8 +13,10 @@ under the other.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from contextvars import ContextVar
+from typing import Any
 
 from ..errors import ValidationError
 from ..ops import BACKEND_NAMES
@@ -69,3 +71,25 @@ def chosen() -> str:
 def resolve(requested: str) -> str:
     """``requested``, or the block's choice where it is ``"auto"``."""
     return _chosen.get() if requested == "auto" else requested
+
+
+def kept_for_backward(function: Any) -> Any:
+    """Class decorator for a ``torch.autograd.Function``: its backward runs under the block its
+    forward ran in. The autograd engine runs a CUDA backward on a thread of its own, which does
+    not inherit the caller's context, so without this a backward would plan on ``"auto"``."""
+    forward, backward = function.forward, function.backward
+
+    def forward_noting_the_block(ctx: Any, *args: Any) -> Any:
+        ctx.backend_choice = _chosen.get()
+        return forward(ctx, *args)
+
+    def backward_in_the_block(ctx: Any, *grads: Any) -> Any:
+        token = _chosen.set(getattr(ctx, "backend_choice", "auto"))
+        try:
+            return backward(ctx, *grads)
+        finally:
+            _chosen.reset(token)
+
+    function.forward = staticmethod(functools.wraps(forward)(forward_noting_the_block))
+    function.backward = staticmethod(functools.wraps(backward)(backward_in_the_block))
+    return function

@@ -330,13 +330,21 @@ def _score_mod_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
             # [B, 1, 1, 1] or [B, H, 1, 1] tensor come out wrong (rel err 0.96-0.98); [1, H, 1, 1], and
             # per-row and per-column tensors [1, 1, S, 1] / [1, 1, 1, S], are read right.
             reasons.append(f"score_mod input {i}: shape {list(spec.shape)}; cuDNN 9.19 misreads score_mod tensors "
-                           "that vary by batch; give per-sequence lengths as seq_len_q/seq_len_kv instead")  # fmt: skip
+                           "that vary by batch; pass a dense attn_mask beside the modifier instead")  # fmt: skip
     if p.is_fp8:
         # Measured on an H100 with cuDNN 9.19: sdpa_fp8 with a soft-capping fn builds and runs, but O
         # comes out wrong (rel err 12.5 against the emulation, values saturated). Not measured elsewhere.
         reasons.append("fn (a score modifier) on FP8 attention: cuDNN 9.19 returns wrong results (measured on an "
                        "H100: rel err 12 for soft-capping); refused. Use sdpa with score_mod on fp16/bf16 tensors")  # fmt: skip
     o = p.options
+    if o.padding and not (p.score_mod is not None and p.score_mod.keys_in_bounds):
+        # Measured on an H100 with cuDNN 9.19: beside a score modifier the sequence lengths bound no
+        # key (dense BHSD with seq_len_kv and packed THD alike: O off by 45-64%); the query rows are
+        # still bounded. A top-left causal mask inside the modifier over equal lengths needs no bound.
+        reasons.append("score_mod with sequence lengths (padding, packed sequences): cuDNN 9.19 applies no padding "
+                       "mask beside a score modifier, so keys past a sequence's length would be attended (measured "
+                       "on an H100); refused. A dense boolean attn_mask beside the modifier is applied "
+                       "(cudnn_attn.sdpa(softcap=, attn_mask=)), and the reference backend runs it")  # fmt: skip
     if o.has_band or o.alibi:
         reasons.append("score_mod with a causal mask, band or ALiBi: cuDNN applies no mask of its own beside a score "
                        "modifier; write the mask inside score_mod (gen_index, cmp_ge, binary_select)")  # fmt: skip
