@@ -83,13 +83,17 @@ def varlen_sdpa(
 
     Args:
         q: ``[T_q, H, D]`` fp16/bf16, the sequences' queries back to back.
-        k, v: ``[T_k, H_kv, D]`` and ``[T_k, H_kv, D_v]``. ``H_kv`` must divide ``H``: fewer K/V
-            heads is grouped-query attention (GQA/MQA), inferred as FlashAttention does (query
-            head ``h`` reads K/V head ``h // (H / H_kv)``); ``enable_gqa`` is accepted, not needed.
-        cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]``, where each sequence starts (from 0).
-        max_seqlen_q, max_seqlen_k: the longest query and key sequence (ints).
+        k: ``[T_k, H_kv, D]``. ``H_kv`` must divide ``H``: fewer K/V heads is grouped-query
+            attention (GQA/MQA), inferred as FlashAttention does (query head ``h`` reads K/V head
+            ``h // (H / H_kv)``); ``enable_gqa`` is accepted, not needed.
+        v: ``[T_k, H_kv, D_v]``.
+        cu_seqlens_q: int32 ``[B + 1]``, where each query sequence starts (from 0).
+        cu_seqlens_k: int32 ``[B + 1]``, where each key sequence starts (from 0).
+        max_seqlen_q: the longest query sequence (an int).
+        max_seqlen_k: the longest key sequence (an int).
         dropout_p: attention dropout probability (training).
-        softmax_scale / scale: the scores' scale (one argument, two names); None: ``1 / sqrt(D)``.
+        softmax_scale: the scores' scale, FlashAttention's name; None: ``1 / sqrt(D)``.
+        scale: torch's name for ``softmax_scale`` (give one, or both with one value).
         causal: FlashAttention's causal mask, aligned bottom-right per sequence (query ``i`` of
             a sequence with ``L`` queries and ``S`` keys sees keys ``0 .. i + S - L``).
         is_causal: torch's causal mask, aligned top-left (keys ``0 .. i``). The two are the same
@@ -98,6 +102,8 @@ def varlen_sdpa(
             diagonal (-1: no bound; a right bound of 0 is causal; other right bounds are
             ``UnsupportedError``, cuDNN's band has none).
         softcap: logit soft-capping, scores ``cap * tanh(s / cap)`` (Gemma-2's); None or 0.0: off.
+            On cuDNN 9.19 with causal self-attention only (``cu_seqlens_q is cu_seqlens_k``): it
+            applies no sequence-length mask beside a score modifier, so other calls are refused.
         alibi_slopes: FlashAttention's per-head ALiBi slopes: ``UnsupportedError`` (cuDNN's ALiBi
             takes no slopes; ``Graph.sdpa(use_alibi_mask=True)`` has the standard ones).
         deterministic: a deterministic backward (cuDNN's deterministic algorithm; the forward
@@ -105,6 +111,7 @@ def varlen_sdpa(
         return_attn_probs: FlashAttention's flag: return ``(out, lse, None)``. The probabilities
             are not materialised (FlashAttention's are for testing only); ``None`` stands in.
         block_table: FlashAttention's paged K/V: ``UnsupportedError``, ``PagedAttention`` serves it.
+        enable_gqa: torch's GQA flag, accepted; the head counts already say it.
         sinks: attention sinks, a logit per query head (``[H]``), learnable as in ``sdpa``.
         return_lse: return ``(out, lse)``.
 

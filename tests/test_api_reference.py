@@ -35,15 +35,9 @@ REFERENCE = ROOT / "docs" / "reference"
 EXCEPTIONS = ("ValidationError", "UnsupportedError", "ShapeMismatchError", "GraphStateError",
               "cudnnGraphNotSupportedError")  # fmt: skip
 
-# Docstrings their owners are rewriting: they need a directive, and their sections are not
+# Docstrings being rewritten (none now): they need a directive, and their sections are not
 # checked until those rewrites land.
-SECTIONS_PENDING = {
-    "cudnn_attn.backend",  # new: its example is still a doctest (Example::), not an Example: section
-    "cudnn_attn.varlen_sdpa",
-    "cudnn_attn.distributed.context_parallel_sdpa",
-    "cudnn_attn.distributed.shard",
-    "cudnn_attn.distributed.unshard",
-}
+SECTIONS_PENDING: set[str] = set()
 
 # Classes the library constructs (graph ops return them): no Args: section, users never call them.
 MADE_BY_THE_LIBRARY = {"cudnn_attn.recording.handles.InputHandle", "cudnn_attn.recording.handles.OutputHandle"}
@@ -63,7 +57,7 @@ SUMMARISED = (cudnn_attn.Graph, cudnn_attn.PagedAttention, cudnn_attn.BucketedAt
               cudnn_attn.Fp8Tensor, cudnn_attn.Fp8Scaling)  # fmt: skip
 
 # Examples run here as written (on CPU tensors: the reference backend).
-RUN_EXAMPLES = ("sdpa", "Graph", "Graph.sdpa", "Graph.sdpa_backward", "Graph.sdpa_with_paged_cache", "nn.Attention",
+RUN_EXAMPLES = ("sdpa", "varlen_sdpa", "backend", "Graph", "Graph.sdpa", "Graph.sdpa_backward", "Graph.sdpa_with_paged_cache", "nn.Attention",
                 "PagedAttention", "sdpa_fp8", "Fp8Tensor", "Fp8Scaling", "PlanCache", "BucketedAttention")  # fmt: skip
 
 

@@ -9,6 +9,7 @@ code does run; the test holds every such mark to a reason.
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -41,6 +42,16 @@ def run_page(page: Path, on_gpu: bool) -> int:
 
 
 PAGES_WITH_CODE = [p for p in PAGES if blocks(p)]
+
+
+@pytest.fixture(autouse=True)
+def logger_as_it_was():
+    """A page may set the package's log level (the debugging page does): later tests see it unset."""
+    logger = logging.getLogger("cudnn_attn")
+    level, handlers = logger.level, list(logger.handlers)
+    yield
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
 
 
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=[str(p.relative_to(ROOT)) for p in PAGES_WITH_CODE])

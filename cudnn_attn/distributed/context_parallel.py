@@ -46,32 +46,54 @@ def context_parallel_sdpa(
 ) -> torch.Tensor:
     """This rank's shard of ``softmax(q k^T * scale) v`` over the whole sharded sequence.
 
-    q, k, v: this rank's shards ``[B, H, S_shard, D]`` (any strides, e.g. BSHD views), fp16 or
-    bf16; every rank of ``group`` (a ``torch.distributed`` group, None for the default; NCCL for
-    CUDA tensors, gloo for CPU ones) calls with equal shapes. ``layout`` says which positions
-    a shard holds (``"zigzag"``: chunks r and 2W-1-r of 2W; ``"contiguous"``: chunk r of W) and
-    matters only when causal. ``enable_gqa``: k/v may have fewer heads, dividing q's.
+    Every rank of ``group`` calls it with its own shards and equal shapes; the result equals
+    single-device attention over the whole sequence, and it is differentiable. Arguments are
+    checked across ranks the first time a call signature is seen: every rank raises alike, none
+    is left waiting (ranks change shapes together, as for any collective).
 
-    Packed documents: ``cu_seqlens`` (int32/int64 ``[N + 1]``, the whole packed sequence's, the
-    same on every rank) with ``[T_shard, H, D]`` shards of it (``shard(x, cu_seqlens=cu)``),
-    every document cut as one sequence is; ``is_causal``: each document causal within itself.
-    ``max_seqlen``: optional, the longest document (checked). ``window_size=(left, 0)``: a causal
-    sliding window, query p keeps keys p - left .. p (as ``cudnn_attn.sdpa``). ``sinks``: a logit
-    per query head (``[H]``), learnable; its gradient on each rank is this rank's rows' share (the
-    sum over the group, as data- and context-parallel gradient reduction forms it, is the whole).
+    Args:
+        q: this rank's query shard ``[B, H, S_shard, D]`` (any strides, e.g. BSHD views), fp16
+            or bf16; with ``cu_seqlens``, ``[T_shard, H, D]`` of packed documents.
+        k: the key shard, ``q``'s layout with ``H_kv`` heads (``H_kv`` divides ``H`` with
+            ``enable_gqa``).
+        v: the value shard, as ``k`` with head dim ``D_v``.
+        group: a ``torch.distributed`` group, None for the default (NCCL for CUDA tensors, gloo
+            for CPU ones).
+        is_causal: causal attention (over packed documents: each document causal within itself).
+        scale: the scores' scale; None: ``1 / sqrt(D)``.
+        mode: ``"p2p"`` (a ring: K/V passed round while each rank attends, transfers overlapped)
+            or ``"all_gather"`` (K/V gathered once).
+        enable_gqa: k/v may have fewer heads, dividing q's.
+        layout: which positions a shard holds: ``"zigzag"`` (chunks r and 2W-1-r of 2W, the same
+            causal work on every rank) or ``"contiguous"`` (chunk r of W); as ``shard`` cut them.
+        cu_seqlens: packed documents: int32/int64 ``[N + 1]``, the whole packed sequence's
+            offsets, the same tensor on every rank; each document is cut as one sequence is, so
+            every document's length is a multiple of 2W (zigzag) or W (contiguous).
+        max_seqlen: optional, the longest document (checked against ``cu_seqlens``).
+        window_size: ``(left, 0)``: a causal sliding window, query p keeps keys p - left .. p
+            (as ``cudnn_attn.sdpa``); blocks and ring steps the window cannot see are skipped.
+        sinks: attention sinks, a logit per query head (``[H]``), learnable; its gradient on
+            each rank is this rank's rows' share (summed over the group, as data- and
+            context-parallel gradient reduction forms it, it is the whole gradient).
 
-    Returns q's layout with V's head dim, in q's dtype (contiguous). Arguments are checked across
-    ranks the first time a call signature is seen: every rank raises alike, none is left waiting
-    (ranks must change shapes together, as for any collective).
+    Returns:
+        This rank's output shard: q's layout with V's head dim, in q's dtype (contiguous).
 
-    Example, on each of W ranks::
+    Raises:
+        ValidationError: malformed shards or arguments on any rank (every rank raises, naming
+            the rank that refused its own), or a process group that is not initialised.
+        UnsupportedError: what the ranks' backend cannot run (right window bounds, ...).
 
+    Example:
+        ```python
+        # on each of W ranks, after torch.distributed.init_process_group(...)
         q_local, k_local, v_local = (shard(t, seq_dim=2) for t in (q, k, v))
         out_local = context_parallel_sdpa(q_local, k_local, v_local, is_causal=True)
-        out = unshard(out_local, seq_dim=2)   # == cudnn_attn.sdpa(q, k, v, is_causal=True)
+        out = unshard(out_local, seq_dim=2)  # == cudnn_attn.sdpa(q, k, v, is_causal=True)
 
-        q_local = shard(q_packed, cu_seqlens=cu)              # [T / W, H, D]
+        q_local, k_local, v_local = (shard(t, cu_seqlens=cu) for t in (q_packed, k_packed, v_packed))
         out_local = context_parallel_sdpa(q_local, k_local, v_local, cu_seqlens=cu, is_causal=True)
+        ```
     """
     m = members(group, CONTEXT)
     c = checked(q, k, v, m, is_causal, scale, mode, enable_gqa, layout, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,

@@ -48,14 +48,31 @@ def shard(x: torch.Tensor, group: Any = None, seq_dim: int | None = None, layout
           cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """This rank's shard of the full sequence ``x`` along ``seq_dim``: a local op, no communication.
 
-    Returns a contiguous copy (differentiable: gradients flow back into ``x``'s positions).
-    ``cu_seqlens``: ``x`` is packed documents (``[T, H, D]``, ``seq_dim`` 0 by default), each
-    document cut into the layout's chunks (``documents.py``); otherwise ``seq_dim`` is 2 by default.
+    Args:
+        x: the full tensor, the same on every rank: ``[B, H, S, D]`` (or any layout with the
+            sequence along ``seq_dim``), or packed documents ``[T, H, D]`` with ``cu_seqlens``.
+        group: a ``torch.distributed`` group, None for the default (its rank and size decide
+            the shard).
+        seq_dim: the sequence dimension; None: 2, or 0 with ``cu_seqlens``.
+        layout: ``"zigzag"`` (chunks r and 2W-1-r of 2W: equal causal work) or ``"contiguous"``
+            (chunk r of W).
+        cu_seqlens: packed documents' offsets ``[N + 1]``: each document is cut into the
+            layout's chunks, so its length must be a multiple of 2W (zigzag) or W.
 
-    Example, a ``[B, H, S, D]`` tensor over 2 ranks: rank 0 gets positions ``[0:S/4] + [3S/4:S]``::
+    Returns:
+        A contiguous copy of this rank's positions (differentiable: gradients flow back into
+        ``x``'s positions).
 
+    Raises:
+        ValidationError: a length the layout cannot cut evenly, a bad ``seq_dim`` or ``layout``,
+            or a process group that is not initialised.
+
+    Example:
+        ```python
+        # a [B, H, S, D] tensor over 2 ranks: rank 0 gets positions [0:S/4] and [3S/4:S]
         q_local = cudnn_attn.distributed.shard(q, seq_dim=2, layout="zigzag")
-        q_local = cudnn_attn.distributed.shard(q_packed, cu_seqlens=cu)   # [T / W, H, D]
+        q_local = cudnn_attn.distributed.shard(q_packed, cu_seqlens=cu)  # [T / W, H, D]
+        ```
     """
     m = members(group, "shard")
     seq_dim = _checked(x, _default_dim(seq_dim, cu_seqlens), layout, "shard")
@@ -78,13 +95,26 @@ def unshard(x: torch.Tensor, group: Any = None, seq_dim: int | None = None, layo
             cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The full sequence from every rank's shard ``x``: a collective (all-gather) every rank calls.
 
-    Shards must agree in shape and dtype on every rank (checked once per signature; every rank
-    raises alike). Not differentiable: it returns gathered values, for checks and outputs.
-    ``cu_seqlens``: the shards are of packed documents (the whole sequence's, as ``shard`` took).
+    Args:
+        x: this rank's shard, as ``shard`` or ``context_parallel_sdpa`` returned it; shards
+            agree in shape and dtype on every rank (checked once per signature; every rank
+            raises alike).
+        group: a ``torch.distributed`` group, None for the default.
+        seq_dim: the sequence dimension; None: 2, or 0 with ``cu_seqlens``.
+        layout: the layout the shards were cut with.
+        cu_seqlens: the packed documents' offsets, as ``shard`` took them.
 
-    Example, the inverse of ``shard``::
+    Returns:
+        The full tensor on every rank. Not differentiable: gathered values, for checks and outputs.
 
-        full = cudnn_attn.distributed.unshard(out_local, seq_dim=2)   # [B, H, S, D] on every rank
+    Raises:
+        ValidationError: shards that differ across ranks, bad arguments, or a process group that
+            is not initialised.
+
+    Example:
+        ```python
+        full = cudnn_attn.distributed.unshard(out_local, seq_dim=2)  # [B, H, S, D] on every rank
+        ```
     """
     m = members(group, "unshard")
     seq_dim = _checked(x, _default_dim(seq_dim, cu_seqlens), layout, "unshard")

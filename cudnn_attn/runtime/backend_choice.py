@@ -40,6 +40,9 @@ def backend(name: str) -> Iterator[None]:
     (float64, a scale <= 0, ...) raises ``UnsupportedError`` saying why, as does a call on CPU
     tensors. Under ``"reference"`` nothing runs on cuDNN, CUDA tensors included.
 
+    Returns:
+        A context manager (also usable as a decorator) that sets the choice for its block.
+
     Raises:
         ValidationError: ``name`` is not a backend.
 
