@@ -98,7 +98,8 @@ def _build(servers: list[Any], shapes: list[Any], autotune: bool) -> list[dict[s
                     gb.sdpa_backward(t["q"], t["k"], t["v"], o, t["grad_o"], stats, use_causal_mask=item.causal)
             sources = [getattr(n.plan, "source", "?") for n in g.nodes]
         seconds = time.perf_counter() - start
-        counts = ", ".join(f"{sources.count(s)} {s}" for s in sorted(set(sources)))
-        bar.write(f"{item.label():<44} {seconds:7.2f} s  ({counts})", file=sys.stdout)
+        # A server's many plans as counts ("12 disk, 2 built"), a shape's few by name ("disk").
+        shown = ", ".join(f"{sources.count(s)} {s}" for s in sorted(set(sources))) if is_server else ", ".join(sources)
+        bar.write(f"{item.label():<44} {seconds:7.2f} s  ({shown})", file=sys.stdout)
         warmed.append({"shape": item.label(), "seconds": seconds, "sources": sources})
     return warmed
