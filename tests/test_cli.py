@@ -208,6 +208,8 @@ def test_usage_errors_exit_2(capsys, tmp_path):
         (["bench", "--plot-from", str(tmp_path / "missing.json"), "--plot", str(tmp_path / "x.png")], "cannot read"),
         (["bench", "--plot-from", "r.json", "--plot", "x.png", "--serving", "b=1"], "takes no shapes, --serving"),
         (["cache", "warm"], "give shapes or --file"),
+        (["bench", "--packed"], "go with --context-parallel"),
+        (["bench", "--cp-mode", "all_gather"], "go with --context-parallel"),
     ]
     for argv, message in cases:
         assert commands.main(argv) == 2, argv
@@ -400,3 +402,32 @@ def test_progress_bars_show_on_a_terminal_only(monkeypatch):
     bar = progress.progress(range(3), "rounds")
     assert not bar.disable and list(bar) == [0, 1, 2]
     assert "rounds" in terminal.getvalue()
+
+
+def test_context_parallel_passes_its_mode_and_packing_to_the_ring_benchmark(gpu_machine, monkeypatch, tmp_path):
+    from cudnn_attn.bench import context_parallel
+
+    seen = []
+
+    def ring(options):  # the ring benchmark's own entry point: its options, and the report it writes
+        seen.append(options)
+        Path(options[options.index("--json") + 1]).write_text(json.dumps({"world": 2, "cells": {}}))
+        return 0
+
+    monkeypatch.setattr(context_parallel, "main", ring)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    argv = [
+        "bench",
+        "--context-parallel",
+        "2",
+        "--cp-mode",
+        "all_gather",
+        "--packed",
+        "--json",
+        str(tmp_path / "r.json"),
+    ]
+    assert commands.main(argv) == 0
+    (options,) = seen
+    assert options[options.index("--mode") + 1] == "all_gather" and "--packed" in options
+    assert commands.main(["bench", "--context-parallel", "2", "--json", str(tmp_path / "r.json")]) == 0
+    assert seen[1][seen[1].index("--mode") + 1] == "p2p" and "--packed" not in seen[1]

@@ -28,6 +28,8 @@ TARGETS = ("stack", "paged_decode", "naive")
 def run(args: argparse.Namespace) -> int:
     if args.plot_from:
         return _redraw(args)
+    if (args.cp_mode is not None or args.packed) and args.context_parallel is None:
+        raise usage("cudnn-attn bench: --cp-mode and --packed go with --context-parallel GPUS")
     sections = requested(args)
     if args.plot:
         missing = [name for name in sections if name not in charts.CHARTED]
@@ -170,7 +172,8 @@ def _context_parallel(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "context_parallel.json")
         options = ["--gpus", str(gpus), "--seq", str(args.seq), "--heads", str(args.heads),
-                   "--head-dim", str(args.head_dim), "--json", path]  # fmt: skip
+                   "--head-dim", str(args.head_dim), "--mode", args.cp_mode or "p2p", "--json", path]  # fmt: skip
+        options += ["--packed"] if args.packed else []
         code = context_parallel.main(options)
         if code:  # its own checks of --seq against the ranks: a usage error, said on stderr already
             raise usage(f"cudnn-attn bench: --context-parallel {gpus} refused its options (exit {code})")

@@ -177,4 +177,13 @@ def bench() -> argparse.ArgumentParser:
         help="causal B1 training step (fwd+bwd) of one --seq sequence sharded over GPUS GPUs (p2p ring, zigzag; "
         "--heads, --head-dim) against one GPU, with the ring's compute and transfers timed alone",
     )
+    sections.add_argument(
+        "--cp-mode", choices=("p2p", "all_gather"), default=None, help="--context-parallel's mode (default p2p)"
+    )
+    sections.add_argument(
+        "--packed",
+        action="store_true",
+        help="--context-parallel over packed documents of long-tailed lengths (--seq tokens in all), against the "
+        "same packing on one GPU and against padding",
+    )
     return bench
