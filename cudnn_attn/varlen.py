@@ -184,7 +184,7 @@ def varlen_attention(
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, dropout_p,
            enable_gqa, context)  # fmt: skip
     batch = cu_seqlens_q.shape[0] - 1
-    slots = _bucket(batch, 1)
+    slots = bucket(batch, 1)
     # Derived once per content of each cu_seqlens (every layer of a step passes the same ones).
     lengths_q, lengths_k = (derived(cu, _lengths, slots) for cu in (cu_seqlens_q, cu_seqlens_k))
     options = _Options(
@@ -195,8 +195,8 @@ def varlen_attention(
             padding=True,  # packed sequences are read through their lengths
             dropout_p=float(dropout_p),
         ),
-        _bucket(max_seqlen_q, SMALLEST_BUCKET),
-        _bucket(max_seqlen_k, SMALLEST_BUCKET),
+        bucket(max_seqlen_q, SMALLEST_BUCKET),
+        bucket(max_seqlen_k, SMALLEST_BUCKET),
         deterministic=bool(deterministic),
         lse=bool(return_lse),
     )
@@ -213,7 +213,7 @@ def varlen_attention(
             raise UnsupportedError(["softcap with a bottom-right causal mask in a packed batch: not supported yet"],
                                    context=context)  # fmt: skip
         try:
-            same = cu_seqlens_q is cu_seqlens_k or (not q.is_cuda and torch.equal(cu_seqlens_q, cu_seqlens_k))
+            same = varlen_keywords.same_lengths(cu_seqlens_q, cu_seqlens_k)
             options.modifier, options.scores = softcap_modifier(softcap, options.scores, options.max_q, options.max_k,
                                                                 same)  # fmt: skip
         except ValidationError as error:
@@ -340,8 +340,9 @@ def _lengths(cu_seqlens: torch.Tensor, slots: int) -> torch.Tensor:
     return lengths
 
 
-def _bucket(n: int, smallest: int) -> int:
-    """The power of two at or above ``n`` (at least ``smallest``)."""
+def bucket(n: int, smallest: int = SMALLEST_BUCKET) -> int:
+    """The power of two at or above ``n`` (at least ``smallest``): a plan serves every packing
+    whose counts fall in its bucket (context parallelism's packed calls bucket the same way)."""
     return max(smallest, 1 << (max(n, 1) - 1).bit_length())
 
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..varlen import bucket
 from . import schedule
 from .documents import Documents
 
-SMALLEST_BUCKET = 16
 Segment = tuple[int, int, int, int]  # query rows [q0, q1), keys [k0, k1)
 
 
@@ -114,7 +114,7 @@ def _call(segments: list[Segment], rows: int, keys: int, mask: str, window: int 
     sequence = torch.repeat_interleave(torch.arange(len(segments)), torch.tensor(lengths_q))
     starts = torch.tensor([0, *lengths_q[:-1]]).cumsum(0)
     position = torch.arange(row_index.numel()) - torch.repeat_interleave(starts, torch.tensor(lengths_q))
-    slots = _bucket(len(segments), 1)
+    slots = bucket(len(segments), 1)
     per_slot = [torch.tensor(n, dtype=torch.int32).view(-1) for n in (lengths_q, lengths_k)]
     lengths = [torch.zeros(slots, 1, 1, 1, dtype=torch.int32) for _ in per_slot]
     for out, values in zip(lengths, per_slot):
@@ -124,8 +124,8 @@ def _call(segments: list[Segment], rows: int, keys: int, mask: str, window: int 
         keys=None if _in_order(key_index, keys) else key_index.to(device),
         lengths_q=lengths[0].to(device),
         lengths_k=lengths[1].to(device),
-        max_q=_bucket(max(lengths_q), SMALLEST_BUCKET),
-        max_k=_bucket(max(lengths_k), SMALLEST_BUCKET),
+        max_q=bucket(max(lengths_q)),
+        max_k=bucket(max(lengths_k)),
         mask=mask,
         window=window,
         sequence=sequence.to(device),
@@ -135,8 +135,3 @@ def _call(segments: list[Segment], rows: int, keys: int, mask: str, window: int 
 
 def _in_order(index: torch.Tensor, count: int) -> bool:
     return index.numel() == count and bool(torch.equal(index, torch.arange(count)))
-
-
-def _bucket(n: int, smallest: int) -> int:
-    """The power of two at or above ``n`` (at least ``smallest``): plans serve many packings."""
-    return max(smallest, 1 << (max(n, 1) - 1).bit_length())
