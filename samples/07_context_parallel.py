@@ -7,12 +7,14 @@ On 2+ GPUs: one process per GPU over NCCL, a long sequence. Otherwise: 2 gloo pr
 the CPU (the reference backend) with tiny shapes. Each rank holds a zigzag shard of the
 sequence (``shard``); the layer's QKV and output projections are per token and need nothing
 from other ranks; attention is the one step that does. Parameter gradients are summed over
-the ranks (as data parallelism would), so every rank takes the same optimizer step.
+the ranks (as data parallelism would), so every rank takes the same optimizer step. Last,
+packed documents: several in one sequence, sharded per document (``shard(x, cu_seqlens=cu)``).
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import tempfile
 import time
@@ -121,6 +123,24 @@ def rank_main(rank: int, init_file: str) -> None:
         seconds = time.perf_counter() - start
         losses.append(loss.item())
         say(f"  step {step}: loss {losses[-1]:.4f}, {SEQ / seconds:,.0f} tokens/s", flush=True)
+
+    # 3. Packed documents (long-context training packs many into one sequence): each causal within
+    #    itself under a sliding window, each cut into the ranks' zigzag chunks (shard with
+    #    cu_seqlens, the whole sequence's), against varlen_sdpa over the whole packing on one device.
+    lengths = [SEQ // 4, SEQ // 8, 3 * SEQ // 8, SEQ // 4]  # each a multiple of 2 x ranks
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    window = (SEQ // 16, 0)
+    q, k, v = (torch.randn(SEQ, heads, EMBED // HEADS, **factory) for heads in (HEADS, KV_HEADS, KV_HEADS))
+    q_local, k_local, v_local = (shard(t, cu_seqlens=cu) for t in (q, k, v))
+    out_local = context_parallel_sdpa(q_local, k_local, v_local, cu_seqlens=cu, is_causal=True, enable_gqa=True,
+                                      window_size=window)  # fmt: skip
+    out = unshard(out_local, cu_seqlens=cu)
+    say(f"Packed documents of {lengths} tokens, causal within each, window {window[0]}", flush=True)
+    if rank == 0:
+        expected = cudnn_attn.varlen_sdpa(q, k, v, cu, cu, max(lengths), max(lengths), is_causal=True,
+                                          window_size=window)  # fmt: skip
+        check("packed documents against one device", rel_err(out, expected), failures)
+    dist.barrier()
     dist.destroy_process_group()
     if not losses[-1] < losses[0]:  # also false for a NaN loss
         failures.append(f"the loss did not fall: {losses[0]:.4f} -> {losses[-1]:.4f}")
