@@ -180,6 +180,7 @@ def _merge_triton(kernels: Any, parts: Parts, out: torch.Tensor, lse: torch.Tens
     kernels.merge(
         grid, *args, out, *out.stride(), record, *(lse.stride() if lse is not None else (0, 0, 0)),
         rows, h, s, d, WRITE_LSE=lse is not None, ROWS=rows_per_program, BLOCK_D=block_d, CHUNKS=chunks,
+        ONE_PASS=len(parts) == 1 and most <= chunks,
     )  # fmt: skip
 
 
@@ -231,7 +232,7 @@ def _kernels() -> Any:
               out_ptr, out_sb, out_sh, out_ss, out_sd, lse_ptr, lse_sb, lse_sh, lse_ss,
               rows, heads, seq, dim,
               WRITE_LSE: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-              CHUNKS: tl.constexpr):  # fmt: skip
+              CHUNKS: tl.constexpr, ONE_PASS: tl.constexpr):  # fmt: skip
         row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         col = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         live = row < rows
@@ -244,14 +245,26 @@ def _kernels() -> Any:
         o0_ptrs = o0_ptr + (bi * o0_sb + hi * o0_sh + si * o0_ss)[:, None] + (col * o0_sd)[None, :]
         o1_ptrs = o1_ptr + (bi * o1_sb + hi * o1_sh + si * o1_ss)[:, None] + (col * o1_sd)[None, :]
 
-        m = tl.full([ROWS], float("-inf"), tl.float32)
-        m = top(m, s0_ptrs, n0, s0_sn, live, CHUNKS)
-        m = top(m, s1_ptrs, n1, s1_sn, live, CHUNKS)
-        base = tl.where(m == float("-inf"), 0.0, m)  # all chunks empty: every weight exp(-inf) = 0
-        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-        total = tl.zeros([ROWS], tl.float32)
-        acc, total = accumulate(acc, total, base, s0_ptrs, o0_ptrs, n0, s0_sn, o0_sn, live, inside, CHUNKS)
-        acc, total = accumulate(acc, total, base, s1_ptrs, o1_ptrs, n1, s1_sn, o1_sn, live, inside, CHUNKS)
+        if ONE_PASS:  # one part of at most CHUNKS chunks: its stats and outputs in one round of loads
+            c = tl.arange(0, CHUNKS)
+            s = tl.load(s0_ptrs[:, None] + c.to(tl.int64)[None, :] * s0_sn, mask=live[:, None] & (c < n0)[None, :],
+                        other=float("-inf"))  # fmt: skip
+            o = tl.load(o0_ptrs[:, None, :] + (c.to(tl.int64) * o0_sn)[None, :, None],
+                        mask=inside[:, None, :] & (c < n0)[None, :, None], other=0.0)  # fmt: skip
+            m = tl.max(s, 1)
+            base = tl.where(m == float("-inf"), 0.0, m)
+            w = tl.exp(s - base[:, None])
+            acc = tl.sum(tl.where((w > 0)[:, :, None], w[:, :, None] * o.to(tl.float32), 0.0), 1)
+            total = tl.sum(w, 1)
+        else:
+            m = tl.full([ROWS], float("-inf"), tl.float32)
+            m = top(m, s0_ptrs, n0, s0_sn, live, CHUNKS)
+            m = top(m, s1_ptrs, n1, s1_sn, live, CHUNKS)
+            base = tl.where(m == float("-inf"), 0.0, m)  # all chunks empty: every weight exp(-inf) = 0
+            acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+            total = tl.zeros([ROWS], tl.float32)
+            acc, total = accumulate(acc, total, base, s0_ptrs, o0_ptrs, n0, s0_sn, o0_sn, live, inside, CHUNKS)
+            acc, total = accumulate(acc, total, base, s1_ptrs, o1_ptrs, n1, s1_sn, o1_sn, live, inside, CHUNKS)
 
         result = acc / tl.where(total > 0, total, 1.0)[:, None]
         out_ptrs = out_ptr + (bi * out_sb + hi * out_sh + si * out_ss)[:, None] + (col * out_sd)[None, :]
