@@ -77,6 +77,10 @@ CASES = {
     "fp32-d256-body-tail": (torch.float32, torch.float32, 256, [3, 1], True),
     "bf16-to-fp32-d320": (torch.bfloat16, torch.float32, 320, [4, 1], False),  # two blocks of D per row
     "fp32-to-bf16-d16-empty-body": (torch.float32, torch.bfloat16, 16, [0, 1], True),
+    # one part: read in one round of loads up to MAX_CHUNKS chunks, in blocks of them beyond
+    "fp32-to-bf16-d512-one-part-128": (torch.float32, torch.bfloat16, 512, [128], False),
+    "fp32-to-bf16-d512-one-part-200": (torch.float32, torch.bfloat16, 512, [200], False),
+    "bf16-d64-one-part-1": (torch.bfloat16, torch.bfloat16, 64, [1], True),
 }
 
 

@@ -34,7 +34,7 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 KERNEL_PARTS = 2  # the kernel's part slots: a body and a tail
 MAX_BLOCK_D = 256  # wider heads take several programs per row, one per block of D
 TILE = 4096  # values a program loads at once: ROWS rows x CHUNKS chunks x BLOCK_D
-MAX_CHUNKS = 64  # chunks per block of loads; a 32k decode's 64 splits in one
+MAX_CHUNKS = 128  # chunks per block of loads: up to 128 splits (a 32k MLA decode of 16 heads) in one round
 
 Parts = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (o, stats) pairs
 
