@@ -121,11 +121,11 @@ def _mla(batch: int, pages_per_seq: int, heads: int, s_q: int, splits: int | Non
     """MLA decode: our kernel (``mla_decode.py``; on Hopper the warp-specialised one) with enough
     chunks per sequence for one wave of blocks of 64 heads (on an H100 one wave beat 2-4 waves
     and half a wave at every shape of ``bench --mla``). Measured there (CUDA-graph replay, d
-    576/512, page 64) it ran 2.6-14x cuDNN's paged decode (which reads the latent once per head)
+    576/512, page 64) it ran 2.5-14x cuDNN's paged decode (which reads the latent once per head)
     from 16 heads at B16 to 128 heads at B64, and 7.5x at B1 KV 32k with 128 heads; with 16 heads
     at B1 KV 32k the Triton kernel ran 15% behind cuDNN's, which stays with cuDNN unless the
-    Hopper kernel serves (19.4 against 56.9 us there; 12.6 against 32.7 at KV 8k). Several query
-    tokens go to cuDNN, unpacked."""
+    Hopper kernel serves (24.6 against 62.7 us there, each layer reading its own latent). Several
+    query tokens go to cuDNN, unpacked."""
     if s_q > 1:  # our MLA kernels take one query token
         kernel = "cudnn"
     elif kernel is None:
