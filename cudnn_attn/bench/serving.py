@@ -3,9 +3,11 @@
 Per shape (Hq32 Hkv8 d128 bf16, pages of 64 handed out in a random order): ``PagedAttention``
 with its chosen layout (split-KV, query packing, the causal tail), the same with neither
 (one paged cuDNN call per layer, as a plain paged graph runs), and torch's SDPA on the same K/V
-laid out contiguously. Each column is a step of ``LAYERS`` layers captured in a CUDA graph and
-replayed; the figure is time per layer. One more column runs the same decode over FP8 (e4m3)
-caches, half the bytes (its error against the bf16 caches' attention is FP8's). Bandwidth is
+laid out contiguously. Each column is a step of ``LAYERS`` layers captured in a CUDA graph
+(more where their caches would fit in three times the L2 cache, which would then serve a
+replay's reads: ``layers_for``) and replayed; the figure is time per layer. One more column
+runs the same decode over FP8 (e4m3) caches, half the bytes (its error against the bf16
+caches' attention is FP8's). Bandwidth is
 the K/V bytes each layer must read (each sequence's valid tokens) plus q and o, as a fraction of the memory's peak measured in the same
 rounds: the better of a 1 GiB device copy (read + write) and a 4 GiB read-only stream (a sum).
 A transfer as small as the layer's own is launch-bound and would flatter small shapes; its
@@ -16,6 +18,7 @@ column is checked against a float32 computation of the same attention.
 from __future__ import annotations
 
 import gc
+import math
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -33,13 +36,21 @@ PEAK_COPY_BYTES, PEAK_READ_BYTES = 2**30, 2**32
 SHAPES = ((1, 2048, 1), (1, 32768, 1), (4, 8192, 1), (8, 32768, 1), (64, 4096, 1), (8, 8192, 4), (8, 8192, 8))
 
 
+def layers_for(layer_bytes: int) -> int:
+    """Layers per captured step: ``LAYERS``, or enough that their caches outgrow three times the
+    L2 cache, so that each layer reads its cache from memory as a model's layers do."""
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(LAYERS, math.ceil(3 * l2 / layer_bytes))
+
+
 def _step(batch: int, kv: int, s_q: int, seed: int = 0) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(seed)
     pages = kv // PAGE
     num_pages = batch * pages
     table = torch.randperm(num_pages, generator=gen).view(batch, pages).int().cuda()
+    layers = layers_for(2 * num_pages * HKV * PAGE * D * 2)
     caches = [[torch.randn(num_pages, HKV, PAGE, D, generator=gen).to("cuda", torch.bfloat16) for _ in range(2)]
-              for _ in range(LAYERS)]  # fmt: skip
+              for _ in range(layers)]  # fmt: skip
     q = torch.randn(batch, HQ, s_q, D, generator=gen).to("cuda", torch.bfloat16)
     return {"q": q, "caches": caches, "table": table, "lengths": torch.full((batch,), kv, dtype=torch.int32).cuda()}
 
@@ -51,8 +62,8 @@ def _dense(t: dict[str, Any], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(c[table].permute(0, 2, 1, 3, 4).flatten(2, 3).contiguous() for c in (k, v))  # type: ignore[return-value]
 
 
-def _captured(run_layer: Callable[[int], Any]) -> Callable[[], None]:
-    for layer in range(LAYERS):  # warm-up outside the capture: plans built, buffers made
+def _captured(run_layer: Callable[[int], Any], layers: int = LAYERS) -> Callable[[], None]:
+    for layer in range(layers):  # warm-up outside the capture: plans built, buffers made
         run_layer(layer)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -61,7 +72,7 @@ def _captured(run_layer: Callable[[int], Any]) -> Callable[[], None]:
     gc.disable()
     try:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            for layer in range(LAYERS):
+            for layer in range(layers):
                 run_layer(layer)
     finally:
         gc.enable()
@@ -87,6 +98,7 @@ def _time(paths: dict[str, Callable[[], Any]], rounds: int = 10, replays: int = 
 def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
     t = _step(batch, kv, s_q)
     q = t["q"]
+    layers = len(t["caches"])
     ours = PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=batch,
                           max_pages_per_seq=kv // PAGE, cuda_graph=True)  # fmt: skip
     plain = PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=batch,
@@ -102,10 +114,10 @@ def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
     scales = [[float(c.abs().max()) / E4M3_MAX for c in layer] for layer in t["caches"]]
     caches8 = [[(c.float() / sc).to(torch.float8_e4m3fn) for c, sc in zip(layer, layer_scales)]
                for layer, layer_scales in zip(t["caches"], scales)]  # fmt: skip
-    outs = {name: [torch.empty_like(q) for _ in range(LAYERS)] for name in ("ours", "plain", "forced", "torch", "fp8")}
+    outs = {name: [torch.empty_like(q) for _ in range(layers)] for name in ("ours", "plain", "forced", "torch", "fp8")}
     for attn in (ours, plain, forced, fp8):
         attn.plan(t["table"], t["lengths"])
-    dense = [_dense(t, layer) for layer in range(LAYERS)]
+    dense = [_dense(t, layer) for layer in range(layers)]
     visible = torch.arange(kv, device="cuda")[None, :] <= (kv - s_q + torch.arange(s_q, device="cuda"))[:, None]
 
     def torch_layer(layer: int) -> None:
@@ -118,14 +130,15 @@ def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
         return lambda layer: attn.run(q, t["caches"][layer][0], t["caches"][layer][1], out=outs[name][layer])
 
     paths: dict[str, Callable[[], Any]] = {
-        "PagedAttention": _captured(layer_of(ours, "ours")),
-        "paged, no split or packing": _captured(layer_of(plain, "plain")),
-        "torch sdpa, contiguous KV": _captured(torch_layer),
+        "PagedAttention": _captured(layer_of(ours, "ours"), layers),
+        "paged, no split or packing": _captured(layer_of(plain, "plain"), layers),
+        "torch sdpa, contiguous KV": _captured(torch_layer, layers),
     }  # fmt: skip
-    paths[f"PagedAttention, {other} kernel"] = _captured(layer_of(forced, "forced"))
+    paths[f"PagedAttention, {other} kernel"] = _captured(layer_of(forced, "forced"), layers)
     paths["PagedAttention, FP8 caches"] = _captured(
         lambda layer: fp8.run(q, caches8[layer][0], caches8[layer][1], out=outs["fp8"][layer],
-                              k_scale=scales[layer][0], v_scale=scales[layer][1])
+                              k_scale=scales[layer][0], v_scale=scales[layer][1]),
+        layers,
     )  # fmt: skip
     kv_bytes = 2 * batch * kv * HKV * D * 2
     nbytes = kv_bytes + 2 * q.numel() * 2
@@ -147,18 +160,18 @@ def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
     best = max(peak_copy, peak_read)
     big.clear()  # 6 GiB back before the next row
     # Correctness of the replayed outputs against float32 attention of the same K/V.
-    k, v = dense[LAYERS - 1]
+    k, v = dense[layers - 1]
     mask = visible if s_q > 1 else None
     expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                                                 enable_gqa=True)  # fmt: skip
-    row: dict[str, Any] = {"batch": batch, "kv": kv, "s_q": s_q, "schedule": str(ours.schedule),
+    row: dict[str, Any] = {"batch": batch, "kv": kv, "s_q": s_q, "layers": layers, "schedule": str(ours.schedule),
                            "copy_tbps": copy_rate / 1e12, "read_tbps": read_rate / 1e12,
                            "peak_copy_tbps": peak_copy / 1e12, "peak_read_tbps": peak_read / 1e12,
                            "columns": {}}  # fmt: skip
     for name, cell in timings.items():
         if name.startswith(("device copy", "read-only")):
             continue
-        per_layer = cell["us"] / LAYERS
+        per_layer = cell["us"] / layers
         moved = nbytes - kv_bytes // 2 if name == "PagedAttention, FP8 caches" else nbytes  # one byte per element
         column = {"us_per_layer": per_layer, "spread_pct": 100 * (cell["high"] - cell["low"]) / cell["us"],
                   "tbps": moved / (per_layer * 1e-6) / 1e12}  # fmt: skip
@@ -170,7 +183,7 @@ def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
             "torch sdpa, contiguous KV": "torch",
             "PagedAttention, FP8 caches": "fp8",
         }.get(name, "forced")
-        got = outs[key][LAYERS - 1].float()
+        got = outs[key][layers - 1].float()
         column["rel_err"] = float((got - expected).norm() / expected.norm())
         row["columns"][name] = column
     return row
