@@ -41,7 +41,7 @@ def memory_peak() -> dict[str, float]:
     return peaks
 
 
-def _captured(heads: int, batch: int, kv: int, kernel: str | None, t: dict[str, torch.Tensor]) -> tuple:
+def _captured(heads: int, batch: int, kv: int, kernel: str | None, t: dict[str, Any]) -> tuple:
     attn = PagedAttention(heads, 1, D, PAGE, dtype=torch.bfloat16, head_dim_v=DV, scale=192**-0.5, max_batch=batch,
                           max_pages_per_seq=kv // PAGE, cuda_graph=True, device="cuda", decode_kernel=kernel)  # fmt: skip
     attn.plan(t["table"], torch.full((batch,), kv, dtype=torch.int32, device="cuda"))
@@ -60,10 +60,11 @@ def _captured(heads: int, batch: int, kv: int, kernel: str | None, t: dict[str, 
 def mla_row(heads: int, batch: int, kv: int, peak: float) -> dict[str, Any]:
     gen = torch.Generator(device="cuda").manual_seed(kv + heads + batch)
     pages = kv // PAGE
-    t = {"latents": [torch.randn(batch * pages, 1, PAGE, D, device="cuda", generator=gen, dtype=torch.bfloat16)
-                     for _ in range(LAYERS)],
-         "table": torch.randperm(batch * pages, device="cuda", generator=gen).int().view(batch, pages),
-         "q": torch.randn(batch, heads, 1, D, device="cuda", generator=gen, dtype=torch.bfloat16)}  # fmt: skip
+    latents = [torch.randn(batch * pages, 1, PAGE, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+               for _ in range(LAYERS)]  # fmt: skip
+    table = torch.randperm(batch * pages, device="cuda", generator=gen).int().view(batch, pages)
+    q = torch.randn(batch, heads, 1, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    t: dict[str, Any] = {"latents": latents, "table": table, "q": q}
     columns = {"picked": _captured(heads, batch, kv, None, t), "cudnn": _captured(heads, batch, kv, "cudnn", t)}
     times: dict[str, list[float]] = {name: [] for name in columns}
     for round_ in range(ROUNDS):  # alternating, each after a replay of its own as warm-up
