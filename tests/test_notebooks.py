@@ -17,6 +17,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -37,8 +38,7 @@ FLOAT_RTOL = 0.1  # other floats agree within 10% (the same seeds on another CPU
 def execute(path: Path):
     """A fresh run of the notebook at ``path``, in its own folder; raises on any cell's error."""
     notebook = nbformat.read(path, as_version=4)
-    saved = {key: os.environ.get(key) for key in KERNEL_ENV}
-    try:
+    with mock.patch.dict(os.environ):  # the kernel inherits these; the old values come back after
         for key, value in KERNEL_ENV.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -52,12 +52,6 @@ def execute(path: Path):
             resources={"metadata": {"path": str(path.parent)}},
         )
         client.execute()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     notebook.metadata = {"kernelspec": notebook.metadata["kernelspec"], "language_info": {"name": "python"}}
     for cell in code_cells(notebook):  # one message per run of a stream: saved files do not churn
         merged: list = []
