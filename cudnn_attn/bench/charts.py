@@ -184,8 +184,10 @@ def _models(r: dict[str, Any]) -> list[Panel]:
 def _mla(r: dict[str, Any]) -> list[Panel]:
     rows = r["rows"]
     groups = [f"H{x['heads']} B{x['batch']} KV{_k(x['kv'])}" for x in rows]
-    series = {label: [ranged(x[key]["us"], x[key]["low"], x[key]["high"]) for x in rows]
-              for key, label in (("picked", "PagedAttention's kernel"), ("cudnn", "cuDNN paged decode"))}  # fmt: skip
+    columns = (("picked", "PagedAttention's kernel"), ("cudnn", "cuDNN paged decode"),
+               ("bound", "split-KV bound: reads, partials, merge (no math)"))  # fmt: skip
+    series = {label: [ranged(x[key]["us"], x[key]["low"], x[key]["high"]) if key in x else None for x in rows]
+              for key, label in columns if any(key in x for x in rows)}  # fmt: skip
     return [("--mla: MLA decode per layer", _grouped(groups, series, "us per layer", log=True))]
 
 
