@@ -168,7 +168,8 @@ def bench() -> argparse.ArgumentParser:
         "--mla",
         action="store_true",
         help="MLA decode per layer in a CUDA-graph replay (DeepSeek-V3 latent d576/512, page 64; 16 and 128 heads, "
-        "B 1-64, KV 4k-32k): PagedAttention's kernel vs cuDNN's paged decode, against the memory's peak",
+        "B 1-64, KV 4k-32k): PagedAttention's kernel vs cuDNN's paged decode, against the memory's peak; on Hopper also "
+        "the split-KV bound (the same reads, partial writes and merge with no math)",
     )
     sections.add_argument(
         "--context-parallel",
