@@ -11,9 +11,10 @@ heads) over the same pages:
   launch, as a layer does. A decode kernel built this way cannot beat this column, however fast
   its math.
 
-Each program sums the first 64 dims of the first 8 tokens of every page it loaded (1 KB of
-the page's 72 KB, read from shared memory) and stores the sum as its log-sum-exp, so a test can check what was read.
-Needs Hopper's TMA (Gluon on an sm_90 GPU); ``available`` says whether it runs here.
+Each program sums the first 64 dims of the first 8 tokens of every page it loaded (1 KB of the
+page's 72 KB, read from shared memory) and stores the sum as its log-sum-exp, so a test can
+check what was read. It runs where the Hopper decode kernel serves MLA (``available``), with that
+kernel's pages, head blocks and stages.
 """
 
 from __future__ import annotations
@@ -23,15 +24,16 @@ from typing import Any
 
 import torch
 
+from ..kernels import mla_decode_hopper
 from ..kernels.launch import Launcher, Tma
 from ..kernels.lse_merge import merge_checked
-
-PAGE, D_NOPE, D_ROPE, BLOCK_H, STAGES = 64, 512, 64, 64, 2
+from ..kernels.mla_decode_hopper import BLOCK_H, D_ROPE, PAGE, STAGES
+from ..kernels.mla_decode_hopper import D_V as D_NOPE
 
 
 def available(device: torch.device) -> bool:
-    """Whether the streaming kernel runs on ``device``: an sm_90 GPU with Gluon."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0) and _kernel() is not None
+    """Whether the streaming kernel runs on ``device``: where the Hopper decode kernel serves MLA."""
+    return mla_decode_hopper.serves(device, PAGE, D_NOPE + D_ROPE, D_NOPE) and _kernel() is not None
 
 
 def layer(cache: torch.Tensor, table: torch.Tensor, *, heads: int, splits: int, chunk_pages: int,
