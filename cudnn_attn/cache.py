@@ -27,7 +27,7 @@ from .runtime.keyed import KeyedCache
 
 DEFAULT_MAXSIZE = 1024
 RECORDED_BUILDS = 256  # recorded builds kept per cache
-DEFAULT_MAX_BYTES = 4 << 30  # device memory plans may hold in workspaces and prepared buffers
+DEFAULT_MAX_BYTES = 4 << 30  # device memory plans may hold in constant inputs and prepared buffers
 
 
 class PlanCache:
@@ -204,7 +204,11 @@ class PlanCache:
                     "in_flight": len(self._building)}  # fmt: skip
 
     def clear(self) -> None:
-        """Drop every plan and zero the counters."""
+        """Drop every plan and zero the counters; the workspaces plans share on each stream
+        (``ops/cudnn/workspace.py``) go back to torch's allocator too."""
+        from .ops.cudnn import workspace
+
+        workspace.release()
         with self._lock:
             self._entries.clear()
             self._dropped(None)

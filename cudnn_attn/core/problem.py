@@ -269,12 +269,18 @@ class AttentionProblem:
 
     def for_plan(self) -> AttentionProblem:
         """The problem a plan is built and cached for. A packed (THD) tensor's token count
-        does not enter cuDNN's graph (it sees ``[B, H, S_max, D]`` and offsets), so with both
-        maximum lengths given it is set to the most tokens the batch can hold: one plan serves
-        every packing of the same geometry, and plans read the real count from their inputs."""
+        does not enter cuDNN's forward graph (it sees ``[B, H, S_max, D]`` and offsets), so with
+        both maximum lengths given a forward takes the most tokens the batch can hold: one plan
+        serves every packing of the same geometry, and plans read the real count from their
+        inputs. A backward's workspace is sized by its token counts (``max_total_seq_len``, not
+        batch x longest sequence), so its counts are rounded up to a ``token_bucket`` instead:
+        one plan serves every packing within 1/16 above its count."""
         if not self.is_thd or self.max_seq_len_q is None or (self.max_seq_len_kv is None and not self.is_paged):
             return self
-        tokens = {"q": self.batch * self.max_seq_len_q, "kv": self.batch * (self.max_seq_len_kv or 0)}
+        most = {"q": self.batch * self.max_seq_len_q, "kv": self.batch * (self.max_seq_len_kv or 0)}
+        tokens = most
+        if not self.is_forward:
+            tokens = {side: min(most[side], token_bucket(t.shape[0])) for side, t in (("q", self.q), ("kv", self.k))}
         changes = {}
         for role, side in (("q", "q"), ("o", "q"), ("grad_o", "q"), ("grad_q", "q"),
                            ("k", "kv"), ("v", "kv"), ("grad_k", "kv"), ("grad_v", "kv")):  # fmt: skip
@@ -477,3 +483,11 @@ def layout_name(spec: TensorSpec) -> str:
         if "".join(c for c in candidate[:3] if c in order) == order:
             return candidate
     return "strided"
+
+
+def token_bucket(tokens: int) -> int:
+    """``tokens`` rounded up to a multiple of 1/16 of its power of two (at least 256): packed
+    backward plans are sized by it, so a plan serves every count in its bucket and its workspace
+    exceeds the tokens' by at most 1/16."""
+    granule = max(256, 1 << max(0, (max(tokens, 1) - 1).bit_length() - 4))
+    return -(-max(tokens, 1) // granule) * granule

@@ -24,7 +24,7 @@ import torch
 
 from ..core.constructors import backward_problem, forward_problem
 from ..core.mask import Causal, ScoreOptions
-from ..core.problem import TensorSpec
+from ..core.problem import TensorSpec, token_bucket
 from ..runtime.interop import in_layout_of
 from ..runtime.keyed import KeyedCache
 from ..runtime.prepared import PreparedRun, prepare
@@ -95,10 +95,12 @@ def packed_backward(q, k, v, out, d_out, stats, lengths_q, lengths_k, max_q: int
 def _packed_run(op: str, inputs: dict[str, torch.Tensor], max_q: int, max_k: int, scale: float, mask: str,
                 window: int | None) -> PreparedRun:  # fmt: skip
     """The run of a packed block's plan: keyed without the token counts, which the plan reads
-    from its inputs (``AttentionProblem.for_plan``), so one run serves every packing."""
+    from its inputs (``AttentionProblem.for_plan``), so one run serves every packing; a
+    backward's by their buckets, which size its workspace."""
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    tokens = (token_bucket(q.shape[0]), token_bucket(k.shape[0])) if op == "pb" else None
     key = (op, q.shape[1:], k.shape[1:], v.shape[1:], q.stride(), k.stride(), v.stride(), q.dtype, q.device,
-           inputs["seq_len_q"].shape, max_q, max_k, scale, mask, window)  # fmt: skip
+           inputs["seq_len_q"].shape, max_q, max_k, scale, mask, window, tokens)  # fmt: skip
     run = _runs.get(key)
     if run is None:
         specs = {role: TensorSpec.of(t) for role, t in inputs.items()}

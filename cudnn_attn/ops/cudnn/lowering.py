@@ -181,13 +181,23 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) ->
     else:
         d_q, d_k, d_v = graph.sdpa_backward(
             inputs["q"], inputs["k"], inputs["v"], extra["o"], extra["grad_o"], stats,
-            use_deterministic_algorithm=p.deterministic, name="sdpa_backward", **options,
+            use_deterministic_algorithm=p.deterministic, name="sdpa_backward", **options, **_token_totals(p),
         )  # fmt: skip
         amaxes = {}
     for handle, role in ((d_q, "grad_q"), (d_k, "grad_k"), (d_v, "grad_v")):
         output(handle, role, getattr(p, role))
     _amax_outputs(amaxes, output, p)
     return lowered
+
+
+def _token_totals(p: AttentionProblem) -> dict[str, int]:
+    """A packed backward's token counts: cuDNN then sizes its float32 dQ (and, for GQA, dK/dV)
+    accumulators by the tokens rather than by batch x longest sequence, which at 128k tokens of
+    long-tailed documents is 6 GB against over 60 GB. The counts are the packed tensors' rows
+    (``for_plan`` rounds them up to a bucket), which bound every packing the plan runs."""
+    if not p.is_thd:
+        return {}
+    return {"max_total_seq_len_q": p.q.shape[0], "max_total_seq_len_kv": p.k.shape[0]}
 
 
 def _scales(roles: tuple[str, ...], tensor: Any, p: AttentionProblem) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""A built cuDNN plan and the little it needs per call: binding by uid, workspaces, the
-device-side clamps that keep run-time lengths and page indices inside the tensors."""
+"""A built cuDNN plan and the little it needs per call: binding by uid, its workspace (taken
+per run, ``workspace.py``), the device-side clamps that keep run-time lengths and page indices
+inside the tensors."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ...errors import UnsupportedError
 from ..base import RunInputs
 from . import autotune as autotune_
 from . import folded_sink
+from . import workspace as workspaces
 from .frontend_internals import native_executor
 from .lowering import Lowered
 from .platform import cudnn_handle, current_stream, stream_pointer
@@ -35,7 +37,6 @@ class CudnnPlan:
         self.device = torch.device("cuda", device_index)
         self.choice = autotune_.Choice(index=-1, name="heuristic")
         self.source = "built"  # or "disk"
-        self._workspaces: dict[int, torch.Tensor] = {}
         self._bounds = upper_bounds(problem)  # integer inputs clamped on the device (core/bounds.py)
         self._ordered = True  # the frontend's ordered execute: no per-call dict walk
         self._native: Any = None  # the frontend's native ordered executor, prepared on first run
@@ -138,9 +139,10 @@ class CudnnPlan:
             index = self.device_index
             if stream is None and handle is not None:  # a handle's stream (set_stream), as the frontend runs
                 stream = getattr(handle, "stream", None)
-            stream_ptr = current_stream(index) if stream is None else stream_pointer(stream, index)
+            current = current_stream(index)
+            stream_ptr = current if stream is None else stream_pointer(stream, index)
             if workspace is None and self.workspace_size:
-                workspace = self._workspace(stream_ptr)
+                workspace = workspaces.workspace(self.workspace_size, index, stream_ptr, current)
             native = cudnn_handle(index, handle)
             if native.stream != stream_ptr:  # cudnnSetStream is not free: only when it changes
                 self._cudnn.set_stream(native, stream_ptr)
@@ -210,25 +212,17 @@ class CudnnPlan:
         if not self._candidates():
             return self  # loaded from the store: its one plan
         plan = copy.copy(self)
-        plan._index, plan._native, plan._workspaces = index, None, {}
+        plan._index, plan._native = index, None
         self._build_candidate(index)
         plan.workspace_size = int(self.graph.get_workspace_size_plan_at_index(index))
         return plan
 
     @property
     def nbytes(self) -> int:
-        """Device memory this plan holds (its workspaces and constant inputs), for cache bounds."""
-        held = [*self._workspaces.values(), *self._constants.values(), *self._stats_scratch.values()]
+        """Device memory this plan holds (its constant inputs and sink scratch), for cache bounds;
+        workspaces are taken per run (``workspace.py``), never held by a plan."""
+        held = [*self._constants.values(), *self._stats_scratch.values()]
         return sum(t.numel() * t.element_size() for t in held)
-
-    def _workspace(self, stream_ptr: int) -> torch.Tensor:
-        """One workspace per stream, reused: calls on one stream are ordered, so they can share it."""
-        buffer = self._workspaces.get(stream_ptr)
-        if buffer is None:
-            buffer = self._workspaces[stream_ptr] = torch.empty(
-                self.workspace_size, dtype=torch.uint8, device=self.device
-            )
-        return buffer
 
     def _scratch(self, stream: Any, handle: Any) -> torch.Tensor:
         """The folded sink's log-sum-exp buffer when the caller wants none: one per stream."""
