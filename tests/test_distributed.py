@@ -285,7 +285,7 @@ def test_bench_packed_documents_run_on_cpu_ranks(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     data = json.loads(report.read_text())
-    assert (data["world"], data["seq"], data["documents"]["count"]) == (2, 128, len(document_lengths(128, 2)))
+    assert (data["world"], data["seq"], data["documents"]["count"]) == (2, 128, len(document_lengths(128, 2, tile=1)))
     columns = ["context_parallel p2p, packed", VARLEN, PADDED]
     assert sorted(data["cells"]) == sorted(columns)
     for column in columns:

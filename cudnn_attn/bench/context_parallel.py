@@ -11,10 +11,12 @@ ring it also times the overlap evidence: the same ring with every transfer left 
 their sum. ``--cpu`` runs the same on gloo CPU processes with tiny shapes (a smoke test).
 
 ``--packed`` times packed documents instead: S tokens in all (128k, 256k), document lengths
-drawn from a long-tailed (lognormal, seeded) distribution and rounded to multiples of 2W, each
+drawn from a long-tailed (lognormal, seeded) distribution and rounded to multiples of 64W, each
 document causal within itself. Columns: packed context parallelism over W GPUs, the same
 packing on one GPU (``cudnn_attn.varlen_sdpa``), and the documents padded to the longest on
-one GPU (``cudnn_attn.sdpa``, causal, padding computed).
+one GPU (``cudnn_attn.sdpa``, causal, padding computed; left out with ``--no-padded``). It
+also reports each column's memory (``memory.step_memory``: peak bytes beyond the step's
+tensors and bytes held after, the largest over ranks). ``--kv-heads`` makes it GQA.
 
 Columns are timed in short interleaved rounds in a shuffled order (``host.round_order``,
 the same on every rank) after equal warm-up; a round's time is the slowest rank's wall time
@@ -26,10 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import queue
-import random
 import statistics
 import sys
 import tempfile
@@ -49,6 +49,7 @@ from ..distributed.exchange import Pending, Ring
 from ..distributed.process_group import Members, members
 from ..functional import sdpa
 from ..varlen import varlen_sdpa
+from . import memory
 from .host import round_order
 
 SINGLE = "single device (cudnn_attn.sdpa)"
@@ -109,6 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=None, help="default 16 (2 with --cpu)")
     parser.add_argument("--head-dim", type=int, default=None, help="default 128 (32 with --cpu)")
+    parser.add_argument("--kv-heads", type=int, default=None, help="K/V heads (GQA); default: --heads")
+    parser.add_argument("--no-padded", action="store_true", help="--packed: leave out the padded column")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (the spread comes from these)")
     parser.add_argument("--steps", type=int, default=None, help="steps per column per round (default 3; 1 with --cpu)")
     parser.add_argument("--cpu", action="store_true", help="gloo CPU processes and tiny shapes: a smoke test")
@@ -127,6 +130,7 @@ def run(world: int, options: dict[str, Any]) -> dict[str, Any]:
         **options,
         "seq": options.get("seq") or (64 if cpu else 131072 if options.get("packed") else 65536),
         "heads": options.get("heads") or (2 if cpu else 16),
+        "kv_heads": options.get("kv_heads") or options.get("heads") or (2 if cpu else 16),
         "head_dim": options.get("head_dim") or (32 if cpu else 128),
         "steps": options.get("steps") or (1 if cpu else 3),
         "batch": options.get("batch") or 1,
@@ -255,62 +259,79 @@ def _cells(columns: dict[str, Callable[[], None]], o: dict[str, Any], device: to
     return cells
 
 
-def document_lengths(total: int, world: int, seed: int = 0, sigma: float = 1.0) -> list[int]:
-    """Document lengths summing to ``total``: lognormal (median total/32, ``sigma``), seeded, each
-    rounded to a multiple of 2 x ``world`` (at least one such chunk); the last one cut to fit.
-
-    Example::
-
-        document_lengths(131072, 2)   # a few dozen documents, most a few thousand tokens, some 20k+
-    """
-    unit = 2 * world
-    rng = random.Random(seed)
-    median = max(unit, total // 32)
-    lengths: list[int] = []
-    while sum(lengths) < total:
-        n = max(unit, round(rng.lognormvariate(math.log(median), sigma) / unit) * unit)
-        lengths.append(min(n, total - sum(lengths)))
-    return lengths
+def document_lengths(total: int, world: int, seed: int = 0, tile: int = 32) -> list[int]:
+    """The packed benchmark's documents: long-tailed lengths summing to ``total``
+    (``memory.document_lengths``: lognormal, median about 3.7k), each a multiple of
+    2 x ``world`` x ``tile``: every document splits into 2W equal zigzag chunks of whole tiles
+    (64W tokens by default; the CPU smoke test passes ``tile=1``)."""
+    return memory.document_lengths(total, 2 * world * tile, seed=seed)
 
 
 def _measure_packed(rank: int, world: int, device: torch.device, o: dict[str, Any]) -> dict[str, Any]:
     """Packed documents: context parallelism over ``world`` ranks against one device, packed and padded."""
-    h, d, total, mode = o["heads"], o["head_dim"], o["seq"], o["mode"]
-    lengths = document_lengths(total, world, o["seed"])
+    h, h_kv, d, total, mode = o["heads"], o["kv_heads"], o["head_dim"], o["seq"], o["mode"]
+    lengths = document_lengths(total, world, o["seed"], tile=1 if o["cpu"] else 32)
     longest = max(lengths)
     cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(device, torch.int32)
-    gen = torch.Generator(device).manual_seed(0)  # the same whole sequence on every rank
-    whole = [torch.randn(total, h, d, generator=gen, device=device).to(torch.bfloat16) for _ in range(4)]
-    local = [shard(t, cu_seqlens=cu) for t in whole]
-    leaves = [t.detach().requires_grad_() for t in local[:3]]
+
+    def whole() -> list[torch.Tensor]:  # the same whole sequence on every rank: q, k, v, d_out
+        gen = torch.Generator(device).manual_seed(0)
+        return [torch.randn(total, n, d, generator=gen, device=device).to(torch.bfloat16) for n in (h, h_kv, h_kv, h)]
+
+    def local() -> list[torch.Tensor]:
+        return [shard(t, cu_seqlens=cu) for t in whole()]
 
     def packed_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return context_parallel_sdpa(q, k, v, cu_seqlens=cu, max_seqlen=longest, is_causal=True, mode=mode)
+        return context_parallel_sdpa(q, k, v, cu_seqlens=cu, max_seqlen=longest, is_causal=True, mode=mode,
+                                     enable_gqa=h_kv != h)  # fmt: skip
 
     def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return varlen_sdpa(q, k, v, cu, cu, longest, longest, is_causal=True)
 
-    columns: dict[str, Callable[[], None]] = {f"context_parallel {mode}, packed": _step(packed_cp, leaves, local[3])}
+    name = f"context_parallel {mode}, packed"
+    # Memory first, on fresh plans (as a job's first step); each rank its own, the largest reported.
+    memories = {}
+    if device.type == "cuda":  # torch's allocator counts device memory only
+        memories[name] = _largest(memory.step_memory(packed_cp, local, device), device)
+        if rank == 0:
+            memories[VARLEN] = memory.step_memory(varlen, whole, device)
+        dist.barrier()
+    shards = local()
+    leaves = [t.detach().requires_grad_() for t in shards[:3]]
+    columns: dict[str, Callable[[], None]] = {name: _step(packed_cp, leaves, shards[3])}
     error = float("nan")
     out = unshard(packed_cp(*leaves).detach(), cu_seqlens=cu)
     if rank == 0:
-        single = [t.detach().requires_grad_() for t in whole[:3]]
-        columns[VARLEN] = _step(varlen, single, whole[3])
-        padded = [_padded(t, lengths, longest) for t in whole]
-        leaves_padded = [t.requires_grad_() for t in padded[:3]]
-        columns[PADDED] = _step(lambda q, k, v: sdpa(q, k, v, is_causal=True), leaves_padded, padded[3])
-        expected = varlen(*whole[:3]).float()
+        everything = whole()
+        single = [t.detach().requires_grad_() for t in everything[:3]]
+        columns[VARLEN] = _step(varlen, single, everything[3])
+        if not o.get("no_padded"):
+            padded = [_padded(t, lengths, longest) for t in everything]
+            leaves_padded = [t.requires_grad_() for t in padded[:3]]
+            columns[PADDED] = _step(lambda q, k, v: sdpa(q, k, v, is_causal=True, enable_gqa=h_kv != h),
+                                    leaves_padded, padded[3])  # fmt: skip
+        expected = varlen(*everything[:3]).float()
         error = float((out.float() - expected).norm() / expected.norm())
     else:
-        columns[VARLEN] = columns[PADDED] = lambda: None  # the others wait at the barrier
-    del whole
+        columns[VARLEN] = lambda: None  # the others wait at the barrier
+        if not o.get("no_padded"):
+            columns[PADDED] = lambda: None
     flops = 3.5 * 4.0 * h * d * sum(n * n for n in lengths) / 2  # each document causal, forward + backward
     cells = _cells(columns, o, device, flops)
-    return {"world": world, "seq": total, "batch": 1, "heads": h, "head_dim": d, "mode": mode, "layout": "zigzag",
-            "dtype": "bfloat16", "device": _device_name(device), "rounds": o["rounds"], "steps": o["steps"],
-            "cells": cells, "overlap": None, "rel_err_vs_single": error, "baseline": VARLEN,
+    for column, used in memories.items():
+        cells[column].update(used)
+    return {"world": world, "seq": total, "batch": 1, "heads": h, "kv_heads": h_kv, "head_dim": d, "mode": mode,
+            "layout": "zigzag", "dtype": "bfloat16", "device": _device_name(device), "rounds": o["rounds"],
+            "steps": o["steps"], "cells": cells, "overlap": None, "rel_err_vs_single": error, "baseline": VARLEN,
             "documents": {"count": len(lengths), "shortest": min(lengths), "median": int(statistics.median(lengths)),
                           "longest": longest, "seed": o["seed"]}}  # fmt: skip
+
+
+def _largest(used: dict[str, int], device: torch.device) -> dict[str, int]:
+    """Each figure's largest value over the ranks (every rank calls it)."""
+    values = torch.tensor([used[k] for k in sorted(used)], dtype=torch.int64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return dict(zip(sorted(used), values.tolist()))
 
 
 def _padded(packed: torch.Tensor, lengths: list[int], longest: int) -> torch.Tensor:
@@ -389,7 +410,10 @@ def format_report(r: dict[str, Any]) -> str:
     for name, cell in cells.items():
         work = f"{cell['tflops']:8.3g} TFLOP/s" if "tflops" in cell else " " * 16
         versus = f"  {single / cell['median_ms']:5.2f}x {'varlen' if docs else 'single'}" if name != baseline else ""
-        lines.append(f"  {name:<38}{cell['median_ms']:10.3f} ms  (spread {cell['spread_pct']:3.0f}%)  {work}{versus}")
+        used = (f"  peak extra {cell['peak_extra'] / 1e9:.2f} GB over {cell['io_bytes'] / 1e9:.2f} GB of tensors, "
+                f"held after {cell['held_after'] / 1e9:.3f} GB" if "peak_extra" in cell else "")  # fmt: skip
+        lines.append(f"  {name:<38}{cell['median_ms']:10.3f} ms  (spread {cell['spread_pct']:3.0f}%)  {work}{versus}"
+                     f"{used}")  # fmt: skip
     overlap = r.get("overlap")
     if overlap:
         note = (

@@ -6,6 +6,9 @@
   our dense graph path (``cudnn_attn.sdpa``) on a fixed-length batch of the same total tokens.
   Throughput is effective: only the real tokens' attention work counts.
 - Plans built over 1,000 random packings (the plan cache's misses), forward and backward.
+- Memory of a packed training step at 32k and 128k tokens (``packed_memory``: GQA 32/8 heads,
+  d128 bf16, long-tailed documents): peak bytes beyond the step's tensors and bytes still
+  allocated once they are freed (``memory.step_memory``), beside the step's time.
 
 Columns are timed in shuffled interleaved rounds (``host.round_order``): medians, spreads.
 """
@@ -21,6 +24,7 @@ import torch
 from .. import default_cache, varlen_sdpa
 from ..functional import sdpa
 from .host import round_order
+from .memory import document_lengths, step_memory
 from .progress import progress
 
 HEADS, HEAD_DIM = 16, 128
@@ -117,6 +121,38 @@ def plans_over_packings(packings: int = 1000, token_budget: int = 32768, seed: i
             "build_seconds": stats["build_seconds"]}  # fmt: skip
 
 
+MEMORY_TOKENS = (32768, 131072)
+MEMORY_HEADS, MEMORY_KV_HEADS = 32, 8
+
+
+def packed_memory(tokens: tuple[int, ...] = MEMORY_TOKENS, seed: int = 0, rounds: int = 5) -> list[dict[str, Any]]:
+    """A packed causal training step (``varlen_sdpa``, GQA 32/8 heads, d128 bf16) over documents
+    of long-tailed lengths (``memory.document_lengths``, multiples of 256): its memory
+    (``memory.step_memory``, run first, on a fresh plan) and its median time, per token count."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows = []
+    for total in tokens:
+        lengths = document_lengths(total, 256, seed=seed)
+        longest = max(lengths)
+        cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(device, torch.int32)
+
+        def make(total: int = total) -> list[torch.Tensor]:
+            gen = torch.Generator(device).manual_seed(seed)
+            shapes = [(total, MEMORY_HEADS, HEAD_DIM), *[(total, MEMORY_KV_HEADS, HEAD_DIM)] * 2]
+            shapes.append((total, MEMORY_HEADS, HEAD_DIM))  # d_out
+            return [torch.randn(s, generator=gen, device=device, dtype=torch.bfloat16) for s in shapes]
+
+        def attend(q, k, v, cu=cu, longest=longest):
+            return varlen_sdpa(q, k, v, cu, cu, longest, longest, is_causal=True)
+
+        memory = step_memory(attend, make, device)
+        inputs = make()
+        cell = _time({"step": _training_step(attend, inputs[:3], inputs[3])}, rounds)["step"]
+        del inputs
+        rows.append({"tokens": total, "documents": len(lengths), "longest": longest, **memory, **cell})
+    return rows
+
+
 def llama_step(budget: int = 16384, longest: int = 4096, seed: int = 2, rounds: int = 6) -> dict[str, Any]:
     """Training-step throughput of a small Llama (8 layers, hidden 1024, 16/4 heads, random
     weights from a config) on documents of 128-4096 tokens: packed into one row of ``budget``
@@ -175,6 +211,18 @@ def _time(steps: dict[str, Callable], rounds: int) -> dict[str, dict]:
             samples[name].append(autotune.time_plan(steps[name], device, 2, 5))
     return {name: {"ms": statistics.median(v), "spread_pct": 100.0 * (max(v) - min(v)) / statistics.median(v)}
             for name, v in samples.items()}  # fmt: skip
+
+
+def format_memory(rows: list[dict[str, Any]]) -> str:
+    lines = [f"Packed training step memory (varlen_sdpa, causal, GQA {MEMORY_HEADS}/{MEMORY_KV_HEADS} heads, "
+             f"d{HEAD_DIM} bf16, long-tailed documents; GB = 1e9 bytes):"]  # fmt: skip
+    lines.append(f"  {'tokens':>8}{'docs':>6}{'longest':>9}{'tensors':>10}{'peak extra':>12}{'x':>7}"
+                 f"{'held after':>12}{'ms':>9}")  # fmt: skip
+    for r in rows:
+        lines.append(f"  {r['tokens']:>8}{r['documents']:>6}{r['longest']:>9}{r['io_bytes'] / 1e9:>9.2f}G"
+                     f"{r['peak_extra'] / 1e9:>11.2f}G{r['peak_extra'] / r['io_bytes']:>6.2f}x"
+                     f"{r['held_after'] / 1e9:>11.3f}G{r['ms']:>9.2f}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def format_varlen(mixed: dict[str, Any], plans: dict[str, Any], llama: dict[str, Any] | None = None) -> str:

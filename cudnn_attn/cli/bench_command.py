@@ -140,10 +140,12 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.varlen:
         from ..bench import varlen
 
+        memory = varlen.packed_memory()  # first: its plans are fresh, as a training job's first step
+        print(varlen.format_memory(memory))
         mixed, plans = varlen.mixed_batch(), varlen.plans_over_packings()
         llama = varlen.llama_step() if importlib.util.find_spec("transformers") else None
         print(varlen.format_varlen(mixed, plans, llama))
-        return {**_device(), "mixed": mixed, "plans": plans, "llama": llama}
+        return {**_device(), "memory": memory, "mixed": mixed, "plans": plans, "llama": llama}
     from ..bench import attention
 
     sections = {name: getattr(args, name) for name in TARGETS}
