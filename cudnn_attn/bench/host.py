@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .. import Graph, sdpa
+from .. import Graph, sdpa, varlen_sdpa
 from ..core import synthetic
 from ..nn import Attention
 from .progress import progress
@@ -101,6 +101,21 @@ def _decode_runs() -> dict[str, Callable[[], object]]:
     return runs
 
 
+def _varlen_runs() -> dict[str, Callable[[], object]]:
+    """A packed batch of two 64-token sequences (h8 d64 bf16, causal), forward and fwd+bwd."""
+    cu = torch.tensor([0, 64, 128], dtype=torch.int32, device="cuda")
+    q, k, v, d_o = (torch.randn(128, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    lq, lk, lv = (x.clone().requires_grad_() for x in (q, k, v))
+
+    def packed(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return varlen_sdpa(a, b, c, cu, cu, 64, 64, is_causal=True)
+
+    return {
+        "varlen_sdpa": lambda: packed(q, k, v),
+        "varlen_sdpa fwd+bwd": lambda: torch.autograd.grad(packed(lq, lk, lv), [lq, lk, lv], d_o),
+    }
+
+
 def host_paths() -> dict[str, dict]:
     shape = Shape(b=1, h=8, sq=128, skv=128, d=64, layout="BHSD")
     t = shape.tensors("cuda")
@@ -132,6 +147,7 @@ def host_paths() -> dict[str, dict]:
         "sdpa(softcap=) fwd+bwd": fwd_bwd(lambda a, b, c: sdpa(a, b, c, is_causal=True, softcap=30.0)),
         "sdpa(window_size=) fwd+bwd": fwd_bwd(lambda a, b, c: sdpa(a, b, c, is_causal=True, window_size=(63, 0))),
         "g(q, k, v, out=o)": lambda: g(q, k, v, out=out),
+        **_varlen_runs(),
         **_frontend_runs(g, t),
         "with Graph() on a cache hit": rebuild,
         **_decode_runs(),
