@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +89,20 @@ class Refusal:
     call: dict[str, Any] = field(default_factory=dict)
     per_rank: dict[int, dict[str, Any]] = field(default_factory=dict)
     op: str = "context_parallel_sdpa"  # or "shard", "unshard"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault on one rank (``rank``; -1: the last) in the middle of a call: every rank must end
+    it with an exception. ``inject``: ``"forward"``/``"backward"``, a block's attention raises
+    out of memory there (the library's block function, replaced on that rank for the case);
+    ``"shard"``: two calls, that rank's shard twice as long on the second."""
+
+    id: str
+    inject: str
+    mode: str = "p2p"
+    packed: bool = False
+    rank: int = 0
 
 
 def main(rank: int, world: int, init_file: str, backend: str, cases: list, results: Any) -> None:
@@ -286,5 +301,45 @@ def _refusal(case: Refusal, rank: int, world: int, device: torch.device, index: 
     return {"raised": "nothing", "message": ""}
 
 
+def _fault(case: Fault, rank: int, world: int, device: torch.device, index: int) -> dict[str, Any]:
+    from cudnn_attn.distributed import blocks
+
+    def call(chunks: int) -> None:
+        gen = torch.Generator().manual_seed(3000 + index)
+        tokens = chunks * 2 * world
+        if case.packed:  # two documents of tokens / 2 each, sharded: this rank's share of each
+            cu = torch.tensor([0, tokens // 2, tokens], dtype=torch.int32, device=device)
+            shape: tuple[int, ...] = (tokens // world, 2, 16)
+        else:
+            cu, shape = None, (1, 2, tokens // world, 16)
+        q, k, v = (torch.randn(shape, generator=gen).to(device, torch.bfloat16).requires_grad_() for _ in range(3))
+        out = context_parallel_sdpa(q, k, v, is_causal=True, mode=case.mode, cu_seqlens=cu)
+        out.backward(torch.randn_like(out))
+
+    def out_of_memory(*args: Any, **kwargs: Any) -> Any:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.13 GiB (injected)")
+
+    faulty = rank == case.rank % world
+    name = {"forward": "forward", "backward": "backward"}.get(case.inject)
+    if name is not None and case.packed:
+        name = f"packed_{name}"
+    original = getattr(blocks, name) if name else None
+    start = time.monotonic()
+    try:
+        if case.inject == "shard":
+            call(4)
+            call(8 if faulty else 4)  # this rank's signature is new; the others' is agreed already
+        else:
+            if faulty:
+                setattr(blocks, name, out_of_memory)
+            call(4)
+    except Exception as error:
+        return {"raised": type(error).__name__, "message": str(error), "seconds": time.monotonic() - start}
+    finally:
+        if name is not None:
+            setattr(blocks, name, original)
+    return {"raised": "nothing", "message": "", "seconds": time.monotonic() - start}
+
+
 RUNNERS: dict[type, Any] = {Attention: _attention, Packed: _packed, RoundTrip: _round_trip,
-                             PackedRoundTrip: _packed_round_trip, Refusal: _refusal}  # fmt: skip
+                             PackedRoundTrip: _packed_round_trip, Refusal: _refusal, Fault: _fault}  # fmt: skip

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import TOLERANCE
-from distributed_workers import Attention, Packed, PackedRoundTrip, Refusal, RoundTrip
+from distributed_workers import Attention, Fault, Packed, PackedRoundTrip, Refusal, RoundTrip
 
 import cudnn_attn
 from cudnn_attn.bench.context_parallel import PADDED, SINGLE, VARLEN, document_lengths
@@ -143,8 +143,18 @@ REFUSALS = [
         "packed-shard-not-divisible", "ValidationError", "not a multiple", call={"dims": 3, "cu": [5, 7]}, op="shard"
     ),
 ]
-# Refusals first: the attention cases after them show that no rank was left stuck.
-CASES = [*REFUSALS, *ROUND_TRIPS, *ATTENTION, *PACKED]
+FAULTS = [
+    *(Fault(f"out-of-memory-in-the-{where}-{mode}{'-packed' if packed else ''}{'-last-rank' if rank else ''}",
+            where, mode, packed, rank)
+      for where in ("forward", "backward") for mode in ("p2p", "all_gather") for packed in (False, True)
+      for rank in (0, -1)),
+    Fault("shard-changes-on-one-rank-p2p", "shard"),
+    Fault("shard-changes-on-one-rank-all_gather", "shard", mode="all_gather"),
+    Fault("shard-changes-on-one-rank-packed", "shard", packed=True),
+]  # fmt: skip
+FAULT_SECONDS = 30  # every rank must have raised within this of the call
+# Refusals and faults first: the attention cases after them show that no rank was left stuck.
+CASES = [*REFUSALS, *FAULTS, *ROUND_TRIPS, *ATTENTION, *PACKED]
 
 
 def run_ranks(world: int, cases: list, init_file: Path, backend: str = "gloo") -> dict[str, dict[int, dict]]:
@@ -214,6 +224,26 @@ def test_every_rank_refuses_alike_and_none_hangs(world, case):
         assert case.text in outcome["message"], f"rank {rank}: {outcome['message']}"
 
 
+@pytest.mark.parametrize("case", FAULTS, ids=[c.id for c in FAULTS])
+def test_a_fault_on_one_rank_ends_the_call_on_every_rank(world, case):
+    """Out of memory inside a block's attention on one rank (forward or backward), or one rank's
+    shard changing on a later call: every rank raises, within seconds, none waits for the group's
+    timeout; the failed rank its own error, the others the same kind naming it."""
+    size = world[0]
+    faulty = case.rank % size
+    expected = "ValidationError" if case.inject == "shard" else "OutOfMemoryError"
+    for rank, outcome in enumerate(_outcomes(world, case.id)):
+        assert outcome["raised"] == expected, f"rank {rank}: {outcome}"
+        assert outcome["seconds"] < FAULT_SECONDS, f"rank {rank} took {outcome['seconds']:.1f} s"
+        if case.inject == "shard":
+            assert "differs across ranks" in outcome["message"], f"rank {rank}: {outcome['message']}"
+        elif rank == faulty:
+            assert "(injected)" in outcome["message"], f"rank {rank}: {outcome['message']}"
+        else:
+            assert f"rank {faulty} failed in the {case.inject}" in outcome["message"], outcome["message"]
+            assert "(injected)" in outcome["message"]
+
+
 def test_refusal_names_the_rank_that_refused_its_arguments(world):
     outcomes = _outcomes(world, "odd-zigzag-shard-on-one-rank")
     assert "shard length 7 is odd" in outcomes[1]["message"]
@@ -235,7 +265,7 @@ def test_uninitialised_group_is_refused_not_waited_on(call):
 def test_nccl_on_two_gpus(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 CUDA GPUs ({torch.cuda.device_count()} here)")
-    cases = [*REFUSALS[:4], *ROUND_TRIPS, *ATTENTION, *PACKED]
+    cases = [*REFUSALS[:4], *FAULTS, *ROUND_TRIPS, *ATTENTION, *PACKED]
     outcomes = run_ranks(2, cases, tmp_path / "init", backend="nccl")
     gpu_world = (2, outcomes)
     for case in cases:

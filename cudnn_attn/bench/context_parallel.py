@@ -61,9 +61,10 @@ class LocalRing(Ring):
     """The ring's schedule with the transfers left out: each rank receives its own buffer back."""
 
     def __init__(self, m: Members):
+        self.members = m
         self.rank, self.world, self.group = m.rank, m.world, m.group
 
-    def shift(self, buffer: torch.Tensor, tag: int) -> Pending:
+    def shift(self, buffer: torch.Tensor, tag: int, into: torch.Tensor | None = None) -> Pending:
         return Pending([], buffer)
 
 

@@ -1,32 +1,32 @@
 """Checks that every rank of a group called with compatible arguments, raising on every rank alike.
 
 A rank that refuses its arguments alone would leave the others waiting in the next collective
-forever. So before the first run of a call signature, each rank shares a few integers (its
-count of local problems, then the fields that must agree: shard lengths, head counts, dtypes,
-flags) in one small all-gather, and every rank derives the same verdict from the same table.
-A signature that passed is remembered, so steady-state calls pay a tuple and a set lookup.
-
-Limitation, documented to callers: ranks check a signature when it is new to them. A rank
-whose arguments change while another's stay at a signature already checked skips the
-exchange the other enters; as with any collective, every rank must change together.
+forever. So before every call's first collective, each rank shares a short row: whether it
+refused its arguments, and a checksum of the fields that must agree (shard lengths, head counts,
+dtypes, flags). When every row is clear and the checksums match, the call goes on; otherwise
+every rank shares the whole table (``Field`` by ``Field``) and derives the same verdict from it.
+A signature that passed keeps its checksum, so a steady-state call pays a tuple lookup and one
+small exchange on the CPU (``control.py``), and a rank whose shard changed while the others'
+did not is caught there: its checksum differs.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ..errors import UnsupportedError, ValidationError
+from .control import gather_rows
 from .process_group import Members
 
 MAX_REMEMBERED = 4096
 MALFORMED, UNSUPPORTED = 1, 2  # why a rank refused its arguments
 MAX_DIMS = 8  # shape fields are padded to this many, so every rank's row has one length
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_agreed: set[Hashable] = set()
+_agreed: dict[Hashable, int] = {}  # signature -> its fields' checksum
 
 
 @dataclass(frozen=True)
@@ -63,32 +63,40 @@ def agree(
     m: Members,
     signature: Hashable | None,
     local: Sequence[str],
-    fields: Sequence[Field],
-    device: torch.device,
+    fields: Sequence[Field] | Callable[[], Sequence[Field]],
     context: str,
     local_unsupported: bool = False,
 ) -> None:
     """Raise on every rank when any rank has ``local`` problems or a field differs across ranks.
+    Every rank calls it on every call, before the call's first collective.
 
-    signature: the call's hashable key (remembered once agreed; None: check every time).
+    signature: the call's hashable key (its checksum remembered once agreed; None: never).
     local: this rank's own problems (lines naming the argument); ``local_unsupported``: they
     are limits (``UnsupportedError``) rather than malformed input.
-    device: where the small table travels (a CUDA device for NCCL, the CPU for gloo).
+    fields: the fields every rank must give alike, or a function making them (called only when
+    the signature is new here, or some rank disagrees).
 
     Example::
 
-        agree(m, key, problems, [Field("q: shard length", q.shape[2])], q.device, "context_parallel_sdpa")
+        agree(m, key, problems, [Field("q: shard length", q.shape[2])], "context_parallel_sdpa")
     """
-    if signature is not None and signature in _agreed:
-        return
+    made: Sequence[Field] | None = None if callable(fields) else fields
+    checksum = _agreed.get(signature) if signature is not None and not local else None
+    if checksum is None:
+        made = made if made is not None else fields()  # type: ignore[operator]
+        checksum = _checksum(made)
     kind = 0 if not local else UNSUPPORTED if local_unsupported else MALFORMED
-    row = torch.tensor([len(local), kind, *(f.value for f in fields)], dtype=torch.int64, device=device)
-    if m.world > 1:
-        gathered = [torch.empty_like(row) for _ in range(m.world)]
-        dist.all_gather(gathered, row, group=m.group)  # the list form: every backend has it
-        rows = torch.stack(gathered).tolist()  # one host sync, once per signature
-    else:
-        rows = [row.tolist()]
+    short = gather_rows(m, [len(local), kind, checksum])
+    if all(not r[0] for r in short) and len({r[2] for r in short}) == 1:
+        if signature is not None:
+            if len(_agreed) >= MAX_REMEMBERED:
+                _agreed.clear()
+            _agreed[signature] = checksum
+        return
+    # Some rank refused, or the fields differ somewhere: every rank shares the whole table.
+    made = made if made is not None else fields()  # type: ignore[operator]
+    row = [len(local), kind, *(f.value for f in made)]
+    rows = gather_rows(m, row)
     problems = list(local)
     others = [j for j, r in enumerate(rows) if j != m.rank and r[0]]
     if others and local:
@@ -98,20 +106,22 @@ def agree(
                         if len(others) == 1 else f"group: {_ranks(others)} refused their own arguments "
                         "(listed in their errors)")  # fmt: skip
     if not local and not others:  # fields of a rank with local problems may be placeholders
-        for i, f in enumerate(fields, 2):
+        for i, f in enumerate(made, 2):
             column = [r[i] for r in rows]
             if len(set(column)) > 1:
                 given = ", ".join(f"rank {j}: {f.render(v)}" for j, v in enumerate(column))
                 problems.append(f"{f.label} differs across ranks ({given}); every rank must give the same")
-    if problems:
-        if all(r[1] == UNSUPPORTED for r in rows if r[0]) and any(r[0] for r in rows):
-            raise UnsupportedError(problems, context=context)  # every refusal is a limit, not a mistake
-        raise ValidationError(problems, context=context)
-    if signature is None:  # not hashable: agreed, but not remembered
-        return
-    if len(_agreed) >= MAX_REMEMBERED:
-        _agreed.clear()
-    _agreed.add(signature)
+    if not problems:  # the checksums differed only through a field no rank shows: refuse all the same
+        problems.append("the ranks' arguments differ (their checksums); every rank must give the same")
+    if all(r[1] == UNSUPPORTED for r in rows if r[0]) and any(r[0] for r in rows):
+        raise UnsupportedError(problems, context=context)  # every refusal is a limit, not a mistake
+    raise ValidationError(problems, context=context)
+
+
+def _checksum(fields: Sequence[Field]) -> int:
+    """63 bits over every field's label and value: equal tables give equal checksums."""
+    text = repr([(f.label, f.value) for f in fields]).encode()
+    return (zlib.crc32(text) << 31) ^ zlib.adler32(text)
 
 
 def _ranks(ranks: list[int]) -> str:

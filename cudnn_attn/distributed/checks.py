@@ -7,8 +7,9 @@ documents, each document's length a multiple of its chunks); K/V heads equal Q's
 zigzag shard splits into two equal chunks; known ``mode``/``layout``; ``window_size`` is a
 causal window ``(left, 0)`` or none; ``sinks`` one logit per query head. Nested (ragged)
 shards and windows with another right bound are refused as unsupported. Then one small
-all-gather (``agreement.agree``, once per signature) makes every rank raise alike when any rank
-refused its arguments or ranks differ in shapes, dtype, flags or documents.
+all-gather (``agreement.agree``, a short row per call) makes every rank raise alike when any rank
+refused its arguments or ranks differ in shapes, dtype, flags or documents; on every call, so a
+rank whose shard changed alone is caught too.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..errors import ValidationError, shown
 from .agreement import Field, agree, dtype_field, known, shape_fields
 from .chunks import LAYOUTS, layout_problems
 from .documents import Documents, cu_problems, host_lengths
-from .process_group import Members, collective_device
+from .process_group import Members
 
 MODES = ("p2p", "all_gather")
 CONTEXT = "context_parallel_sdpa"
@@ -60,36 +61,43 @@ def checked(q: Any, k: Any, v: Any, m: Members, is_causal: Any, scale: Any, mode
     key: tuple | None = (m.group, m.world, *(_geometry(t) for t in (q, k, v)), is_causal, scale, mode, enable_gqa,
                          layout, lengths, max_seqlen, window_size, _geometry(sinks))  # fmt: skip
     try:
-        if known(key):  # the steady state: every rank agreed on this signature before
-            return _resolved(q, scale, is_causal, window_size, lengths, m, layout)
+        steady = known(key)  # every rank agreed on this signature before: only the short exchange
     except TypeError:  # an unhashable argument: never agreed, so it is checked (and refused) below
-        key = None
-    unsupported = _unsupported(q, k, v, window_size)
-    # Refused or not, this rank still joins the exchange: the others must learn of it (``agree``).
-    local = unsupported or _problems(q, k, v, m, is_causal, scale, mode, enable_gqa, layout, window_size, cu_seqlens)
-    if not local and packed:
-        local = cu_problems(cu_seqlens, m.world, layout, q.shape[0], max_seqlen)
-    if not local:
-        local = _score_term_problems(q, window_size, sinks)
+        key, steady = None, False
+    unsupported: list[str] = []
+    local: list[str] = []
+    if not steady:
+        unsupported = _unsupported(q, k, v, window_size)
+        # Refused or not, this rank still joins the exchange: the others must learn of it (``agree``).
+        local = unsupported or _problems(q, k, v, m, is_causal, scale, mode, enable_gqa, layout, window_size,
+                                         cu_seqlens)  # fmt: skip
+        if not local and packed:
+            local = cu_problems(cu_seqlens, m.world, layout, q.shape[0], max_seqlen)
+        if not local:
+            local = _score_term_problems(q, window_size, sinks)
     resolved = _resolved(q, scale, is_causal, window_size, lengths, m, layout) if not local else None
-    fields = []
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        shape = t.shape if isinstance(t, torch.Tensor) else ()
-        fields += shape_fields(name, shape)
-        fields.append(dtype_field(name, t.dtype if isinstance(t, torch.Tensor) else torch.uint8))
-    ok = resolved is not None
-    fields += [
-        Field("is_causal", int(bool(is_causal)) if ok else -1),
-        Field("enable_gqa", int(bool(enable_gqa)) if ok else -1),
-        Field("mode", MODES.index(mode) if ok else -1, lambda c: repr(MODES[c])),
-        Field("layout", LAYOUTS.index(layout) if ok else -1, lambda c: repr(LAYOUTS[c])),
-        Field("scale", _bits(resolved.scale) if resolved else 0, lambda c: repr(_float(c))),
-        Field("window_size: left bound", resolved.left if resolved and resolved.left is not None else -1),
-        Field("sinks: given", int(sinks is not None)),
-        Field("cu_seqlens: documents", len(lengths) if ok and lengths is not None else -1),
-        Field("cu_seqlens: checksum of the lengths", _checksum(lengths) if ok else -1),
-    ]
-    agree(m, key, local, fields, collective_device(m, q), CONTEXT, local_unsupported=bool(unsupported))
+
+    def fields() -> list[Field]:
+        made = []
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            shape = t.shape if isinstance(t, torch.Tensor) else ()
+            made += shape_fields(name, shape)
+            made.append(dtype_field(name, t.dtype if isinstance(t, torch.Tensor) else torch.uint8))
+        ok = resolved is not None
+        return [
+            *made,
+            Field("is_causal", int(bool(is_causal)) if ok else -1),
+            Field("enable_gqa", int(bool(enable_gqa)) if ok else -1),
+            Field("mode", MODES.index(mode) if ok else -1, lambda c: repr(MODES[c])),
+            Field("layout", LAYOUTS.index(layout) if ok else -1, lambda c: repr(LAYOUTS[c])),
+            Field("scale", _bits(resolved.scale) if resolved else 0, lambda c: repr(_float(c))),
+            Field("window_size: left bound", resolved.left if resolved and resolved.left is not None else -1),
+            Field("sinks: given", int(sinks is not None)),
+            Field("cu_seqlens: documents", len(lengths) if ok and lengths is not None else -1),
+            Field("cu_seqlens: checksum of the lengths", _checksum(lengths) if ok else -1),
+        ]
+
+    agree(m, key, local, fields, CONTEXT, local_unsupported=bool(unsupported))
     assert resolved is not None  # agree raised otherwise
     return resolved
 

@@ -41,15 +41,17 @@ class Ring:
     """
 
     def __init__(self, m: Members):
+        self.members = m
         self.rank, self.world, self.group = m.rank, m.world, m.group
         self._next = m.global_rank((m.rank + 1) % m.world)
         self._previous = m.global_rank((m.rank - 1) % m.world)
 
-    def shift(self, buffer: torch.Tensor, tag: int) -> Pending:
-        """Post sending ``buffer`` to the next rank and receiving one like it from the previous.
+    def shift(self, buffer: torch.Tensor, tag: int, into: torch.Tensor | None = None) -> Pending:
+        """Post sending ``buffer`` to the next rank and receiving one like it from the previous,
+        into ``into`` (allocated before the call's first transfer) or a new buffer.
         ``buffer`` must stay unchanged until ``wait``; ``tag`` keeps two shifts in flight apart
         (gloo matches by tag; NCCL matches by order, the same on every rank)."""
-        received = torch.empty_like(buffer)
+        received = torch.empty_like(buffer) if into is None else into
         requests = dist.batch_isend_irecv(
             [
                 dist.P2POp(dist.isend, buffer, self._next, self.group, tag),

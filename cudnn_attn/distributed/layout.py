@@ -21,7 +21,7 @@ from ..errors import ValidationError, shown
 from . import documents
 from .agreement import Field, agree, dtype_field, shape_fields
 from .chunks import LAYOUTS, chunk_ids, chunks_per_rank, layout_problems
-from .process_group import collective_device, members
+from .process_group import members
 
 __all__ = ["LAYOUTS", "join_shards", "layout_problems", "shard", "shard_of", "unshard"]
 
@@ -132,7 +132,7 @@ def unshard(x: torch.Tensor, group: Any = None, seq_dim: int | None = None, layo
     lengths = None if docs is None else docs.lengths
     fields.append(Field("cu_seqlens: checksum of the lengths", zlib.crc32(repr(lengths).encode())))
     key = ("unshard", m.group, m.world, x.shape, x.dtype, x.device, seq_dim, layout, lengths)
-    agree(m, key, local, fields, collective_device(m, x), "unshard")
+    agree(m, key, local, fields, "unshard")
     local_shard = x.detach().contiguous()
     gathered = [torch.empty_like(local_shard) for _ in range(m.world)]
     dist.all_gather(gathered, local_shard, group=m.group)

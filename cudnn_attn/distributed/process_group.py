@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ..errors import ValidationError
@@ -58,13 +57,3 @@ def members(group: Any, context: str) -> Members:
             [f"group: this process (global rank {dist.get_rank()}) is not a member of the group"], context=context
         )
     return Members(group, rank, world)
-
-
-def collective_device(m: Members, like: Any) -> torch.device:
-    """Where a small control tensor travels: beside CUDA data, or on a CUDA device for an NCCL
-    group (NCCL moves CUDA memory only), else on the CPU (gloo). ``like`` may be anything."""
-    if isinstance(like, torch.Tensor) and like.is_cuda:
-        return like.device
-    if "nccl" in str(dist.get_backend(m.group)) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -12,13 +12,21 @@ add up in a float32 buffer that travels with the K/V: at step i it is received f
 (which added its share at step i-1), gets rank r's share and moves on, so after W steps it has
 visited every rank and lands on its owner. Its transfer overlaps the next step's attention.
 Kept in float32 while travelling (twice the bytes of bf16, no rounding per hop); cast at the end.
+
+Every buffer the transfers use is allocated before the first of them, two of each kind taking
+turns (the caller's K/V is never received into: the backward reads it again), and agreed across
+ranks (``outcome.settle``): a rank that cannot allocate stops the call on every rank. A rank
+whose attention fails at some step keeps passing buffers on without computing, so no rank
+waits, and every rank raises alike at the end.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .checks import CONTEXT
 from .exchange import Ring
+from .outcome import settle
 from .packed_kv import PackedKV
 from .shards import DenseShards, PackedShards
 
@@ -36,16 +44,36 @@ def forward(q: torch.Tensor, kv: torch.Tensor, packing: PackedKV, ring: Ring, sh
 
         out, lse = forward(q, packing.pack(k, v), packing, Ring(m), shards)
     """
-    acc = shards.running_output(q, packing.v_shape[-1])
+    m = ring.members
+    acc, spares, failure = None, [], None
+    try:
+        acc = shards.running_output(q, packing.v_shape[-1])
+        spares = [torch.empty_like(kv) for _ in range(min(2, ring.world - 1))]
+    except Exception as error:
+        failure = error
+    settle(m, failure, "allocating the forward's buffers", CONTEXT)
+    assert acc is not None
     for step in range(ring.world):
-        pending = ring.shift(kv, KV_TAG) if step + 1 < ring.world else None
-        k, v = packing.views(kv)
-        for call in shards.ring_calls((ring.rank - step) % ring.world, q.device):
-            o, lse = call.forward(q, k, v)
-            acc.add(call.rows, o, lse)
+        pending = ring.shift(kv, KV_TAG, into=spares[step % 2]) if step + 1 < ring.world else None
+        if failure is None:
+            try:
+                k, v = packing.views(kv)
+                for call in shards.ring_calls((ring.rank - step) % ring.world, q.device):
+                    o, lse = call.forward(q, k, v)
+                    acc.add(call.rows, o, lse)
+            except Exception as error:  # this rank's: it keeps the ring moving, every rank raises below
+                failure = error
         if pending is not None:
             kv = pending.wait()
-    return acc.result(q.dtype, sink)
+    result = None
+    if failure is None:
+        try:
+            result = acc.result(q.dtype, sink)
+        except Exception as error:
+            failure = error
+    settle(m, failure, "in the forward", CONTEXT)
+    assert result is not None
+    return result
 
 
 def backward(
@@ -59,28 +87,49 @@ def backward(
     shards: Shards,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dq float32 like q, d_kv float32 flat, packed as ``packing``)`` of this rank's shard."""
-    d_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    stats_of = shards.row_stats(lse)
-    d_kv = None
+    m = ring.members
+    failure = None
+    d_q = d_kv = stats_of = None
+    spares: list[torch.Tensor] = []
+    grad_buffers: list[torch.Tensor] = []
+    try:
+        d_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        spares = [torch.empty_like(kv) for _ in range(min(2, ring.world - 1))]
+        # dK/dV travel: the buffer of this step's block, and the one the next block's arrives in.
+        grad_buffers = [torch.empty(packing.numel, dtype=torch.float32, device=q.device) for _ in range(2)]
+        stats_of = shards.row_stats(lse)
+    except Exception as error:
+        failure = error
+    settle(m, failure, "allocating the backward's buffers", CONTEXT)
+    assert d_q is not None and stats_of is not None
+    d_kv = grad_buffers[0].zero_()  # our own block's, at step 0
     pending_grad = None
     for step in range(ring.world):
-        pending_kv = ring.shift(kv, KV_TAG) if step + 1 < ring.world else None
-        k, v = packing.views(kv)
-        calls = shards.ring_calls((ring.rank - step) % ring.world, q.device)
-        grads = [(call, call.backward(q, k, v, out, d_out, stats_of)) for call in calls]
+        pending_kv = ring.shift(kv, KV_TAG, into=spares[step % 2]) if step + 1 < ring.world else None
+        grads = []
+        if failure is None:
+            try:
+                k, v = packing.views(kv)
+                calls = shards.ring_calls((ring.rank - step) % ring.world, q.device)
+                grads = [(call, call.backward(q, k, v, out, d_out, stats_of)) for call in calls]
+            except Exception as error:  # this rank's: it keeps the ring moving, every rank raises below
+                failure, grads = error, []
         # This block's dK/dV so far: fresh at step 0 (our own block), else from rank r-1.
-        if pending_grad is None:
-            d_kv = torch.zeros(packing.numel, dtype=torch.float32, device=q.device)
-        else:
+        if pending_grad is not None:
             d_kv = pending_grad.wait()
-        d_k, d_v = packing.views(d_kv)
-        for call, grad in grads:
-            call.add_grads(d_q, d_k, d_v, grad)
-        if ring.world > 1:
-            pending_grad = ring.shift(d_kv, GRAD_TAG)  # one more hop after the last step: home
+        if failure is None:
+            try:
+                d_k, d_v = packing.views(d_kv)
+                for call, grad in grads:
+                    call.add_grads(d_q, d_k, d_v, grad)
+            except Exception as error:
+                failure = error
+        if ring.world > 1:  # one more hop after the last step: home
+            free = grad_buffers[1] if d_kv is grad_buffers[0] else grad_buffers[0]
+            pending_grad = ring.shift(d_kv, GRAD_TAG, into=free)
         if pending_kv is not None:
             kv = pending_kv.wait()
     if pending_grad is not None:
         d_kv = pending_grad.wait()
-    assert d_kv is not None
+    settle(m, failure, "in the backward", CONTEXT)
     return d_q, d_kv
