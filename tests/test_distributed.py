@@ -276,6 +276,9 @@ def test_nccl_on_two_gpus(tmp_path):
                 assert all(err < tol for err in errors.values()), (case.id, errors)
         elif isinstance(case, Refusal):
             assert all(o["raised"] == case.expected for o in found), (case.id, found)
+        elif isinstance(case, Fault):
+            expected = "ValidationError" if case.inject == "shard" else "OutOfMemoryError"
+            assert all(o["raised"] == expected and o["seconds"] < FAULT_SECONDS for o in found), (case.id, found)
         else:
             assert all(all(v == 1.0 for v in o.values()) for o in found), (case.id, found)
 

@@ -12,6 +12,7 @@ the versions. Running a plan is ``plan.py``'s business; where cuDNN runs,
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from typing import Any
 
@@ -120,6 +121,11 @@ class CudnnBackend:
                 choice = autotune_.Choice(index=-1, name=selected_plan_name(graph))
         plan = CudnnPlan(problem, lowered, int(graph.get_workspace_size()), device_index)
         plan.choice, plan.source = choice, "built"
+        # Planning leaves reference cycles in the frontend that hold its dead frames, and through
+        # their callers every tensor of the call that asked for the plan (a packed backward's
+        # inputs and gradients: gigabytes) until the cyclic collector runs. Collected here, once
+        # per plan built, while those frames are already unreachable.
+        gc.collect()
         return plan
 
     @staticmethod
