@@ -265,7 +265,12 @@ def _fake_sections(monkeypatch) -> dict[str, dict]:
     monkeypatch.setattr(serving, "serving_rows", lambda: serving_h100["serving"])
     monkeypatch.setattr(prefill, "prefill_row", lambda: serving_h100["prefill"])
     varlen_h200 = committed("varlen_h200.json")
-    for name, key in (("mixed_batch", "mixed"), ("plans_over_packings", "plans"), ("llama_step", "llama")):
+    for name, key in (
+        ("mixed_batch", "mixed"),
+        ("plans_over_packings", "plans"),
+        ("llama_step", "llama"),
+        ("packed_memory", "memory"),
+    ):
         monkeypatch.setattr(varlen, name, lambda key=key: varlen_h200[key])
     models = committed("models_h100.json")["models"]
     monkeypatch.setattr(model_shapes, "model_rows", lambda: models)
@@ -295,7 +300,7 @@ def _fake_sections(monkeypatch) -> dict[str, dict]:
         },
         "--dtype fp8": {**device, **{k: fp8_h100[k] for k in ("fp8", "crossover", "accuracy")}},
         "--serving": {**device, "serving": serving_h100["serving"], "prefill": serving_h100["prefill"]},
-        "--varlen": {**device, **{k: varlen_h200[k] for k in ("mixed", "plans", "llama")}},
+        "--varlen": {**device, **{k: varlen_h200[k] for k in ("memory", "mixed", "plans", "llama")}},
         "--models": {**device, "models": models},
         "--mla": {**device, **mla_h100},
         "--frontend-rebuild": rebuild,

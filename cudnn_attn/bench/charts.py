@@ -219,7 +219,7 @@ SECTIONS = (
     Section("cold_start", ("cold_start",), _cold_start),
     Section("fp8", ("fp8", "crossover", "accuracy"), _fp8),
     Section("serving", ("serving", "prefill"), _serving),
-    Section("varlen", ("mixed", "plans", "llama"), _varlen),
+    Section("varlen", ("memory", "mixed", "plans", "llama"), _varlen),  # memory: a table, no panel
     Section("models", ("models",), _models),
     Section("mla", ("rows", "peaks_tbps"), _mla, when=lambda r: "peaks_tbps" in r),
     Section("frontend_rebuild", ("cudnn", "cudnn_attn", "identical", "speedup", "shape"), _frontend_rebuild),
