@@ -341,5 +341,11 @@ def _fault(case: Fault, rank: int, world: int, device: torch.device, index: int)
     return {"raised": "nothing", "message": "", "seconds": time.monotonic() - start}
 
 
-RUNNERS: dict[type, Any] = {Attention: _attention, Packed: _packed, RoundTrip: _round_trip,
-                             PackedRoundTrip: _packed_round_trip, Refusal: _refusal, Fault: _fault}  # fmt: skip
+RUNNERS: dict[type, Any] = {
+    Attention: _attention,
+    Packed: _packed,
+    RoundTrip: _round_trip,
+    PackedRoundTrip: _packed_round_trip,
+    Refusal: _refusal,
+    Fault: _fault,
+}

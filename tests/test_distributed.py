@@ -144,14 +144,23 @@ REFUSALS = [
     ),
 ]
 FAULTS = [
-    *(Fault(f"out-of-memory-in-the-{where}-{mode}{'-packed' if packed else ''}{'-last-rank' if rank else ''}",
-            where, mode, packed, rank)
-      for where in ("forward", "backward") for mode in ("p2p", "all_gather") for packed in (False, True)
-      for rank in (0, -1)),
+    *(
+        Fault(
+            f"out-of-memory-in-the-{where}-{mode}{'-packed' if packed else ''}{'-last-rank' if rank else ''}",
+            where,
+            mode,
+            packed,
+            rank,
+        )
+        for where in ("forward", "backward")
+        for mode in ("p2p", "all_gather")
+        for packed in (False, True)
+        for rank in (0, -1)
+    ),
     Fault("shard-changes-on-one-rank-p2p", "shard"),
     Fault("shard-changes-on-one-rank-all_gather", "shard", mode="all_gather"),
     Fault("shard-changes-on-one-rank-packed", "shard", packed=True),
-]  # fmt: skip
+]
 FAULT_SECONDS = 30  # every rank must have raised within this of the call
 # Refusals and faults first: the attention cases after them show that no rank was left stuck.
 CASES = [*REFUSALS, *FAULTS, *ROUND_TRIPS, *ATTENTION, *PACKED]

@@ -283,8 +283,9 @@ def _measure_packed(rank: int, world: int, device: torch.device, o: dict[str, An
         return [shard(t, cu_seqlens=cu) for t in whole()]
 
     def packed_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return context_parallel_sdpa(q, k, v, cu_seqlens=cu, max_seqlen=longest, is_causal=True, mode=mode,
-                                     enable_gqa=h_kv != h)  # fmt: skip
+        return context_parallel_sdpa(
+            q, k, v, cu_seqlens=cu, max_seqlen=longest, is_causal=True, mode=mode, enable_gqa=h_kv != h
+        )
 
     def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return varlen_sdpa(q, k, v, cu, cu, longest, longest, is_causal=True)
@@ -309,8 +310,9 @@ def _measure_packed(rank: int, world: int, device: torch.device, o: dict[str, An
         if not o.get("no_padded"):
             padded = [_padded(t, lengths, longest) for t in everything]
             leaves_padded = [t.requires_grad_() for t in padded[:3]]
-            columns[PADDED] = _step(lambda q, k, v: sdpa(q, k, v, is_causal=True, enable_gqa=h_kv != h),
-                                    leaves_padded, padded[3])  # fmt: skip
+            columns[PADDED] = _step(
+                lambda q, k, v: sdpa(q, k, v, is_causal=True, enable_gqa=h_kv != h), leaves_padded, padded[3]
+            )
         expected = varlen(*everything[:3]).float()
         error = float((out.float() - expected).norm() / expected.norm())
     else:
@@ -411,10 +413,15 @@ def format_report(r: dict[str, Any]) -> str:
     for name, cell in cells.items():
         work = f"{cell['tflops']:8.3g} TFLOP/s" if "tflops" in cell else " " * 16
         versus = f"  {single / cell['median_ms']:5.2f}x {'varlen' if docs else 'single'}" if name != baseline else ""
-        used = (f"  peak extra {cell['peak_extra'] / 1e9:.2f} GB over {cell['io_bytes'] / 1e9:.2f} GB of tensors, "
-                f"held after {cell['held_after'] / 1e9:.3f} GB" if "peak_extra" in cell else "")  # fmt: skip
-        lines.append(f"  {name:<38}{cell['median_ms']:10.3f} ms  (spread {cell['spread_pct']:3.0f}%)  {work}{versus}"
-                     f"{used}")  # fmt: skip
+        used = (
+            f"  peak extra {cell['peak_extra'] / 1e9:.2f} GB over {cell['io_bytes'] / 1e9:.2f} GB of tensors, "
+            f"held after {cell['held_after'] / 1e9:.3f} GB"
+            if "peak_extra" in cell
+            else ""
+        )
+        lines.append(
+            f"  {name:<38}{cell['median_ms']:10.3f} ms  (spread {cell['spread_pct']:3.0f}%)  {work}{versus}{used}"
+        )
     overlap = r.get("overlap")
     if overlap:
         note = (

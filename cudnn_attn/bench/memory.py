@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 
-def step_memory(attend: Callable[..., torch.Tensor], make: Callable[[], Sequence[torch.Tensor]],
-                device: torch.device) -> dict[str, int]:  # fmt: skip
+def step_memory(
+    attend: Callable[..., torch.Tensor], make: Callable[[], Sequence[torch.Tensor]], device: torch.device
+) -> dict[str, int]:
     """Memory of one forward + backward of ``attend(q, k, v)``; ``make()`` returns ``(q, k, v, d_out)``."""
     torch.cuda.synchronize(device)
     start = torch.cuda.memory_allocated(device)

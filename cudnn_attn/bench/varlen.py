@@ -214,14 +214,19 @@ def _time(steps: dict[str, Callable], rounds: int) -> dict[str, dict]:
 
 
 def format_memory(rows: list[dict[str, Any]]) -> str:
-    lines = [f"Packed training step memory (varlen_sdpa, causal, GQA {MEMORY_HEADS}/{MEMORY_KV_HEADS} heads, "
-             f"d{HEAD_DIM} bf16, long-tailed documents; GB = 1e9 bytes):"]  # fmt: skip
-    lines.append(f"  {'tokens':>8}{'docs':>6}{'longest':>9}{'tensors':>10}{'peak extra':>12}{'x':>7}"
-                 f"{'held after':>12}{'ms':>9}")  # fmt: skip
+    lines = [
+        f"Packed training step memory (varlen_sdpa, causal, GQA {MEMORY_HEADS}/{MEMORY_KV_HEADS} heads, "
+        f"d{HEAD_DIM} bf16, long-tailed documents; GB = 1e9 bytes):"
+    ]
+    lines.append(
+        f"  {'tokens':>8}{'docs':>6}{'longest':>9}{'tensors':>10}{'peak extra':>12}{'x':>7}{'held after':>12}{'ms':>9}"
+    )
     for r in rows:
-        lines.append(f"  {r['tokens']:>8}{r['documents']:>6}{r['longest']:>9}{r['io_bytes'] / 1e9:>9.2f}G"
-                     f"{r['peak_extra'] / 1e9:>11.2f}G{r['peak_extra'] / r['io_bytes']:>6.2f}x"
-                     f"{r['held_after'] / 1e9:>11.3f}G{r['ms']:>9.2f}")  # fmt: skip
+        lines.append(
+            f"  {r['tokens']:>8}{r['documents']:>6}{r['longest']:>9}{r['io_bytes'] / 1e9:>9.2f}G"
+            f"{r['peak_extra'] / 1e9:>11.2f}G{r['peak_extra'] / r['io_bytes']:>6.2f}x"
+            f"{r['held_after'] / 1e9:>11.3f}G{r['ms']:>9.2f}"
+        )
     return "\n".join(lines)
 
 

@@ -99,8 +99,24 @@ def _packed_run(op: str, inputs: dict[str, torch.Tensor], max_q: int, max_k: int
     backward's by their buckets, which size its workspace."""
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     tokens = (token_bucket(q.shape[0]), token_bucket(k.shape[0])) if op == "pb" else None
-    key = (op, q.shape[1:], k.shape[1:], v.shape[1:], q.stride(), k.stride(), v.stride(), q.dtype, q.device,
-           inputs["seq_len_q"].shape, max_q, max_k, scale, mask, window, tokens)  # fmt: skip
+    key = (
+        op,
+        q.shape[1:],
+        k.shape[1:],
+        v.shape[1:],
+        q.stride(),
+        k.stride(),
+        v.stride(),
+        q.dtype,
+        q.device,
+        inputs["seq_len_q"].shape,
+        max_q,
+        max_k,
+        scale,
+        mask,
+        window,
+        tokens,
+    )
     run = _runs.get(key)
     if run is None:
         specs = {role: TensorSpec.of(t) for role, t in inputs.items()}

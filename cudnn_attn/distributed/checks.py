@@ -69,8 +69,9 @@ def checked(q: Any, k: Any, v: Any, m: Members, is_causal: Any, scale: Any, mode
     if not steady:
         unsupported = _unsupported(q, k, v, window_size)
         # Refused or not, this rank still joins the exchange: the others must learn of it (``agree``).
-        local = unsupported or _problems(q, k, v, m, is_causal, scale, mode, enable_gqa, layout, window_size,
-                                         cu_seqlens)  # fmt: skip
+        local = unsupported or _problems(
+            q, k, v, m, is_causal, scale, mode, enable_gqa, layout, window_size, cu_seqlens
+        )
         if not local and packed:
             local = cu_problems(cu_seqlens, m.world, layout, q.shape[0], max_seqlen)
         if not local:

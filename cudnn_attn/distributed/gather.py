@@ -31,8 +31,9 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def gathered_kv(every: torch.Tensor, kv: torch.Tensor, packing: PackedKV, m: Members,
-                shards: Shards) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def gathered_kv(
+    every: torch.Tensor, kv: torch.Tensor, packing: PackedKV, m: Members, shards: Shards
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the whole sequence, in order, contiguous: gathered into ``every``."""
     _all_gather(every, kv, group=m.group)
     parts = [packing.views(part) for part in every.chunk(m.world)]
@@ -59,8 +60,9 @@ def forward(q: torch.Tensor, kv: torch.Tensor, packing: PackedKV, m: Members, sh
     return result
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: PackedKV, shards: Shards,
-            sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: PackedKV, shards: Shards, sink: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     calls = shards.gathered_calls(q.device)
     if len(calls) == 1 and sink is None and isinstance(calls[0].rows, slice) and calls[0].rows == slice(None):
         o, lse = calls[0].forward(q, k, v)  # every row in one call: its result is the answer
