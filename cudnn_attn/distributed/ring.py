@@ -11,7 +11,8 @@ Backward, W steps over the same ring, with the forward's global output and LSE: 
 add up in a float32 buffer that travels with the K/V: at step i it is received from rank r-1
 (which added its share at step i-1), gets rank r's share and moves on, so after W steps it has
 visited every rank and lands on its owner. Its transfer overlaps the next step's attention.
-Kept in float32 while travelling (twice the bytes of bf16, no rounding per hop); cast at the end.
+Kept in float32 while travelling (twice the bytes of bf16, no rounding per hop); the last hop,
+home, carries the finished sums in K/V's dtype: nothing hides it, and the caller rounds them so.
 
 Every buffer the transfers use is allocated before the first of them, two of each kind taking
 turns (the caller's K/V is never received into: the backward reads it again), and agreed across
@@ -86,10 +87,11 @@ def backward(
     ring: Ring,
     shards: Shards,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dq float32 like q, d_kv float32 flat, packed as ``packing``)`` of this rank's shard."""
+    """``(dq float32 like q, d_kv flat, packed as ``packing``)`` of this rank's shard: d_kv in
+    K/V's dtype when it came home over the ring, float32 on one rank."""
     m = ring.members
     failure = None
-    d_q = d_kv = stats_of = None
+    d_q = d_kv = stats_of = home = None
     spares: list[torch.Tensor] = []
     grad_buffers: list[torch.Tensor] = []
     try:
@@ -97,6 +99,7 @@ def backward(
         spares = [torch.empty_like(kv) for _ in range(min(2, ring.world - 1))]
         # dK/dV travel: the buffer of this step's block, and the one the next block's arrives in.
         grad_buffers = [torch.empty(packing.numel, dtype=torch.float32, device=q.device) for _ in range(2)]
+        home = torch.empty_like(kv) if ring.world > 1 else None  # the last hop's, in K/V's dtype
         stats_of = shards.row_stats(lse)
     except Exception as error:
         failure = error
@@ -124,9 +127,15 @@ def backward(
                     call.add_grads(d_q, d_k, d_v, grad)
             except Exception as error:
                 failure = error
-        if ring.world > 1:  # one more hop after the last step: home
+        if step + 1 < ring.world:
             free = grad_buffers[1] if d_kv is grad_buffers[0] else grad_buffers[0]
             pending_grad = ring.shift(d_kv, GRAD_TAG, into=free)
+        elif home is not None:  # one more hop after the last step, home: the sums are complete
+            # Sent in K/V's dtype (half the bytes, the one hop no attention hides), rounded as
+            # the caller would round them. The cast lands in this step's K/V (a received
+            # spare, never the caller's), after this step's kernels have read it.
+            kv.copy_(d_kv)
+            pending_grad = ring.shift(kv, GRAD_TAG, into=home)
         if pending_kv is not None:
             kv = pending_kv.wait()
     if pending_grad is not None:

@@ -16,12 +16,15 @@ from __future__ import annotations
 import torch
 
 from ..core.sink_fold import add_sink
+from ..kernels.row_merge import as_rows, merge_rows
 
 
 class RunningOutput:
     """The float32 output and LSE of query rows, merged block by block. ``rows_shape``: the
     output's shape less its head dim (``[B, H, S]`` dense, ``[T, H]`` packed); ``seq_dim``: the
     dimension blocks select rows along, by a slice (a view) or an int64 index (packed rows).
+    Each merge is one pass over the block's rows (``kernels.row_merge``); the first block that
+    covers every row is written without a fill.
 
     Example::
 
@@ -32,34 +35,32 @@ class RunningOutput:
     """
 
     def __init__(self, rows_shape: tuple[int, ...] | torch.Size, d_v: int, device: torch.device, seq_dim: int = 2):
-        self.out = torch.zeros(*rows_shape, d_v, dtype=torch.float32, device=device)
-        self.lse = torch.full((*rows_shape, 1), float("-inf"), dtype=torch.float32, device=device)
+        self.out = torch.empty(*rows_shape, d_v, dtype=torch.float32, device=device)
+        self.lse = torch.empty((*rows_shape, 1), dtype=torch.float32, device=device)
         self.seq_dim = seq_dim
         self._empty = True
 
     def add(self, rows: slice | torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
-        if self._empty and isinstance(rows, slice) and rows == slice(None):  # the first block: nothing to rescale
-            self.out.copy_(o)
-            self.lse.copy_(lse)
-            self._empty = False
-            return
+        every = isinstance(rows, slice) and rows == slice(None)
+        if self._empty and not every:  # rows no block reaches yet: O = 0, L = -inf
+            self.out.zero_()
+            self.lse.fill_(float("-inf"))
+        at = rows if isinstance(rows, torch.Tensor) else rows.indices(self.out.shape[self.seq_dim])[0]
+        out, lse_rows = self._rows(self.out), self._rows(self.lse)[..., 0]
+        merge_rows(out, lse_rows, self._rows(o), self._rows(lse)[..., 0], at, first=self._empty)
         self._empty = False
-        if isinstance(rows, torch.Tensor):
-            out, old = self.out.index_select(self.seq_dim, rows), self.lse.index_select(self.seq_dim, rows)
-        else:
-            at = (slice(None),) * self.seq_dim + (rows,)
-            out, old = self.out[at], self.lse[at]
-        new = torch.logaddexp(old, lse)
-        base = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
-        out.mul_(torch.exp(old - base)).add_(o * torch.exp(lse - base))
-        old.copy_(new)
-        if isinstance(rows, torch.Tensor):  # merged in a copy: written back
-            self.out.index_copy_(self.seq_dim, rows, out)
-            self.lse.index_copy_(self.seq_dim, rows, old)
+
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as ``[B, H, S, ·]``: packed ``[T, H, ·]`` is ``[1, H, T, ·]``."""
+        return t if self.seq_dim == 2 else as_rows(t)
 
     def result(self, dtype: torch.dtype, sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out in dtype, lse in float32)``, both contiguous; ``sink`` (float32, broadcasting
         to the LSE) is one more term of every row's denominator, weighing no value."""
+        if self._empty:  # no block at all
+            self.out.zero_()
+            self.lse.fill_(float("-inf"))
+            self._empty = False
         if sink is not None:
             add_sink(self.out, self.lse, sink)
         return self.out.to(dtype), self.lse

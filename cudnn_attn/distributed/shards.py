@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..kernels.row_merge import add_rows, as_rows
 from . import blocks, documents, packed_schedule, schedule
 from . import layout as layouts
 from .documents import Documents
@@ -172,11 +173,14 @@ class PackedCall:
 
     def add_grads(self, d_q: torch.Tensor, d_k: torch.Tensor, d_v: torch.Tensor, grads: Grads) -> None:
         c = self.call
-        for target, index, grad in ((d_q, c.rows, grads[0]), (d_k, c.keys, grads[1]), (d_v, c.keys, grads[2])):
-            if index is None:
+        # A call's rows are each in it once: one pass over them. Its keys may repeat (a
+        # document's chunk seen by two of its segments): index_add_ sums the repeats.
+        add_rows(as_rows(d_q), as_rows(grads[0]), 0 if c.rows is None else c.rows)
+        for target, grad in ((d_k, grads[1]), (d_v, grads[2])):
+            if c.keys is None:
                 target.add_(grad)
             else:
-                target.index_add_(0, index, grad.to(target.dtype))
+                target.index_add_(0, c.keys, grad.to(target.dtype))
 
 
 def _take(t: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
