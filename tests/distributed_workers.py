@@ -349,3 +349,26 @@ RUNNERS: dict[type, Any] = {
     Refusal: _refusal,
     Fault: _fault,
 }
+
+
+def absent_rank(rank: int, world: int, init_file: str, timeout_s: float, done: Any, results: Any) -> None:
+    """The last rank joins the group and never calls; the others call ``context_parallel_sdpa``
+    and report how they ended and after how long. The absent rank waits until they have."""
+    os.environ.setdefault("CUDNN_ATTN_CACHE_DIR", "")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+    if rank == world - 1:
+        done.wait(timeout=120)
+        os._exit(0)  # its group is broken by the others' timeout: no orderly teardown
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    start = time.monotonic()
+    try:
+        context_parallel_sdpa(q, k, v, is_causal=True)
+        outcome = {"raised": "nothing", "seconds": time.monotonic() - start}
+    except Exception as error:
+        outcome = {"raised": type(error).__name__, "message": str(error), "seconds": time.monotonic() - start}
+    results.put((rank, outcome))
+    results.close()
+    results.join_thread()  # the outcome is written before the process ends without teardown
+    os._exit(0)

@@ -253,6 +253,33 @@ def test_a_fault_on_one_rank_ends_the_call_on_every_rank(world, case):
             assert "(injected)" in outcome["message"]
 
 
+ABSENT_TIMEOUT_S = 5.0
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_rank_that_never_calls_holds_the_others_only_for_the_group_timeout(size, tmp_path):
+    """What no call can see (a rank alive in the group that never calls) is bounded by the
+    process group's timeout, as docs/training.md says: the calling ranks raise once it passes."""
+    context = mp.get_context("spawn")
+    results, done = context.Queue(), context.Event()
+    ranks = [context.Process(target=workers.absent_rank,
+                             args=(rank, size, str(tmp_path / "init"), ABSENT_TIMEOUT_S, done, results))
+             for rank in range(size)]  # fmt: skip
+    for process in ranks:
+        process.start()
+    try:
+        outcomes = dict(results.get(timeout=90) for _ in range(size - 1))
+    finally:
+        done.set()
+        for process in ranks:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    for rank, outcome in sorted(outcomes.items()):
+        assert outcome["raised"] != "nothing", f"rank {rank} returned with rank {size - 1} absent"
+        assert ABSENT_TIMEOUT_S * 0.8 <= outcome["seconds"] < ABSENT_TIMEOUT_S + 20, f"rank {rank}: {outcome}"
+
+
 def test_refusal_names_the_rank_that_refused_its_arguments(world):
     outcomes = _outcomes(world, "odd-zigzag-shard-on-one-rank")
     assert "shard length 7 is odd" in outcomes[1]["message"]
