@@ -264,6 +264,9 @@ def _fake_sections(monkeypatch) -> dict[str, dict]:
     serving_h100 = committed("serving_h100.json")
     monkeypatch.setattr(serving, "serving_rows", lambda: serving_h100["serving"])
     monkeypatch.setattr(prefill, "prefill_row", lambda: serving_h100["prefill"])
+    # One eager chunked-prefill step's memory on an H200 (docs/benchmarks.md), standing in for it.
+    prefill_memory = {"io_bytes": 1128333312, "peak_extra": 61440, "planner_bytes": 61440, "held_after": 27136}
+    monkeypatch.setattr(prefill, "prefill_memory", lambda: prefill_memory)
     varlen_h200 = committed("varlen_h200.json")
     for name, key in (
         ("mixed_batch", "mixed"),
@@ -299,7 +302,11 @@ def _fake_sections(monkeypatch) -> dict[str, dict]:
             k: targets_h100[k] for k in ("stack", "paged_decode", "naive", "cold_start")
         },
         "--dtype fp8": {**device, **{k: fp8_h100[k] for k in ("fp8", "crossover", "accuracy")}},
-        "--serving": {**device, "serving": serving_h100["serving"], "prefill": serving_h100["prefill"]},
+        "--serving": {
+            **device,
+            "serving": serving_h100["serving"],
+            "prefill": {**serving_h100["prefill"], "memory": prefill_memory},
+        },
         "--varlen": {**device, **{k: varlen_h200[k] for k in ("memory", "mixed", "plans", "llama")}},
         "--models": {**device, "models": models},
         "--mla": {**device, **mla_h100},

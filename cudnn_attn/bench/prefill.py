@@ -7,10 +7,15 @@ compared with the same measure on a dense causal batch of similar work (the rate
 prefill reaches) and with what torch offers for the mixed step: its SDPA on queries padded to
 the longest chunk, K/V gathered contiguously, and a boolean mask. Each column is ``LAYERS``
 layers captured in a CUDA graph, timed in interleaved rounds; each is checked against float32.
+
+``prefill_memory`` runs the same step once eagerly on a fresh ``PagedAttention`` and reads
+torch's allocator: bytes beyond the step's tensors (query, one layer's caches, the output) at
+the peak, what the planner keeps between steps, and what stays once it and the tensors are freed.
 """
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -101,6 +106,34 @@ def prefill_row(seed: int = 0) -> dict[str, Any]:
     return row
 
 
+def prefill_memory(seed: int = 0) -> dict[str, int]:
+    """Memory of one eager chunked-prefill step (plan and run, one layer) on a fresh planner:
+    ``io_bytes`` (q, the layer's two caches, the output), ``peak_extra`` beyond them,
+    ``planner_bytes`` what the planner holds between steps, ``held_after`` once it is freed too."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    t = _mixed_step(seed)
+    q, (k_cache, v_cache) = t["q"], t["caches"][0]
+    del t["caches"][1:]
+    torch.cuda.synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    attn = PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda")
+    attn.plan(t["table"].cuda(), t["kv_lens"].cuda(), q_lens=t["q_lens"])
+    out = attn.run(q, k_cache, v_cache)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    io_bytes = sum(x.numel() * x.element_size() for x in (q, k_cache, v_cache, out))
+    out_bytes = out.numel() * out.element_size()
+    del out
+    torch.cuda.synchronize(device)
+    planner = torch.cuda.memory_allocated(device) - start
+    del attn
+    gc.collect()
+    torch.cuda.synchronize(device)
+    held = torch.cuda.memory_allocated(device) - start
+    return {"io_bytes": io_bytes, "peak_extra": peak - start - out_bytes, "planner_bytes": planner, "held_after": held}
+
+
 def _errors(t: dict[str, Any], ours: torch.Tensor, padded_out: torch.Tensor, starts: torch.Tensor) -> dict[str, float]:
     """Relative error of the last layer's outputs against float32 attention, sequence by sequence."""
     k_cache, v_cache = t["caches"][-1]
@@ -124,4 +157,11 @@ def format_prefill(row: dict[str, Any]) -> str:
         err = f", rel err {c['rel_err']:.1e}" if c["rel_err"] is not None else ""
         lines.append(f"    {name:<44}{c['us_per_layer']:>9.1f} us  {c['tflops']:>6.1f} TFLOP/s  "
                      f"(spread {c['spread_pct']:.0f}%{err})")  # fmt: skip
+    memory = row.get("memory")
+    if memory:
+        lines.append(
+            f"    memory of one eager step (plan + run, one layer): peak extra {memory['peak_extra'] / 1e6:.1f} MB "
+            f"over {memory['io_bytes'] / 1e9:.2f} GB of tensors, planner holds "
+            f"{memory['planner_bytes'] / 1e6:.2f} MB, held after {memory['held_after'] / 1e6:.2f} MB"
+        )
     return "\n".join(lines)

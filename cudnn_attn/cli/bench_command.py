@@ -118,7 +118,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
 
         rows = serving.serving_rows()
         print(serving.format_serving(rows))
-        prefill_row = prefill.prefill_row()
+        prefill_row = {**prefill.prefill_row(), "memory": prefill.prefill_memory()}
         print(prefill.format_prefill(prefill_row))
         return {**_device(), "serving": rows, "prefill": prefill_row}
     if args.mla:
