@@ -66,7 +66,7 @@ def sdpa(
     with dropout or with L > S (inside ``cudnn_attn.backend("cudnn")`` such a call raises
     ``UnsupportedError`` instead). Under ``torch.autocast`` the inputs are cast to its dtype first,
     as torch does. Jagged nested tensors (``torch.nested``, ``layout=torch.jagged``,
-    ``[B, H, (S), E]``) are taken too.
+    ``[B, H, (S), E]``) are taken too, with ``sinks``, ``softcap`` and ``window_size`` per sequence.
 
     Equivalent plain torch (``sinks``, ``softcap`` and ``window_size`` aside, torch's own
     reference implementation; the kernels never form the ``[L, S]`` scores):
@@ -159,11 +159,13 @@ def sdpa(
         nested = query.is_nested or key.is_nested or value.is_nested or attn_mask is not None and attn_mask.is_nested
     except AttributeError:
         nested = False  # not tensors: refused below, naming them
-    if nested:
-        return nested_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if nested:  # each sequence gets the dense call's sinks, softcap and window
+        return nested_sdpa(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks, softcap, window_size
+        )
     attn_mask, is_causal = causal_from_mask(attn_mask, is_causal, query, key)
     query, key, value, attn_mask = autocast_inputs(query, key, value, attn_mask)
-    if sinks is not None or softcap is not None or tuple(window_size) != (-1, -1):
+    if sinks is not None or softcap is not None or _windowed(window_size):
         return sdpa_with_score_terms(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks,
                                      softcap, window_size)  # fmt: skip
     if not torch.compiler.is_compiling():
@@ -188,6 +190,14 @@ def sdpa(
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
         raise error.renamed(ARGUMENT_NAMES, context="sdpa") from None
     return out.squeeze(0) if squeeze else out
+
+
+def _windowed(window_size: object) -> bool:
+    """Whether ``window_size`` asks for a band: anything but ``(-1, -1)`` or None (a malformed
+    value is refused by name on the score-terms path)."""
+    if window_size is None:
+        return False
+    return not isinstance(window_size, (tuple, list)) or tuple(window_size) != (-1, -1)
 
 
 def _clear_graphs() -> None:

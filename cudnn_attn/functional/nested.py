@@ -13,6 +13,9 @@ aligned top-left per sequence (torch's SDPA refuses causal nested inputs)::
     # == for each i: F.scaled_dot_product_attention(q[i], k[i], v[i], is_causal=True)
 
 k and v may have lengths of their own (cross-attention); they must share one ragged structure.
+``sinks``, ``softcap`` and ``window_size`` act per sequence exactly as in the dense call (the window
+measured from each sequence's top-left diagonal); what the packed door cannot take (a right
+bound > 0, dropout beside sinks or softcap) is refused by name.
 The longest length comes from torch's cache on the nested tensor where it has one; otherwise it
 is computed once (a host sync on a GPU) and cached there for the tensors derived from it.
 """
@@ -23,9 +26,10 @@ from typing import Any
 
 import torch
 
+from ..core.mask import Causal, window_band
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
 from ..varlen import varlen_attention
-from .arguments import ARGUMENT_NAMES, check_arguments, materialised
+from .arguments import ARGUMENT_NAMES, causal_kind, check_arguments, materialised
 
 # How the varlen door's errors name sdpa's arguments: each sequence tensor speaks for its lengths.
 _NAMES = {**ARGUMENT_NAMES, "cu_seqlens_q": "query", "cu_seqlens_k": "key", "max_seqlen_q": "query",
@@ -41,23 +45,67 @@ def nested_sdpa(
     is_causal: Any,
     scale: Any,
     enable_gqa: Any,
+    sinks: Any = None,
+    softcap: Any = None,
+    window_size: Any = (-1, -1),
 ) -> torch.Tensor:
     """``cudnn_attn.sdpa`` where one of query/key/value/attn_mask is nested: checked, then run on
     the packed tokens; returns a jagged ``[B, H, (S_q), D_v]`` with q's lengths."""
     q, k, v = _checked(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    causal, window_left = _band(window_size, is_causal)
     try:
         out = varlen_attention(
-            _packed(q), _packed(k), _packed(v), q.offsets(), k.offsets(), _max_seqlen(q), _max_seqlen(k),
-            causal="top_left" if is_causal else None, scale=scale, dropout_p=float(dropout_p),
-            enable_gqa=bool(enable_gqa), context="sdpa",
-        )  # fmt: skip
+            _packed(q),
+            _packed(k),
+            _packed(v),
+            q.offsets(),
+            k.offsets(),
+            _max_seqlen(q),
+            _max_seqlen(k),
+            causal=None if causal is Causal.NONE else causal.value,
+            window_left=window_left,
+            scale=scale,
+            dropout_p=float(dropout_p),
+            enable_gqa=bool(enable_gqa),
+            sinks=sinks,
+            softcap=softcap,
+            context="sdpa",
+        )
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
         raise error.renamed(_NAMES, context="sdpa") from None
-    nested = torch.nested.nested_tensor_from_jagged(
-        out, q.offsets(), max_seqlen=getattr(q, "_maybe_max_seqlen", None),
-        min_seqlen=getattr(q, "_maybe_min_seqlen", None),
-    )  # fmt: skip
+    nested = _jagged(out, q.offsets(), getattr(q, "_maybe_max_seqlen", None), getattr(q, "_maybe_min_seqlen", None))
     return nested.transpose(1, 2)
+
+
+def _jagged(values: torch.Tensor, offsets: torch.Tensor, max_seqlen: Any, min_seqlen: Any) -> Any:
+    """``values`` as a ``[B, (S), H, D]`` jagged view with ``offsets``. torch's public
+    ``nested_tensor_from_jagged`` logs an fx-tracing warning on its first call; its body does not."""
+    try:
+        from torch.nested._internal.nested_tensor import nested_view_from_values_offsets_lengths
+    except ImportError:  # a torch without it: the public door
+        return torch.nested.nested_tensor_from_jagged(values, offsets, max_seqlen=max_seqlen, min_seqlen=min_seqlen)
+    return nested_view_from_values_offsets_lengths(values, offsets, None, min_seqlen=min_seqlen, max_seqlen=max_seqlen)
+
+
+def _band(window_size: Any, is_causal: Any) -> tuple[Causal, int | None]:
+    """The dense call's causal mask and ``window_size`` as the packed door's ``(causal,
+    window_left)``: both top-left per sequence, as the dense call measures them."""
+    if window_size is None:
+        window_size = (-1, -1)
+    try:
+        causal, window, right = window_band(window_size, causal_kind(is_causal))
+    except ValueError as error:
+        raise ValidationError([str(error)], context="sdpa") from None
+    if right is not None:
+        raise UnsupportedError(
+            [
+                f"window_size: right bound {right} with nested tensors; the packed (varlen) path takes a right bound "
+                "of 0 (causal) or -1 (none)"
+            ],
+            context="sdpa",
+            alternatives=["dense [B, H, S, D] tensors (padded, with attn_mask) take any right bound"],
+        )
+    return causal, None if window is None else window - 1
 
 
 def _checked(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> tuple[Any, Any, Any]:

@@ -11,6 +11,11 @@ its own beside a modifier). ``window_size`` is FlashAttention's ``(left, right)`
 and the backward problem (with ``dSink_token``), each prepared once per geometry
 (``runtime.prepare``), through one autograd function. Dropout draws a fresh seed per call from
 torch's default generator, as ``sdpa``'s does; the backward reuses the forward's mask.
+
+Under ``torch.compile`` the same runs sit behind two custom ops (``cudnn_attn::sdpa_terms_forward``
+/ ``sdpa_terms_backward``): dynamo cannot trace the prepared-run lookup (it reads the backend
+block's context variable), so, as plain ``sdpa`` (``compiled.py``), the call is one opaque op and
+``fullgraph=True`` works.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 
 from ..core.constructors import backward_problem, forward_problem
 from ..core.mask import Causal, ScoreOptions, window_band
-from ..core.problem import TensorSpec
+from ..core.problem import TensorSpec, strides_like
 from ..core.score_inputs import check_sinks, sink_token
 from ..core.softcap import softcap_modifier
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
@@ -44,8 +49,9 @@ def sdpa_with_score_terms(query, key, value, attn_mask, dropout_p, is_causal, sc
     except ValueError as error:
         raise ValidationError([str(error)], context="sdpa") from None
     query, key, value, bias, scale, squeeze = batched(query, key, value, attn_mask, scale)
+    run = compiled_score_terms_sdpa if torch.compiler.is_compiling() else score_terms_sdpa
     try:
-        out = score_terms_sdpa(query, key, value, bias, scale, causal, float(dropout_p), sinks, softcap, window, right)
+        out = run(query, key, value, bias, scale, causal, float(dropout_p), sinks, softcap, window, right)
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
         raise error.renamed(ARGUMENT_NAMES, context="sdpa") from None
     return out.squeeze(0) if squeeze else out
@@ -120,39 +126,210 @@ def _backward_run(ctx, q, k, v, bias, sink, out, d_out, stats, rng) -> PreparedR
     return run
 
 
+def _forward(q, k, v, bias, sink, options: ScoreOptions, modifier, rng) -> tuple[torch.Tensor, torch.Tensor]:
+    """O and stats of one call (``sink``: the ``[1, H, 1, 1]`` float32 logits, or None)."""
+    run = _forward_run(q, k, v, bias, sink, options, modifier, rng)
+    inputs = {"q": q, "k": k, "v": v, **({"bias": bias} if bias is not None else {})}
+    if sink is not None:
+        inputs["sink_token"] = sink
+    if rng is not None:
+        inputs["dropout_seed"], inputs["dropout_offset"] = rng
+    outputs = run.run(inputs)
+    return outputs["o"], outputs["stats"]
+
+
+def _backward(ctx, q, k, v, bias, sink, out, d_out, stats, rng) -> dict[str, torch.Tensor]:
+    """dQ, dK, dV (and dBias, dSink where asked) of one call; ``ctx`` holds the options, the
+    modifier and which inputs need gradients."""
+    d_out = in_layout_of(d_out, out)
+    run = _backward_run(ctx, q, k, v, bias, sink, out, d_out, stats, rng)
+    inputs = {"q": q, "k": k, "v": v, "o": out, "grad_o": d_out, "stats": stats}
+    if rng is not None:
+        inputs["dropout_seed"], inputs["dropout_offset"] = rng
+    if bias is not None:
+        inputs["bias"] = bias
+    if sink is not None:
+        inputs["sink_token"] = sink
+    return run.run(inputs)
+
+
 @backend_choice.kept_for_backward
 class _ScoreTermsAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, sinks, options: ScoreOptions, modifier, rng):  # type: ignore[override]
         sink = sink_token(sinks)
-        run = _forward_run(q, k, v, bias, sink, options, modifier, rng)
-        inputs = {"q": q, "k": k, "v": v, **({"bias": bias} if bias is not None else {})}
-        if sink is not None:
-            inputs["sink_token"] = sink
-        if rng is not None:
-            inputs["dropout_seed"], inputs["dropout_offset"] = rng
+        out, stats = _forward(q, k, v, bias, sink, options, modifier, rng)
         ctx.rng = rng
-        outputs = run.run(inputs)
-        ctx.save_for_backward(q, k, v, bias, sink, outputs["o"], outputs["stats"])
+        ctx.save_for_backward(q, k, v, bias, sink, out, stats)
         ctx.options, ctx.modifier = options, modifier
         ctx.sink_meta = None if sinks is None else (sinks.shape, sinks.dtype)
-        return outputs["o"]
+        return out
 
     @staticmethod
     def backward(ctx, d_out):  # type: ignore[override]
         q, k, v, bias, sink, out, stats = ctx.saved_tensors
-        d_out = in_layout_of(d_out, out)
-        run = _backward_run(ctx, q, k, v, bias, sink, out, d_out, stats, ctx.rng)
-        inputs = {"q": q, "k": k, "v": v, "o": out, "grad_o": d_out, "stats": stats}
-        if ctx.rng is not None:
-            inputs["dropout_seed"], inputs["dropout_offset"] = ctx.rng
-        if bias is not None:
-            inputs["bias"] = bias
-        if sink is not None:
-            inputs["sink_token"] = sink
-        grads = run.run(inputs)
+        grads = _backward(ctx, q, k, v, bias, sink, out, d_out, stats, ctx.rng)
         d_sink = None
         if ctx.sink_meta is not None:
             shape, dtype = ctx.sink_meta
             d_sink = grads["grad_sink"].reshape(shape).to(dtype)
         return grads["grad_q"], grads["grad_k"], grads["grad_v"], grads.get("grad_bias"), d_sink, None, None, None
+
+
+def compiled_score_terms_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    causal: Causal,
+    dropout_p: float,
+    sinks: Any,
+    softcap: Any = None,
+    window: int | None = None,
+    right_bound: int | None = None,
+) -> torch.Tensor:
+    """``score_terms_sdpa`` as ``torch.compile`` sees it: the checks traced, the run one custom op.
+    The sinks reach the op as float32 ``[1, H, 1, 1]`` through differentiable views, so their
+    gradient flows back to the caller's shape and dtype."""
+    if sinks is not None:
+        check_sinks(sinks, q.shape[1], q.device)
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))):
+        softcap_modifier(softcap, ScoreOptions(), 1, 1)  # raises its ValidationError; a number is checked in the op
+    sink = None if sinks is None else sinks.reshape(1, -1, 1, 1).to(torch.float32).contiguous()
+    seed = offset = None
+    if dropout_p:
+        seed, offset = torch.randint(0, 2**62, (1,), dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    cap = None if softcap is None else float(softcap)
+    out, _ = sdpa_terms_forward(
+        q, k, v, bias, sink, scale, causal.value, dropout_p, window, right_bound, cap, seed, offset
+    )
+    return out
+
+
+def _op_options(q, k, scale, causal, dropout_p, window, right_bound, softcap) -> tuple[ScoreOptions, Any]:
+    """The custom ops' scalars as the run's options and score modifier."""
+    options = ScoreOptions(
+        attn_scale=scale, causal=Causal(causal), sliding_window=window, right_bound=right_bound, dropout_p=dropout_p
+    )
+    if softcap is None:
+        return options, None
+    modifier, options = softcap_modifier(softcap, options, q.shape[2], k.shape[2])
+    return options, modifier
+
+
+def _op_rng(seed, offset) -> tuple | None:
+    return None if seed is None else (seed, offset)
+
+
+@torch.library.custom_op("cudnn_attn::sdpa_terms_forward", mutates_args=())
+def sdpa_terms_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    sink: torch.Tensor | None,
+    scale: float,
+    causal: str,
+    dropout_p: float,
+    window: int | None,
+    right_bound: int | None,
+    softcap: float | None,
+    seed: torch.Tensor | None,
+    offset: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    options, modifier = _op_options(q, k, scale, causal, dropout_p, window, right_bound, softcap)
+    return _forward(q, k, v, bias, sink, options, modifier, _op_rng(seed, offset))
+
+
+@sdpa_terms_forward.register_fake
+def _(q, k, v, bias, sink, scale, causal, dropout_p, window, right_bound, softcap, seed, offset):
+    shape = (*q.shape[:-1], v.shape[-1])
+    out = q.new_empty_strided(shape, strides_like(shape, q.stride()))
+    return out, q.new_empty((*q.shape[:-1], 1), dtype=torch.float32)
+
+
+@torch.library.custom_op("cudnn_attn::sdpa_terms_backward", mutates_args=())
+def sdpa_terms_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    sink: torch.Tensor | None,
+    out: torch.Tensor,
+    d_out: torch.Tensor,
+    stats: torch.Tensor,
+    scale: float,
+    causal: str,
+    dropout_p: float,
+    window: int | None,
+    right_bound: int | None,
+    softcap: float | None,
+    seed: torch.Tensor | None,
+    offset: torch.Tensor | None,
+    bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    options, modifier = _op_options(q, k, scale, causal, dropout_p, window, right_bound, softcap)
+    ctx = _OpContext(options, modifier, bias_grad)
+    grads = _backward(ctx, q, k, v, bias, sink, out, d_out, stats, _op_rng(seed, offset))
+    d_bias = grads["grad_bias"] if bias_grad else q.new_empty(0)
+    d_sink = grads["grad_sink"].reshape(sink.shape).to(torch.float32) if sink is not None else q.new_empty(0)
+    return grads["grad_q"], grads["grad_k"], grads["grad_v"], d_bias, d_sink
+
+
+@sdpa_terms_backward.register_fake
+def _(
+    q,
+    k,
+    v,
+    bias,
+    sink,
+    out,
+    d_out,
+    stats,
+    scale,
+    causal,
+    dropout_p,
+    window,
+    right_bound,
+    softcap,
+    seed,
+    offset,
+    bias_grad,
+):
+    grads = [t.new_empty_strided(t.shape, strides_like(tuple(t.shape), t.stride())) for t in (q, k, v)]
+    d_bias = (
+        bias.new_empty_strided(bias.shape, strides_like(tuple(bias.shape), bias.stride()))
+        if bias_grad
+        else q.new_empty(0)
+    )
+    d_sink = sink.new_empty(sink.shape) if sink is not None else q.new_empty(0)
+    return (*grads, d_bias, d_sink)
+
+
+class _OpContext:
+    """What ``_backward_run`` reads from an autograd context, for the custom backward op."""
+
+    def __init__(self, options: ScoreOptions, modifier: Any, bias_grad: bool):
+        self.options, self.modifier = options, modifier
+        self.needs_input_grad = (True, True, True, bias_grad)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, bias, sink, scale, causal, dropout_p, window, right_bound, softcap, seed, offset = inputs
+    out, stats = output
+    ctx.save_for_backward(q, k, v, bias, sink, out, stats, seed, offset)
+    ctx.scalars = (scale, causal, dropout_p, window, right_bound, softcap)
+
+
+def _backward_op(ctx, d_out, _d_stats):
+    q, k, v, bias, sink, out, stats, seed, offset = ctx.saved_tensors
+    bias_grad = bias is not None and ctx.needs_input_grad[3]
+    d_q, d_k, d_v, d_bias, d_sink = sdpa_terms_backward(
+        q, k, v, bias, sink, out, d_out, stats, *ctx.scalars, seed, offset, bias_grad
+    )
+    d_sink = d_sink if sink is not None and ctx.needs_input_grad[4] else None
+    return d_q, d_k, d_v, (d_bias if bias_grad else None), d_sink, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("cudnn_attn::sdpa_terms_forward", _backward_op, setup_context=_setup_context)
