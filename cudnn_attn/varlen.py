@@ -15,7 +15,9 @@ No padding is computed: cuDNN's ragged (THD) attention skips it, which is where 
 batch gains over padded attention. ``is_causal`` aligns the causal mask top-left per sequence
 (query i sees keys 0..i of its own sequence); FlashAttention's ``causal`` aligns it bottom-right
 (query i of L sees keys 0..i + S - L), the same mask wherever L = S. ``window_size=(left, right)``
-keeps keys ``i - left .. i + right`` (-1: no bound), measured from the causal mask's diagonal.
+keeps keys ``i + S - L - left .. i + S - L + right`` (-1: no bound), measured from the bottom-right
+diagonal as FlashAttention's, causal or not; beside torch's ``is_causal`` it measures from the
+top-left diagonal (keys ``i - left .. i``).
 
 Plans: a ragged plan depends on the number of sequences and on the longest length, not on
 the packing. Both are rounded up to buckets (powers of two; missing sequences are empty), so a
@@ -98,9 +100,11 @@ def varlen_sdpa(
             a sequence with ``L`` queries and ``S`` keys sees keys ``0 .. i + S - L``).
         is_causal: torch's causal mask, aligned top-left (keys ``0 .. i``). The two are the same
             wherever a sequence has as many queries as keys; give one of them.
-        window_size: ``(left, right)``, keys ``i - left .. i + right`` around the causal mask's
-            diagonal (-1: no bound; a right bound of 0 is causal; other right bounds are
-            ``UnsupportedError``, cuDNN's band has none).
+        window_size: ``(left, right)``: query ``i`` of a sequence with ``L`` queries and ``S``
+            keys keeps keys ``i + S - L - left .. i + S - L + right``, FlashAttention's
+            bottom-right band, whether or not ``causal`` is given (-1: no bound on that side; a
+            right bound of 0 is causal, and ``causal=True`` sets it to 0). Beside ``is_causal``
+            the band is measured from the top-left diagonal (``i - left .. i``).
         softcap: logit soft-capping, scores ``cap * tanh(s / cap)`` (Gemma-2's); None or 0.0: off.
             On cuDNN 9.19 with causal self-attention only (``cu_seqlens_q is cu_seqlens_k``): it
             applies no sequence-length mask beside a score modifier, so other calls are refused.
@@ -148,7 +152,8 @@ def varlen_sdpa(
         same_lengths=varlen_keywords.same_lengths(cu_seqlens_q, cu_seqlens_k),
     )  # fmt: skip
     result = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=call.causal,
-                              window_left=call.window_left, scale=call.scale, dropout_p=dropout_p,
+                              window_left=call.window_left, window_right=call.window_right,
+                              window_bottom_right=call.window_bottom_right, scale=call.scale, dropout_p=dropout_p,
                               enable_gqa=True, sinks=sinks, softcap=call.softcap, deterministic=call.deterministic,
                               return_lse=call.returns > 1, context="varlen_sdpa")  # fmt: skip
     if call.returns == 3:
@@ -167,6 +172,8 @@ def varlen_attention(
     *,
     causal: str | None = None,
     window_left: int | None = None,
+    window_right: int | None = None,
+    window_bottom_right: bool = False,
     scale: float | None = None,
     dropout_p: float = 0.0,
     enable_gqa: bool = False,
@@ -179,10 +186,14 @@ def varlen_attention(
     """The varlen door the other doors share (nested tensors, transformers): ``causal`` is
     None, ``"top_left"`` or ``"bottom_right"`` (each sequence's last query row sees its last
     key, as decoding with a cache needs); ``window_left``: keys more than this many positions
-    left of the diagonal are masked; ``deterministic``: cuDNN's deterministic backward. Returns
+    left of the diagonal are masked; ``window_right`` (without ``causal``): keys more than this
+    many positions right of it are masked; ``window_bottom_right`` (without ``causal``): the
+    diagonal is each sequence's bottom-right one (FlashAttention's), else its top-left one;
+    ``deterministic``: cuDNN's deterministic backward. Returns
     ``out``, or ``(out, lse)`` with ``return_lse`` (``varlen_sdpa`` says what each holds)."""
-    _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, dropout_p,
-           enable_gqa, context)  # fmt: skip
+    _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right,
+           dropout_p, enable_gqa, context)  # fmt: skip
+    bounded = window_left is not None or window_right is not None
     batch = cu_seqlens_q.shape[0] - 1
     slots = bucket(batch, 1)
     # Derived once per content of each cu_seqlens (every layer of a step passes the same ones).
@@ -194,6 +205,8 @@ def varlen_attention(
             sliding_window=None if window_left is None else window_left + 1,
             padding=True,  # packed sequences are read through their lengths
             dropout_p=float(dropout_p),
+            right_bound=window_right,
+            bottom_right=bool(window_bottom_right) and causal is None and bounded,
         ),
         bucket(max_seqlen_q, SMALLEST_BUCKET),
         bucket(max_seqlen_k, SMALLEST_BUCKET),
@@ -209,15 +222,19 @@ def varlen_attention(
     if softcap is not None:
         if dropout_p:
             raise UnsupportedError(["dropout_p with softcap: not supported yet"], context=context)
-        if causal == "bottom_right":  # its diagonal sits per sequence: no one modifier holds it
-            raise UnsupportedError(["softcap with a bottom-right causal mask in a packed batch: not supported yet"],
-                                   context=context)  # fmt: skip
+        if options.scores.aligned_bottom_right:  # its diagonal sits per sequence: no one modifier holds it
+            reason = (
+                "softcap with a bottom-right causal mask or window in a packed batch (other query than key lengths)"
+            )
+            raise UnsupportedError([f"{reason}: not supported yet"], context=context)
         try:
             same = varlen_keywords.same_lengths(cu_seqlens_q, cu_seqlens_k)
             options.modifier, options.scores = softcap_modifier(softcap, options.scores, options.max_q, options.max_k,
                                                                 same)  # fmt: skip
         except ValidationError as error:
             raise ValidationError(error.problems, context=context) from None
+        except UnsupportedError as error:
+            raise UnsupportedError(error.problems, context=context) from None
     try:
         return _Varlen.apply(q, k, v, lengths_q, lengths_k, options, sinks, cu_seqlens_q)
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
@@ -346,7 +363,9 @@ def bucket(n: int, smallest: int = SMALLEST_BUCKET) -> int:
     return max(smallest, 1 << (max(n, 1) - 1).bit_length())
 
 
-def _check(q, k, v, cu_q, cu_k, max_q, max_k, causal, window_left, dropout_p, enable_gqa, context: str) -> None:
+def _check(
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, window_left, window_right, dropout_p, enable_gqa, context: str
+) -> None:
     """What the graph cannot see (cu_seqlens' form and, on the CPU, values), one line each."""
     problems: list[str] = []
     tensors = {"q": q, "k": k, "v": v}
@@ -359,12 +378,18 @@ def _check(q, k, v, cu_q, cu_k, max_q, max_k, causal, window_left, dropout_p, en
             problems.append(f"{name}: no tokens; a packed batch needs at least one")
     if problems:
         raise ValidationError(problems, context=context)
+    if v.shape[0] != k.shape[0]:  # every call: a warm plan reads T_kv from k alone
+        problems.append(f"v: {v.shape[0]} tokens differ from k's {k.shape[0]}; packed k and v must share T_kv")
     if q.shape[1] != k.shape[1] and not enable_gqa:
         problems.append(f"k: {k.shape[1]} heads, q has {q.shape[1]}; pass enable_gqa=True for grouped-query attention")
     if causal not in CAUSAL:
         problems.append(f"causal: {causal!r}; allowed None, 'top_left', 'bottom_right'")
     if window_left is not None and (not isinstance(window_left, int) or window_left < 0):
         problems.append(f"window_size: left bound {window_left!r}; must be an int >= 0")
+    if window_right is not None and (not isinstance(window_right, int) or window_right < 1 or causal is not None):
+        problems.append(
+            f"window_size: right bound {window_right!r}; must be an int >= 1, without a causal mask (a right bound of 0)"
+        )
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0 <= dropout_p < 1:
         problems.append(f"dropout_p: {dropout_p!r}; must be a float in [0, 1)")
     for name, value in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):

@@ -228,7 +228,6 @@ def test_agreeing_spellings_are_accepted():
 UNSUPPORTED = {
     "alibi_slopes": (dict(alibi_slopes=torch.ones(4)), "alibi_slopes: cuDNN's ALiBi takes no slopes tensor"),
     "block_table": (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), "block_table: paged K/V caches"),
-    "window-right": (dict(window_size=(-1, 3)), "window_size: right bound 3"),
 }
 
 

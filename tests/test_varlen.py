@@ -9,7 +9,7 @@ import torch
 from conftest import randn, rel_err
 
 import cudnn_attn
-from cudnn_attn.errors import UnsupportedError, ValidationError
+from cudnn_attn.errors import ValidationError
 from cudnn_attn.varlen import varlen_attention
 
 
@@ -147,8 +147,8 @@ def test_other_bad_arguments_are_named():
         cudnn_attn.varlen_sdpa(q[None], k, v, cu_q, cu_k, 8, 8, enable_gqa=True)
     with pytest.raises(ValidationError, match="window_size"):
         cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 8, enable_gqa=True, window_size=(-2, 0))
-    with pytest.raises(UnsupportedError, match="window_size: right bound 3"):
-        cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 8, enable_gqa=True, window_size=(4, 3))
+    with pytest.raises(ValidationError, match="window_size"):  # right bounds run (FlashAttention's band)
+        cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 8, enable_gqa=True, window_size=(4, 3.0))
 
 
 def test_random_packings_build_a_bounded_number_of_plans():

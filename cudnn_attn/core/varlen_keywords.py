@@ -8,6 +8,9 @@ FlashAttention        torch / this library  meaning here
 ``causal``            ``is_causal``       causal mask; FlashAttention's is aligned bottom-right
                                           per sequence, torch's top-left (the same mask
                                           wherever a sequence has as many queries as keys)
+``window_size``       ``window_size``     FlashAttention's band, measured from the bottom-right
+                                          diagonal whether or not the call is causal (from
+                                          the top-left one beside torch's ``is_causal``)
 ``softmax_scale``     ``scale``           the scores' scale; None: ``1 / sqrt(D)``
 ``softcap=0.0``       ``softcap=None``    no soft-capping (FlashAttention's 0.0 means off)
 ``return_attn_probs``  ``return_lse``     also return the log-sum-exp ``[H, T_q]`` float32
@@ -36,11 +39,15 @@ class VarlenCall:
     """A ``varlen_sdpa`` call's options with every alias resolved.
 
     ``causal``: None, ``"top_left"`` or ``"bottom_right"``; ``window_left``: the left bound of a
-    sliding window (None: none); ``returns``: 1 (the output), 2 (``(out, lse)``) or 3
+    sliding window (None: none); ``window_right``: a right bound >= 1 without a causal mask
+    (None: none); ``window_bottom_right``: without a causal mask, the bounds measure from each
+    sequence's bottom-right diagonal; ``returns``: 1 (the output), 2 (``(out, lse)``) or 3
     (``(out, lse, None)``, FlashAttention's ``return_attn_probs`` form)."""
 
     causal: str | None
     window_left: int | None
+    window_right: int | None
+    window_bottom_right: bool
     scale: float | None
     softcap: float | None
     deterministic: bool
@@ -89,17 +96,21 @@ def resolve(
         )
     if block_table is not None:
         reasons.append("block_table: paged K/V caches are PagedAttention's (plan once per step, run per layer)")
-    if right not in (-1, 0):
-        reasons.append(f"window_size: right bound {right}; cuDNN's band takes a right bound of 0 (causal) or none (-1)")
     if reasons:
         raise UnsupportedError(reasons, context=CONTEXT)
-    # FlashAttention's keyword brings its alignment, for the mask and the window measured from it.
-    aligned = "bottom_right" if causal is not None and not same_lengths else "top_left"
     masked = flags["causal"] or flags["is_causal"] or right == 0
+    if masked:  # as FlashAttention: causal is a right bound of 0, whatever the window's right bound
+        right = 0
+    # FlashAttention measures the window (and its causal mask) from each sequence's bottom-right
+    # diagonal, causal or not; torch's is_causal is top-left. Where every sequence has as many
+    # queries as keys the two are one mask, and top-left is the one every feature takes.
+    aligned = "top_left" if same_lengths or flags["is_causal"] else "bottom_right"
     returns = 3 if flags["return_attn_probs"] else 2 if flags["return_lse"] else 1
     return VarlenCall(
         causal=aligned if masked else None,
         window_left=None if left < 0 else left,
+        window_right=right if right > 0 else None,
+        window_bottom_right=aligned == "bottom_right" and not masked and (left >= 0 or right > 0),
         scale=softmax_scale if softmax_scale is not None else scale,
         softcap=None if softcap is None or (type(softcap) in (int, float) and softcap == 0) else softcap,
         deterministic=flags["deterministic"],

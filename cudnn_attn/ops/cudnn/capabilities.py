@@ -106,7 +106,7 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
     reasons += _mask_reasons(p)
     if p.is_paged and platform.cudnn < PAGED_MIN_CUDNN:
         reasons.append(f"paged K/V caches need cuDNN >= 9.5 (have {_ver(platform.cudnn)})")
-    if p.options.causal is Causal.BOTTOM_RIGHT and platform.cudnn < BOTTOM_RIGHT_MIN_CUDNN:
+    if p.options.has_band and p.options.aligned_bottom_right and platform.cudnn < BOTTOM_RIGHT_MIN_CUDNN:
         reasons.append(f"bottom-right causal masks need cuDNN >= 9.3 (have {_ver(platform.cudnn)})")
     if (p.options.sliding_window is not None or p.options.right_bound is not None) and (
         platform.cudnn < SLIDING_WINDOW_MIN_CUDNN
@@ -167,12 +167,14 @@ def _mask_reasons(p: AttentionProblem) -> list[str]:
     if p.options.alibi and p.options.causal is not Causal.TOP_LEFT:
         reasons.append(f"use_alibi_mask without top-left causal (given causal={p.options.causal.value}): cuDNN applies "
                        "ALiBi only with diagonal_band_right_bound=0 on the top-left diagonal")  # fmt: skip
-    if p.options.causal is Causal.BOTTOM_RIGHT:
+    # The frontend counts any right bound on the bottom-right diagonal as its bottom-right causal mask.
+    right_bound = p.options.causal is not Causal.NONE or p.options.right_bound is not None
+    if right_bound and p.options.aligned_bottom_right:
         for flag, name in ((p.bias is not None, "attn_bias"), (p.options.alibi, "use_alibi_mask"),
                            (p.has_dropout, "dropout")):  # fmt: skip
             if flag:
-                reasons.append(f"use_causal_mask_bottom_right with {name}: cuDNN's bottom-right causal mask takes no "
-                               "bias, ALiBi or dropout")  # fmt: skip
+                reasons.append(f"use_causal_mask_bottom_right with {name}: cuDNN's bottom-right causal mask (a right "
+                               "bound on the bottom-right diagonal) takes no bias, ALiBi or dropout")  # fmt: skip
     return reasons
 
 
