@@ -69,12 +69,17 @@ def sequence_extent(spec: TensorSpec, rows: int | None = None) -> int:
 
 
 def packed_roles(p: AttentionProblem) -> tuple[str, ...]:
-    """Tensors with offsets whose batch stride does not reach past one sequence (THD code gives
-    the packed tensor's token stride): how far they extend is the memory bound at each run."""
-    return tuple(
-        role for role in p.offset_tensors
-        if not role.startswith("page_table") and getattr(p, role).stride[0] < sequence_extent(getattr(p, role))
-    )  # fmt: skip
+    """Tensors with offsets whose sequences are bounded by their own rows (as many as their
+    lengths say): a sequence may start anywhere its rows end inside the memory bound at each run,
+    past ``B - 1`` batch strides too. Page tables are read whole per sequence (``offset_bounds``)."""
+    return tuple(role for role in p.offset_tensors if not role.startswith("page_table"))
+
+
+def _shaped_otherwise(p: AttentionProblem, role: str) -> bool:
+    """Whether ``role``'s batch stride does not reach past one sequence (THD code gives the
+    packed tensor's token stride): the memory bound at a run may be shaped otherwise."""
+    spec = getattr(p, role)
+    return spec.stride[0] < sequence_extent(spec)
 
 
 def memory_span(tensor: torch.Tensor) -> int:
@@ -107,7 +112,7 @@ def _packed_highs(flat: torch.Tensor, lengths: torch.Tensor | None, span: int, s
 def packed_offset_problems(p: AttentionProblem, inputs: Mapping, outputs: Mapping) -> list[str]:
     """Offsets (on the host) that would place a packed tensor's sequence past the memory bound."""
     found = []
-    for role in packed_roles(p):
+    for role in (role for role in packed_roles(p) if _shaped_otherwise(p, role)):  # the others: offset_value_problems
         offsets, target = inputs.get(offset_role(role)), inputs.get(role, outputs.get(role))
         if not isinstance(offsets, torch.Tensor) or not isinstance(target, torch.Tensor):
             continue
@@ -123,9 +128,9 @@ def packed_offset_problems(p: AttentionProblem, inputs: Mapping, outputs: Mappin
 
 
 def offset_bounds(p: AttentionProblem) -> dict[str, tuple[int, int]]:
-    """Each offset input's largest safe value, as (first B entries, last entry): a sequence that
-    starts at most ``(B - 1) * batch_stride`` into the tensor ends inside it, whatever its length.
-    Packed tensors (``packed_roles``) are bounded at each run instead."""
+    """Each page table's offsets' largest safe value, as (first B entries, last entry): a row that
+    starts at most ``(B - 1) * batch_stride`` into the table ends inside it. Sequence tensors
+    (``packed_roles``) are bounded by their lengths at each run instead."""
     bounds = {}
     packed = packed_roles(p)
     for role in p.offset_tensors:
@@ -145,8 +150,24 @@ def clamp_offsets(offsets: torch.Tensor, high: int, last: int) -> torch.Tensor:
 
 
 def offset_value_problems(p: AttentionProblem, data: Mapping[str, torch.Tensor]) -> list[str]:
-    """Offsets that would place a sequence outside its tensor (values read to the host)."""
+    """Offsets that would place a sequence outside its tensor (values read to the host): a
+    sequence's rows, as many as its length says, must end inside the tensor."""
     found = []
+    for role in (role for role in packed_roles(p) if not _shaped_otherwise(p, role)):
+        name, spec = offset_role(role), getattr(p, role)
+        t, lengths = data.get(name), data.get(sequence_lengths(role))
+        if t is None:
+            continue
+        span = (spec.shape[0] - 1) * spec.stride[0] + sequence_extent(spec)
+        values = t.detach().reshape(-1).to("cpu", torch.int64)
+        rows = None if lengths is None else lengths.detach().to("cpu")
+        highs = _packed_highs(values, rows, span, spec)
+        bad = values[:-1][(values[:-1] < 0) | (values[:-1] > highs)]
+        if bad.numel():
+            found.append(
+                f"{user_name(name)}: offsets {bad[:4].tolist()} out of range; each sequence must start at 0 or more "
+                f"and its rows (as many as {sequence_lengths(role)} says) end inside {user_name(role)} ({span} elements)"
+            )
     for name, (high, _) in offset_bounds(p).items():
         t = data.get(name)
         if t is None:
