@@ -48,7 +48,7 @@ from ..runtime.keyed import KeyedCache
 from ..runtime.prepared import PreparedRun, prepare
 from . import schedule as paged_schedule
 from .fp8_cache import UNIT_SCALES, check_scales, compact_table, dequantised, dequantised_pages, is_fp8
-from .paged_checks import MAX_QUERY_TOKENS, check_plan, check_run
+from .paged_checks import MAX_QUERY_TOKENS, check_plan, check_run, unread_slots_zeroed
 from .schedule import Schedule
 from .step import Step, StepBuffers, StepTables, bucket, canonical_device, geometry
 
@@ -207,6 +207,7 @@ class PagedAttention:
                 named by argument and row.
         """
         device = check_plan(self, page_table, seq_lens_kv, q_lens)
+        page_table = unread_slots_zeroed(page_table, seq_lens_kv, self.page_size)
         batch, pages = page_table.shape
         rows = self.max_batch if self.cuda_graph else batch
         width = self.max_pages_per_seq if self.cuda_graph else pages

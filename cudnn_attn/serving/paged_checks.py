@@ -39,10 +39,13 @@ def check_plan(attn: Any, page_table: Any, seq_lens_kv: Any, q_lens: Any) -> tor
     if attn.device is not None and page_table.device.type != "cpu" and page_table.device != device:
         problems.append(f"page_table: on {page_table.device}; this PagedAttention runs on {device}")
     if not problems and not page_table.is_cuda:
-        if (page_table < 0).any():
-            row, col = (int(i) for i in torch.nonzero(page_table < 0)[0])
-            problems.append(f"page_table: page {int(page_table[row, col])} at [{row}, {col}] is negative")
         limit = pages * attn.page_size
+        negative = page_table < 0
+        if not seq_lens_kv.is_cuda:  # slots past a sequence's pages are never read: padding may be anything
+            negative &= read_slots(seq_lens_kv, pages, attn.page_size)
+        if negative.any():
+            row, col = (int(i) for i in torch.nonzero(negative)[0])
+            problems.append(f"page_table: page {int(page_table[row, col])} at [{row}, {col}] is negative")
         bad = (seq_lens_kv < 0) | (seq_lens_kv > limit)  # 0: an empty slot, whose output is zeros
         if bad.any():
             at = int(torch.nonzero(bad)[0])
@@ -55,6 +58,22 @@ def check_plan(attn: Any, page_table: Any, seq_lens_kv: Any, q_lens: Any) -> tor
     if problems:
         raise ValidationError(problems, context="PagedAttention.plan")
     return device
+
+
+def read_slots(seq_lens_kv: torch.Tensor, pages: int, page_size: int) -> torch.Tensor:
+    """Boolean ``[B, pages]``: the page-table slots each sequence reads (its length's pages)."""
+    needed = (seq_lens_kv.to(torch.int64).clamp(0, pages * page_size) + page_size - 1) // page_size
+    return torch.arange(pages, device=seq_lens_kv.device).view(1, -1) < needed.view(-1, 1)
+
+
+def unread_slots_zeroed(page_table: torch.Tensor, seq_lens_kv: torch.Tensor, page_size: int) -> torch.Tensor:
+    """A host page table with page 0 in the slots no sequence reads: they may hold padding (-1, a
+    page past the cache) as a GPU takes them (clamped there), and the checks then see only the
+    pages read. The caller's table is not written."""
+    if page_table.is_cuda or seq_lens_kv.is_cuda:
+        return page_table
+    read = read_slots(seq_lens_kv, page_table.shape[1], page_size)
+    return torch.where(read, page_table, torch.zeros((), dtype=page_table.dtype))
 
 
 def check_run(attn: Any, q: Any, k_cache: Any, v_cache: Any, out: Any, step: Step) -> None:
