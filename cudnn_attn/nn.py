@@ -15,19 +15,22 @@ Equivalent plain torch::
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
-from .errors import ShapeMismatchError, UnsupportedError, ValidationError
+from .core.dtypes import dtype_name
+from .errors import ShapeMismatchError, UnsupportedError, ValidationError, shown
 from .fp8 import sdpa_fp8
 from .fp8_scaling import Fp8Scaling
 from .functional import sdpa
 
 
 class Attention(nn.Module):
-    """Multi-head (or grouped-query) self-attention on ``[B, S, embed_dim]`` inputs.
+    """Multi-head (or grouped-query) self-attention on ``[B, S, embed_dim]`` (or unbatched
+    ``[S, embed_dim]``) inputs.
 
     One fused QKV projection, attention through ``cudnn_attn.sdpa`` (or ``sdpa_fp8``), and an
     output projection. Q, K and V stay views of the projection's output (BSHD, no copies) all
@@ -45,13 +48,13 @@ class Attention(nn.Module):
     ```
 
     Args:
-        embed_dim: model width; ``num_heads`` must divide it (head dim ``embed_dim // num_heads``,
-            a multiple of 8).
+        embed_dim: model width; ``num_heads`` must divide it (head dim ``embed_dim // num_heads``;
+            cuDNN takes multiples of 8, the reference backend any).
         num_heads: query heads ``H``.
-        num_kv_heads: K/V heads ``H_kv`` (default ``num_heads``); must divide ``num_heads``.
+        num_kv_heads: K/V heads ``H_kv`` (None: ``num_heads``); an int >= 1 dividing ``num_heads``.
         bias: whether the projections have biases.
         causal: apply a causal mask by default (``forward(is_causal=...)`` overrides).
-        dropout: attention dropout probability, applied in training mode only.
+        dropout: attention dropout probability ``0 <= p < 1``, applied in training mode only.
         fp8: attend through FP8 kernels (``cudnn_attn.sdpa_fp8`` with delayed scaling: the
             layer keeps the amax history of its Q, K, V in ``fp8_scaling``; gradients from the
             16-bit inputs); takes no dropout, sinks, window or softcap.
@@ -65,7 +68,9 @@ class Attention(nn.Module):
         dtype: the parameters' dtype (float16 or bfloat16 for cuDNN on a GPU).
 
     Raises:
-        ValidationError: heads that do not divide, or options that do not combine.
+        ValidationError: sizes that are not ints >= 1, heads that do not divide, a dropout outside
+            ``[0, 1)``, a softcap that is not > 0, or options that do not combine; every problem,
+            each naming its argument.
 
     Example:
         ```python
@@ -98,18 +103,9 @@ class Attention(nn.Module):
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
-        num_kv_heads = num_kv_heads or num_heads
-        if embed_dim % num_heads or num_heads % num_kv_heads:
-            raise ValidationError(
-                [
-                    f"num_heads: {num_heads} with embed_dim={embed_dim} and num_kv_heads={num_kv_heads}; "
-                    "num_heads must divide embed_dim and num_kv_heads must divide num_heads"
-                ],
-                context="Attention",
-            )
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.head_dim = embed_dim // num_heads
-        problems = []
+        problems = _construction_problems(embed_dim, num_heads, num_kv_heads, dropout, softcap)
+        if num_kv_heads is None:
+            num_kv_heads = num_heads
         if fp8 and dropout:
             problems.append(f"dropout: {dropout}; FP8 attention (fp8=True) takes no dropout")
         if fp8 and (sinks or window is not None or softcap is not None):
@@ -120,6 +116,8 @@ class Attention(nn.Module):
             problems.append("window: a sliding window needs causal=True (it is a left bound beside the causal mask)")
         if problems:
             raise ValidationError(problems, context="Attention")
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
         self.causal, self.dropout, self.fp8 = causal, dropout, fp8
         self.window, self.softcap = window, softcap
         self.fp8_scaling = Fp8Scaling() if fp8 else None
@@ -134,18 +132,25 @@ class Attention(nn.Module):
         """Self-attention of ``x``.
 
         Args:
-            x: ``[B, S, embed_dim]`` in the parameters' dtype.
+            x: ``[B, S, embed_dim]``, or unbatched ``[S, embed_dim]`` (as ``nn.MultiheadAttention``
+                takes it), in the parameters' dtype and on their device.
             attn_mask: a bool (True takes part) or additive mask broadcastable to
                 ``[B, num_heads, S, S]``; replaces the causal mask.
             is_causal: overrides the layer's ``causal`` for this call.
 
         Returns:
-            ``[B, S, embed_dim]``.
+            ``[B, S, embed_dim]`` (``[S, embed_dim]`` unbatched).
 
         Raises:
-            ValidationError: a malformed input, in the layer's terms.
+            ValidationError: a malformed input (rank, last dimension, dtype, device), in the
+                layer's terms.
             UnsupportedError: a call this GPU or cuDNN cannot run.
         """
+        problems = self._input_problems(x)
+        if problems:
+            raise ValidationError(problems, context="Attention")
+        if x.dim() == 2:  # unbatched [S, E], as torch's nn.MultiheadAttention takes it
+            return self.forward(x.unsqueeze(0), attn_mask, is_causal).squeeze(0)
         b, s, _ = x.shape
         h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x).view(b, s, h + 2 * h_kv, d)
@@ -170,12 +175,55 @@ class Attention(nn.Module):
             raise _in_layer_terms(error) from None
         return self.out(o.transpose(1, 2).reshape(b, s, h * d))
 
+    def _input_problems(self, x: Any) -> list[str]:
+        """What is wrong with ``x`` for this layer (before the projection's own matmul errors)."""
+        weight = self.qkv.weight
+        if not isinstance(x, torch.Tensor):
+            return [f"x: {type(x).__name__}; expected a torch tensor [B, S, {self.embed_dim}] or [S, {self.embed_dim}]"]
+        problems = []
+        if x.dim() not in (2, 3) or x.shape[-1] != self.embed_dim:
+            problems.append(
+                f"x: shape {list(x.shape)}; expected [B, S, {self.embed_dim}] or unbatched [S, {self.embed_dim}] "
+                f"(the last dimension is embed_dim={self.embed_dim})"
+            )
+        if x.dtype != weight.dtype:
+            problems.append(f"x: dtype {dtype_name(x.dtype)}; the layer's parameters are {dtype_name(weight.dtype)}")
+        if x.device != weight.device:
+            problems.append(f"x: on {x.device}; the layer's parameters are on {weight.device}")
+        return problems
+
     def extra_repr(self) -> str:
         extra = ", fp8=True" if self.fp8 else ""
         extra += ", sinks=True" if self.sinks is not None else ""
         extra += f", window={self.window}" if self.window is not None else ""
         extra += f", softcap={self.softcap}" if self.softcap is not None else ""
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, causal={self.causal}{extra}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _construction_problems(embed_dim: Any, num_heads: Any, num_kv_heads: Any, dropout: Any, softcap: Any) -> list[str]:
+    """The sizes and probabilities ``Attention`` is built from, checked by name (every problem)."""
+    problems = []
+    for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if name == "num_kv_heads" and value is None:
+            continue
+        if not _is_int(value) or value < 1:
+            problems.append(f"{name}: {shown(value)}; expected an int >= 1")
+    sizes_ok = not problems
+    if sizes_ok and embed_dim % num_heads:
+        problems.append(f"num_heads: {num_heads} does not divide embed_dim={embed_dim}")
+    if sizes_ok and num_kv_heads is not None and num_heads % num_kv_heads:
+        problems.append(f"num_kv_heads: {num_kv_heads} does not divide num_heads={num_heads}")
+    real = isinstance(dropout, (int, float)) and not isinstance(dropout, bool)
+    if not real or not 0.0 <= dropout < 1.0:
+        problems.append(f"dropout: {shown(dropout)}; expected a probability 0 <= p < 1")
+    real = isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
+    if softcap is not None and (not real or not math.isfinite(softcap) or softcap <= 0):
+        problems.append(f"softcap: {shown(softcap)}; expected a finite number > 0 or None")
+    return problems
 
 
 # sdpa's arguments as the layer's user knows them: q, k and v are projections of x.

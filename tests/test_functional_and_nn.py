@@ -69,7 +69,8 @@ def test_sdpa_matches_torch_forward_and_backward(kw):
 def test_sdpa_without_grad_generates_no_stats_and_caches_graphs():
     q = randn(1, 2, 16, 32)
     cudnn_attn.functional._clear_graphs()
-    with torch.no_grad():
+    # The graph path on the CPU is the reference backend's (plain "auto" calls run on torch's kernel).
+    with torch.no_grad(), cudnn_attn.backend("reference"):
         a = cudnn_attn.sdpa(q, q, q)
         b = cudnn_attn.sdpa(q.clone(), q.clone(), q.clone())  # other aliasing, the same problem: one run
     assert torch.allclose(a, b) and len(prepared.held()) == 1
@@ -81,8 +82,10 @@ def test_sdpa_three_dim_inputs_and_errors():
     assert rel_err(cudnn_attn.sdpa(q, q, q), _torch_sdpa(q, q, q)) < TOL
     with pytest.raises(cudnn_attn.ValidationError, match="enable_gqa"):
         cudnn_attn.sdpa(randn(1, 4, 8, 32), randn(1, 2, 8, 32), randn(1, 2, 8, 32))
-    with pytest.raises(cudnn_attn.ValidationError, match="is_causal"):
-        cudnn_attn.sdpa(q, q, q, attn_mask=torch.ones(16, 16, dtype=torch.bool), is_causal=True)
+    # torch 2.13 applies is_causal and attn_mask together (issue 42): so does the drop-in.
+    mask = torch.rand(16, 16, generator=torch.Generator().manual_seed(0)) > 0.3
+    both = cudnn_attn.sdpa(q, q, q, attn_mask=mask, is_causal=True)
+    assert rel_err(both, _torch_sdpa(q, q, q, attn_mask=mask & torch.ones(16, 16, dtype=torch.bool).tril())) < TOL
 
 
 def test_sdpa_dropout_follows_torch_manual_seed_and_backward_reuses_the_mask():
@@ -94,10 +97,12 @@ def test_sdpa_dropout_follows_torch_manual_seed_and_backward_reuses_the_mask():
     c = cudnn_attn.sdpa(q, k, v, dropout_p=0.3)
     assert torch.equal(a, b) and not torch.equal(a, c)
     # The backward uses the forward's mask: rebuild that mask from the same seed and compare
-    # every gradient with autograd through the independent oracle.
+    # every gradient with autograd through the independent oracle. The library's own dropout
+    # runs on its graphs: on the CPU, the reference backend's (plain "auto" calls run on torch's kernel).
     leaves = _leaves(q, k, v)
     torch.manual_seed(2)
-    out = cudnn_attn.sdpa(*leaves, dropout_p=0.3)
+    with cudnn_attn.backend("reference"):
+        out = cudnn_attn.sdpa(*leaves, dropout_p=0.3)
     torch.manual_seed(2)
     seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64))
     keep = dropout.keep_mask(seed, 0, (1, 2, 16, 16), 0.3, "cpu")

@@ -61,16 +61,12 @@ MALFORMED = [
     ("v-not-tensor", lambda: fwd(v="v"), "v:", "expected a tensor"),
     ("q-last-stride", lambda: fwd(q=t(B, H, D, S).transpose(2, 3)), "q:", "last stride"),
     ("k-last-stride", lambda: fwd(k=t(B, H, D, S).transpose(2, 3)), "k:", "last stride"),
-    ("q-float64", lambda: fwd(q=t(B, H, S, D, dtype=torch.float64)), "q:", "float64"),
     ("q-int", lambda: fwd(q=torch.ones(B, H, S, D, dtype=torch.int32)), "q:", "int32"),
     ("k-dtype-differs", lambda: fwd(k=t(B, H, S, D, dtype=torch.bfloat16)), "k:", "bfloat16"),
     ("v-dtype-differs", lambda: fwd(v=t(B, H, S, D, dtype=torch.bfloat16)), "v:", "bfloat16"),
     ("k-batch", lambda: fwd(k=t(3, H, S, D), v=t(3, H, S, D)), "k:", "batch 3"),
     ("v-seq-len", lambda: fwd(v=t(B, H, S + 8, D)), "v:", "sequence length"),
     ("k-head-dim", lambda: fwd(k=t(B, H, S, 32)), "k:", "d_qk=32"),
-    ("head-dim-not-multiple-of-8", lambda: fwd(q=t(B, H, S, 60), k=t(B, H, S, 60), v=t(B, H, S, 60)), "d_qk", "60"),
-    ("head-dim-not-multiple", lambda: fwd(q=t(1, 1, 8, 260), k=t(1, 1, 8, 260), v=t(1, 1, 8, 260)), "d_qk", "260"),
-    ("v-head-dim-not-multiple", lambda: fwd(v=t(B, H, S, 324)), "d_v", "324"),
     ("gqa-ratio", lambda: fwd(k=t(B, 3, S, D), v=t(B, 3, S, D)), "k:", "3 heads"),
     ("gqa-v-ratio", lambda: fwd(v=t(B, 3, S, D)), "v:", "3 heads"),
     ("io-data-type", lambda: _graph_io(cudnn_attn.data_type.BFLOAT16), "io_data_type", "bfloat16"),
@@ -167,7 +163,9 @@ MALFORMED = [
     ("bwd-o-shape", lambda: bwd(o=t(B, H, S + 1, D)), "o:", "[2, 4, 17, 64]"),
     ("bwd-dbias-without-bias", lambda: bwd(bias_grad=True), "dBias", "without attn_bias"),
     ("device-mismatch", lambda: fwd(k=torch.empty(B, H, S, D, dtype=torch.float16, device="meta")), "device", "meta"),
-    ("empty-dimension", lambda: fwd(q=t(B, H, 0, D)), "q:", "empty dimension"),
+    # An empty batch or sequence is torch's empty call (it runs); no heads or no head dim is not.
+    ("zero-heads", lambda: fwd(q=t(B, 0, S, D)), "q:", "heads and head dims must be >= 1"),
+    ("zero-head-dim", lambda: fwd(q=t(B, H, S, 0), k=t(B, H, S, 0)), "q:", "heads and head dims must be >= 1"),
 ]
 
 
@@ -187,11 +185,8 @@ def test_malformed_request_names_its_argument(call, argument, phrase):
 
 @pytest.mark.parametrize(
     "keywords, argument",
-    [
-        ({"sliding_window_length": 4}, "sliding_window_length"),
-        ({"use_causal_mask_bottom_right": True}, "use_causal_mask_bottom_right"),
-    ],
-    ids=["window", "bottom-right"],
+    [({"use_causal_mask_bottom_right": True}, "use_causal_mask_bottom_right")],
+    ids=["bottom-right"],
 )
 def test_a_bottom_right_diagonal_leaving_rows_without_keys_is_unsupported_as_in_the_frontend(keywords, argument):
     """Well formed, but refused by the frontend as not supported: tests written for it skip on

@@ -34,7 +34,8 @@ def default_stats(q: TensorSpec, seq_len_q: TensorSpec | None, max_seq_len_q: in
         batch = seq_len_q.shape[0] if seq_len_q is not None and seq_len_q.shape else 1
         heads = q.shape[1] if q.rank == 3 else 1
         shape = (batch, heads, max_seq_len_q or (q.shape[0] if q.shape else 1), 1)
-    return TensorSpec.contiguous(shape, torch.float32, q.device)
+    # float64 keeps its log-sum-exp in float64: a float32 one would cap its gradients near 1e-7.
+    return TensorSpec.contiguous(shape, torch.float64 if q.dtype == torch.float64 else torch.float32, q.device)
 
 
 def forward_problem(

@@ -1,7 +1,7 @@
 """``softcap=`` (FlashAttention's and Gemma-2's logit soft-capping) as a problem's score modifier.
 
-cuDNN applies no mask of its own beside a score modifier, so the causal mask and sliding
-window of the call's options move inside the modifier (``score_mod.band_mask``) and leave the
+cuDNN applies no mask of its own beside a score modifier, so the causal mask, sliding window
+and right bound of the call's options move inside the modifier (``score_mod.band_mask``) and leave the
 options. One modifier object per call shape (cached): plan lookups then compare it by identity.
 """
 
@@ -31,10 +31,21 @@ def softcap_modifier(
 @functools.lru_cache(maxsize=256)
 def _softcap_modifier(cap: float, options: ScoreOptions, s_q: int, s_kv: int,
                       same_lengths: bool) -> tuple[score_mod.ScoreModifier, ScoreOptions]:  # fmt: skip
-    if options.right_bound is not None or options.alibi:
-        raise UnsupportedError(["softcap with a right bound or ALiBi: not supported here"])
+    if options.alibi:
+        raise UnsupportedError(["softcap with ALiBi: the capped scores take no ALiBi bias here"])
     offset = s_kv - s_q if options.aligned_bottom_right else 0
     mask = score_mod.band_mask(causal=options.causal is not Causal.NONE, window=options.sliding_window, offset=offset)
+    if options.right_bound is not None:  # a band past the diagonal: key j kept iff j <= d(i) + R
+        mask = _and(mask, _right_bound_mask(options.right_bound, offset))
     plain = ScoreOptions(attn_scale=options.attn_scale, padding=options.padding, dropout_p=options.dropout_p)
     in_bounds = same_lengths and options.causal is Causal.TOP_LEFT
     return score_mod.softcap(cap, mask, keys_in_bounds=in_bounds), plain
+
+
+def _right_bound_mask(right: int, offset: int) -> score_mod.Expr:
+    row, col = score_mod.op("gen_index", score_mod.SCORE, value=2), score_mod.op("gen_index", score_mod.SCORE, value=3)
+    return score_mod.op("cmp_le", col, score_mod.op("add", row, score_mod.constant(offset + right)))
+
+
+def _and(kept: score_mod.Expr | None, more: score_mod.Expr) -> score_mod.Expr:
+    return more if kept is None else score_mod.op("logical_and", kept, more)

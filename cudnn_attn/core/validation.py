@@ -32,7 +32,11 @@ from .roles import (
 from .score_inputs import score_input_problems
 
 OUTPUT_ROLES = {Op.FORWARD: FORWARD_OUTPUTS + FP8_AMAXES, Op.BACKWARD: BACKWARD_OUTPUTS + FP8_BACKWARD_AMAXES}
+# cuDNN's head dims; the reference runs any (ops/cudnn/capabilities.py refuses the others by name).
 HEAD_DIM_MULTIPLE = 8
+# float64 is well formed (torch's SDPA takes it; the reference computes it in float64); cuDNN has
+# no double-precision path and says so (capabilities).
+WIDE_IO = (*FLOATING_IO, torch.float64)
 SEQ_LEN_DTYPES = (torch.int32, torch.int64)  # int64 runs as int32 on cuDNN (bounds.clamped)
 PAGE_TABLE_DTYPES = (torch.int32,)
 RNG_DTYPES = (torch.int64, torch.int32)
@@ -101,13 +105,31 @@ def _check_ranks(p: AttentionProblem, found: list[str]) -> bool:
         spec = getattr(p, role)
         if spec is not None and spec.rank != 4:
             found.append(f"{_name(role)}: rank {spec.rank} (shape {list(spec.shape)}); expected 4-D")
-    for spec in p.tensor_specs().values():
-        if any(s <= 0 for s in spec.shape):
+    # torch's SDPA takes an empty batch or sequence (its output is empty, or zeros for S_kv = 0):
+    # dense q/k/v may have them, and the tensors made from their sizes (O, stats, gradients, bias).
+    empty_ok = _empty_dims_allowed(p)
+    for role, spec in p.tensor_specs().items():
+        if any(s < 0 for s in spec.shape) or any(s == 0 for s in spec.shape) and role not in empty_ok:
             found.append(
                 f"{_role_of(p, spec)}: shape {list(spec.shape)} has an empty dimension; every dimension must be >= 1"
             )
             break
+    if not found[before:] and empty_ok and any(n == 0 for n in (*p.q.shape[-1:], *p.v.shape[-1:], p.h_q, p.h_k)):
+        found.append(f"q: shape {list(p.q.shape)}; heads and head dims must be >= 1 (only B, S_q, S_kv may be 0)")
     return len(found) == before
+
+
+# Roles whose dims follow the dense problem's B, S_q and S_kv alone.
+_EMPTY_ROLES = frozenset(("q", "k", "v", "o", "stats", "grad_o", "grad_q", "grad_k", "grad_v", "bias", "grad_bias",
+                          "rng_dump"))  # fmt: skip
+
+
+def _empty_dims_allowed(p: AttentionProblem) -> frozenset[str]:
+    """The roles that may hold an empty dimension: only in a dense (not ragged, not paged, not
+    FP8) problem, where B, S_q or S_kv = 0 is torch's empty call."""
+    if p.q.rank != 4 or p.is_thd or p.is_paged or p.is_fp8 or p.offset_tensors:
+        return frozenset()
+    return _EMPTY_ROLES
 
 
 def _check_strides(p: AttentionProblem, found: list[str]) -> bool:
@@ -166,9 +188,10 @@ def _check_dtypes(p: AttentionProblem, found: list[str]) -> None:
     if q_dt in FP8:
         op = "sdpa_fp8" if p.is_forward else "sdpa_fp8_backward"
         found.append(f"q: dtype {_dt(p.q)}: FP8 attention needs its scale and descale tensors; use g.{op}(...)")
-    elif q_dt not in FLOATING_IO:
-        allowed = ", ".join(dtype_name(d) for d in FLOATING_IO + FP8)
-        found.append(f"q: dtype {_dt(p.q)} is not supported; allowed: {allowed} (FP8 through g.sdpa_fp8)")
+    elif q_dt not in WIDE_IO:
+        allowed = ", ".join(dtype_name(d) for d in WIDE_IO)
+        fp8 = " or ".join(dtype_name(d) for d in FP8)
+        found.append(f"q: dtype {_dt(p.q)} is not supported; allowed: {allowed} ({fp8} through g.sdpa_fp8)")
     if p.io_dtype is not None and p.io_dtype != q_dt:
         found.append(
             f"io_data_type: {dtype_name(p.io_dtype)} but q is {_dt(p.q)}; they must agree (or leave io_data_type=None)"
@@ -184,8 +207,9 @@ def _check_dtypes(p: AttentionProblem, found: list[str]) -> None:
         spec = getattr(p, role)
         if spec is not None and spec.dtype != q_dt:
             found.append(f"{_name(role)}: dtype {_dt(spec)} differs from q's {_dt(p.q)}; it must match")
-    if p.stats is not None and p.stats.dtype != torch.float32:
-        found.append(f"stats: dtype {_dt(p.stats)}; stats are float32")
+    stats_dtypes = (torch.float32, torch.float64) if q_dt == torch.float64 else (torch.float32,)
+    if p.stats is not None and p.stats.dtype not in stats_dtypes:
+        found.append(f"stats: dtype {_dt(p.stats)}; stats are float32 (or float64 beside float64 q)")
     for role in ("bias", "grad_bias"):
         spec = getattr(p, role)
         if spec is not None and spec.dtype not in (q_dt, torch.float32):
@@ -263,9 +287,6 @@ def _check_geometry(p: AttentionProblem, found: list[str]) -> None:
             )
     if p.k.shape[-1] != p.d_qk:
         found.append(f"k: head dim d_qk={p.k.shape[-1]} differs from q's {p.d_qk}; q and k must share d_qk")
-    for role, name, d in (("q", "d_qk", p.d_qk), ("v", "d_v", p.d_v)):
-        if d % HEAD_DIM_MULTIPLE:  # how large a head dim cuDNN serves is its own business (capabilities)
-            found.append(f"{role}: head dim {name}={d}; allowed: a multiple of {HEAD_DIM_MULTIPLE}")
     if not p.is_thd and not p.is_paged:
         b = p.q.shape[0]
         for role in ("k", "v"):
@@ -328,7 +349,9 @@ def _check_masks(p: AttentionProblem, found: list[str]) -> None:
 
 def unrunnable(p: AttentionProblem) -> list[str]:
     """Well-formed problems no backend runs, as the frontend refuses them (not supported, not
-    invalid): a bottom-right diagonal that leaves the first query rows without keys."""
+    invalid): a bottom-right diagonal that leaves the first query rows without keys. (A sliding
+    window with S_q > S_kv runs on the reference, rows without keys giving 0 as torch's
+    fully masked rows do; cuDNN refuses it in its capabilities.)"""
     if p.score_mod is not None and p.is_fp8 and not p.is_forward:
         return ["score_mod: the FP8 backward takes no score modifier (the frontend's sdpa_fp8_backward has none)"]
     s_q, s_kv = p.s_q, p.s_kv
@@ -337,9 +360,6 @@ def unrunnable(p: AttentionProblem) -> list[str]:
     found = []
     if p.options.causal is Causal.BOTTOM_RIGHT:
         found.append(f"use_causal_mask_bottom_right: S_q={s_q} > S_kv={s_kv}; bottom-right causal needs S_q <= S_kv "
-                     "(or a padding mask with per-batch lengths)")  # fmt: skip
-    if p.options.sliding_window is not None:
-        found.append(f"sliding_window_length: S_q={s_q} > S_kv={s_kv}; sliding windows need S_q <= S_kv "
                      "(or a padding mask with per-batch lengths)")  # fmt: skip
     return found
 

@@ -33,8 +33,11 @@ def causal_from_mask(attn_mask: Any, is_causal: Any, query: Any, key: Any) -> tu
     ``causal_upper_left(L, S)`` is top-left causal and ``causal_lower_right(L, S)`` bottom-right
     (the same when L == S, as torch maps it); either becomes ``is_causal=Causal.X`` with no mask.
     Any other tensor subclass is refused by name: its storage is not the values it stands for.
+    ``is_causal=True`` beside a mask tensor is folded into the mask (torch 2.13 applies both).
     """
     if not isinstance(attn_mask, torch.Tensor) or type(attn_mask) is torch.Tensor:
+        if _causal_beside(attn_mask, is_causal, query, key):
+            return _with_causal(attn_mask, query, key), False
         return attn_mask, is_causal  # None, plain, or not a tensor (refused by check_arguments)
     # A CausalBias exists only once its module is imported; importing it here would load
     # torch._dynamo with it (about 1 s of start-up).
@@ -55,8 +58,35 @@ def causal_from_mask(attn_mask: Any, is_causal: Any, query: Any, key: Any) -> tu
         upper_left = attn_mask.variant == bias.CausalVariant.UPPER_LEFT or attn_mask.seq_len_q == attn_mask.seq_len_kv
         return None, Causal.TOP_LEFT if upper_left else Causal.BOTTOM_RIGHT
     if _readable(attn_mask):
+        if _causal_beside(attn_mask, is_causal, query, key):
+            return _with_causal(attn_mask, query, key), False
         return attn_mask, is_causal
     raise ValidationError([_subclass_problem("attn_mask", attn_mask)], context="sdpa")
+
+
+def _with_causal(attn_mask: torch.Tensor, query: Any, key: Any) -> torch.Tensor:
+    """``attn_mask`` and the top-left causal mask as one mask, as torch 2.13 applies the two
+    together (its math kernel alone refuses the pair, so every route gets the one mask)."""
+    l, s = query.shape[-2], key.shape[-2]  # noqa: E741
+    keep = torch.ones(l, s, dtype=torch.bool, device=attn_mask.device).tril()
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & keep
+    return attn_mask.masked_fill(~keep, float("-inf"))
+
+
+def _causal_beside(attn_mask: Any, is_causal: Any, query: Any, key: Any) -> bool:
+    """Whether a well-formed call gives ``is_causal=True`` together with a plain mask."""
+    if attn_mask is None or not isinstance(attn_mask, torch.Tensor) or attn_mask.is_nested:
+        return False
+    if isinstance(is_causal, bool) and is_causal or type(is_causal) is int and is_causal == 1:
+        floating = attn_mask.dtype == torch.bool or attn_mask.dtype.is_floating_point
+        tensors = all(isinstance(t, torch.Tensor) and not t.is_nested and t.dim() >= 2 for t in (query, key))
+        if not (floating and tensors):
+            return False  # refused by check_arguments
+        rows = attn_mask.shape[-2] if attn_mask.dim() >= 2 else 1
+        cols = attn_mask.shape[-1] if attn_mask.dim() >= 1 else 1
+        return rows in (1, query.shape[-2]) and cols in (1, key.shape[-2])  # else its shape is refused
+    return False
 
 
 def _readable(t: torch.Tensor) -> bool:
@@ -98,10 +128,17 @@ def causal_kind(is_causal: Any) -> Causal:
     return Causal.TOP_LEFT if is_causal else Causal.NONE
 
 
-def check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> None:
-    """What torch's SDPA would refuse, refused here with one line per argument."""
+def check_arguments(
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, sinks=None, softcap=None, window_size=None
+) -> None:
+    """What torch's SDPA would refuse, refused here in one ``ValidationError`` listing every problem.
+
+    Only a problem that makes another undecidable hides it: a tensor that is not a float tensor
+    of a taken rank is left out of the checks between tensors (devices, dtypes, batch, heads,
+    head dims, lengths), and the mask's shape is checked once query and key are."""
     problems = []
     tensors = {"query": query, "key": key, "value": value}
+    usable = {}
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             problems.append(f"{name}: {type(t).__name__}; expected a torch tensor")
@@ -111,8 +148,13 @@ def check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, e
             problems.append(f"{name}: dtype {dtype_name(t.dtype)}; expected float16, bfloat16, float32 or float64")
         elif t.dim() not in (3, 4):
             problems.append(f"{name}: {t.dim()}-D (shape {list(t.shape)}); expected [B, H, L, E] or [H, L, E]")
-    if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
+        else:
+            usable[name] = t
+    mask = attn_mask if isinstance(attn_mask, torch.Tensor) else None
+    if attn_mask is not None and mask is None:
         problems.append(f"attn_mask: {type(attn_mask).__name__}; expected a torch tensor (bool or float) or None")
+    if mask is not None and mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        problems.append(f"attn_mask: dtype {mask.dtype}; expected bool or a floating dtype")
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
         problems.append(f"dropout_p: {shown(dropout_p)}; expected a probability 0 <= p < 1")
     if scale is not None and (
@@ -124,9 +166,18 @@ def check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, e
             continue  # a variant read from a CausalBias mask
         if not isinstance(flag, (bool, int)) or flag not in (0, 1):
             problems.append(f"{name}: {shown(flag)}; expected True or False")
+    problems += score_term_problems(sinks, softcap, window_size, query if "query" in usable else None)
+    if len(usable) == 3 and not any(t.is_nested for t in usable.values()):
+        problems += _geometry_problems(query, key, value, mask, bool(enable_gqa))
     if problems:
         raise ValidationError(problems, context="sdpa")
-    devices = {name: t.device for name, t in {**tensors, "attn_mask": attn_mask}.items() if t is not None}
+
+
+def _geometry_problems(query, key, value, mask, enable_gqa: bool) -> list[str]:
+    """What must agree between query, key, value and the mask: every disagreement, once each."""
+    problems = []
+    named = (("query", query), ("key", key), ("value", value), ("attn_mask", mask))
+    devices = {name: t.device for name, t in named if t is not None}
     if len(set(devices.values())) > 1:
         where = ", ".join(f"{name} on {device}" for name, device in devices.items())
         problems.append(f"device: tensors are on several devices ({where}); put them on one device")
@@ -137,24 +188,74 @@ def check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, e
         )
     if query.dim() != key.dim() or query.dim() != value.dim():
         problems.append(f"key: {key.dim()}-D and value: {value.dim()}-D; query is {query.dim()}-D, they must match")
-    elif not enable_gqa and key.shape[-3] != query.shape[-3]:
-        problems.append(
-            f"key: {key.shape[-3]} heads differ from query's {query.shape[-3]}; pass enable_gqa=True for GQA/MQA"
-        )
-    if causal_kind(is_causal) is not Causal.NONE and attn_mask is not None:
-        problems.append("is_causal: True together with attn_mask; give one (as torch requires)")
-    if attn_mask is not None and not problems:
+        return problems  # which dimension is which is undecidable
+    h_q = query.shape[-3]
+    for name, t in (("key", key), ("value", value)):
+        h = t.shape[-3]
+        if not enable_gqa and h != h_q:
+            problems.append(f"{name}: {h} heads differ from query's {h_q}; pass enable_gqa=True for GQA/MQA")
+        elif enable_gqa and (h == 0 or h_q % h):
+            problems.append(f"{name}: {h} heads do not divide query's {h_q} (enable_gqa=True needs H_kv to divide H_q)")
+        if query.dim() == 4 and t.shape[0] != query.shape[0]:
+            problems.append(f"{name}: batch {t.shape[0]} differs from query's {query.shape[0]}")
+    for name, t in (("query", query), ("value", value)):
+        if t.shape[-1] == 0:
+            problems.append(f"{name}: head dim 0 (shape {list(t.shape)}); head dims must be >= 1")
+    if key.shape[-1] != query.shape[-1]:
+        problems.append(f"key: head dim {key.shape[-1]} differs from query's {query.shape[-1]}; they must match")
+    if value.shape[-2] != key.shape[-2]:
+        problems.append(f"value: {value.shape[-2]} keys but key has {key.shape[-2]}; they must match")
+    if mask is not None:
         target = (*query.shape[:-1], key.shape[-2])
         try:
-            broadcast = torch.broadcast_shapes(attn_mask.shape, target)
+            broadcast = torch.broadcast_shapes(mask.shape, target)
         except RuntimeError:
             broadcast = None
-        if broadcast != torch.Size(target) or attn_mask.dim() > len(target):
-            problems.append(f"attn_mask: shape {list(attn_mask.shape)} does not broadcast to {list(target)}")
-        if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
-            problems.append(f"attn_mask: dtype {attn_mask.dtype}; expected bool or a floating dtype")
-    if problems:
-        raise ValidationError(problems, context="sdpa")
+        if broadcast != torch.Size(target) or mask.dim() > len(target):
+            problems.append(f"attn_mask: shape {list(mask.shape)} does not broadcast to {list(target)}")
+    return problems
+
+
+def score_term_problems(sinks: Any, softcap: Any, window_size: Any, query: torch.Tensor | None) -> list[str]:
+    """``sinks``, ``softcap`` and ``window_size`` as ``sdpa`` takes them (None: not given)."""
+    problems = []
+    if window_size is not None and not _is_window(window_size):
+        problems.append(
+            f"window_size: {shown(window_size)}; expected a (left, right) pair of ints >= -1 (-1: no bound), or None"
+        )
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap <= 0
+    ):
+        problems.append(f"softcap: {shown(softcap)}; expected a finite number > 0 (scores become cap * tanh(s / cap))")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor):
+            problems.append(f"sinks: {type(sinks).__name__}; expected a tensor of one logit per query head")
+        elif query is not None:
+            heads = query.shape[-3]
+            if sinks.numel() != heads or sinks.dim() not in (1, 4) or not sinks.is_floating_point():
+                problems.append(
+                    f"sinks: shape {list(sinks.shape)} dtype {sinks.dtype}; expected a real tensor of "
+                    f"[{heads}] or [1, {heads}, 1, 1] (one logit per query head)"
+                )
+            if sinks.device != query.device:
+                problems.append(f"sinks: on {sinks.device}; query is on {query.device}")
+    return problems
+
+
+def _is_window(window_size: Any) -> bool:
+    return (
+        isinstance(window_size, (tuple, list))
+        and len(window_size) == 2
+        and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
+    )
+
+
+def score_terms_given(sinks: Any, softcap: Any, window_size: Any) -> bool:
+    """Whether a call takes the score-terms path: any of the three given (a window of
+    ``(-1, -1)`` or None is no window; anything else, malformed included, is checked there)."""
+    if sinks is not None or softcap is not None:
+        return True
+    return window_size is not None and not (_is_window(window_size) and tuple(window_size) == (-1, -1))
 
 
 def _plain_subclasses() -> tuple[type, ...]:

@@ -86,6 +86,7 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
     reasons: list[str] = validation.unrunnable(p)
     if not p.device.startswith("cuda"):
         return (f"device={p.device}: cuDNN runs on CUDA tensors",)
+    reasons += _reference_only_reasons(p)
     if platform.arch < MIN_ARCH:
         reasons.append(
             f"compute capability {platform.arch[0]}.{platform.arch[1]} < 8.0: fused attention needs Ampere or newer"
@@ -281,6 +282,24 @@ def _float32_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
     if p.s_q == 1 and p.h_k != p.h_q and not p.is_paged:
         reasons.append(
             f"S_q = 1 (decode) with GQA/MQA in float32: refused ({seen}; S_q >= 2 and paged caches are right)"
+        )
+    return reasons
+
+
+def _reference_only_reasons(p: AttentionProblem) -> list[str]:
+    """Well formed, run by the reference backend, refused by cuDNN (its graphs take none of them)."""
+    reasons = []
+    if p.q.dtype == torch.float64:
+        reasons.append("dtype=float64: cuDNN attention has no double-precision path")
+    if p.d_qk % validation.HEAD_DIM_MULTIPLE or p.d_v % validation.HEAD_DIM_MULTIPLE:
+        multiple = validation.HEAD_DIM_MULTIPLE
+        reasons.append(f"head dims d_qk={p.d_qk}, d_v={p.d_v}: cuDNN takes multiples of {multiple}")
+    if any(n == 0 for spec in p.tensor_specs().values() for n in spec.shape):
+        reasons.append("an empty batch or sequence (B, S_q or S_kv = 0): cuDNN's graphs take no empty dimension")
+    if p.options.sliding_window is not None and p.s_q > p.s_kv and not p.options.padding:
+        reasons.append(
+            f"sliding_window_length: S_q={p.s_q} > S_kv={p.s_kv}; cuDNN's sliding windows need S_q <= S_kv "
+            "(or a padding mask with per-batch lengths)"
         )
     return reasons
 

@@ -59,7 +59,8 @@ class ReferencePlan:
 
     def __init__(self, problem: AttentionProblem, compute_dtype: torch.dtype = torch.float32):
         self.problem = problem
-        self.compute_dtype = compute_dtype
+        # float64 inputs are computed in float64, as torch's SDPA computes them.
+        self.compute_dtype = torch.float64 if problem.q.dtype == torch.float64 else compute_dtype
         self._bounds = upper_bounds(problem)
 
     def __call__(

@@ -119,7 +119,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, terms: ScoreTerms
     for rows in row_blocks(s_q, b * heads * k.shape[2]):
         part = terms.block(rows)
         s = _scores(q[:, :, rows.start : rows.stop], k, part)
-        row_max = s.amax(-1, keepdim=True)
+        # No keys at all (S_kv = 0): every row is fully masked.
+        row_max = s.amax(-1, keepdim=True) if s.shape[-1] else s.new_full((*s.shape[:-1], 1), float("-inf"))
         if terms.sink is not None:  # a sink is one more score, weighing no value
             row_max = torch.maximum(row_max, terms.sink.to(s.dtype))
         empty = torch.isneginf(row_max)
