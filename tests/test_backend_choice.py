@@ -154,12 +154,16 @@ DOORS = {"sdpa": _sdpa, "sdpa-training": _sdpa_training, "sdpa-softcap": _sdpa_s
 @pytest.mark.parametrize("door", DOORS, ids=list(DOORS))
 def test_a_cached_run_never_crosses_backends(door):
     call = DOORS[door]
-    first = call()  # "auto": the reference backend, its runs cached
+    first = call()  # "auto": the reference backend (torch's kernel for plain sdpa calls), its runs cached
     with cudnn_attn.backend("cudnn"):
         with pytest.raises(UnsupportedError, match="device=cpu: cuDNN runs on CUDA tensors"):
             call()
     with cudnn_attn.backend("reference"):
-        assert torch.equal(call(), first)  # the reference's runs, cached or not, give the same
+        again = call()
+    if door in ("sdpa", "sdpa-training", "nn.Attention"):  # "auto" runs these on torch's CPU kernel
+        assert rel_err(again, first) < 2e-2
+    else:
+        assert torch.equal(again, first)  # the reference's runs, cached or not, give the same
 
 
 def test_an_explicit_graph_backend_wins_over_the_block():

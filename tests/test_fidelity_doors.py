@@ -16,10 +16,12 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import TOLERANCE, rel_err
 
 import cudnn_attn
 from cudnn_attn.errors import UnsupportedError
+from cudnn_attn.functional import torch_kernel
 
 
 def oracle(q, k, v, *, scale=None, causal=False, window=(-1, -1), sinks=None, softcap=None, attn_mask=None):
@@ -208,3 +210,75 @@ def test_score_terms_custom_ops_pass_torch_opcheck():
         sdpa_terms_forward, (q, k, v, None, sink, 0.25, "top_left", 0.0, 3, None, 5.0, None, None)
     )
     assert set(result.values()) == {"SUCCESS"}, result
+
+
+# --- 15. plain CPU calls run on torch's own SDPA kernel ------------------------------------------
+
+PLAIN = {
+    "causal": {"is_causal": True},
+    "bool-mask": {"attn_mask": "bool"},
+    "float-mask": {"attn_mask": "float"},
+    "gqa-scale": {"enable_gqa": True, "scale": 0.3},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("keywords", PLAIN.values(), ids=PLAIN.keys())
+def test_plain_cpu_calls_run_on_torchs_kernel_with_gradients(keywords, dtype):
+    gen = torch.Generator().manual_seed(21)
+    heads_kv = 2 if keywords.get("enable_gqa") else 4
+    q = torch.randn(2, 4, 24, 16, generator=gen).to(dtype).requires_grad_()
+    k, v = (torch.randn(2, heads_kv, 24, 16, generator=gen).to(dtype).requires_grad_() for _ in range(2))
+    keywords = dict(keywords)
+    mask = keywords.get("attn_mask")
+    if mask == "bool":
+        keywords["attn_mask"] = torch.rand(24, 24, generator=gen) > 0.3
+    elif mask == "float":
+        keywords["attn_mask"] = torch.randn(1, 4, 24, 24, generator=gen).to(dtype)
+
+    out = cudnn_attn.sdpa(q, k, v, **keywords)
+
+    assert "ForCpuBackward" in type(out.grad_fn).__name__ or "Math" in type(out.grad_fn).__name__, out.grad_fn
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, **keywords))  # torch's kernel ran
+    d_out = torch.randn(out.shape, generator=gen).to(dtype)
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    window = (-1, -1)
+    want = oracle(
+        *leaves,
+        scale=keywords.get("scale"),
+        causal=keywords.get("is_causal", False),
+        window=window,
+        attn_mask=keywords.get("attn_mask"),
+    )
+    assert rel_err(out, want) < TOLERANCE[dtype]
+    for got, expected in zip(grads, torch.autograd.grad(want, leaves, d_out.double())):
+        assert rel_err(got, expected) < 4 * TOLERANCE[dtype]
+
+
+def test_cpu_route_is_logged_and_reference_block_still_runs_the_reference(caplog):
+    from cudnn_attn.runtime import prepared
+
+    gen = torch.Generator().manual_seed(22)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=gen) for _ in range(3))  # a geometry no other test uses
+    torch_kernel._said.discard(torch_kernel.ON_CPU)
+    with caplog.at_level(logging.INFO, logger="cudnn_attn"):
+        cudnn_attn.sdpa(q, k, v, is_causal=True)
+        cudnn_attn.sdpa(q, k, v, is_causal=True)
+    said = [r.getMessage() for r in caplog.records if "torch's CPU kernel" in r.getMessage()]
+    assert len(said) == 1 and "runs on torch's SDPA kernel" in said[0], said
+    problems = [p.problem for p in prepared.held()]
+    with cudnn_attn.backend("reference"):
+        out = cudnn_attn.sdpa(q, k, v, is_causal=True)
+    added = [p.problem for p in prepared.held() if p.problem not in problems]
+    assert added and all(p.q.shape == (1, 2, 40, 16) for p in added)  # the reference backend planned and ran it
+    assert rel_err(out, oracle(q, k, v, causal=True)) < TOLERANCE[torch.float32]
+    assert torch_kernel.choices(on_gpu=False)["float16/bfloat16"].startswith("torch's kernel (torch's CPU kernel")
+
+
+def test_score_terms_still_run_on_the_reference_on_the_cpu():
+    gen = torch.Generator().manual_seed(23)
+    q, k, v = (torch.randn(1, 2, 12, 16, generator=gen) for _ in range(3))
+    out = cudnn_attn.sdpa(q, k, v, softcap=4.0)
+    assert type(out.grad_fn).__name__ != "ScaledDotProductFlashAttentionForCpuBackward0"
+    assert rel_err(out, oracle(q, k, v, softcap=4.0)) < TOLERANCE[torch.float32]

@@ -178,6 +178,8 @@ def sdpa(
         t is not None and t.requires_grad for t in (query, key, value, attn_mask)
     )  # fmt: skip
     why = torch_kernel.reason(query, key, float(dropout_p), causal, train, scale)
+    if why is torch_kernel.ON_CPU:
+        torch_kernel.check_as_graph(query, key, value, attn_mask, dropout_p, causal, scale, train)
     if why is not None:
         return torch_kernel.run(why, query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa)
     query, key, value, bias, scale, squeeze = batched(query, key, value, attn_mask, scale)

@@ -61,6 +61,8 @@ def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
     check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     causal = causal_kind(is_causal)
     why = torch_kernel.reason(query, key, float(dropout_p), causal, train, scale)
+    if why is torch_kernel.ON_CPU:
+        torch_kernel.check_as_graph(query, key, value, attn_mask, dropout_p, causal, scale, train)
     if why is not None:
         return TorchKernel(why, dropout_p, causal, scale, enable_gqa)
     scale = float(scale) if scale is not None else default_scale(query.shape[-1])

@@ -5,6 +5,12 @@ a well-formed call, or serves it worse (float64; float32 on a GPU, slower forwar
 a scale <= 0 on a GPU, NaN; a bottom-right ``CausalBias`` with dropout or with more queries than
 keys), the call runs on ``torch.nn.functional.scaled_dot_product_attention`` with the caller's
 arguments, and the choice is logged once per reason (``CUDNN_ATTN_LOG_LEVEL=info``).
+
+On the CPU every plain call (``attn_mask``, ``is_causal``, ``scale``, ``dropout_p``,
+``enable_gqa``; no sinks, softcap or window, which take the score-terms path) runs on torch's
+kernel too: it computes the same problem, 5-35x faster than the reference backend. Inside
+``cudnn_attn.backend("reference")`` such calls stay on the reference backend (the oracle), and
+the Graph API runs CPU tensors there as before.
 """
 
 from __future__ import annotations
@@ -15,9 +21,13 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import log
-from ..core.mask import Causal
+from ..core import validation
+from ..core.constructors import forward_problem
+from ..core.mask import Causal, ScoreOptions
+from ..core.problem import TensorSpec
 from ..errors import UnsupportedError, ValidationError
 from ..runtime import backend_choice
+from .arguments import ARGUMENT_NAMES, batched
 
 WHERE = "cudnn_attn.sdpa"
 _said: set[str] = set()  # each reason is logged once, not per call
@@ -35,6 +45,11 @@ FLOAT32_FORWARD = "float32 on a GPU: torch's float32 kernel measured 1.2-2.3x fa
 NON_POSITIVE_SCALE = "scale <= 0: cuDNN's kernels give NaN there (torch's math kernel is exact)"
 
 
+# Measured on a 2-core CPU (torch 2.13, causal B1 H8 d64, docs/benchmarks.md): the reference
+# backend ran 5-35x slower than torch's CPU kernel, which computes the same plain attention.
+ON_CPU = "CPU tensors: torch's CPU kernel computes this plain attention, 5-35x faster than the reference backend"
+
+
 def reason(query: torch.Tensor, key: torch.Tensor, dropout_p: float, causal: Causal, train: bool,
            scale: Any = None) -> str | None:  # fmt: skip
     """Why this call cannot run on cudnn_attn's graphs and goes to torch's kernel; None if it can.
@@ -49,6 +64,8 @@ def reason(query: torch.Tensor, key: torch.Tensor, dropout_p: float, causal: Cau
         why = NON_POSITIVE_SCALE
     else:
         why = reason_for(query.dtype, on_cudnn, query.shape[-2], key.shape[-2], dropout_p, causal, train)
+    if why is None and chosen == "auto" and query.device.type == "cpu":
+        return ON_CPU  # the caller checks it as a graph would (check_as_graph)
     if why is None or chosen != "cudnn" or why is FLOAT32_FORWARD:
         return why
     raise UnsupportedError([why], context='sdpa under cudnn_attn.backend("cudnn")',
@@ -72,21 +89,54 @@ def reason_for(dtype: torch.dtype, on_gpu: bool, l: int, s: int, dropout_p: floa
     return None
 
 
+# The kinds of call ``info`` reports, as (dtype, L, S, dropout_p, causal, train).
+_CALLS = {
+    "float16/bfloat16": (torch.bfloat16, 128, 128, 0.0, Causal.NONE, True),
+    "float32": (torch.float32, 128, 128, 0.0, Causal.NONE, False),
+    "float32 with gradients": (torch.float32, 128, 128, 0.0, Causal.NONE, True),
+    "float64": (torch.float64, 128, 128, 0.0, Causal.NONE, False),
+    "causal_lower_right with dropout": (torch.bfloat16, 128, 256, 0.1, Causal.BOTTOM_RIGHT, True),
+}
+
+
 def choices(on_gpu: bool) -> dict[str, str]:
-    """Where ``cudnn_attn.sdpa`` runs the calls that may leave cuDNN, on this machine (for ``info``)."""
-    ours = "cuDNN" if on_gpu else "the reference backend"
-    calls = {
-        "float16/bfloat16": (torch.bfloat16, 128, 128, 0.0, Causal.NONE, True),
-        "float32": (torch.float32, 128, 128, 0.0, Causal.NONE, False),
-        "float32 with gradients": (torch.float32, 128, 128, 0.0, Causal.NONE, True),
-        "float64": (torch.float64, 128, 128, 0.0, Causal.NONE, False),
-        "causal_lower_right with dropout": (torch.bfloat16, 128, 256, 0.1, Causal.BOTTOM_RIGHT, True),
-    }
+    """Where ``cudnn_attn.sdpa`` runs the calls that may leave cuDNN, on this machine (for ``info``):
+    on the CPU, torch's kernel for each of them (``reason``)."""
     found = {}
-    for name, (dtype, l, s, p, causal, train) in calls.items():  # noqa: E741
-        why = reason_for(dtype, on_gpu, l, s, p, causal, train)
-        found[name] = ours if why is None else f"torch's kernel ({why.partition(': ')[2]})"
+    for name, (dtype, l, s, p, causal, train) in _CALLS.items():  # noqa: E741
+        why = reason_for(dtype, on_gpu, l, s, p, causal, train) or (None if on_gpu else ON_CPU)
+        found[name] = "cuDNN" if why is None else f"torch's kernel ({why.partition(': ')[2]})"
     return found
+
+
+def check_as_graph(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Any,
+    dropout_p: float,
+    causal: Causal,
+    scale: Any,
+    train: bool,
+) -> None:
+    """Refuse an ``ON_CPU`` call the graphs would refuse (a head dim not a multiple of 8, ...), so
+    code that runs on the CPU runs unchanged on a GPU: validation is the same whatever runs it."""
+    q, k, v, bias, scale, _ = batched(query, key, value, attn_mask, scale)
+    seed = torch.zeros(1, dtype=torch.int64) if dropout_p else None
+    spec = TensorSpec.of
+    problem = forward_problem(
+        spec(q),
+        spec(k),
+        spec(v),
+        ScoreOptions(attn_scale=scale, causal=causal, dropout_p=float(dropout_p)),
+        stats=train,
+        bias=None if bias is None else spec(bias),
+        dropout_seed=None if seed is None else spec(seed),
+        dropout_offset=None if seed is None else spec(seed),
+    )
+    lines = validation.problems(problem)
+    if lines:
+        raise ValidationError(lines, context="sdpa").renamed(ARGUMENT_NAMES, context="sdpa")
 
 
 def run(why: str, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float, causal: Causal,
@@ -102,9 +152,11 @@ def run(why: str, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: f
         from torch.nn.attention.bias import causal_lower_right  # loads torch._dynamo: not at import
 
         attn_mask = causal_lower_right(query.shape[-2], key.shape[-2])
+    if why is ON_CPU and (scale is None or float(scale) > 0):
+        return _torch_sdpa(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa)  # torch's own choice
     if query.device.type == "cpu" or why is NON_POSITIVE_SCALE:
         # torch 2.13's CPU flash kernel returns NaN everywhere for a negative scale with a causal
-        # mask (float32 and float64); its math kernel is exact there, and the CPU is not for speed.
+        # mask (float32 and float64); its math kernel is exact there.
         with sdpa_kernel(SDPBackend.MATH):
             return _torch_sdpa(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa)
     return _torch_sdpa(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa)
