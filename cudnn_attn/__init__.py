@@ -97,6 +97,8 @@ _LAZY = {
     "varlen_sdpa": ".varlen",
 }
 
+_SUBMODULES = frozenset({"nn"})  # the public names that are the submodule itself
+
 __version__ = "0.1.0"  # this library's version; the frontend's is cudnn.__version__
 
 
@@ -108,9 +110,11 @@ def __getattr__(name: str) -> Any:
     where = _LAZY.get(name)
     if where is not None:
         module = importlib.import_module(where, __name__)
-        value = module if where == f".{name}" else getattr(module, name)
-        globals()[name] = value
-        return value
+        # Only the names in _SUBMODULES are modules: ``graph`` names both a module and the
+        # frontend's function defined in it, and the package's ``graph`` is the function.
+        value = module if name in _SUBMODULES else getattr(module, name)
+        setattr(sys.modules[__name__], name, value)  # through _Package.__setattr__, its one rule
+        return globals()[name]
     message = f"module {__name__!r} has no attribute {name!r}"
     public = name.isidentifier() and not name.startswith("_")
     # A submodule of ours not imported yet is ours, whatever the frontend calls the same name.
