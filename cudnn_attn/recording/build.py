@@ -19,6 +19,7 @@ from ..runtime import planner
 from .assembly import assemble_problem, missing_inputs
 from .handles import InputHandle
 from .node import Node
+from .pairing import pairing_problems
 
 
 def validate_nodes(nodes: Sequence[Node], dtypes: dict[str, torch.dtype | None], context: str) -> None:
@@ -27,6 +28,7 @@ def validate_nodes(nodes: Sequence[Node], dtypes: dict[str, torch.dtype | None],
         raise ValidationError(["graph: no ops were recorded; call g.sdpa(...) inside the `with` block"])
     found: list[str] = []
     prefix = len(nodes) > 1
+    valid: list[Node] = []  # nodes whose problems passed, for the checks across nodes
     for node in nodes:
         if node.parsed is not None and node.parsed.unsupported:
             continue  # what is not run here is refused as unsupported (plan_nodes), not judged as invalid
@@ -42,6 +44,10 @@ def validate_nodes(nodes: Sequence[Node], dtypes: dict[str, torch.dtype | None],
             if not lines:
                 lines += bounds.value_problems(problem, _templates(node))
             node.problem = problem
+            if not lines:
+                lines += pairing_problems(node, valid)
+            if not lines:
+                valid.append(node)
             for role, handle in node.outputs.items():
                 handle.built_spec = getattr(problem, role)
         found += [f"{node.name}: {line}" if prefix else line for line in lines]
