@@ -124,7 +124,9 @@ class ScoreModifier:
 
 def modifier_problems(mod: ScoreModifier, *, forward: bool, scores: tuple[int, int, int, int]) -> list[str]:
     """What is wrong with ``mod`` on scores of shape ``scores`` ([B, H_q, S_q, S_kv])."""
-    found = []
+    found = expression_problems(mod)
+    if found:
+        return found  # the checks below read the tree's ops and leaves
     if any(e.op == "grad" for e in mod.forward.nodes()):
         found.append("score_mod: reads the gradient; only score_mod_bprop may")
     if not forward and mod.backward is not None and not any(e.op == "grad" for e in mod.backward.nodes()):
@@ -142,6 +144,28 @@ def modifier_problems(mod: ScoreModifier, *, forward: bool, scores: tuple[int, i
         if spec.dtype not in INPUT_DTYPES:
             found.append(f"score_mod input {i}: dtype {spec.dtype}; expected float32, float16, bfloat16, int32, "
                          "int64 or bool")  # fmt: skip
+    return found
+
+
+def expression_problems(mod: ScoreModifier) -> list[str]:
+    """Each node of ``mod``'s trees that is not a leaf or an op with its parameters (a traced
+    callback never makes one; a damaged serialized graph can)."""
+    found = []
+    roots = [("score_mod", mod.forward)] + ([("score_mod_bprop", mod.backward)] if mod.backward is not None else [])
+    for name, root in roots:
+        for e in root.nodes():
+            number = isinstance(e.value, (int, float)) and not isinstance(e.value, bool)
+            if e.op in LEAVES:
+                wrong = bool(e.args) or (e.op == "constant" and not number)
+                if e.op == "input":
+                    wrong = wrong or not number or e.value not in range(len(mod.inputs))
+                if wrong:
+                    found.append(f"{name}: a {e.op} leaf with arguments {len(e.args)} and value {e.value!r}")
+            elif e.op not in OPS:
+                found.append(f"{name}: {e.op!r} is not an op a score modifier may use")
+            elif len(e.args) != len(OPS[e.op]):
+                params = ", ".join(OPS[e.op])
+                found.append(f"{name}: {e.op} takes {len(OPS[e.op])} arguments ({params}); got {len(e.args)}")
     return found
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..core.dtypes import to_torch_dtype
-from ..core.score_mod import GRAD, OPS, SCORE, Expr, ScoreModifier
+from ..core.score_mod import GRAD, MAX_INPUTS, OPS, SCORE, Expr, ScoreModifier
 from ..errors import UnsupportedError, ValidationError
 from ..runtime import interop
 from .handles import TensorHandle
@@ -144,6 +144,9 @@ def trace(score_mod: Any, score_mod_bprop: Any, owner: Any, label: str = "score_
     backward = None
     if score_mod_bprop is not None:
         backward = _freeze(_returned(score_mod_bprop(graph, grad), "score_mod_bprop"), frozen)
+    if len(graph.inputs) > MAX_INPUTS:  # only that many are bound (score_input_0 ...): refused before binding
+        count = len(graph.inputs)
+        raise ValidationError([f"score_mod: reads {count} graph tensors; at most {MAX_INPUTS} are supported"])
     return ScoreModifier(forward=forward, backward=backward, name=label), graph.inputs
 
 

@@ -11,27 +11,36 @@ architecture and cuDNN); elsewhere the error says so.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
-from ..core.problem import Op
+from ..core import validation
+from ..core.problem import AttentionProblem, Op, TensorSpec
 from ..core.restore import problem_from_signature
 from ..core.roles import BACKWARD_OUTPUTS, FORWARD_OUTPUTS, FP8_AMAXES, FP8_BACKWARD_AMAXES, ROLES, offset_role
 from ..errors import GraphStateError, UnsupportedError, ValidationError
 from ..plan_store import signature
 from ..runtime import planner
 from ..runtime.runner import Runner
-from .assembly import INPUTS
+from .assembly import INPUTS, REQUIRED
 from .build import positional_inputs
 from .handles import InputHandle, OutputHandle
 from .keywords import Parsed
 from .node import Node
+from .serialized_checks import binding_problems, header_problems, typed_problems
 
-MAGIC = b"cudnn_attn.graph/1\n"
+# Then a SHA-256 of everything after it, the header's length, the JSON header and the plans.
+MAGIC = b"cudnn_attn.graph/2\n"
+_FORMAT_1 = b"cudnn_attn.graph/1\n"  # no checksum; written before 0.1.0's release
+_DAMAGED = "data: a truncated or damaged serialized graph"
 
 
 def serialize(graph: Any) -> bytes:
     graph.build()
+    recording = graph.recording
+    # A caller-made output (dBias=, dSink_token= given a graph tensor) is found by that tensor's uid and name.
+    caller = {id(h.alias_of): h for h in [*recording.inputs, *recording.made] if h.alias_of is not None}
     nodes, blobs = [], []
     for node in graph.nodes:
         if node.backend is None or node.problem is None:
@@ -39,8 +48,8 @@ def serialize(graph: Any) -> bytes:
         blob = planner.to_blob(node.backend, node.plan)
         tensors = {
             role: {
-                "uid": h.get_uid(),
-                "name": h.name,
+                "uid": caller.get(id(h), h).get_uid(),
+                "name": caller.get(id(h), h).name,
                 "output": isinstance(h, OutputHandle) and h.is_output,
                 "by_value": h.is_pass_by_value,
             }  # fmt: skip
@@ -51,7 +60,8 @@ def serialize(graph: Any) -> bytes:
                       "tensors": tensors, "runtime": node.runtime, "plan_bytes": len(blob)})  # fmt: skip
         blobs.append(blob)
     header = json.dumps({"name": graph.name, "nodes": nodes}).encode()
-    return MAGIC + len(header).to_bytes(8, "little") + header + b"".join(blobs)
+    body = len(header).to_bytes(8, "little") + header + b"".join(blobs)
+    return MAGIC + hashlib.sha256(body).digest() + body
 
 
 def deserialize(graph: Any, data: Any) -> Runner:
@@ -65,11 +75,9 @@ def deserialize(graph: Any, data: Any) -> Runner:
     except (TypeError, ValueError):
         raise ValidationError([f"data: {type(data).__name__}; expected the bytes serialize() returned"]) from None
     header, blobs = _split(raw)
+    problems = _checked_problems(header)
     by_uid: dict[int, Any] = {}
-    for index, entry in enumerate(header["nodes"]):
-        problem = problem_from_signature(entry["problem"])
-        if entry["backend"] == "cudnn" and not problem.device.startswith("cuda"):
-            raise UnsupportedError([f"node {entry['name']}: a cuDNN plan on {problem.device}"], context=graph.name)
+    for index, (entry, problem) in enumerate(zip(header["nodes"], problems)):
         try:
             planned = planner.restore(problem, entry["backend"], blobs[index])
         except UnsupportedError:
@@ -107,21 +115,56 @@ def deserialize(graph: Any, data: Any) -> Runner:
 
 
 def _split(raw: bytes) -> tuple[dict[str, Any], list[bytes]]:
+    """The header and the plans, the checksum checked; ``ValidationError`` for anything else."""
+    if raw.startswith(_FORMAT_1):
+        raise ValidationError(["data: a graph serialized by an earlier cudnn_attn (format 1); serialize it again"])
     if not raw.startswith(MAGIC):
         raise ValidationError(["data: not a graph serialized by cudnn_attn (a frontend plan blob needs import cudnn)"])
-    start = len(MAGIC) + 8
-    size = int.from_bytes(raw[len(MAGIC) : start], "little")
+    start = len(MAGIC) + hashlib.sha256().digest_size
+    body = raw[start:]
+    if len(body) < 8 or hashlib.sha256(body).digest() != raw[len(MAGIC) : start]:
+        raise ValidationError([_DAMAGED])
+    size = int.from_bytes(body[:8], "little")
     try:
-        header = json.loads(raw[start : start + size])
-        blobs, at = [], start + size
-        for entry in header["nodes"]:
-            blobs.append(raw[at : at + entry["plan_bytes"]])
-            at += entry["plan_bytes"]
-    except (ValueError, KeyError, TypeError):
-        raise ValidationError(["data: a truncated or damaged serialized graph"]) from None
-    if at != len(raw):
-        raise ValidationError(["data: a truncated or damaged serialized graph"])
+        header = json.loads(body[8 : 8 + size])
+    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError), or nested past any header
+        raise ValidationError([_DAMAGED]) from None
+    lines = header_problems(header)
+    if lines:
+        raise ValidationError([f"data: {line}" for line in lines])
+    blobs, at = [], 8 + size
+    for entry in header["nodes"]:
+        blobs.append(body[at : at + entry["plan_bytes"]])
+        at += entry["plan_bytes"]
+    if at != len(body):
+        raise ValidationError([_DAMAGED])
     return header, blobs
+
+
+def _checked_problems(header: dict[str, Any]) -> list[AttentionProblem]:
+    """Each node's problem, restored and checked as a build would have made it: typed field by
+    field, well formed, run by a backend that can hold it, its tensors bound one uid each."""
+    problems: list[AttentionProblem] = []
+    seen: dict[int, TensorSpec] = {}
+    for entry in header["nodes"]:
+        where = f"node {entry['name']!r}"
+        try:
+            lines = typed_problems(entry["problem"], AttentionProblem, "problem")
+            problem = problem_from_signature(entry["problem"]) if not lines else None
+        except (ValueError, RecursionError) as error:  # RecursionError: a score_mod nested past any traced one
+            raise ValidationError([f"data: {where}: {error}"]) from None
+        if problem is not None:
+            lines = validation.problems(problem)
+        if problem is not None and not lines and entry["backend"] == "cudnn" and not problem.device.startswith("cuda"):
+            lines = [f"a cuDNN plan on {problem.device}"]
+        if problem is not None and not lines:
+            op, fp8 = problem.op, problem.is_fp8
+            roles = (REQUIRED[op, fp8], INPUTS[op, fp8], _outputs(op))
+            lines = binding_problems(problem, entry["tensors"], entry["runtime"], roles, seen)
+        if lines or problem is None:
+            raise ValidationError([f"data: {where}: {line}" for line in lines])
+        problems.append(problem)
+    return problems
 
 
 def _outputs(op: Op) -> tuple[str, ...]:
