@@ -21,7 +21,7 @@ from . import serialized
 from .declared import resolve
 from .handles import InputHandle
 from .node import Node
-from .overrides import overridden_runner
+from .overrides import check_overridden, overridden_runner
 
 RETENTION = ("PER_GRAPH", "NONE")
 
@@ -285,7 +285,7 @@ class FrontendSteps:
         if index not in runners:
             indexed = dataclasses.replace(node, plan=node.plan.at_index(index))  # type: ignore[union-attr]
             runners[index] = Runner(self.name, self.recording.inputs, [indexed], self.handle)  # type: ignore[attr-defined]
-        inputs, outputs = self._variant_pack(variant_pack)
+        inputs, outputs = self._variant_pack(variant_pack, {})
         runner = runners[index]
         runner.bind_out(values := runner.bind((inputs,))[0], outputs)
         runner.run(values, handle, None, workspace)
@@ -331,17 +331,22 @@ class FrontendSteps:
         if override_uids is not None or override_shapes is not None or override_strides is not None:
             self.build()
             found = overridden_runner(self, override_uids, override_shapes, override_strides)
-        inputs, outputs = self._variant_pack(variant_pack)
+        # Tensors are viewed by memory with the geometry this run checks them against: the override's.
+        inputs, outputs = self._variant_pack(variant_pack, found[1] if found is not None else {})
         if found is not None:
             runner, stand_in = found
+            check_overridden({**inputs, **outputs}, stand_in, self.name)  # type: ignore[attr-defined]
             values, _ = runner.bind(({stand_in[h]: t for h, t in inputs.items()},))
             runner.bind_out(values, {stand_in[h]: t for h, t in outputs.items()})
             runner.run(values, handle, stream, workspace)
             return
         self(inputs, handle=handle, stream=stream, out=outputs, workspace=workspace)  # type: ignore[operator]
 
-    def _variant_pack(self, variant_pack: Mapping[Any, Any]) -> tuple[dict[Any, Any], dict[Any, Any]]:
-        """The pack's inputs and outputs by handle, the graph built; unknown keys and missing outputs raise."""
+    def _variant_pack(
+        self, variant_pack: Mapping[Any, Any], stand_in: Mapping[Any, Any]
+    ) -> tuple[dict[Any, Any], dict[Any, Any]]:
+        """The pack's inputs and outputs by handle, the graph built; unknown keys and missing outputs
+        raise. ``stand_in``: handle -> its stand-in under this run's overrides (its geometry)."""
         if not isinstance(variant_pack, Mapping):
             raise ValidationError([f"variant_pack: {type(variant_pack).__name__}; expected a dict of handle -> tensor"])
         self.build()
@@ -357,7 +362,7 @@ class FrontendSteps:
                     unknown.append(f"{key!r}: not a tensor of this graph (keys: handles, names or uids)")
                 continue
             if handle.ragged_offset is None:  # a ragged tensor is bound by its memory as it is
-                value = interop.same_memory_view(value, handle.spec)
+                value = interop.same_memory_view(value, stand_in.get(handle, handle).spec)
             if isinstance(handle, InputHandle):
                 if handle in read:  # a tensor of the graph no node reads is not bound, as in the frontend
                     inputs[handle] = value

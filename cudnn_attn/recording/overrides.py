@@ -10,12 +10,14 @@ override costs a dict lookup.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import torch
 
 from ..core import validation
 from ..core.problem import TensorSpec
-from ..errors import ValidationError
+from ..errors import ShapeMismatchError, ValidationError
 from ..runtime import planner
 from ..runtime.runner import Runner
 from .declared import resolve
@@ -111,3 +113,23 @@ def _runner(graph: Any, specs: dict[Any, TensorSpec]) -> tuple[Runner, dict[Any,
         raise ValidationError([f"with the overrides: {line}" for line in found], context=graph.name)
     inputs = [stand_in[h] for h in graph.recording.inputs]
     return Runner(graph.name, inputs, nodes, graph.handle), stand_in
+
+
+def check_overridden(given: Mapping[Any, Any], stand_in: Mapping[Any, Any], context: str) -> None:
+    """``ShapeMismatchError`` for each tensor whose dims or strides are not those this run's
+    override gives it, said as such (the runner's check speaks of the geometry the graph was
+    built for; it checks the dtype and device, and the tensors no override touches)."""
+    found = []
+    for handle, tensor in given.items():
+        spec = stand_in[handle].spec if handle in stand_in else None
+        if spec is None or spec == handle.spec or handle.ragged_offset is not None or type(tensor) is not torch.Tensor:
+            continue
+        uid = handle.get_uid()
+        if tuple(tensor.shape) != spec.shape:
+            found.append(f"{handle.name}: shape {list(tensor.shape)}; override_shapes[{uid}] gives {list(spec.shape)}")
+        elif any(n != 1 and a != b for n, a, b in zip(spec.shape, tensor.stride(), spec.stride)):
+            found.append(
+                f"{handle.name}: strides {list(tensor.stride())}; override_strides[{uid}] gives {list(spec.stride)}"
+            )
+    if found:
+        raise ShapeMismatchError(found, context=context)
