@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from conftest import TOLERANCE, rel_err
 
 import cudnn_attn
-from cudnn_attn.errors import UnsupportedError
 from cudnn_attn.functional import torch_kernel
 
 
@@ -72,9 +71,12 @@ NESTED = {
     "window-causal": ([9, 4, 13], None, {"window_size": (3, 0)}),
     "window-is_causal": ([9, 4, 13], None, {"window_size": (1, -1), "is_causal": True}),
     "all-three": ([7, 12], None, {"sinks": True, "softcap": 3.0, "window_size": (4, 0)}),
+    "window-right": ([9, 4, 13], None, {"window_size": (2, 3)}),
+    "window-right-sinks": ([9, 4, 13], None, {"window_size": (-1, 1), "sinks": True}),
     "cross-sinks": ([5, 1, 9], [11, 3, 4], {"sinks": True}),
     "cross-window-causal": ([3, 6, 2], [8, 6, 5], {"window_size": (2, 0)}),
     "cross-window-left": ([3, 6, 2], [8, 6, 5], {"window_size": (1, -1)}),
+    "cross-window-right": ([3, 6, 2], [8, 6, 5], {"window_size": (0, 2)}),
 }
 
 
@@ -122,14 +124,6 @@ def test_nested_inputs_get_sinks_softcap_and_window_per_sequence(case, dtype):
             d_sinks += s64.grad
     if sinks is not None:
         assert rel_err(sinks.grad, d_sinks) < 4 * TOLERANCE[dtype]
-
-
-def test_nested_window_with_a_right_bound_is_refused_by_name():
-    gen = torch.Generator().manual_seed(3)
-    (leaf, _) = _nested([4, 6], 2, 8, torch.float32, gen)
-    q = leaf.transpose(1, 2)
-    with pytest.raises(UnsupportedError, match=r"window_size: right bound 2 with nested tensors"):
-        cudnn_attn.sdpa(q, q, q, window_size=(1, 2))
 
 
 def test_nested_call_logs_no_fx_tracing_warning():

@@ -14,8 +14,8 @@ aligned top-left per sequence (torch's SDPA refuses causal nested inputs)::
 
 k and v may have lengths of their own (cross-attention); they must share one ragged structure.
 ``sinks``, ``softcap`` and ``window_size`` act per sequence exactly as in the dense call (the window
-measured from each sequence's top-left diagonal); what the packed door cannot take (a right
-bound > 0, dropout beside sinks or softcap) is refused by name.
+measured from each sequence's top-left diagonal); what the packed door cannot take (dropout
+beside sinks or softcap) is refused by name.
 The longest length comes from torch's cache on the nested tensor where it has one; otherwise it
 is computed once (a host sync on a GPU) and cached there for the tensors derived from it.
 """
@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..core.dtypes import dtype_name
 from ..core.mask import Causal, window_band
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
 from ..varlen import varlen_attention
@@ -52,7 +53,7 @@ def nested_sdpa(
     """``cudnn_attn.sdpa`` where one of query/key/value/attn_mask is nested: checked, then run on
     the packed tokens; returns a jagged ``[B, H, (S_q), D_v]`` with q's lengths."""
     q, k, v = _checked(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    causal, window_left = _band(window_size, is_causal)
+    causal, window_left, window_right = _band(window_size, is_causal)
     try:
         out = varlen_attention(
             _packed(q),
@@ -64,6 +65,7 @@ def nested_sdpa(
             _max_seqlen(k),
             causal=None if causal is Causal.NONE else causal.value,
             window_left=window_left,
+            window_right=window_right,
             scale=scale,
             dropout_p=float(dropout_p),
             enable_gqa=bool(enable_gqa),
@@ -87,25 +89,16 @@ def _jagged(values: torch.Tensor, offsets: torch.Tensor, max_seqlen: Any, min_se
     return nested_view_from_values_offsets_lengths(values, offsets, None, min_seqlen=min_seqlen, max_seqlen=max_seqlen)
 
 
-def _band(window_size: Any, is_causal: Any) -> tuple[Causal, int | None]:
+def _band(window_size: Any, is_causal: Any) -> tuple[Causal, int | None, int | None]:
     """The dense call's causal mask and ``window_size`` as the packed door's ``(causal,
-    window_left)``: both top-left per sequence, as the dense call measures them."""
+    window_left, window_right)``: all top-left per sequence, as the dense call measures them."""
     if window_size is None:
         window_size = (-1, -1)
     try:
         causal, window, right = window_band(window_size, causal_kind(is_causal))
     except ValueError as error:
         raise ValidationError([str(error)], context="sdpa") from None
-    if right is not None:
-        raise UnsupportedError(
-            [
-                f"window_size: right bound {right} with nested tensors; the packed (varlen) path takes a right bound "
-                "of 0 (causal) or -1 (none)"
-            ],
-            context="sdpa",
-            alternatives=["dense [B, H, S, D] tensors (padded, with attn_mask) take any right bound"],
-        )
-    return causal, None if window is None else window - 1
+    return causal, None if window is None else window - 1, right
 
 
 def _checked(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> tuple[Any, Any, Any]:
@@ -120,7 +113,13 @@ def _checked(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
                                              "attn_mask", "dense [B, H, S, D] tensors padded, with attn_mask"])  # fmt: skip
     check_arguments(query, key, value, None, dropout_p, is_causal, scale, enable_gqa)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    problems = [f"{name}: batch {t.shape[0]} differs from query's {q.shape[0]}; one sequence per query sequence"
+    problems = []
+    if not query.dtype == key.dtype == value.dtype:  # said as dense sdpa says it, naming query
+        problems.append(
+            f"query: dtype {dtype_name(query.dtype)} but key is {dtype_name(key.dtype)} and value "
+            f"{dtype_name(value.dtype)}; query, key and value must share one dtype"
+        )
+    problems += [f"{name}: batch {t.shape[0]} differs from query's {q.shape[0]}; one sequence per query sequence"
                 for name, t in (("key", k), ("value", v)) if t.shape[0] != q.shape[0]]  # fmt: skip
     # An empty packing would run on a warm plan and be refused by a cold one: refused here, as dense sdpa does.
     problems += [f"{name}: no tokens (every sequence is empty); at least one is needed, as in dense sdpa"
