@@ -75,7 +75,7 @@ def test_arguments_it_cannot_take_are_named():
 # no amax to scale by; the others are found by the graph, which names its own q, k, v.
 BAD_SHAPES = {
     "empty": (((1, 4, 0, 16), (1, 1, 0, 16)), "query: shape \\[1, 4, 0, 16\\] has an empty dimension"),
-    "head-dim": (((1, 2, 8, 32), (1, 2, 8, 48)), "key: head dim d_qk=48 differs"),
+    "head-dim": (((1, 2, 8, 32), (1, 2, 8, 48)), "key: head dim 48 differs from query's 32"),
     "heads": (((1, 2, 8, 16), (1, 3, 8, 16)), "key: 3 heads"),
 }
 
