@@ -248,3 +248,50 @@ def test_quickstart_mistake_lists_heads_and_head_dim():
         cudnn_attn.sdpa(q, k, k)
     text = str(info.value)
     assert "4 heads differ from query's 8" in text and "head dim 32 differs from query's 64" in text
+
+
+# --- 9 (ranks). Any rank torch takes: [L, E], [H, L, E], [N, ..., H, L, E] -----------------------
+
+RANKS = {
+    "2-D": ((8, 16), (12, 16), {}),
+    "2-D-causal": ((8, 16), (8, 16), {"is_causal": True}),
+    "5-D": ((2, 3, 4, 8, 16), (2, 3, 4, 8, 16), {"is_causal": True}),
+    "5-D-gqa": ((2, 3, 4, 8, 16), (2, 3, 2, 8, 16), {"enable_gqa": True}),
+    "5-D-mask": ((2, 3, 4, 8, 16), (2, 3, 4, 8, 16), {"attn_mask": (3, 4, 8, 8)}),
+    "6-D": ((2, 1, 2, 2, 8, 16), (2, 1, 2, 2, 8, 16), {}),
+}
+
+
+@pytest.mark.parametrize("block", ["auto", "reference"])
+@pytest.mark.parametrize("case", RANKS.values(), ids=RANKS.keys())
+def test_any_rank_torch_takes_runs_with_its_gradients(case, block):
+    q_shape, kv_shape, keywords = case
+    gen = torch.Generator().manual_seed(len(q_shape) * 7 + len(keywords))
+    q = torch.randn(q_shape, generator=gen).requires_grad_()
+    k, v = (torch.randn(kv_shape, generator=gen).requires_grad_() for _ in range(2))
+    keywords = dict(keywords)
+    if "attn_mask" in keywords:
+        keywords["attn_mask"] = torch.randn(keywords["attn_mask"], generator=gen)
+    with cudnn_attn.backend(block):
+        out = cudnn_attn.sdpa(q, k, v, **keywords)
+    want = F.scaled_dot_product_attention(q, k, v, **keywords)
+    assert out.shape == want.shape
+    assert rel_err(out, want) < TOLERANCE[torch.float32]
+    d_out = torch.randn(want.shape, generator=gen)
+    for got, expected in zip(torch.autograd.grad(out, (q, k, v), d_out), torch.autograd.grad(want, (q, k, v), d_out)):
+        assert rel_err(got, expected) < TOLERANCE[torch.float32]
+
+
+def test_any_rank_takes_score_terms_per_row_of_its_batch():
+    """A 5-D call with a window is the 4-D call of its flattened batch, reshaped back."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 4, 8, 16, generator=gen) for _ in range(3))
+    out = cudnn_attn.sdpa(q, k, v, window_size=(2, 0), softcap=5.0)
+    flat = cudnn_attn.sdpa(*(t.reshape(6, 4, 8, 16) for t in (q, k, v)), window_size=(2, 0), softcap=5.0)
+    assert torch.equal(out, flat.reshape(2, 3, 4, 8, 16))
+
+
+def test_batch_dims_that_differ_are_named():
+    q, k = torch.randn(2, 3, 4, 8, 16), torch.randn(2, 2, 4, 8, 16)
+    with pytest.raises(cudnn_attn.ValidationError, match=r"key: batch \[2, 2\] differs from query's \[2, 3\]"):
+        cudnn_attn.sdpa(q, k, k)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -146,8 +147,8 @@ def check_arguments(
             problems.append(_subclass_problem(name, t))
         elif t.dtype not in TORCH_FLOATING:
             problems.append(f"{name}: dtype {dtype_name(t.dtype)}; expected float16, bfloat16, float32 or float64")
-        elif t.dim() not in (3, 4):
-            problems.append(f"{name}: {t.dim()}-D (shape {list(t.shape)}); expected [B, H, L, E] or [H, L, E]")
+        elif t.dim() < 2:
+            problems.append(f"{name}: {t.dim()}-D (shape {list(t.shape)}); expected [..., H, L, E] or [L, E]")
         else:
             usable[name] = t
     mask = attn_mask if isinstance(attn_mask, torch.Tensor) else None
@@ -189,15 +190,15 @@ def _geometry_problems(query, key, value, mask, enable_gqa: bool) -> list[str]:
     if query.dim() != key.dim() or query.dim() != value.dim():
         problems.append(f"key: {key.dim()}-D and value: {value.dim()}-D; query is {query.dim()}-D, they must match")
         return problems  # which dimension is which is undecidable
-    h_q = query.shape[-3]
+    h_q = heads_of(query)
     for name, t in (("key", key), ("value", value)):
-        h = t.shape[-3]
+        h = heads_of(t)
         if not enable_gqa and h != h_q:
             problems.append(f"{name}: {h} heads differ from query's {h_q}; pass enable_gqa=True for GQA/MQA")
         elif enable_gqa and (h == 0 or h_q % h):
             problems.append(f"{name}: {h} heads do not divide query's {h_q} (enable_gqa=True needs H_kv to divide H_q)")
-        if query.dim() == 4 and t.shape[0] != query.shape[0]:
-            problems.append(f"{name}: batch {t.shape[0]} differs from query's {query.shape[0]}")
+        if t.shape[:-3] != query.shape[:-3]:
+            problems.append(f"{name}: batch {list(t.shape[:-3])} differs from query's {list(query.shape[:-3])}")
     for name, t in (("query", query), ("value", value)):
         if t.shape[-1] == 0:
             problems.append(f"{name}: head dim 0 (shape {list(t.shape)}); head dims must be >= 1")
@@ -231,7 +232,7 @@ def score_term_problems(sinks: Any, softcap: Any, window_size: Any, query: torch
         if not isinstance(sinks, torch.Tensor):
             problems.append(f"sinks: {type(sinks).__name__}; expected a tensor of one logit per query head")
         elif query is not None:
-            heads = query.shape[-3]
+            heads = heads_of(query)
             if sinks.numel() != heads or sinks.dim() not in (1, 4) or not sinks.is_floating_point():
                 problems.append(
                     f"sinks: shape {list(sinks.shape)} dtype {sinks.dtype}; expected a real tensor of "
@@ -298,15 +299,45 @@ def mask_as_bias(attn_mask: torch.Tensor, q: torch.Tensor, s_kv: int) -> torch.T
     return attn_mask
 
 
-def batched(query, key, value, attn_mask, scale) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, float, bool]:
-    """A checked call's tensors as the plans take them: ``[B, H, S, D]`` (``[H, S, D]`` gets a batch
-    of one: ``squeeze`` says to drop it from the output), each a layout cuDNN reads, the scale
+def batched(
+    query, key, value, attn_mask, scale
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, float, Restore]:
+    """A checked call's tensors as the plans take them: ``[B, H, S, D]`` (torch's ``[L, E]`` is one
+    head of a batch of one, ``[H, L, E]`` a batch of one, ``[N, ..., H, L, E]`` a batch of N x ...;
+    ``restore`` gives the output back the caller's rank), each a layout cuDNN reads, the scale
     resolved and the mask as an additive bias."""
-    squeeze = query.dim() == 3
-    if squeeze:
-        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-        attn_mask = attn_mask if attn_mask is None or attn_mask.dim() < 3 else attn_mask.unsqueeze(0)
+    lead = query.shape[:-3]
+    restore = _restore(query.dim(), lead)
+    if query.dim() != 4:
+        query, key, value = (_as_4d(t) for t in (query, key, value))
+        if attn_mask is not None and attn_mask.dim() > 3 and len(lead) > 1:
+            # broadcast over the caller's batch dims, then flattened with them
+            attn_mask = attn_mask.expand(*lead, *attn_mask.shape[-3:]).reshape(-1, *attn_mask.shape[-3:])
     query, key, value = (materialised(t) for t in (query, key, value))
     scale = float(scale) if scale is not None else default_scale(query.shape[-1])
     bias = None if attn_mask is None else mask_as_bias(attn_mask, query, key.shape[-2])
-    return query, key, value, bias, scale, squeeze
+    return query, key, value, bias, scale, restore
+
+
+Restore = Callable[[torch.Tensor], torch.Tensor]
+
+
+def heads_of(t: torch.Tensor) -> int:
+    """Heads of a torch-style ``[..., H, L, E]`` tensor (``[L, E]``: one)."""
+    return t.shape[-3] if t.dim() >= 3 else 1
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    """``[L, E]``, ``[H, L, E]`` or ``[N, ..., H, L, E]`` as ``[B, H, L, E]`` (a view where it can be)."""
+    if t.dim() <= 3:
+        return t[(None,) * (4 - t.dim())]
+    return t.reshape(-1, *t.shape[-3:])
+
+
+def _restore(rank: int, lead: torch.Size) -> Restore:
+    """The output ``[B, H, L, Ev]`` back in the caller's rank."""
+    if rank == 4:
+        return lambda out: out
+    if rank <= 3:
+        return lambda out: out[(0,) * (4 - rank)]
+    return lambda out: out.reshape(*lead, *out.shape[1:])

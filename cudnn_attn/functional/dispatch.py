@@ -115,7 +115,7 @@ def sdpa(
         attn_mask: None; a bool mask (True takes part) or an additive float mask, broadcastable
             to ``[B, H_q, L, S]``; or torch's ``causal_upper_left(L, S)`` /
             ``causal_lower_right(L, S)`` (cuDNN's top-left and bottom-right causal masks, no
-            memory read). Not together with ``is_causal``.
+            memory read). With ``is_causal`` too, both apply (as torch 2.13 applies them).
         dropout_p: probability of dropping an attention weight, ``0 <= p < 1``. Applied whenever
             it is > 0 (pass 0.0 at inference, as with torch); the seed is drawn from torch's
             default generator (``torch.manual_seed`` repeats it), the backward reuses the mask.
@@ -131,14 +131,15 @@ def sdpa(
             measured from the top-left diagonal as ``is_causal``.
 
     Returns:
-        The attention output, ``[B, H_q, L, E_v]`` (``[H_q, L, E_v]`` unbatched), in query's
-        dtype and on its device.
+        The attention output, ``[B, H_q, L, E_v]``, in query's dtype and on its device; other
+        ranks as torch takes them: ``[H_q, L, E_v]`` unbatched, ``[L, E_v]`` for ``[L, E]`` inputs,
+        ``[N, ..., H_q, L, E_v]`` for more batch dims.
 
     Raises:
         ValidationError: the call is malformed, one line per problem in torch's argument names:
-            dtypes or devices that differ, ranks other than 3 or 4, head counts without
-            ``enable_gqa``, a mask that does not broadcast, ``is_causal`` with ``attn_mask``,
-            ``dropout_p`` outside ``[0, 1)``, a tensor subclass whose storage is not its values.
+            dtypes or devices that differ, fewer than 2 dimensions, head counts without
+            ``enable_gqa``, batch dims that differ, a mask that does not broadcast, ``dropout_p``
+            outside ``[0, 1)``, a tensor subclass whose storage is not its values.
         UnsupportedError: well formed, but this GPU or cuDNN version cannot run it (for example
             a head dim over 256, or a feature that needs a newer cuDNN); the reasons, and what
             would work, are listed.
@@ -184,7 +185,7 @@ def sdpa(
         torch_kernel.check_as_graph(query, key, value, attn_mask, dropout_p, causal, scale, train)
     if why is not None:
         return torch_kernel.run(why, query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa)
-    query, key, value, bias, scale, squeeze = batched(query, key, value, attn_mask, scale)
+    query, key, value, bias, scale, restore = batched(query, key, value, attn_mask, scale)
     seed = offset = None
     if dropout_p > 0:
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
@@ -193,7 +194,7 @@ def sdpa(
         out, _ = sdpa_forward(query, key, value, bias, scale, causal.value, float(dropout_p), seed, offset, train)
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
         raise error.renamed(ARGUMENT_NAMES, context="sdpa") from None
-    return out.squeeze(0) if squeeze else out
+    return restore(out)
 
 
 def _windowed(window_size: object) -> bool:

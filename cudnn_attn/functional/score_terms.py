@@ -48,13 +48,13 @@ def sdpa_with_score_terms(query, key, value, attn_mask, dropout_p, is_causal, sc
         causal, window, right = window_band(window_size, causal_kind(is_causal))
     except ValueError as error:
         raise ValidationError([str(error)], context="sdpa") from None
-    query, key, value, bias, scale, squeeze = batched(query, key, value, attn_mask, scale)
+    query, key, value, bias, scale, restore = batched(query, key, value, attn_mask, scale)
     run = compiled_score_terms_sdpa if torch.compiler.is_compiling() else score_terms_sdpa
     try:
         out = run(query, key, value, bias, scale, causal, float(dropout_p), sinks, softcap, window, right)
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
         raise error.renamed(ARGUMENT_NAMES, context="sdpa") from None
-    return out.squeeze(0) if squeeze else out
+    return restore(out)
 
 
 def score_terms_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float,
