@@ -148,6 +148,10 @@ def run(why: str, query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: f
     problems = shape_problems(query, key, value, enable_gqa)
     if problems:  # what torch's kernel would raise a RuntimeError for, said as the graphs say it
         raise ValidationError(problems, context="sdpa")
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() < 2:
+        # torch 2.13's CPU flash kernel raises IndexError for a 0-D or 1-D mask beside 4-D inputs
+        # (its math kernel broadcasts it, as documented): [S] and [1, S] are the same mask.
+        attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.dim()) + tuple(attn_mask.shape))
     if causal is Causal.BOTTOM_RIGHT:
         from torch.nn.attention.bias import causal_lower_right  # loads torch._dynamo: not at import
 
