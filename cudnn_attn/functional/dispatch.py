@@ -115,7 +115,8 @@ def sdpa(
         attn_mask: None; a bool mask (True takes part) or an additive float mask, broadcastable
             to ``[B, H_q, L, S]``; or torch's ``causal_upper_left(L, S)`` /
             ``causal_lower_right(L, S)`` (cuDNN's top-left and bottom-right causal masks, no
-            memory read). With ``is_causal`` too, both apply (as torch 2.13 applies them).
+            memory read). With ``is_causal`` too, both apply (as torch 2.13's CPU and flash
+            kernels apply them; its documentation and math kernel refuse the pair).
         dropout_p: probability of dropping an attention weight, ``0 <= p < 1``. Applied whenever
             it is > 0 (pass 0.0 at inference, as with torch); the seed is drawn from torch's
             default generator (``torch.manual_seed`` repeats it), the backward reuses the mask.
