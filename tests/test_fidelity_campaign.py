@@ -150,18 +150,23 @@ def test_dense_sdpa(case):
 # --- varlen_sdpa (FlashAttention's semantics) -----------------------------------------------------
 
 
-def _varlen_case(n: int) -> dict:
-    rng = random.Random(SEED + 1000 + n)
+def _sequences_case(rng: random.Random, right_bounds: bool) -> dict:
+    """Heads, head dim, dtype, features and 1-4 query lengths of a packed or nested case."""
     h_kv = rng.choice([1, 2])
     case = {
         "h": h_kv * rng.choice([1, 2]),
         "h_kv": h_kv,
         "d": rng.choice([8, 16]),
         "dtype": rng.choice(DTYPES),
-        **_features(rng, right_bounds=False),
+        **_features(rng, right_bounds=right_bounds),
     }
-    batch = rng.randint(1, 4)
-    case["lq"] = [rng.randint(1, 12) for _ in range(batch)]
+    case["lq"] = [rng.randint(1, 12) for _ in range(rng.randint(1, 4))]
+    return case
+
+
+def _varlen_case(n: int) -> dict:
+    rng = random.Random(SEED + 1000 + n)
+    case = _sequences_case(rng, right_bounds=False)
     same = case["softcap"] is not None or rng.random() < 0.4  # packed softcap needs self-attention
     case["lk"] = list(case["lq"]) if same else [lq + rng.randint(0, 6) for lq in case["lq"]]
     if not case["causal"] and case["window"][1] == 0:
@@ -223,18 +228,9 @@ def test_varlen_sdpa(case):
 
 def _nested_case(n: int) -> dict:
     rng = random.Random(SEED + 2000 + n)
-    h_kv = rng.choice([1, 2])
-    case = {
-        "h": h_kv * rng.choice([1, 2]),
-        "h_kv": h_kv,
-        "d": rng.choice([8, 16]),
-        "dtype": rng.choice(DTYPES),
-        **_features(rng, right_bounds=True),
-    }
-    batch = rng.randint(1, 4)
-    case["lq"] = [rng.randint(1, 12) for _ in range(batch)]
+    case = _sequences_case(rng, right_bounds=True)
     cross = case["softcap"] is None and case["window"] == (-1, -1) and rng.random() < 0.5
-    case["lk"] = [rng.randint(1, 12) for _ in range(batch)] if cross else list(case["lq"])
+    case["lk"] = [rng.randint(1, 12) for _ in case["lq"]] if cross else list(case["lq"])
     return case
 
 
