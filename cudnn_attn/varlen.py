@@ -32,6 +32,7 @@ Output rows past ``cu_seqlens_q[-1]`` (and gradient rows no sequence covers) are
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -235,6 +236,9 @@ def varlen_attention(
             raise ValidationError(error.problems, context=context) from None
         except UnsupportedError as error:
             raise UnsupportedError(error.problems, context=context) from None
+    # Read here: inside the autograd function grad mode is off, and its needs_input_grad says
+    # nothing of it (a call under no_grad needs no stats and no backward).
+    options.train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
     try:
         return _Varlen.apply(q, k, v, lengths_q, lengths_k, options, sinks, cu_seqlens_q)
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
@@ -253,6 +257,7 @@ class _Options:
     def __init__(self, scores: ScoreOptions, max_q: int, max_k: int, deterministic: bool = False, lse: bool = False):
         self.scores, self.max_q, self.max_k = scores, max_q, max_k
         self.deterministic, self.lse = deterministic, lse
+        self.train = False  # whether the call needs gradients (its stats and backward)
         self.rng: tuple[torch.Tensor, torch.Tensor] | None = None
         self.modifier: ScoreModifier | None = None  # softcap's, holding the causal mask and window
 
@@ -267,16 +272,24 @@ class _Options:
         return TensorSpec.of(self.rng[0]), TensorSpec.of(self.rng[1])
 
 
+_backward_prepared: weakref.WeakSet[PreparedRun] = weakref.WeakSet()  # forward runs whose backward is prepared
+
+
 @backend_choice.kept_for_backward
 class _Varlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, lengths_q, lengths_k, options, sinks, cu_seqlens_q):  # type: ignore[override]
-        train = any(ctx.needs_input_grad[:3]) or (sinks is not None and ctx.needs_input_grad[6])
+        train = options.train
         sink = sink_token(sinks)
         run = _forward_run(q, k, v, lengths_q, lengths_k, options, train or options.lse, sink)
         out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)  # every row written
         outputs = run.run(options.inputs(q=q, k=k, v=v, seq_len_q=lengths_q, seq_len_kv=lengths_k, sink_token=sink),
                           {"o": out})  # fmt: skip
+        if train and run not in _backward_prepared:
+            # The backward's plan, prepared with the forward's first run of a geometry: what it
+            # cannot run is refused here, not after a forward the caller has built on.
+            _backward_run(q, k, v, out, out, outputs["stats"], lengths_q, lengths_k, options, sink)
+            _backward_prepared.add(run)
         if train:
             ctx.save_for_backward(q, k, v, out, outputs["stats"], lengths_q, lengths_k, sink)
             ctx.options, ctx.sink_meta = options, None if sinks is None else (sinks.shape, sinks.dtype)

@@ -320,3 +320,32 @@ def test_score_terms_still_run_on_the_reference_on_the_cpu():
     out = cudnn_attn.sdpa(q, k, v, softcap=4.0)
     assert type(out.grad_fn).__name__ != "ScaledDotProductFlashAttentionForCpuBackward0"
     assert rel_err(out, oracle(q, k, v, softcap=4.0)) < TOLERANCE[torch.float32]
+
+
+def test_a_packed_backward_that_cannot_run_is_refused_at_the_forward(monkeypatch):
+    """A call that needs gradients prepares its backward with its forward's first run of a
+    geometry: a backward the backend refuses (a sink in a packed backward before cuDNN 9.26)
+    is refused there, not after the forward; a later call's backward finds its plan prepared."""
+    from cudnn_attn import varlen
+
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(10, 2, 16, generator=gen).requires_grad_() for _ in range(3))
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    prepared = []
+    original = varlen._backward_run
+
+    def refusing(*args, **kwargs):
+        prepared.append(args)
+        raise cudnn_attn.UnsupportedError(["sink_token in a ragged (THD) backward: refused (injected)"])
+
+    monkeypatch.setattr(varlen, "_backward_run", refusing)
+    sinks = torch.randn(2, generator=gen).requires_grad_()
+    with pytest.raises(cudnn_attn.UnsupportedError, match="injected"):
+        cudnn_attn.varlen_sdpa(q, k, v, cu, cu, 6, 6, causal=True, sinks=sinks, window_size=(3, 0))
+    assert len(prepared) == 1
+    with torch.no_grad():  # no gradients: no backward to prepare
+        cudnn_attn.varlen_sdpa(q, k, v, cu, cu, 6, 6, causal=True, sinks=sinks, window_size=(3, 0))
+    monkeypatch.setattr(varlen, "_backward_run", original)
+    out = cudnn_attn.varlen_sdpa(q, k, v, cu, cu, 6, 6, causal=True, sinks=sinks, window_size=(4, 0))
+    out.sum().backward()
+    assert q.grad is not None and sinks.grad is not None
