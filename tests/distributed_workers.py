@@ -373,8 +373,13 @@ def absent_rank(rank: int, world: int, init_file: str, timeout_s: float, done: A
     and report how they ended and after how long. The absent rank waits until they have."""
     os.environ.setdefault("CUDNN_ATTN_CACHE_DIR", "")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     if rank == world - 1:
         done.wait(timeout=120)
         os._exit(0)  # its group is broken by the others' timeout: no orderly teardown

@@ -262,9 +262,12 @@ def test_a_rank_that_never_calls_holds_the_others_only_for_the_group_timeout(siz
     process group's timeout, as docs/training.md says: the calling ranks raise once it passes."""
     context = mp.get_context("spawn")
     results, done = context.Queue(), context.Event()
-    ranks = [context.Process(target=workers.absent_rank,
-                             args=(rank, size, str(tmp_path / "init"), ABSENT_TIMEOUT_S, done, results))
-             for rank in range(size)]  # fmt: skip
+    ranks = [
+        context.Process(
+            target=workers.absent_rank, args=(rank, size, str(tmp_path / "init"), ABSENT_TIMEOUT_S, done, results)
+        )
+        for rank in range(size)
+    ]
     for process in ranks:
         process.start()
     try:

@@ -86,8 +86,9 @@ def test_varlen_window_is_flash_attention_bottom_right(case):
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out = cudnn_attn.varlen_sdpa(*leaves, cu_q, cu_k, max(LENGTHS_Q), max(LENGTHS_K), **options)
     refs = [x.double().requires_grad_() for x in (q, k, v)]
-    expected = varlen_oracle(*refs, cu_q, cu_k, 32**-0.5, lambda s_q, s_k: flash_window_mask(s_q, s_k, left, right,
-                                                                                               causal))  # fmt: skip
+    expected = varlen_oracle(
+        *refs, cu_q, cu_k, 32**-0.5, lambda s_q, s_k: flash_window_mask(s_q, s_k, left, right, causal)
+    )
     assert rel_err(out, expected) < TOLERANCE[torch.bfloat16]
     d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(12)).to(out.dtype)
     out.backward(d_out)
@@ -146,16 +147,27 @@ def test_ragged_offset_past_b_minus_1_strides_runs_when_the_sequence_fits():
 
     q, k, v, o = placed(True), placed(True), placed(True), placed(False)
     seq = torch.tensor(lengths, dtype=torch.int32).view(-1, 1, 1, 1)
-    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF, intermediate_data_type=cudnn.data_type.FLOAT,
-                      compute_data_type=cudnn.data_type.FLOAT)  # fmt: skip
+    g = cudnn.pygraph(
+        io_data_type=cudnn.data_type.HALF,
+        intermediate_data_type=cudnn.data_type.FLOAT,
+        compute_data_type=cudnn.data_type.FLOAT,
+    )
     handles, pack = {}, {}
     for name, t in (("q", q), ("k", k), ("v", v)):
         handles[name], offsets = g.tensor_like(t.view), g.tensor_like(t.offsets)
         handles[name].set_ragged_offset(offsets)
         pack.update({handles[name]: t.view, offsets: t.offsets})
     sq, skv = g.tensor_like(seq), g.tensor_like(seq)
-    out, _ = g.sdpa(q=handles["q"], k=handles["k"], v=handles["v"], is_inference=True, attn_scale=d**-0.5,
-                    use_padding_mask=True, seq_len_q=sq, seq_len_kv=skv)  # fmt: skip
+    out, _ = g.sdpa(
+        q=handles["q"],
+        k=handles["k"],
+        v=handles["v"],
+        is_inference=True,
+        attn_scale=d**-0.5,
+        use_padding_mask=True,
+        seq_len_q=sq,
+        seq_len_kv=skv,
+    )
     o_offsets = g.tensor_like(o.offsets)
     out.set_output(True).set_dim(list(o.view.shape)).set_stride(list(o.view.stride())).set_ragged_offset(o_offsets)
     pack.update({sq: seq, skv: seq, out: o.view, o_offsets: o.offsets})
@@ -176,8 +188,15 @@ def test_ragged_offset_whose_sequence_ends_past_the_tensor_is_refused_by_name():
     g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF)
     tq = g.tensor_like(q)
     tq.set_ragged_offset(g.tensor_like(offsets))
-    g.sdpa(q=tq, k=g.tensor_like(q), v=g.tensor_like(q), is_inference=True, use_padding_mask=True,
-           seq_len_q=g.tensor_like(lengths), seq_len_kv=g.tensor_like(lengths))  # fmt: skip
+    g.sdpa(
+        q=tq,
+        k=g.tensor_like(q),
+        v=g.tensor_like(q),
+        is_inference=True,
+        use_padding_mask=True,
+        seq_len_q=g.tensor_like(lengths),
+        seq_len_kv=g.tensor_like(lengths),
+    )
     with pytest.raises(cudnn.ValidationError, match=r"q.ragged_offset: offsets \[288\] out of range"):
         g.build()
 
@@ -194,8 +213,9 @@ def paged_oracle(q, k_cache, v_cache, table, lengths, scale):
     for b in range(batch):
         n = int(lengths[b])
         pages = table[b, : -(-n // page)].long()
-        keys, values = (c[pages].double().permute(1, 0, 2, 3).reshape(h_kv, -1, c.shape[-1])[:, :n]
-                        for c in (k_cache, v_cache))  # fmt: skip
+        keys, values = (
+            c[pages].double().permute(1, 0, 2, 3).reshape(h_kv, -1, c.shape[-1])[:, :n] for c in (k_cache, v_cache)
+        )
         keys, values = (x.repeat_interleave(h_q // h_kv, 0) for x in (keys, values))
         scores = (q[b].double() @ keys.transpose(1, 2)) * scale
         allowed = flash_window_mask(s_q, n, -1, 0, True)
@@ -248,8 +268,9 @@ def test_gpu_varlen_bottom_right_window_matches_the_oracle(case):
         d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(22)).to(out)
         out.backward(d_out)
     refs = [x.double().requires_grad_() for x in (q, k, v)]
-    expected = varlen_oracle(*refs, cu_q, cu_k, 32**-0.5, lambda s_q, s_k: flash_window_mask(s_q, s_k, left, right,
-                                                                                               causal))  # fmt: skip
+    expected = varlen_oracle(
+        *refs, cu_q, cu_k, 32**-0.5, lambda s_q, s_k: flash_window_mask(s_q, s_k, left, right, causal)
+    )
     assert rel_err(out, expected) < TOLERANCE[torch.bfloat16]
     expected.backward(d_out.double().cpu())
     for got, want in zip(leaves, refs):
