@@ -68,26 +68,29 @@ def backward(q, k, v, out, d_out, stats, scale: float, mask: str, window: int | 
 
 
 def packed_forward(q, k, v, lengths_q, lengths_k, max_q: int, max_k: int, scale: float, mask: str,
-                   window: int | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                   window: int | None, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(o [T_q, H, D_v], stats float32 [B, H, max_q, 1])`` of packed sequences: ``q``
     ``[T_q, H, D]``, ``k``/``v`` ``[T_k, H_kv, D]``, contiguous, ``lengths_*`` int32 ``[B, 1, 1, 1]``
-    summing to the token counts; ``max_*``: bounds on the lengths (plan buckets)."""
+    summing to the token counts; ``max_*``: bounds on the lengths (plan buckets); ``out``: where
+    to write ``o`` (contiguous), None: a new tensor."""
     inputs = {"q": q, "k": k, "v": v, "seq_len_q": lengths_q, "seq_len_kv": lengths_k}
     run = _packed_run("pf", inputs, max_q, max_k, scale, mask, window)
-    o = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
+    o = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device) if out is None else out
     stats = torch.empty(lengths_q.shape[0], q.shape[1], max_q, 1, dtype=torch.float32, device=q.device)
     run.run(inputs, {"o": o, "stats": stats})
     return o, stats
 
 
 def packed_backward(q, k, v, out, d_out, stats, lengths_q, lengths_k, max_q: int, max_k: int, scale: float, mask: str,
-                    window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+                    window: int | None, d_q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dq, dk, dv)`` of packed sequences, laid out as q, k, v; ``out``, ``d_out`` and
-    ``stats`` are the whole rows' (as ``backward``), ``out``/``d_out`` contiguous like q."""
+    ``stats`` are the whole rows' (as ``backward``), ``out``/``d_out`` contiguous like q; ``d_q``:
+    where to write dq (contiguous, q's dtype), None: a new tensor."""
     inputs = {"q": q, "k": k, "v": v, "o": out, "grad_o": d_out, "stats": stats, "seq_len_q": lengths_q,
               "seq_len_kv": lengths_k}  # fmt: skip
     run = _packed_run("pb", inputs, max_q, max_k, scale, mask, window)
-    grads = {"grad_q": torch.empty_like(q), "grad_k": torch.empty_like(k), "grad_v": torch.empty_like(v)}
+    grad_q = torch.empty_like(q) if d_q is None else d_q
+    grads = {"grad_q": grad_q, "grad_k": torch.empty_like(k), "grad_v": torch.empty_like(v)}
     written = run.run(inputs, grads)
     return written["grad_q"], written["grad_k"], written["grad_v"]
 

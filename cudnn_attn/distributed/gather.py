@@ -17,6 +17,8 @@ call's collectives, so every rank raises alike at the end and none waits.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -67,9 +69,9 @@ def _attend(
     if len(calls) == 1 and sink is None and isinstance(calls[0].rows, slice) and calls[0].rows == slice(None):
         o, lse = calls[0].forward(q, k, v)  # every row in one call: its result is the answer
         return o.contiguous(), lse
-    acc = shards.running_output(q, packing.v_shape[-1])
+    acc = shards.running_output(q, packing.v_shape[-1], calls)
     for call in calls:
-        o, lse = call.forward(q, k, v)
+        o, lse = call.forward(q, k, v, out=acc.place(call))
         acc.add(call.rows, o, lse)
     return acc.result(q.dtype, sink)
 
@@ -84,28 +86,34 @@ def backward(
     m: Members,
     shards: Shards,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dq float32 like q, d_kv float32 flat, packed as ``packing``)`` of this rank's shard."""
+    """``(dq in q's dtype, d_kv float32 flat, packed as ``packing``)`` of this rank's shard."""
     failure = None
     buffers: list[torch.Tensor] = []
+    d_q: Any = None
     try:
         every = torch.empty(m.world * kv.numel(), dtype=kv.dtype, device=kv.device)
-        d_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        calls = shards.gathered_calls(q.device)
+        d_q = shards.query_grads(q, calls)
         whole_numel = m.world * packing.numel  # the gathered sequence's K and V, every position
         d_kv_whole = torch.zeros(whole_numel, dtype=torch.float32, device=q.device)
         send = torch.empty(whole_numel, dtype=torch.float32, device=q.device)
         d_kv = torch.empty(packing.numel, dtype=torch.float32, device=q.device)
-        buffers = [every, d_q, d_kv_whole, send, d_kv]
+        buffers = [every, d_kv_whole, send, d_kv]
     except Exception as error:
         failure = error
     settle(m, failure, "allocating the backward's buffers", CONTEXT)
-    every, d_q, d_kv_whole, send, d_kv = buffers
+    every, d_kv_whole, send, d_kv = buffers
     k, v = gathered_kv(every, kv, packing, m, shards)
+    result = None
     try:
         whole = packing.with_length(k.shape[shards.seq_dim], shards.seq_dim)
         d_k_whole, d_v_whole = whole.views(d_kv_whole)
         stats_of = shards.row_stats(lse)
-        for call in shards.gathered_calls(q.device):
-            call.add_grads(d_q, d_k_whole, d_v_whole, call.backward(q, k, v, out, d_out, stats_of))
+        for call in calls:
+            grads = call.backward(q, k, v, out, d_out, stats_of, d_q.place(call))
+            d_q.add(call.rows, grads[0])
+            call.add_grads(d_k_whole, d_v_whole, grads)
+        result = d_q.result(q.dtype)
         # Rank j's part of the reduce-scatter input: its shard of dK then of dV, packed as its K/V.
         parts = [shards.shard_of(g, j).reshape(-1) for j in range(m.world) for g in (d_k_whole, d_v_whole)]
         torch.cat(parts, out=send)
@@ -113,4 +121,5 @@ def backward(
         failure = error
     _reduce_scatter(d_kv, send, group=m.group)
     settle(m, failure, "in the backward", CONTEXT)
-    return d_q, d_kv
+    assert result is not None
+    return result, d_kv

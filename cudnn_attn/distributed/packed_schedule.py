@@ -30,7 +30,8 @@ class SegmentCall:
     """One packed call: its sequences' rows (None: every row of the shard, in order) and keys
     (None: every token of the K/V), per-sequence lengths (int32 ``[slots, 1, 1, 1]``, bucketed
     slots), maxima (bucketed), its mask and window, and where each row's LSE sits in the call's
-    stats ``[slots, H, max_q, 1]`` (``sequence``, ``position``)."""
+    stats ``[slots, H, max_q, 1]`` (``sequence``, ``position``); its ``segments`` (on the host,
+    in the order of its rows) and whether each key is in it once (``keys_unique``)."""
 
     rows: torch.Tensor | None
     keys: torch.Tensor | None
@@ -42,6 +43,24 @@ class SegmentCall:
     window: int | None
     sequence: torch.Tensor
     position: torch.Tensor
+    segments: tuple[Segment, ...]
+    keys_unique: bool
+
+    @property
+    def row_count(self) -> int:
+        return sum(q1 - q0 for q0, q1, _, _ in self.segments)
+
+    def row_index(self) -> torch.Tensor:
+        """Its rows, on the host (int64), in the order the call reads them."""
+        return torch.cat([torch.arange(q0, q1) for q0, q1, _, _ in self.segments])
+
+
+def ring_steps(
+    docs: Documents, is_causal: bool, rank: int, left: int | None, device: torch.device
+) -> tuple[tuple[SegmentCall, ...], ...]:
+    """Rank ``rank``'s calls at each ring step, in the order the ring visits them (at step i,
+    the K/V of rank ``rank - i``)."""
+    return tuple(ring_calls(docs, is_causal, rank, (rank - i) % docs.world, left, device) for i in range(docs.world))
 
 
 def ring_calls(docs: Documents, is_causal: bool, rank: int, src: int, left: int | None,
@@ -130,6 +149,8 @@ def _call(segments: list[Segment], rows: int, keys: int, mask: str, window: int 
         window=window,
         sequence=sequence.to(device),
         position=position.to(device),
+        segments=tuple(segments),
+        keys_unique=key_index.unique().numel() == key_index.numel(),
     )
 
 

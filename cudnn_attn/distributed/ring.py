@@ -2,12 +2,14 @@
 
 Forward, W steps: at step i rank r holds the K/V of rank ``(r - i) mod W``. It posts passing
 them on (and receiving the next) before it attends to them, so the transfer overlaps the
-attention of the step; partial outputs merge by log-sum-exp in float32 (``running_merge``).
+attention of the step; partial outputs merge by log-sum-exp in float32 (dense blocks as they
+arrive, ``running_merge``; packed calls' once at the end, ``partials``).
 What a step computes comes from the shards (``shards.py``: dense blocks or packed calls); a
 step whose keys the rank never sees (a window) computes nothing and only passes them on.
 
 Backward, W steps over the same ring, with the forward's global output and LSE: each block's
-``(dQ, dK, dV)`` is then exactly that block's share of the gradient. dQ adds up locally. dK/dV
+``(dQ, dK, dV)`` is then exactly that block's share of the gradient. dQ adds up locally (as
+the outputs do). dK/dV
 add up in a float32 buffer that travels with the K/V: at step i it is received from rank r-1
 (which added its share at step i-1), gets rank r's share and moves on, so after W steps it has
 visited every rank and lands on its owner. Its transfer overlaps the next step's attention.
@@ -48,7 +50,8 @@ def forward(q: torch.Tensor, kv: torch.Tensor, packing: PackedKV, ring: Ring, sh
     m = ring.members
     acc, spares, failure = None, [], None
     try:
-        acc = shards.running_output(q, packing.v_shape[-1])
+        steps = shards.ring_steps(q.device)
+        acc = shards.running_output(q, packing.v_shape[-1], [call for calls in steps for call in calls])
         spares = [torch.empty_like(kv) for _ in range(min(2, ring.world - 1))]
     except Exception as error:
         failure = error
@@ -59,8 +62,8 @@ def forward(q: torch.Tensor, kv: torch.Tensor, packing: PackedKV, ring: Ring, sh
         if failure is None:
             try:
                 k, v = packing.views(kv)
-                for call in shards.ring_calls((ring.rank - step) % ring.world, q.device):
-                    o, lse = call.forward(q, k, v)
+                for call in steps[step]:
+                    o, lse = call.forward(q, k, v, out=acc.place(call))
                     acc.add(call.rows, o, lse)
             except Exception as error:  # this rank's: it keeps the ring moving, every rank raises below
                 failure = error
@@ -87,7 +90,7 @@ def backward(
     ring: Ring,
     shards: Shards,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dq float32 like q, d_kv flat, packed as ``packing``)`` of this rank's shard: d_kv in
+    """``(dq in q's dtype, d_kv flat, packed as ``packing``)`` of this rank's shard: d_kv in
     K/V's dtype when it came home over the ring, float32 on one rank."""
     m = ring.members
     failure = None
@@ -95,7 +98,8 @@ def backward(
     spares: list[torch.Tensor] = []
     grad_buffers: list[torch.Tensor] = []
     try:
-        d_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        steps = shards.ring_steps(q.device)
+        d_q = shards.query_grads(q, [call for calls in steps for call in calls])
         spares = [torch.empty_like(kv) for _ in range(min(2, ring.world - 1))]
         # dK/dV travel: the buffer of this step's block, and the one the next block's arrives in.
         grad_buffers = [torch.empty(packing.numel, dtype=torch.float32, device=q.device) for _ in range(2)]
@@ -105,7 +109,9 @@ def backward(
         failure = error
     settle(m, failure, "allocating the backward's buffers", CONTEXT)
     assert d_q is not None and stats_of is not None
-    d_kv = grad_buffers[0].zero_()  # our own block's, at step 0
+    # Our own block's, at step 0: written by its one call when that call sees every key.
+    fresh = failure is None and len(steps[0]) == 1 and steps[0][0].every_key
+    d_kv = grad_buffers[0] if fresh else grad_buffers[0].zero_()
     pending_grad = None
     for step in range(ring.world):
         pending_kv = ring.shift(kv, KV_TAG, into=spares[step % 2]) if step + 1 < ring.world else None
@@ -113,8 +119,7 @@ def backward(
         if failure is None:
             try:
                 k, v = packing.views(kv)
-                calls = shards.ring_calls((ring.rank - step) % ring.world, q.device)
-                grads = [(call, call.backward(q, k, v, out, d_out, stats_of)) for call in calls]
+                grads = [(call, call.backward(q, k, v, out, d_out, stats_of, d_q.place(call))) for call in steps[step]]
             except Exception as error:  # this rank's: it keeps the ring moving, every rank raises below
                 failure, grads = error, []
         # This block's dK/dV so far: fresh at step 0 (our own block), else from rank r-1.
@@ -124,7 +129,8 @@ def backward(
             try:
                 d_k, d_v = packing.views(d_kv)
                 for call, grad in grads:
-                    call.add_grads(d_q, d_k, d_v, grad)
+                    d_q.add(call.rows, grad[0])
+                    call.add_grads(d_k, d_v, grad, first=fresh and step == 0)
             except Exception as error:
                 failure = error
         if step + 1 < ring.world:
@@ -140,5 +146,12 @@ def backward(
             kv = pending_kv.wait()
     if pending_grad is not None:
         d_kv = pending_grad.wait()
+    result = None
+    if failure is None:
+        try:
+            result = d_q.result(q.dtype)
+        except Exception as error:
+            failure = error
     settle(m, failure, "in the backward", CONTEXT)
-    return d_q, d_kv
+    assert result is not None
+    return result, d_kv

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..core.sink_fold import add_sink
-from ..kernels.row_merge import as_rows, merge_rows
+from ..kernels.row_merge import add_rows, as_rows, merge_rows
 
 
 class RunningOutput:
@@ -39,6 +39,10 @@ class RunningOutput:
         self.lse = torch.empty((*rows_shape, 1), dtype=torch.float32, device=device)
         self.seq_dim = seq_dim
         self._empty = True
+
+    def place(self, call: object) -> None:
+        """Where the next block writes its output: its own tensor (merged into this one)."""
+        return None
 
     def add(self, rows: slice | torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
         every = isinstance(rows, slice) and rows == slice(None)
@@ -64,3 +68,27 @@ class RunningOutput:
         if sink is not None:
             add_sink(self.out, self.lse, sink)
         return self.out.to(dtype), self.lse
+
+
+class RunningGrads:
+    """Query gradients added block by block into a float32 ``[B, H, S, D]`` (dense shards,
+    whose blocks select rows by slices); ``result`` rounds them once.
+
+    Example::
+
+        d_q = RunningGrads(q.shape, q.device)
+        d_q.add(slice(half, None), dq_half)
+        total = d_q.result(q.dtype)
+    """
+
+    def __init__(self, shape: tuple[int, ...] | torch.Size, device: torch.device):
+        self.d_q = torch.zeros(shape, dtype=torch.float32, device=device)
+
+    def place(self, call: object) -> None:
+        return None
+
+    def add(self, rows: slice | torch.Tensor, grad: torch.Tensor) -> None:
+        add_rows(self.d_q, grad, rows if isinstance(rows, torch.Tensor) else rows.indices(self.d_q.shape[2])[0])
+
+    def result(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.d_q.to(dtype)
