@@ -49,10 +49,43 @@ def sink_gradient(o: torch.Tensor, d_o: torch.Tensor, stats: torch.Tensor, sink:
     gradient is ``P_sink * (0 - D)``, ``D = rowsum(dO * O) * descale`` (FP8: descale_dO * descale_O;
     dropout is already inside O). Needs only the forward's O and stats: a backward run without
     the sink, given the stats that include it, makes dQ, dK, dV, and this makes the rest."""
-    delta = (d_o.to(stats.dtype) * o.to(stats.dtype)).sum(-1, keepdim=True) * descale
+    delta = _row_dot(d_o, o, stats.dtype).unsqueeze(-1) * descale
     lse = torch.where(torch.isneginf(stats), torch.zeros_like(stats), stats)
     p_sink = torch.where(torch.isneginf(stats), torch.zeros_like(stats), torch.exp(sink.to(stats.dtype) - lse))
     return -(p_sink * delta).sum(dim=(0, 2, 3), keepdim=True).view(1, -1, 1, 1)
+
+
+def packed_sink_gradient(
+    o: torch.Tensor,
+    d_o: torch.Tensor,
+    stats: torch.Tensor,
+    sink: torch.Tensor,
+    starts: torch.Tensor,
+    descale: torch.Tensor | float = 1.0,
+) -> torch.Tensor:
+    """``sink_gradient`` of packed rows: ``o``/``d_o`` ``[T, H, D]``, sequence b's rows from
+    ``starts[b]`` (int64 ``[B + 1]``, the total last), its stats at ``stats[b, :, :len_b]`` of
+    ``[B, H, max_q, 1]``. Per token, with no padded copy of O, dO or the stats."""
+    tokens = o.shape[0]
+    row = torch.arange(tokens, device=o.device)
+    sequence = (torch.searchsorted(starts, row, right=True) - 1).clamp(0, stats.shape[0] - 1)
+    position = (row - starts[sequence]).clamp(0, stats.shape[2] - 1)
+    inside = row < starts[-1]  # rows past the last sequence belong to none
+    lse = stats[sequence, :, position, 0]  # [T, H]
+    lse = torch.where(inside[:, None], lse, float("-inf"))
+    delta = _row_dot(d_o, o, stats.dtype) * descale  # [T, H]
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    p_sink = torch.where(torch.isneginf(lse), torch.zeros_like(lse), torch.exp(sink.to(stats.dtype).view(1, -1) - safe))
+    return -(p_sink * delta).sum(0).view(1, -1, 1, 1)
+
+
+def _row_dot(d_o: torch.Tensor, o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``rowsum(dO * O)`` in ``dtype``. bf16 operands multiply in bf16 (each product rounded
+    once, no float32 copies of O and dO: a third of the bytes) and sum in ``dtype``; fp16 ones
+    (a loss-scaled dO times O can pass fp16's range) and FP8 ones go through ``dtype``."""
+    if d_o.dtype == o.dtype == torch.bfloat16:
+        return torch.mul(d_o, o).sum(-1, dtype=dtype)
+    return (d_o.to(dtype) * o.to(dtype)).sum(-1)
 
 
 def _folded(lse: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -128,7 +128,12 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
             # (dQ, dK, dV right); the gradient is -P_sink * rowsum(dO * O), dropout already inside O.
             reasons.append("dSink_token with dropout: cuDNN 9.19 returns dSink scaled by (1 - dropout) (measured "
                            "on an H100); refused")  # fmt: skip
-        if not p.is_forward and (p.is_thd or p.offset_tensors) and platform.cudnn < RAGGED_SINK_BACKWARD_MIN_CUDNN:
+        if (
+            not p.is_forward
+            and (p.is_thd or p.offset_tensors)
+            and not folded_sink.applies(p)
+            and platform.cudnn < RAGGED_SINK_BACKWARD_MIN_CUDNN
+        ):
             reasons.append(f"sink_token in a ragged (THD) backward needs cuDNN >= 9.26 (have {_ver(platform.cudnn)}; "
                            "older versions read out of bounds, the frontend says)")  # fmt: skip
     if p.score_mod is not None:

@@ -14,7 +14,7 @@ from ...core.bounds import clamped, upper_bounds
 from ...core.derived import derived
 from ...core.problem import AttentionProblem
 from ...core.roles import UID
-from ...core.sink_fold import add_sink, add_sink_fp8, sink_gradient
+from ...core.sink_fold import add_sink, add_sink_fp8, packed_sink_gradient, sink_gradient
 from ...errors import UnsupportedError
 from ..base import RunInputs
 from . import autotune as autotune_
@@ -108,8 +108,7 @@ class CudnnPlan:
         pack = self.variant_pack(inputs, outputs, rng_dump)
         self.execute_ordered(tuple(pack.values()), tuple(pack), stream, workspace, handle)
         if d_sink is not None:
-            descale = inputs["descale_o"] * inputs["descale_grad_o"]  # type: ignore[operator]
-            d_sink.copy_(sink_gradient(inputs["o"], inputs["grad_o"], inputs["stats"], sink, descale))  # type: ignore[arg-type]
+            d_sink.copy_(self._sink_gradient(inputs, sink))
         elif sink is not None and self.problem.is_forward:
             if self.problem.is_fp8:
                 add_sink_fp8(outputs, inputs["scale_o"], sink)  # type: ignore[arg-type]
@@ -117,6 +116,16 @@ class CudnnPlan:
                 add_sink(outputs["o"], outputs["stats"], sink)  # type: ignore[arg-type]
         if self._empty_fix is not None:
             self._empty_fix(inputs, outputs)
+
+    def _sink_gradient(self, inputs: RunInputs, sink: Any) -> torch.Tensor:
+        """dSink of a backward run without the sink (``folded_sink``), from O, dO and the stats."""
+        descale = inputs["descale_o"] * inputs["descale_grad_o"] if self.problem.is_fp8 else 1.0  # type: ignore[operator]
+        o, d_o, stats = inputs["o"], inputs["grad_o"], inputs["stats"]
+        if self.problem.is_thd:  # packed rows; the stats [B, H, max_q, 1] by sequence and position
+            lengths = inputs["seq_len_q"]
+            starts = derived(lengths, sequence_starts)  # type: ignore[arg-type]
+            return packed_sink_gradient(o, d_o, stats, sink, starts, descale)  # type: ignore[arg-type]
+        return sink_gradient(o, d_o, stats, sink, descale)  # type: ignore[arg-type]
 
     def direct_uids(self, input_roles: tuple[str, ...], output_roles: tuple[str, ...]) -> tuple[int, ...] | None:
         """The uids of these roles when the caller's tensors are all the plan binds (no ragged
