@@ -66,7 +66,13 @@ class CudnnBackend:
         (timing every candidate when ``autotune``) and save it there."""
         device_index = cudnn_platform.device_index(problem.device)
         here = platform(device_index)
-        record = {"gpu": here.gpu, "arch": list(here.arch), "cudnn": here.cudnn, "frontend": here.frontend}
+        record = {
+            "gpu": here.gpu,
+            "arch": list(here.arch),
+            "cudnn": here.cudnn,
+            "frontend": here.frontend,
+            "graph": lowering.GRAPH_REVISION,  # a stored plan is of the graph this library builds
+        }
         variant = "autotuned" if autotune else "heuristic"
         key = entry_key(problem, record, variant) if store is not None and not rng_dump else None
         try:

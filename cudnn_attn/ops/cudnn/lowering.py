@@ -31,6 +31,11 @@ from .dtypes import cudnn_dtype
 from .score_mod import callbacks
 from .workarounds import full_lengths_reason
 
+# Raised whenever the graph built for a problem changes (a sink folded outside cuDNN's graph
+# from revision 2 on): the plan store keeps plans per revision, so a stored plan is never run
+# with another graph's tensors.
+GRAPH_REVISION = 2
+
 
 @dataclass
 class Lowered:
