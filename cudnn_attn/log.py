@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 ENV_VAR = "CUDNN_ATTN_LOG_LEVEL"
 SOURCES = ("memory", "disk", "built", "tuned")
@@ -95,11 +96,12 @@ def backend_passed_over(where: str, backend: str, reason: str) -> None:
 _skipped: set[tuple[str, str, str]] = set()
 
 
-def backend_skipped(where: str, backend: str, reasons: list[str]) -> None:
+def backend_skipped(where: Callable[[], str], backend: str, reasons: list[str]) -> None:
     """One debug line per backend a dispatch passed over, with all its reasons (``ops/dispatch.py``);
-    once per call signature and backend, so calls that dispatch on every run log it once."""
+    once per call signature and backend, so calls that dispatch on every run log it once.
+    ``where()`` describes the call, only when the line may be written."""
     if logger.isEnabledFor(logging.DEBUG):
-        said = (where, backend, "; ".join(reasons))
+        said = (where(), backend, "; ".join(reasons))
         if said not in _skipped:
             if len(_skipped) > 4096:  # bounded: a long-lived process sees many signatures
                 _skipped.clear()

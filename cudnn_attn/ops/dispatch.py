@@ -79,7 +79,7 @@ def select(problem: AttentionProblem, requested: str = "auto") -> Backend:
     chosen, _ = _run_priority_list(
         names,
         lambda name: get_backend(name).not_supported_reasons(problem),
-        where=problem.describe(),
+        where=problem.describe,
         context=lambda refused: f"{refused} backend, {problem.describe()}",
         alternatives=lambda: [] if names == ("reference",) else [_reference_hint(problem)],
     )
@@ -90,12 +90,12 @@ def _run_priority_list(
     names: Sequence[str],
     reasons_of: Callable[[str], list[str]],
     *,
-    where: str,
+    where: Callable[[], str],
     context: Callable[[str], str],
     alternatives: Callable[[], list[str]],
 ) -> tuple[str, list[tuple[str, list[str]]]]:
     """The first of ``names`` whose ``reasons_of`` is empty, and those passed over before it with
-    their reasons. Each one passed over is logged at debug (``where``: what was asked); when none
+    their reasons. Each one passed over is logged at debug (``where()``: what was asked); when none
     is left, one ``UnsupportedError`` lists every one's reasons (prefixed by its name where there
     were several), with ``context(names)``."""
     refused: list[tuple[str, list[str]]] = []
@@ -166,7 +166,7 @@ def select_call(call: Call, requested: str, torch_op: bool = True) -> CallChoice
     chosen, refused = _run_priority_list(
         names,
         lambda name: reasons_of[name](),
-        where=call.describe(),
+        where=call.describe,
         context=lambda _: "sdpa" if not asked else f'sdpa under cudnn_attn.backend("{requested}")',
         alternatives=lambda: ['cudnn_attn.backend("auto") runs it on torch\'s kernel'],
     )
