@@ -3,7 +3,8 @@
 ``CUDNN_ATTN_LOG_LEVEL=info`` (or ``debug``, ``warning``...) prints to stderr one line per plan
 a graph obtains (the problem, the backend, where the plan came from: memory, disk, built or
 tuned; the engine; seconds), one line each time a backend is passed over, with the reason,
-and why the plan store was not used. Without the variable nothing is configured, and the
+and why the plan store was not used; ``debug`` adds a line for each backend a dispatch passed
+over (``ops/dispatch.py``), with all its reasons. Without the variable nothing is configured, and the
 standard ``logging`` machinery decides as usual (warnings reach stderr through its last-resort
 handler)::
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 ENV_VAR = "CUDNN_ATTN_LOG_LEVEL"
 SOURCES = ("memory", "disk", "built", "tuned")
@@ -89,6 +91,22 @@ def backend_passed_over(where: str, backend: str, reason: str) -> None:
     """One line when ``backend`` is not chosen for a call of ``where``, with the reason."""
     if logger.isEnabledFor(logging.INFO):
         logger.info("%s: not %s: %s", where, backend, reason)
+
+
+_skipped: set[tuple[str, str, str]] = set()
+
+
+def backend_skipped(where: Callable[[], str], backend: str, reasons: list[str]) -> None:
+    """One debug line per backend a dispatch passed over, with all its reasons (``ops/dispatch.py``);
+    once per call signature and backend, so calls that dispatch on every run log it once.
+    ``where()`` describes the call, only when the line may be written."""
+    if logger.isEnabledFor(logging.DEBUG):
+        said = (where(), backend, "; ".join(reasons))
+        if said not in _skipped:
+            if len(_skipped) > 4096:  # bounded: a long-lived process sees many signatures
+                _skipped.clear()
+            _skipped.add(said)
+            logger.debug("%s: %s backend passed over: %s", *said)
 
 
 def backend_chosen(where: str, backend: str, why: str) -> None:

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from conftest import TOLERANCE, rel_err
 
 import cudnn_attn
-from cudnn_attn.functional import torch_kernel
+from cudnn_attn.ops.torch import kernel as torch_kernel
+from cudnn_attn.ops.torch import reasons as torch_reasons
 
 
 def oracle(q, k, v, *, scale=None, causal=False, window=(-1, -1), sinks=None, softcap=None, attn_mask=None):
@@ -294,7 +295,7 @@ def test_cpu_route_is_logged_and_reference_block_still_runs_the_reference(caplog
 
     gen = torch.Generator().manual_seed(22)
     q, k, v = (torch.randn(1, 2, 40, 16, generator=gen) for _ in range(3))  # a geometry no other test uses
-    torch_kernel._said.discard(torch_kernel.ON_CPU)
+    torch_kernel._said.discard(torch_reasons.ON_CPU)
     with caplog.at_level(logging.INFO, logger="cudnn_attn"):
         cudnn_attn.sdpa(q, k, v, is_causal=True)
         cudnn_attn.sdpa(q, k, v, is_causal=True)
@@ -306,7 +307,7 @@ def test_cpu_route_is_logged_and_reference_block_still_runs_the_reference(caplog
     added = [p.problem for p in prepared.held() if p.problem not in problems]
     assert added and all(p.q.shape == (1, 2, 40, 16) for p in added)  # the reference backend planned and ran it
     assert rel_err(out, oracle(q, k, v, causal=True)) < TOLERANCE[torch.float32]
-    assert torch_kernel.choices(on_gpu=False)["float16/bfloat16"].startswith("torch's kernel (torch's CPU kernel")
+    assert torch_reasons.choices(on_gpu=False)["float16/bfloat16"].startswith("torch's kernel (torch's CPU kernel")
 
 
 def test_score_terms_still_run_on_the_reference_on_the_cpu():

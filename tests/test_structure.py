@@ -227,9 +227,9 @@ def test_every_package_import_resolves():
 
 def test_the_walk_sees_lazy_and_type_checking_imports():
     """The imports that only run on a GPU or for the type checker are in the walk."""
-    backend_dispatch = module_file("cudnn_attn.ops")
+    backend_dispatch = module_file("cudnn_attn.ops.dispatch")
     assert backend_dispatch is not None
-    found = imports(backend_dispatch.read_text(encoding="utf-8"), "cudnn_attn.ops", True, "ops/__init__.py")
+    found = imports(backend_dispatch.read_text(encoding="utf-8"), "cudnn_attn.ops.dispatch", False, "ops/dispatch.py")
     lazy = [i for i in found if "CudnnBackend" in i.names]
     assert lazy, "the lazy import of the cuDNN backend in get_backend() was not seen"
 
@@ -264,7 +264,7 @@ RESOLVING = {
     "relative name": ("from .ops import get_backend, BACKEND_NAMES\n", "cudnn_attn.graph", False),
     "relative, in __init__": ("from .base import Backend\n", "cudnn_attn.ops", True),
     "absolute": ("import cudnn_attn.ops.base\n", None, False),
-    "imported name re-exported": ("from cudnn_attn.ops import AttentionProblem\n", None, False),
+    "imported name re-exported": ("from cudnn_attn.ops import ReferenceBackend\n", None, False),
     "not the package": ("import torch\nfrom os import path\n", "cudnn_attn.graph", False),
 }
 
@@ -287,7 +287,7 @@ def test_a_stale_import_in_a_package_file_fails_the_walk(tmp_path):
     """On a copy of the package with one module's lazy import made stale, the whole walk fails."""
     copy = tmp_path / PACKAGE
     shutil.copytree(ROOT / PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    dispatch = copy / "ops" / "__init__.py"
+    dispatch = copy / "ops" / "dispatch.py"
     text = dispatch.read_text(encoding="utf-8")
     assert "            _backends[name] = CudnnBackend()" in text
     dispatch.write_text(
@@ -565,3 +565,58 @@ def test_a_name_shadowing_a_submodule_is_caught():
     source = "from . import nn\nfrom .fp8 import fp8\nfrom .core.dtypes import data_type\n\ndef graph(): ...\n"
     found = shadowing_problems("__init__.py", PACKAGE, source, {"nn", "fp8", "data_type", "graph"})
     assert [line.split(": ")[1].split()[0] for line in found] == ["cudnn_attn.fp8", "cudnn_attn.data_type"]
+
+
+# Which engine runs a problem is chosen in ops/dispatch.py alone (issue 43, move 1): no other layer
+# tells backends apart by name, so a new backend touches ops/ (and runtime/, which passes names on).
+ENGINE_NAMES = frozenset({"cudnn", "reference", "torch", "torch_cudnn", "triton"})
+CHOOSERS = (f"{PACKAGE}/ops/", f"{PACKAGE}/runtime/")
+# Still choosing for themselves, until the paged-decode kernels join ops/dispatch: serving's split-KV
+# schedule picks cuDNN's calls or the Triton decode kernel, and its benchmarks read that pick.
+DECODE_KERNEL_CHOICE = frozenset(
+    f"{PACKAGE}/{path}"
+    for path in (
+        "serving/schedule.py",
+        "serving/step.py",
+        "serving/paged_attention.py",
+        "bench/mla.py",
+        "bench/serving.py",
+    )
+)
+
+
+def backend_name_comparisons(label: str, source: str) -> list[str]:
+    """Each comparison in ``source`` with a backend's name as a literal operand (``x == "cudnn"``,
+    ``name in ("cudnn", "triton")``): ``file:line: the comparison``."""
+
+    def names_a_backend(node: ast.expr) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in ENGINE_NAMES
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(names_a_backend(e) for e in node.elts)
+
+    return [
+        f"{label}:{node.lineno}: {ast.unparse(node)}"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Compare) and any(names_a_backend(e) for e in (node.left, *node.comparators))
+    ]
+
+
+def test_only_ops_and_runtime_compare_backend_names():
+    found = [
+        line
+        for label, source in package_sources().items()
+        if not label.startswith(CHOOSERS) and label not in DECODE_KERNEL_CHOICE
+        for line in backend_name_comparisons(label, source)
+    ]
+    assert not found, "backend names compared outside ops/ and runtime/:\n" + "\n".join(found)
+
+
+def test_a_backend_name_comparison_is_caught():
+    source = (
+        'if chosen.name == "cudnn":\n    pass\n'
+        'on_gpu = name != "reference"\n'
+        'fast = kernel in ("triton", "cudnn")\n'
+        'fine = name in BACKENDS and column == "picked"\n'
+    )
+    found = backend_name_comparisons("cudnn_attn/functional/eager.py", source)
+    assert [line.split(":")[1] for line in found] == ["1", "3", "4"], found

@@ -233,7 +233,7 @@ def test_float32_rules_refuse_what_cudnn_lacks_or_gets_wrong():
 
 def test_info_says_where_sdpa_runs_each_kind_of_call():
     from cudnn_attn.cli import info
-    from cudnn_attn.functional import torch_kernel
+    from cudnn_attn.ops.torch import reasons as torch_kernel
 
     on_gpu = torch_kernel.choices(on_gpu=True)
     assert on_gpu["float16/bfloat16"] == "cuDNN"

@@ -11,8 +11,9 @@ import torch
 
 from .. import log, plan_store
 from ..core.environment import VARIABLES
-from ..functional import torch_kernel
 from ..ops import get_backend
+from ..ops.dispatch import candidates
+from ..ops.torch import reasons as sdpa_reasons
 from . import features, versions
 
 
@@ -33,7 +34,7 @@ def collect() -> dict[str, Any]:
         report["gpu"] = props.name
         report["compute_capability"] = f"{props.major}.{props.minor}"
         device = "cuda:0"
-    backend_name = "cudnn" if device != "cpu" else "reference"
+    backend_name = candidates("auto", device)[0]  # the first a Graph tries here
     backend = get_backend(backend_name)
     found = {}
     for feature, problem in features.sample_problems(device).items():
@@ -43,7 +44,7 @@ def collect() -> dict[str, Any]:
     found["context parallel"] = "yes" if not distributed else "no: " + "; ".join(distributed)
     report["backend"] = backend_name
     report["features"] = found
-    report["sdpa_runs"] = torch_kernel.choices(on_gpu=device != "cpu")
+    report["sdpa_runs"] = sdpa_reasons.choices(on_gpu=device != "cpu")
     report["environment"] = [
         {"name": v.name, "value": v.current(), "default": v.default, "meaning": v.meaning} for v in VARIABLES
     ]

@@ -3,9 +3,9 @@ on prepared runs. ``dispatch`` (``sdpa()``: nested, unbatched, compiling or eage
 ``eager`` (prepared runs by a flat key; training through an ``autograd.Function``), ``compiled`` (the
 ``torch.library`` custom ops ``cudnn_attn::sdpa_forward`` / ``cudnn_attn::sdpa_backward``, for
 ``torch.compile`` only), ``arguments`` (torch-style checks, mask to bias, materialise,
-``ARGUMENT_NAMES``), ``nested`` (jagged nested tensors through varlen), ``torch_kernel`` (when and how
-a call leaves cuDNN for torch's own kernel) and ``problems`` (a call as one ``AttentionProblem`` and
-its prepared run). Only
+``ARGUMENT_NAMES``), ``nested`` (jagged nested tensors through varlen), ``score_terms`` (sinks,
+softcap, window) and ``problems`` (a call as one ``AttentionProblem``, its prepared run, and its
+check as a graph). Which engine runs a call is ``ops/dispatch.py``'s choice. Only
 ``sdpa`` (and ``_clear_graphs``, which the tests use) is re-exported here; ``cudnn_attn.sdpa`` is the
 public door.
 """

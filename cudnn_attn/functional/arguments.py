@@ -20,7 +20,7 @@ from ..core.dtypes import FLOATING_IO, dtype_name
 from ..core.mask import Causal, default_scale
 from ..errors import ValidationError, shown
 
-# What torch's SDPA takes; float64 runs on torch's own kernel (torch_kernel.py).
+# What torch's SDPA takes; float64 runs on torch's own kernel (ops/torch/reasons.py).
 TORCH_FLOATING = (*FLOATING_IO, torch.float64)
 
 # How errors from the graph name sdpa's own arguments.

@@ -11,8 +11,8 @@ or one of torch's ``CausalBias`` objects (``causal_upper_left``/``causal_lower_r
 top-left and bottom-right causal masks). Inputs are fp16/bf16/fp32 ``[B, H, L, E]`` (or
 ``[H, L, E]``); under ``torch.autocast`` they are cast to its dtype first, as torch does.
 What cuDNN lacks or serves worse (float64; float32 on a GPU; a scale <= 0 on a GPU; bottom-right
-causal with dropout or L > S) runs on torch's own kernel (``functional/torch_kernel.py`` says
-when; the log says which ran). Dropout draws a
+causal with dropout or L > S) runs on torch's own kernel (``ops/dispatch.py`` chooses,
+``ops/torch/reasons.py`` says when; the log says which ran). Dropout draws a
 fresh seed from torch's default generator on each call, so ``torch.manual_seed`` makes it
 repeatable; the backward reuses the forward's mask.
 
@@ -25,9 +25,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
-from ..runtime import prepared
+from ..ops.dispatch import select_call
+from ..ops.torch.call import Call
+from ..runtime import backend_choice, prepared
 from . import eager as sdpa_eager
-from . import score_terms, torch_kernel
+from . import score_terms
 from .arguments import (
     ARGUMENT_NAMES,
     autocast_inputs,
@@ -38,6 +40,7 @@ from .arguments import (
 )
 from .compiled import sdpa_forward
 from .nested import nested_sdpa
+from .problems import check_as_graph
 from .score_terms import sdpa_with_score_terms
 
 
@@ -181,11 +184,13 @@ def sdpa(
     train = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, attn_mask)
     )  # fmt: skip
-    why = torch_kernel.reason(query, key, float(dropout_p), causal, train, scale)
-    if why is torch_kernel.ON_CPU:
-        torch_kernel.check_as_graph(query, key, value, attn_mask, dropout_p, causal, scale, train)
-    if why is not None:
-        return torch_kernel.run(why, query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa)
+    call = Call(query, key, value, attn_mask, float(dropout_p), causal, scale, enable_gqa, train)
+    requested = "auto" if torch.compiler.is_compiling() else backend_choice.chosen()
+    choice = select_call(call, requested, torch_op=False)  # the compile op has its own autograd
+    if choice.as_graph:
+        check_as_graph(query, key, value, attn_mask, dropout_p, causal, scale, train)
+    if choice.run is not None:
+        return choice.run(query, key, value, attn_mask)
     query, key, value, bias, scale, restore = batched(query, key, value, attn_mask, scale)
     seed = offset = None
     if dropout_p > 0:

@@ -3,9 +3,10 @@
 The first call of a signature is checked in full and prepares its runs (``problems.py``).
 Its key (shapes, strides, dtypes, devices, flags, aliasing) then proves the geometry of every
 later call with that key, so those pay a tuple, a lock-free dict lookup and the plans' own
-launches: no re-validation, no placeholder tensors, no custom-op dispatch. Training runs
-through torch's own cuDNN attention op where it serves the call (``torch_cudnn.py``: its
-autograd node is C++), else through a plain ``torch.autograd.Function``.
+launches: no re-validation, no placeholder tensors, no custom-op dispatch. Which engine runs a
+signature is ``ops.dispatch.select_call``'s choice: torch's own kernels (its cuDNN attention op
+for training calls it serves, its SDPA kernel for what cuDNN lacks) run the call themselves;
+otherwise the graphs run it, training through a plain ``torch.autograd.Function``.
 """
 
 from __future__ import annotations
@@ -16,15 +17,17 @@ import torch
 
 from ..core.mask import Causal, default_scale
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
+from ..ops.dispatch import select_call
+from ..ops.torch.call import Call
 from ..runtime import backend_choice
 from ..runtime.interop import in_layout_of
 from ..runtime.keyed import KeyedCache
 from ..runtime.prepared import PreparedRun
-from . import problems, torch_cudnn, torch_kernel
+from . import problems
 from .arguments import ARGUMENT_NAMES, causal_kind, check_arguments, mask_as_bias, materialised
 
 MAX_ENTRIES = 512
-_prepared = KeyedCache(MAX_ENTRIES)  # flat key -> Prepared | TorchKernel | TorchCudnnOp
+_prepared = KeyedCache(MAX_ENTRIES)  # flat key -> Prepared, or torch's kernel running the call
 _SCALARS = (float, int, type(None))
 _CAUSAL = (bool, Causal)  # a bool, or the variant a CausalBias mask stands for
 
@@ -55,22 +58,20 @@ def run(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_cau
     return entry(query, key, value, attn_mask)
 
 
-def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-             train) -> Prepared | TorchKernel | torch_cudnn.TorchCudnnOp:  # fmt: skip
-    """Check the call in full and build its forward graph (the backward's comes with the first backward)."""
+def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, train) -> Any:
+    """Check the call in full and choose its engine: torch's kernel running the call, or a
+    ``Prepared`` with its forward graph (the backward's comes with the first backward)."""
     check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     causal = causal_kind(is_causal)
-    why = torch_kernel.reason(query, key, float(dropout_p), causal, train, scale)
-    if why is torch_kernel.ON_CPU:
-        torch_kernel.check_as_graph(query, key, value, attn_mask, dropout_p, causal, scale, train)
-    if why is not None:
-        return TorchKernel(why, dropout_p, causal, scale, enable_gqa)
-    scale = float(scale) if scale is not None else default_scale(query.shape[-1])
-    on_cudnn = backend_choice.chosen() != "reference"  # torch's cuDNN op is cuDNN, never the reference
-    if train and on_cudnn and torch_cudnn.serves(query, key, value, attn_mask, float(dropout_p), causal, enable_gqa):
-        return torch_cudnn.TorchCudnnOp(scale, causal)
+    call = Call(query, key, value, attn_mask, float(dropout_p), causal, scale, enable_gqa, train)
+    choice = select_call(call, backend_choice.chosen())
+    if choice.as_graph:
+        problems.check_as_graph(query, key, value, attn_mask, dropout_p, causal, scale, train)
+    if choice.run is not None:
+        return choice.run
     entry = Prepared(
-        scale=scale,
+        backend=choice.backend,
+        scale=float(scale) if scale is not None else default_scale(query.shape[-1]),
         causal=causal,
         dropout_p=float(dropout_p),
         train=train,
@@ -82,29 +83,19 @@ def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
     seed, offset = (torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)) if dropout_p else (None, None)
     try:
         entry.forward_run = problems.forward_run(q, k, v, bias, entry.scale, causal, entry.dropout_p, seed, offset,
-                                                 train)  # fmt: skip
+                                                 train, entry.backend)  # fmt: skip
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
         raise error.renamed(ARGUMENT_NAMES, context="sdpa") from None
     entry.plain = bias is None and not entry.dropout_p  # (q, k, v) alone
     return entry
 
 
-class TorchKernel:
-    """One call signature that runs on torch's own SDPA kernel (``torch_kernel.py``)."""
-
-    def __init__(self, why: str, dropout_p: Any, causal: Causal, scale: Any, enable_gqa: bool):
-        self.why, self.dropout_p, self.causal, self.scale, self.enable_gqa = why, dropout_p, causal, scale, enable_gqa
-
-    def __call__(self, query, key, value, attn_mask) -> torch.Tensor:
-        return torch_kernel.run(self.why, query, key, value, attn_mask, self.dropout_p, self.causal, self.scale,
-                                self.enable_gqa)  # fmt: skip
-
-
 class Prepared:
-    """One call signature: its forward run, and its backward runs as they are needed."""
+    """One call signature: its forward run, and its backward runs as they are needed, on the
+    graphs of ``backend`` (the dispatch's choice)."""
 
-    def __init__(self, scale: float, causal: Causal, dropout_p: float, train: bool, materialise: tuple):
-        self.scale, self.causal, self.dropout_p, self.train = scale, causal, dropout_p, train
+    def __init__(self, backend: Any, scale: float, causal: Causal, dropout_p: float, train: bool, materialise: tuple):
+        self.backend, self.scale, self.causal, self.dropout_p, self.train = backend, scale, causal, dropout_p, train
         self.materialise = materialise if any(materialise) else None
         self.forward_run: PreparedRun | None = None
         self.plain = False
@@ -142,7 +133,20 @@ class Prepared:
         run = self.backward_runs.get(bias_grad)
         if run is None:
             run = self.backward_runs[bias_grad] = problems.backward_run(
-                q, k, v, out, d_out, stats, bias, self.scale, self.causal, self.dropout_p, seed, offset, bias_grad
+                q,
+                k,
+                v,
+                out,
+                d_out,
+                stats,
+                bias,
+                self.scale,
+                self.causal,
+                self.dropout_p,
+                seed,
+                offset,
+                bias_grad,
+                self.backend,
             )
         return run.run_ordered(problems.backward_inputs(q, k, v, out, d_out, stats, bias, self.dropout_p, seed,
                                                         offset))  # fmt: skip

@@ -45,6 +45,8 @@ class Plan(Protocol):
 
 class Backend(Protocol):
     name: str
+    tunable: bool  # whether ``build(autotune=True)`` times candidate plans
+    stores_plans: bool  # whether ``build`` loads and saves plans through the persistent store
 
     def not_supported_reasons(self, problem: AttentionProblem) -> list[str]:
         """Why this backend cannot run ``problem`` here; empty when it can."""

@@ -20,6 +20,7 @@ from ..core.problem import AttentionProblem, Op, TensorSpec
 from ..core.restore import problem_from_signature
 from ..core.roles import BACKWARD_OUTPUTS, FORWARD_OUTPUTS, FP8_AMAXES, FP8_BACKWARD_AMAXES, ROLES, offset_role
 from ..errors import GraphStateError, UnsupportedError, ValidationError
+from ..ops.dispatch import runs_on
 from ..plan_store import signature
 from ..runtime import planner
 from ..runtime.runner import Runner
@@ -155,8 +156,8 @@ def _checked_problems(header: dict[str, Any]) -> list[AttentionProblem]:
             raise ValidationError([f"data: {where}: {error}"]) from None
         if problem is not None:
             lines = validation.problems(problem)
-        if problem is not None and not lines and entry["backend"] == "cudnn" and not problem.device.startswith("cuda"):
-            lines = [f"a cuDNN plan on {problem.device}"]
+        if problem is not None and not lines and not runs_on(entry["backend"], problem.device):
+            lines = [f"a {entry['backend']} plan on {problem.device}"]
         if problem is not None and not lines:
             op, fp8 = problem.op, problem.is_fp8
             roles = (REQUIRED[op, fp8], INPUTS[op, fp8], _outputs(op))

@@ -20,7 +20,7 @@ import torch
 
 from ..core.problem import AttentionProblem, TensorSpec
 from ..core.score_mod import Expr, ScoreModifier
-from ..ops import BACKEND_NAMES
+from ..ops import BACKENDS
 
 HEADER_KEYS = {"name", "nodes"}
 NODE_KEYS = {"name", "problem", "backend", "tensors", "runtime", "plan_bytes"}
@@ -61,8 +61,8 @@ def header_problems(header: Any) -> list[str]:
             found.append(f"{where}.name: expected a string")
         if not isinstance(entry["problem"], dict):
             found.append(f"{where}.problem: expected an object")
-        if entry["backend"] not in BACKEND_NAMES or entry["backend"] == "auto":
-            found.append(f"{where}.backend: {entry['backend']!r}; expected 'cudnn' or 'reference'")
+        if entry["backend"] not in BACKENDS:
+            found.append(f"{where}.backend: {entry['backend']!r}; expected one of {', '.join(map(repr, BACKENDS))}")
         if not _is_int(entry["plan_bytes"]) or entry["plan_bytes"] < 0:
             found.append(f"{where}.plan_bytes: expected an int >= 0")
         runtime = entry["runtime"]

@@ -33,9 +33,11 @@ def backend(name: str) -> Iterator[None]:
 
     Args:
         name: ``"cudnn"`` (cuDNN's fused kernels; CUDA tensors only), ``"reference"`` (the
-            pure-PyTorch backend, on any device: slow, exact, the oracle) or ``"auto"`` (the
-            default: cuDNN for CUDA tensors, the reference backend for CPU tensors, where a
-            plain ``cudnn_attn.sdpa`` call runs on torch's own kernel).
+            pure-PyTorch backend, on any device: slow, exact, the oracle), ``"torch"`` (torch's
+            own SDPA kernel: every ``cudnn_attn.sdpa`` call, and a ``Graph``'s plain forward
+            nodes) or ``"auto"`` (the default: each device's priority list in
+            ``ops/dispatch.py``; cuDNN for CUDA tensors, the reference backend for CPU tensors,
+            where a plain ``cudnn_attn.sdpa`` call runs on torch's own kernel).
 
     Under ``"cudnn"``, a call ``cudnn_attn.sdpa`` would otherwise hand to torch's own kernel
     (float64, a scale <= 0, ...) raises ``UnsupportedError`` saying why, as does a call on CPU

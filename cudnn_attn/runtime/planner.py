@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import log
 from ..core.problem import AttentionProblem
-from ..ops import get_backend, select_backend
+from ..ops import get_backend, select
 from ..ops.base import Plan
 from . import backend_choice
 
@@ -30,18 +30,18 @@ class Planned:
 
 
 def plan(problem: AttentionProblem, backend: str, autotune: bool, cache: Any) -> Planned:
-    """``problem``'s plan on ``backend`` ("auto", "cudnn" or "reference"; "auto" takes an enclosing
+    """``problem``'s plan on ``backend`` (a name of ``ops.BACKEND_NAMES``; "auto" takes an enclosing
     ``cudnn_attn.backend(...)`` block's choice) through ``cache`` (a ``PlanCache``). Raises
     ``UnsupportedError`` when the backend cannot run the problem."""
-    chosen = select_backend(backend_choice.resolve(backend), problem)
-    tune = autotune and chosen.name == "cudnn"  # the reference has nothing to tune
+    chosen = select(problem, backend_choice.resolve(backend))
+    tune = autotune and chosen.tunable
     planned = problem.for_plan()  # packed tensors' token counts do not split plans
     key = (chosen.name, chosen.plan_key(planned), planned, tune)
     start = time.perf_counter()
     made, built = cache.obtain(key, functools.partial(chosen.build, planned, autotune=tune, store=cache.store))
     if log.logger.isEnabledFor(logging.INFO):
         source, engine = origin(made, chosen.name) if built else ("memory", _engine(made, chosen.name))
-        if built and chosen.name == "cudnn" and cache.store is None and (why := cache.store_unused_reason()):
+        if built and chosen.stores_plans and cache.store is None and (why := cache.store_unused_reason()):
             log.store_unused(why)
         log.plan(planned, chosen.name, source, engine, time.perf_counter() - start)
     return Planned(made, chosen.name, key)
@@ -57,7 +57,7 @@ def origin(made: Any, backend: str) -> tuple[str, str]:
 
 
 def _engine(made: Any, backend: str) -> str:
-    """The cuDNN engine (and knobs) where the plan knows it; the backend's name otherwise ("reference")."""
+    """The cuDNN engine (and knobs) where the plan knows it; the backend's name otherwise."""
     return getattr(made, "engine", None) or backend
 
 

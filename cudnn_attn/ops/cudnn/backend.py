@@ -34,6 +34,8 @@ log = logging.getLogger("cudnn_attn.cudnn")
 
 class CudnnBackend:
     name = "cudnn"
+    tunable = True
+    stores_plans = True
 
     def not_supported_reasons(self, problem: AttentionProblem) -> list[str]:
         if not problem.device.startswith("cuda"):

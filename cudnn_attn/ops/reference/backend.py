@@ -28,6 +28,8 @@ class ReferenceBackend:
     """Runs anything that validates; on any device torch runs on."""
 
     name = "reference"
+    tunable = False  # one way to run a problem
+    stores_plans = False  # a plan is the problem alone
 
     def __init__(self, compute_dtype: torch.dtype = torch.float32):
         self.compute_dtype = compute_dtype

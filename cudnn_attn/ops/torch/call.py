@@ -1,0 +1,47 @@
+"""One call of torch's SDPA signature, as the engines' reasons read it (xformers' ``Inputs``).
+
+``cudnn_attn.sdpa`` makes one per call signature (the eager path keeps the choice under its flat
+key), so reading it costs nothing on a steady-state call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...core.mask import Causal
+
+
+@dataclass(frozen=True, eq=False)
+class Call:
+    """``query``/``key``/``value``: ``[B, H, L, E]`` (or the caller's other ranks); ``attn_mask`` as
+    given (None, a tensor); ``causal``: the resolved variant; ``scale``: as given (None: default);
+    ``train``: whether a gradient is wanted."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attn_mask: Any
+    dropout_p: float
+    causal: Causal
+    scale: Any
+    enable_gqa: bool
+    train: bool
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.query.is_cuda
+
+    @property
+    def scale_positive(self) -> bool:
+        return self.scale is None or float(self.scale) > 0
+
+    def describe(self) -> str:
+        """The call's geometry and flags, for the dispatch's log and errors."""
+        q, k = self.query, self.key
+        return (
+            f"sdpa {str(q.dtype).removeprefix('torch.')} {q.device.type} q{list(q.shape)} k{list(k.shape)} "
+            f"causal={self.causal.value} dropout={self.dropout_p:g} train={self.train}"
+        )
