@@ -63,8 +63,13 @@ class BucketedAttention:
         ```
     """
 
-    def __init__(self, buckets: tuple[int, ...] = DEFAULT_BUCKETS, causal: bool | str = False, max_plans: int = 256,
-                 **graph_options: Any):  # fmt: skip
+    def __init__(
+        self,
+        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        causal: bool | str = False,
+        max_plans: int = 256,
+        **graph_options: Any,
+    ):
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValidationError([f"buckets: {buckets!r}; give distinct positive lengths in ascending order"])
         self.buckets = tuple(buckets)
@@ -73,8 +78,9 @@ class BucketedAttention:
             raise ValidationError([f"causal: {causal!r}; allowed False, True/'top_left', 'bottom_right'"])
         unknown = sorted(set(graph_options) - {"backend", "autotune", "cache"})
         if unknown:
-            raise ValidationError([f"{name}: not an option of BucketedAttention (backend, autotune, cache)"
-                                   for name in unknown])  # fmt: skip
+            raise ValidationError(
+                [f"{name}: not an option of BucketedAttention (backend, autotune, cache)" for name in unknown]
+            )
         if graph_options.get("backend", "auto") not in BACKEND_NAMES:
             raise ValidationError(
                 [f"backend: {graph_options['backend']!r}; allowed {', '.join(map(repr, BACKEND_NAMES))}"]
@@ -116,16 +122,19 @@ class BucketedAttention:
         lengths_kv = torch.full((q.shape[0],), s_kv, dtype=torch.int32, device=q.device)
         scale = attn_scale if attn_scale is not None else default_scale(q.shape[-1])
         run = self._run(padded, lengths_q, lengths_kv, scale)
-        out = run.run({"q": padded[0], "k": padded[1], "v": padded[2], "seq_len_q": lengths_q,
-                       "seq_len_kv": lengths_kv})["o"]  # fmt: skip
+        out = run.run(
+            {"q": padded[0], "k": padded[1], "v": padded[2], "seq_len_q": lengths_q, "seq_len_kv": lengths_kv}
+        )["o"]
         return out[:, :, :s_q]
 
-    def _run(self, padded: list[torch.Tensor], lengths_q: torch.Tensor, lengths_kv: torch.Tensor,
-             scale: float) -> PreparedRun:  # fmt: skip
+    def _run(
+        self, padded: list[torch.Tensor], lengths_q: torch.Tensor, lengths_kv: torch.Tensor, scale: float
+    ) -> PreparedRun:
         options = ScoreOptions(attn_scale=scale, causal=Causal(self.causal or "none"), padding=True)
         q, k, v = (TensorSpec.of(t) for t in padded)
-        problem = forward_problem(q, k, v, options, seq_len_q=TensorSpec.of(lengths_q),
-                                  seq_len_kv=TensorSpec.of(lengths_kv))  # fmt: skip
+        problem = forward_problem(
+            q, k, v, options, seq_len_q=TensorSpec.of(lengths_q), seq_len_kv=TensorSpec.of(lengths_kv)
+        )
         run = self._runs.get(problem)
         if run is None:
             run = self._runs.put(problem, prepare(problem, context="BucketedAttention", **self.graph_options))

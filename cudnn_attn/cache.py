@@ -200,8 +200,12 @@ class PlanCache:
         """Counters: ``hits``, ``misses``, ``builds``, ``evictions``, ``build_errors``,
         ``build_seconds``, ``size`` (plans held) and ``in_flight`` (builds under way)."""
         with self._lock:
-            return {**self._counts, "build_seconds": self._build_seconds, "size": len(self._entries),
-                    "in_flight": len(self._building)}  # fmt: skip
+            return {
+                **self._counts,
+                "build_seconds": self._build_seconds,
+                "size": len(self._entries),
+                "in_flight": len(self._building),
+            }
 
     def clear(self) -> None:
         """Drop every plan and zero the counters; the workspaces plans share on each stream

@@ -117,20 +117,24 @@ def sdpa_fp8(
         raise ValidationError([f"backward: {backward!r}; allowed 'bf16' or 'fp8'"], context="sdpa_fp8")
     if backward == "fp8" and scaling is None:
         raise ValidationError(
-            ["backward: 'fp8' needs scaling=cudnn_attn.Fp8Scaling(): the scales of dS and of the gradients "
-             "come from its amax histories"],
+            [
+                "backward: 'fp8' needs scaling=cudnn_attn.Fp8Scaling(): the scales of dS and of the gradients "
+                "come from its amax histories"
+            ],
             context="sdpa_fp8",
-        )  # fmt: skip
+        )
     fp8_out = _fp8_output(out_dtype, query.dtype)
     attn_scale = float(scale) if scale is not None else default_scale(query.shape[-1])
     # Autograd turns gradients off inside Function.forward: whether this call trains is decided here.
     trains = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
     if fp8_out and trains:
         raise ValidationError(
-            ["out_dtype: float8_e4m3fn output carries no gradient (torch does not differentiate through "
-             "float8 tensors); leave out_dtype unset to train, or run under torch.no_grad()"],
+            [
+                "out_dtype: float8_e4m3fn output carries no gradient (torch does not differentiate through "
+                "float8 tensors); leave out_dtype unset to train, or run under torch.no_grad()"
+            ],
             context="sdpa_fp8",
-        )  # fmt: skip
+        )
     fp8_backward = backward == "fp8" and trains
     unbatched = query.dim() == 3  # [H, L, E]: one batch
     batch = (query[None], key[None], value[None]) if unbatched else (query, key, value)
@@ -157,8 +161,18 @@ def _fp8_output(out_dtype: Any, inputs: torch.dtype) -> bool:
     return (out_dtype if out_dtype is not None else inputs) == E4M3
 
 
-def _on_fp8_inputs(query: Any, key: Any, value: Any, attn_mask: Any, is_causal: Any, scale: Any, enable_gqa: Any,
-                   backward: str, scaling: Any, out_dtype: Any) -> Any:  # fmt: skip
+def _on_fp8_inputs(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any,
+    is_causal: Any,
+    scale: Any,
+    enable_gqa: Any,
+    backward: str,
+    scaling: Any,
+    out_dtype: Any,
+) -> Any:
     """``sdpa_fp8`` on ``Fp8Tensor`` inputs: no casts in, O in FP8 or dequantised once."""
     tensors = {"query": query, "key": key, "value": value}
     _check_fp8_inputs(tensors)
@@ -168,19 +182,25 @@ def _on_fp8_inputs(query: Any, key: Any, value: Any, attn_mask: Any, is_causal: 
             context="sdpa_fp8",
         )
     # torch's rules on shapes and flags, read from stand-ins of the data's shapes in a dtype they take.
-    q, k, v = (torch.empty_strided(t.data.shape, t.data.stride(), dtype=torch.bfloat16, device="meta")
-               for t in tensors.values())  # fmt: skip
+    q, k, v = (
+        torch.empty_strided(t.data.shape, t.data.stride(), dtype=torch.bfloat16, device="meta")
+        for t in tensors.values()
+    )
     _check_arguments(q, k, v, None, is_causal, scale, enable_gqa)
     problems = []
     if scaling is not None:
-        problems.append("scaling: the inputs are Fp8Tensor, already quantised under their own descales; "
-                        "scaling applies to float16/bfloat16 inputs")  # fmt: skip
+        problems.append(
+            "scaling: the inputs are Fp8Tensor, already quantised under their own descales; "
+            "scaling applies to float16/bfloat16 inputs"
+        )
     if backward not in BACKWARDS:
         problems.append(f"backward: {backward!r}; allowed 'bf16' or 'fp8'")
     for name, t in tensors.items():
         if torch.is_grad_enabled() and t.data.requires_grad:
-            problems.append(f"{name}: an Fp8Tensor takes no gradient (torch does not differentiate through "
-                            "float8 tensors); pass the 16-bit tensors to train")  # fmt: skip
+            problems.append(
+                f"{name}: an Fp8Tensor takes no gradient (torch does not differentiate through "
+                "float8 tensors); pass the 16-bit tensors to train"
+            )
     if problems:
         raise ValidationError(problems, context="sdpa_fp8")
     fp8_out = _fp8_output(out_dtype, E4M3)
@@ -204,16 +224,21 @@ def _check_fp8_inputs(tensors: dict[str, Any]) -> None:
     for name, t in tensors.items():
         if not isinstance(t, Fp8Tensor):
             kind = f"a {dtype_name(t.dtype)} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
-            problems.append(f"{name}: {kind} beside an Fp8Tensor; pass query, key and value all as Fp8Tensor "
-                            "(Fp8Tensor.quantise) or all as float16/bfloat16 tensors")  # fmt: skip
+            problems.append(
+                f"{name}: {kind} beside an Fp8Tensor; pass query, key and value all as Fp8Tensor "
+                "(Fp8Tensor.quantise) or all as float16/bfloat16 tensors"
+            )
             continue
         data, descale = t
         if not isinstance(data, torch.Tensor) or data.dtype != E4M3:
             what = dtype_name(data.dtype) if isinstance(data, torch.Tensor) else type(data).__name__
             problems.append(f"{name}.data: {what}; expected a float8_e4m3fn tensor")
         elif not isinstance(descale, torch.Tensor) or descale.dtype != torch.float32 or descale.numel() != 1:
-            what = (f"{dtype_name(descale.dtype)} of shape {list(descale.shape)}" if isinstance(descale, torch.Tensor)
-                    else type(descale).__name__)  # fmt: skip
+            what = (
+                f"{dtype_name(descale.dtype)} of shape {list(descale.shape)}"
+                if isinstance(descale, torch.Tensor)
+                else type(descale).__name__
+            )
             problems.append(f"{name}.descale: {what}; expected a float32 tensor of one element")
         elif descale.device != data.device:
             problems.append(
@@ -224,12 +249,14 @@ def _check_fp8_inputs(tensors: dict[str, Any]) -> None:
     devices = {name: t.data.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
         where = ", ".join(f"{name} on {device}" for name, device in devices.items())
-        raise ValidationError([f"device: tensors are on several devices ({where}); put them on one device"],
-                              context="sdpa_fp8")  # fmt: skip
+        raise ValidationError(
+            [f"device: tensors are on several devices ({where}); put them on one device"], context="sdpa_fp8"
+        )
 
 
-def _check_arguments(query: Any, key: Any, value: Any, attn_mask: Any, is_causal: Any, scale: Any,
-                     enable_gqa: Any) -> None:  # fmt: skip
+def _check_arguments(
+    query: Any, key: Any, value: Any, attn_mask: Any, is_causal: Any, scale: Any, enable_gqa: Any
+) -> None:
     """torch's rules on the arguments ``sdpa_fp8`` shares with its SDPA, in its own name."""
     try:
         check_arguments(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa)
@@ -279,21 +306,42 @@ def forward(
     descale_q, descale_k, descale_v = (scale_view(descales, i) for i in range(3))
     scale_o = scale_view(used, 2)  # V's scale: |O| <= max|V|, so O under it never saturates
     softmax = _softmax_scales(query.device)
-    results = _run_forward(q8, k8, v8, descale_q, descale_k, descale_v, is_causal, attn_scale, scale_o, softmax,
-                           stats=keep is not None)  # fmt: skip
+    results = _run_forward(
+        q8, k8, v8, descale_q, descale_k, descale_v, is_causal, attn_scale, scale_o, softmax, stats=keep is not None
+    )
     out8 = results[0]
     if keep is not None:
-        keep.update(q8=q8, k8=k8, v8=v8, o8=out8, stats=results[1], descale_q=descale_q, descale_k=descale_k,
-                    descale_v=descale_v, scale_s=softmax[1], is_causal=is_causal,
-                    attn_scale=attn_scale)  # fmt: skip
+        keep.update(
+            q8=q8,
+            k8=k8,
+            v8=v8,
+            o8=out8,
+            stats=results[1],
+            descale_q=descale_q,
+            descale_k=descale_k,
+            descale_v=descale_v,
+            scale_s=softmax[1],
+            is_causal=is_causal,
+            attn_scale=attn_scale,
+        )
     if fp8_out:
         return out8, descale_v.reshape(())
     return from_fp8(out8, descale_v, query.dtype)
 
 
-def _run_forward(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q: torch.Tensor,
-                 descale_k: torch.Tensor, descale_v: torch.Tensor, is_causal: bool, attn_scale: float,
-                 scale_o: torch.Tensor | None = None, softmax: tuple | None = None, stats: bool = False) -> tuple:  # fmt: skip
+def _run_forward(
+    q8: torch.Tensor,
+    k8: torch.Tensor,
+    v8: torch.Tensor,
+    descale_q: torch.Tensor,
+    descale_k: torch.Tensor,
+    descale_v: torch.Tensor,
+    is_causal: bool,
+    attn_scale: float,
+    scale_o: torch.Tensor | None = None,
+    softmax: tuple | None = None,
+    stats: bool = False,
+) -> tuple:
     """The FP8 forward's results (O in E4M3 under ``scale_o``, default ``1 / descale_v``; Stats
     where asked for). ``softmax``: P's descale and scale, default the device's constants."""
     descale_s, scale_s = softmax if softmax is not None else _softmax_scales(q8.device)
@@ -314,8 +362,10 @@ def _softmax_scales(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
             (1, 1, 1, 1), E4M3_MAX, device=device
         )
     if device not in _softmax_constants:
-        _softmax_constants[device] = (torch.full((1, 1, 1, 1), 1.0 / E4M3_MAX, device=device),
-                                      torch.full((1, 1, 1, 1), E4M3_MAX, device=device))  # fmt: skip
+        _softmax_constants[device] = (
+            torch.full((1, 1, 1, 1), 1.0 / E4M3_MAX, device=device),
+            torch.full((1, 1, 1, 1), E4M3_MAX, device=device),
+        )
     return _softmax_constants[device]
 
 
@@ -362,8 +412,7 @@ class _Fp8Attention(torch.autograd.Function):
             # gradient scales of its first backward (the history has moved on since, with that
             # backward's own amaxes), so it gives the same gradients, and it records nothing:
             # the history holds one backward per forward, not repeats of it.
-            grads, ctx.gradient_scales = gradients(saved, d_out, scaling, d_out.dtype,
-                                                                     scales=ctx.gradient_scales)  # fmt: skip
+            grads, ctx.gradient_scales = gradients(saved, d_out, scaling, d_out.dtype, scales=ctx.gradient_scales)
             return (*(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad)), None, None, None, None)
         from .functional import sdpa
 
@@ -386,8 +435,13 @@ class _Fp8Attention(torch.autograd.Function):
 # unit scales to measure the amaxes, then again with their scales.
 
 
-def gradients(saved: dict[str, Any], d_out: torch.Tensor, scaling: Fp8Scaling, dtype: torch.dtype,
-              scales: torch.Tensor | None = None) -> tuple[list, torch.Tensor]:  # fmt: skip
+def gradients(
+    saved: dict[str, Any],
+    d_out: torch.Tensor,
+    scaling: Fp8Scaling,
+    dtype: torch.dtype,
+    scales: torch.Tensor | None = None,
+) -> tuple[list, torch.Tensor]:
     """dQ, dK, dV in ``dtype`` from what the FP8 forward kept (``saved``) and ``d_out``, and
     the gradient scales used ([4]). Given ``scales`` (an earlier backward's), those are used
     and the history is left as it is."""
@@ -413,9 +467,26 @@ def _run_backward(saved: dict[str, Any], do8: torch.Tensor, descale_do: torch.Te
     q8, k8, v8, o8, stats = saved["q8"], saved["k8"], saved["v8"], saved["o8"], saved["stats"]
     scale_s = saved["scale_s"]
     scale_dq, scale_dk, scale_dv, scale_dp = (scales[i].reshape(1, 1, 1, 1).clone() for i in range(4))
-    args = (q8, k8, v8, o8, do8, stats, saved["descale_q"], saved["descale_k"], saved["descale_v"],
-            saved["descale_v"].clone(), descale_do, 1.0 / scale_s, 1.0 / scale_dp, scale_s.clone(), scale_dq,
-            scale_dk, scale_dv, scale_dp)  # fmt: skip
+    args = (
+        q8,
+        k8,
+        v8,
+        o8,
+        do8,
+        stats,
+        saved["descale_q"],
+        saved["descale_k"],
+        saved["descale_v"],
+        saved["descale_v"].clone(),
+        descale_do,
+        1.0 / scale_s,
+        1.0 / scale_dp,
+        scale_s.clone(),
+        scale_dq,
+        scale_dk,
+        scale_dv,
+        scale_dp,
+    )
     return tuple(_backward_run(args, saved["is_causal"], saved["attn_scale"]).run_ordered(args))
 
 

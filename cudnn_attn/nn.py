@@ -168,9 +168,15 @@ class Attention(nn.Module):
             terms["window_size"] = (self.window - 1, 0)
         try:
             o = sdpa(
-                q, k, v, attn_mask=attn_mask, is_causal=causal and attn_mask is None,
-                dropout_p=self.dropout if self.training else 0.0, enable_gqa=h_kv != h, **terms,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                is_causal=causal and attn_mask is None,
+                dropout_p=self.dropout if self.training else 0.0,
+                enable_gqa=h_kv != h,
+                **terms,
+            )
         except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
             raise _in_layer_terms(error) from None
         return self.out(o.transpose(1, 2).reshape(b, s, h * d))

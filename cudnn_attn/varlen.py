@@ -147,16 +147,40 @@ def varlen_sdpa(
         ```
     """
     call = varlen_keywords.resolve(
-        causal=causal, is_causal=is_causal, softmax_scale=softmax_scale, scale=scale, window_size=window_size,
-        softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-        return_attn_probs=return_attn_probs, return_lse=return_lse, block_table=block_table,
+        causal=causal,
+        is_causal=is_causal,
+        softmax_scale=softmax_scale,
+        scale=scale,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        deterministic=deterministic,
+        return_attn_probs=return_attn_probs,
+        return_lse=return_lse,
+        block_table=block_table,
         same_lengths=varlen_keywords.same_lengths(cu_seqlens_q, cu_seqlens_k),
-    )  # fmt: skip
-    result = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=call.causal,
-                              window_left=call.window_left, window_right=call.window_right,
-                              window_bottom_right=call.window_bottom_right, scale=call.scale, dropout_p=dropout_p,
-                              enable_gqa=True, sinks=sinks, softcap=call.softcap, deterministic=call.deterministic,
-                              return_lse=call.returns > 1, context="varlen_sdpa")  # fmt: skip
+    )
+    result = varlen_attention(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal=call.causal,
+        window_left=call.window_left,
+        window_right=call.window_right,
+        window_bottom_right=call.window_bottom_right,
+        scale=call.scale,
+        dropout_p=dropout_p,
+        enable_gqa=True,
+        sinks=sinks,
+        softcap=call.softcap,
+        deterministic=call.deterministic,
+        return_lse=call.returns > 1,
+        context="varlen_sdpa",
+    )
     if call.returns == 3:
         return (*result, None)
     return result
@@ -192,8 +216,21 @@ def varlen_attention(
     diagonal is each sequence's bottom-right one (FlashAttention's), else its top-left one;
     ``deterministic``: cuDNN's deterministic backward. Returns
     ``out``, or ``(out, lse)`` with ``return_lse`` (``varlen_sdpa`` says what each holds)."""
-    _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right,
-           dropout_p, enable_gqa, context)  # fmt: skip
+    _check(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        window_left,
+        window_right,
+        dropout_p,
+        enable_gqa,
+        context,
+    )
     bounded = window_left is not None or window_right is not None
     batch = cu_seqlens_q.shape[0] - 1
     slots = bucket(batch, 1)
@@ -230,8 +267,9 @@ def varlen_attention(
             raise UnsupportedError([f"{reason}: not supported yet"], context=context)
         try:
             same = varlen_keywords.same_lengths(cu_seqlens_q, cu_seqlens_k)
-            options.modifier, options.scores = softcap_modifier(softcap, options.scores, options.max_q, options.max_k,
-                                                                same)  # fmt: skip
+            options.modifier, options.scores = softcap_modifier(
+                softcap, options.scores, options.max_q, options.max_k, same
+            )
         except ValidationError as error:
             raise ValidationError(error.problems, context=context) from None
         except UnsupportedError as error:
@@ -245,9 +283,15 @@ def varlen_attention(
         raise error.renamed(_NAMES, context=context) from None
 
 
-_NAMES = {"seq_len_q": "cu_seqlens_q", "seq_len_kv": "cu_seqlens_k", "max_seq_len_q": "max_seqlen_q",
-          "max_seq_len_kv": "max_seqlen_k", "sliding_window_length": "window_size", "dropout": "dropout_p",
-          "attn_scale": "scale"}  # fmt: skip
+_NAMES = {
+    "seq_len_q": "cu_seqlens_q",
+    "seq_len_kv": "cu_seqlens_k",
+    "max_seq_len_q": "max_seqlen_q",
+    "max_seq_len_kv": "max_seqlen_k",
+    "sliding_window_length": "window_size",
+    "dropout": "dropout_p",
+    "attn_scale": "scale",
+}
 
 
 class _Options:
@@ -283,8 +327,9 @@ class _Varlen(torch.autograd.Function):
         sink = sink_token(sinks)
         run = _forward_run(q, k, v, lengths_q, lengths_k, options, train or options.lse, sink)
         out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)  # every row written
-        outputs = run.run(options.inputs(q=q, k=k, v=v, seq_len_q=lengths_q, seq_len_kv=lengths_k, sink_token=sink),
-                          {"o": out})  # fmt: skip
+        outputs = run.run(
+            options.inputs(q=q, k=k, v=v, seq_len_q=lengths_q, seq_len_kv=lengths_k, sink_token=sink), {"o": out}
+        )
         if train and run not in _backward_prepared:
             # The backward's plan, prepared with the forward's first run of a geometry: what it
             # cannot run is refused here, not after a forward the caller has built on.
@@ -307,8 +352,9 @@ class _Varlen(torch.autograd.Function):
         grads = {
             role: torch.zeros_like(t) for role, t in zip(("grad_q", "grad_k", "grad_v"), (q, k, v))
         }  # rows no sequence covers stay zero
-        inputs = ctx.options.inputs(q=q, k=k, v=v, o=out, grad_o=d_out, stats=stats, seq_len_q=lengths_q,
-                                    seq_len_kv=lengths_k, sink_token=sink)  # fmt: skip
+        inputs = ctx.options.inputs(
+            q=q, k=k, v=v, o=out, grad_o=d_out, stats=stats, seq_len_q=lengths_q, seq_len_kv=lengths_k, sink_token=sink
+        )
         written = run.run(inputs, grads)
         d_sink = None if sink is None else written["grad_sink"].reshape(ctx.sink_meta[0]).to(ctx.sink_meta[1])
         return (*grads.values(), None, None, None, d_sink, None)
@@ -319,19 +365,43 @@ def _spec(t: torch.Tensor) -> TensorSpec:
 
 
 def _forward_run(q, k, v, lengths_q, lengths_k, options: _Options, train: bool, sink=None) -> PreparedRun:
-    problem = forward_problem(_spec(q), _spec(k), _spec(v), options.scores, stats=train, seq_len_q=_spec(lengths_q),
-                              seq_len_kv=_spec(lengths_k), max_seq_len_q=options.max_q, max_seq_len_kv=options.max_k,
-                              dropout_seed=options.rng_specs()[0], dropout_offset=options.rng_specs()[1],
-                              sink_token=None if sink is None else _spec(sink), score_mod=options.modifier)  # fmt: skip
+    problem = forward_problem(
+        _spec(q),
+        _spec(k),
+        _spec(v),
+        options.scores,
+        stats=train,
+        seq_len_q=_spec(lengths_q),
+        seq_len_kv=_spec(lengths_k),
+        max_seq_len_q=options.max_q,
+        max_seq_len_kv=options.max_k,
+        dropout_seed=options.rng_specs()[0],
+        dropout_offset=options.rng_specs()[1],
+        sink_token=None if sink is None else _spec(sink),
+        score_mod=options.modifier,
+    )
     return _prepared(problem, lengths_q, lengths_k)
 
 
 def _backward_run(q, k, v, out, d_out, stats, lengths_q, lengths_k, options: _Options, sink=None) -> PreparedRun:
-    problem = backward_problem(_spec(q), _spec(k), _spec(v), _spec(out), _spec(d_out), _spec(stats), options.scores,
-                               seq_len_q=_spec(lengths_q), seq_len_kv=_spec(lengths_k), max_seq_len_q=options.max_q,
-                               max_seq_len_kv=options.max_k, dropout_seed=options.rng_specs()[0], dropout_offset=options.rng_specs()[1],
-                               sink_token=None if sink is None else _spec(sink), score_mod=options.modifier,
-                               deterministic=options.deterministic)  # fmt: skip
+    problem = backward_problem(
+        _spec(q),
+        _spec(k),
+        _spec(v),
+        _spec(out),
+        _spec(d_out),
+        _spec(stats),
+        options.scores,
+        seq_len_q=_spec(lengths_q),
+        seq_len_kv=_spec(lengths_k),
+        max_seq_len_q=options.max_q,
+        max_seq_len_kv=options.max_k,
+        dropout_seed=options.rng_specs()[0],
+        dropout_offset=options.rng_specs()[1],
+        sink_token=None if sink is None else _spec(sink),
+        score_mod=options.modifier,
+        deterministic=options.deterministic,
+    )
     return _prepared(problem, lengths_q, lengths_k)
 
 
@@ -414,8 +484,10 @@ def _check(
     ):
         problems += _cu_problems(name, cu, q.device, tokens, longest if isinstance(longest, int) else None)
     if not problems and cu_q.shape != cu_k.shape:
-        problems.append(f"cu_seqlens_k: {cu_k.shape[0] - 1} sequences, cu_seqlens_q has {cu_q.shape[0] - 1}; "
-                        "they must describe the same batch")  # fmt: skip
+        problems.append(
+            f"cu_seqlens_k: {cu_k.shape[0] - 1} sequences, cu_seqlens_q has {cu_q.shape[0] - 1}; "
+            "they must describe the same batch"
+        )
     if problems:
         raise ValidationError(problems, context=context)
 

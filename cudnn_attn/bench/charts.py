@@ -109,8 +109,10 @@ def _naive(r: dict[str, Any]) -> list[Panel]:
 
 def _cold_start(r: dict[str, Any]) -> list[Panel]:
     c = r["cold_start"]  # one cold run and the best of two warm ones: no spread to show
-    bars = {"empty plan store": Bar(c["cold_s"], c["cold_s"], c["cold_s"]),
-            "filled plan store": Bar(c["warm_store_s"], c["warm_store_s"], c["warm_store_s"])}  # fmt: skip
+    bars = {
+        "empty plan store": Bar(c["cold_s"], c["cold_s"], c["cold_s"]),
+        "filled plan store": Bar(c["warm_store_s"], c["warm_store_s"], c["warm_store_s"]),
+    }
     return [("--cold-start: time to first result", _horizontal(bars, "seconds", log=True))]
 
 
@@ -184,10 +186,16 @@ def _models(r: dict[str, Any]) -> list[Panel]:
 def _mla(r: dict[str, Any]) -> list[Panel]:
     rows = r["rows"]
     groups = [f"H{x['heads']} B{x['batch']} KV{_k(x['kv'])}" for x in rows]
-    columns = (("picked", "PagedAttention's kernel"), ("cudnn", "cuDNN paged decode"),
-               ("bound", "split-KV bound: reads, partials, merge (no math)"))  # fmt: skip
-    series = {label: [ranged(x[key]["us"], x[key]["low"], x[key]["high"]) if key in x else None for x in rows]
-              for key, label in columns if any(key in x for x in rows)}  # fmt: skip
+    columns = (
+        ("picked", "PagedAttention's kernel"),
+        ("cudnn", "cuDNN paged decode"),
+        ("bound", "split-KV bound: reads, partials, merge (no math)"),
+    )
+    series = {
+        label: [ranged(x[key]["us"], x[key]["low"], x[key]["high"]) if key in x else None for x in rows]
+        for key, label in columns
+        if any(key in x for x in rows)
+    }
     return [("--mla: MLA decode per layer", _grouped(groups, series, "us per layer", log=True))]
 
 
@@ -208,8 +216,20 @@ def _k(tokens: int) -> str:
 
 
 META = ("device", "note")  # every section's report may carry these
-_CONTEXT_PARALLEL_META = ("world", "seq", "batch", "heads", "head_dim", "mode", "layout", "dtype", "rounds", "steps",
-                          "overlap", "rel_err_vs_single")  # fmt: skip
+_CONTEXT_PARALLEL_META = (
+    "world",
+    "seq",
+    "batch",
+    "heads",
+    "head_dim",
+    "mode",
+    "layout",
+    "dtype",
+    "rounds",
+    "steps",
+    "overlap",
+    "rel_err_vs_single",
+)
 SECTIONS = (
     Section("attention", ("rows",), _attention, when=lambda r: "peaks_tbps" not in r),
     Section("overhead", ("host_time", "layer_step_*"), _overhead),

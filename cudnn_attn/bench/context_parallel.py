@@ -81,8 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     """Parse ``argv``, run the ranks, print the table (and write ``--json``). Returns the exit code."""
     args = _parser().parse_args(argv)
     if not args.cpu and torch.cuda.device_count() < 2:
-        print(f"bench.context_parallel: needs 2+ CUDA GPUs ({torch.cuda.device_count()} here); "
-              "--cpu runs a small smoke test on gloo CPU processes", file=sys.stderr)  # fmt: skip
+        print(
+            f"bench.context_parallel: needs 2+ CUDA GPUs ({torch.cuda.device_count()} here); "
+            "--cpu runs a small smoke test on gloo CPU processes",
+            file=sys.stderr,
+        )
         return 2
     world = args.gpus or (2 if args.cpu else torch.cuda.device_count())
     if not args.cpu and world > torch.cuda.device_count():
@@ -90,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     seq = args.seq or (64 if args.cpu else 131072 if args.packed else 65536)
     if world < 1 or seq % (2 * world):
-        print(f"bench.context_parallel: --seq {seq} must be a multiple of 2 x {world} ranks (zigzag: 2 chunks each)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"bench.context_parallel: --seq {seq} must be a multiple of 2 x {world} ranks (zigzag: 2 chunks each)",
+            file=sys.stderr,
+        )
         return 2
     report = run(world, vars(args))
     print(format_report(report))
@@ -198,8 +203,11 @@ def _measure(rank: int, world: int, device: torch.device, o: dict[str, Any]) -> 
     if rank != 0:
         whole = []  # only rank 0 runs the single-device column
 
-    columns = {f"context_parallel {mode}": _step(
-        lambda q, k, v: context_parallel_sdpa(q, k, v, is_causal=True, mode=mode), leaves, local[3])}  # fmt: skip
+    columns = {
+        f"context_parallel {mode}": _step(
+            lambda q, k, v: context_parallel_sdpa(q, k, v, is_causal=True, mode=mode), leaves, local[3]
+        )
+    }
     if mode == "p2p":
         columns["context_parallel p2p, compute only"] = _step(
             lambda q, k, v: compute_only_ring(q, k, v, is_causal=True), leaves, local[3]
@@ -225,9 +233,23 @@ def _measure(rank: int, world: int, device: torch.device, o: dict[str, Any]) -> 
         transfers = cells["communication only"]["median_ms"]
         hidden = min(1.0, max(0.0, 1.0 - max(0.0, exposed) / transfers)) if transfers > 0 else float("nan")
         overlap = {"exposed_ms": exposed, "transfers_ms": transfers, "hidden_fraction": hidden}
-    return {"world": world, "seq": s, "batch": b, "heads": h, "head_dim": d, "mode": mode, "layout": "zigzag",
-            "dtype": "bfloat16", "device": _device_name(device), "rounds": o["rounds"], "steps": o["steps"],
-            "cells": cells, "overlap": overlap, "rel_err_vs_single": error, "baseline": SINGLE}  # fmt: skip
+    return {
+        "world": world,
+        "seq": s,
+        "batch": b,
+        "heads": h,
+        "head_dim": d,
+        "mode": mode,
+        "layout": "zigzag",
+        "dtype": "bfloat16",
+        "device": _device_name(device),
+        "rounds": o["rounds"],
+        "steps": o["steps"],
+        "cells": cells,
+        "overlap": overlap,
+        "rel_err_vs_single": error,
+        "baseline": SINGLE,
+    }
 
 
 def _step(attend: Callable[..., torch.Tensor], inputs: list[torch.Tensor], d_out: torch.Tensor) -> Callable[[], None]:
@@ -241,8 +263,9 @@ def _step(attend: Callable[..., torch.Tensor], inputs: list[torch.Tensor], d_out
     return run
 
 
-def _cells(columns: dict[str, Callable[[], None]], o: dict[str, Any], device: torch.device,
-           flops: float) -> dict[str, dict[str, float]]:  # fmt: skip
+def _cells(
+    columns: dict[str, Callable[[], None]], o: dict[str, Any], device: torch.device, flops: float
+) -> dict[str, dict[str, float]]:
     """Each column's median, spread and TFLOP/s over interleaved rounds, after equal warm-up."""
     samples: dict[str, list[float]] = {name: [] for name in columns}
     for name in sorted(columns):  # equal warm-up: builds, allocator, communicators
@@ -253,8 +276,12 @@ def _cells(columns: dict[str, Callable[[], None]], o: dict[str, Any], device: to
     cells = {}
     for name, values in samples.items():
         median = statistics.median(values)
-        cells[name] = {"median_ms": median, "low_ms": min(values), "high_ms": max(values),
-                       "spread_pct": 100.0 * (max(values) - min(values)) / median}  # fmt: skip
+        cells[name] = {
+            "median_ms": median,
+            "low_ms": min(values),
+            "high_ms": max(values),
+            "spread_pct": 100.0 * (max(values) - min(values)) / median,
+        }
         if name != "communication only":
             cells[name]["tflops"] = flops / (median * 1e-3) / 1e12
     return cells
@@ -323,11 +350,31 @@ def _measure_packed(rank: int, world: int, device: torch.device, o: dict[str, An
     cells = _cells(columns, o, device, flops)
     for column, used in memories.items():
         cells[column].update(used)
-    return {"world": world, "seq": total, "batch": 1, "heads": h, "kv_heads": h_kv, "head_dim": d, "mode": mode,
-            "layout": "zigzag", "dtype": "bfloat16", "device": _device_name(device), "rounds": o["rounds"],
-            "steps": o["steps"], "cells": cells, "overlap": None, "rel_err_vs_single": error, "baseline": VARLEN,
-            "documents": {"count": len(lengths), "shortest": min(lengths), "median": int(statistics.median(lengths)),
-                          "longest": longest, "seed": o["seed"]}}  # fmt: skip
+    return {
+        "world": world,
+        "seq": total,
+        "batch": 1,
+        "heads": h,
+        "kv_heads": h_kv,
+        "head_dim": d,
+        "mode": mode,
+        "layout": "zigzag",
+        "dtype": "bfloat16",
+        "device": _device_name(device),
+        "rounds": o["rounds"],
+        "steps": o["steps"],
+        "cells": cells,
+        "overlap": None,
+        "rel_err_vs_single": error,
+        "baseline": VARLEN,
+        "documents": {
+            "count": len(lengths),
+            "shortest": min(lengths),
+            "median": int(statistics.median(lengths)),
+            "longest": longest,
+            "seed": o["seed"],
+        },
+    }
 
 
 def _largest(used: dict[str, int], device: torch.device) -> dict[str, int]:
@@ -429,8 +476,10 @@ def format_report(r: dict[str, Any]) -> str:
             if overlap["exposed_ms"] > overlap["transfers_ms"]
             else ""
         )
-        lines.append(f"  overlap: the transfers add {overlap['exposed_ms']:.3f} ms over compute only; alone they take "
-                     f"{overlap['transfers_ms']:.3f} ms: {100 * overlap['hidden_fraction']:.0f}% hidden{note}")  # fmt: skip
+        lines.append(
+            f"  overlap: the transfers add {overlap['exposed_ms']:.3f} ms over compute only; alone they take "
+            f"{overlap['transfers_ms']:.3f} ms: {100 * overlap['hidden_fraction']:.0f}% hidden{note}"
+        )
     against = "the same packing on one device" if docs else "single-device attention"
     lines.append(f"  output against {against}: rel_err={r['rel_err_vs_single']:.2e}")
     return "\n".join(lines)

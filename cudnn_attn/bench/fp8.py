@@ -23,8 +23,13 @@ from ..ops.cudnn import autotune
 from .host import round_order
 from .progress import progress
 
-SHAPES = ((4, 16, 4096, 128, False), (4, 16, 4096, 128, True), (1, 16, 16384, 128, False),
-          (1, 16, 16384, 128, True), (4, 16, 4096, 64, True))  # fmt: skip
+SHAPES = (
+    (4, 16, 4096, 128, False),
+    (4, 16, 4096, 128, True),
+    (1, 16, 16384, 128, False),
+    (1, 16, 16384, 128, True),
+    (4, 16, 4096, 64, True),
+)
 
 
 def _flops(b: int, h: int, s: int, d: int, causal: bool) -> float:
@@ -174,12 +179,15 @@ def crossover(tokens: int = 32768, h: int = 16, d: int = 128) -> list[dict[str, 
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-            cells = _time({
-                "torch cudnn bf16": bf16,
-                "sdpa_fp8 (scaling included)": lambda q=q, k=k, v=v, c=causal: sdpa_fp8(q, k, v, is_causal=c),
-                "sdpa_fp8, delayed scaling": lambda q=q, k=k, v=v, c=causal, sc=delayed: sdpa_fp8(
-                    q, k, v, is_causal=c, scaling=sc),
-            })  # fmt: skip
+            cells = _time(
+                {
+                    "torch cudnn bf16": bf16,
+                    "sdpa_fp8 (scaling included)": lambda q=q, k=k, v=v, c=causal: sdpa_fp8(q, k, v, is_causal=c),
+                    "sdpa_fp8, delayed scaling": lambda q=q, k=k, v=v, c=causal, sc=delayed: sdpa_fp8(
+                        q, k, v, is_causal=c, scaling=sc
+                    ),
+                }
+            )
             base = cells["torch cudnn bf16"]["ms"]
             for cell in cells.values():
                 cell["vs_bf16"] = base / cell["ms"]
@@ -190,8 +198,11 @@ def crossover(tokens: int = 32768, h: int = 16, d: int = 128) -> list[dict[str, 
 def format_crossover(rows: list[dict[str, Any]]) -> str:
     lines = ["sdpa_fp8 against torch's bf16 cuDNN attention, same tokens per batch (x = bf16 time / FP8 time):"]
     for row in rows:
-        cells = "  ".join(f"{name} {cell['vs_bf16']:.2f}x (spread {cell['spread_pct']:.0f}%)"
-                          for name, cell in row["cells"].items() if name != "torch cudnn bf16")  # fmt: skip
+        cells = "  ".join(
+            f"{name} {cell['vs_bf16']:.2f}x (spread {cell['spread_pct']:.0f}%)"
+            for name, cell in row["cells"].items()
+            if name != "torch cudnn bf16"
+        )
         lines.append(f"  s{row['s']:<6} b{row['batch']:<3} {'causal' if row['causal'] else 'full  '}  {cells}")
     return "\n".join(lines)
 
@@ -199,8 +210,10 @@ def format_crossover(rows: list[dict[str, Any]]) -> str:
 def format_fp8(rows: list[dict[str, Any]]) -> str:
     lines = ["FP8 beside bf16 (TFLOP/s, median of shuffled rounds; x = over our bf16 graph):"]
     for row in rows:
-        lines.append(f"  {row['shape']}:  O vs bf16 relative error: " + ", ".join(
-            f"{k} {v:.3f}" for k, v in row["rel_err_vs_bf16"].items()))  # fmt: skip
+        lines.append(
+            f"  {row['shape']}:  O vs bf16 relative error: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in row["rel_err_vs_bf16"].items())
+        )
         for kind, base in (("forward", "bf16 graph"), ("backward", "bf16 backward graph")):
             reference = row[kind].get(base, {}).get("tflops")
             for name, cell in row[kind].items():

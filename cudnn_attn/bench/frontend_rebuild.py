@@ -23,11 +23,16 @@ ROUNDS = 6
 
 
 def _step(cudnn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: Any) -> torch.Tensor:
-    with cudnn.Graph(io_data_type=cudnn.data_type.HALF, intermediate_data_type=cudnn.data_type.FLOAT,
-                     compute_data_type=cudnn.data_type.FLOAT, inputs=["SDPA::q", "SDPA::k", "SDPA::v"],
-                     outputs=["attn_output"]) as graph:  # fmt: skip
-        o, _ = graph.sdpa(name="SDPA", q=q, k=k, v=v, attn_scale=1 / math.sqrt(D), is_inference=True,
-                          use_causal_mask=True)  # fmt: skip
+    with cudnn.Graph(
+        io_data_type=cudnn.data_type.HALF,
+        intermediate_data_type=cudnn.data_type.FLOAT,
+        compute_data_type=cudnn.data_type.FLOAT,
+        inputs=["SDPA::q", "SDPA::k", "SDPA::v"],
+        outputs=["attn_output"],
+    ) as graph:
+        o, _ = graph.sdpa(
+            name="SDPA", q=q, k=k, v=v, attn_scale=1 / math.sqrt(D), is_inference=True, use_causal_mask=True
+        )
         o.set_output(True).set_name("attn_output").set_dim(q.shape).set_stride(q.stride())
     return graph(q, k, v, handle=handle)
 
@@ -36,8 +41,9 @@ def rebuild_loop(iterations: int = 200, frontend_iterations: int = 20) -> dict[s
     """ms per iteration of the loop through ``cudnn`` and ``cudnn_attn`` (the frontend's rebuild
     takes tens of ms: it runs fewer iterations per round)."""
     gen = torch.Generator(device="cuda").manual_seed(42)
-    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.half, generator=gen).transpose(1, 2)
-               for _ in range(3))  # fmt: skip
+    q, k, v = (
+        torch.randn(B, S, H, D, device="cuda", dtype=torch.half, generator=gen).transpose(1, 2) for _ in range(3)
+    )
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "shape": f"b{B} h{H} s{S} d{D} fp16 causal"}
     packages = {name: importlib.import_module(name) for name in ("cudnn", "cudnn_attn")}
     counts = {"cudnn": frontend_iterations, "cudnn_attn": iterations}
@@ -53,8 +59,13 @@ def rebuild_loop(iterations: int = 200, frontend_iterations: int = 20) -> dict[s
             torch.cuda.synchronize()
             rounds[name].append((time.perf_counter() - start) / counts[name] * 1e3)
     for name, times in rounds.items():
-        report[name] = {"ms_median": statistics.median(times), "ms_low": min(times), "ms_high": max(times),
-                        "iterations": counts[name], "rounds": len(times)}  # fmt: skip
+        report[name] = {
+            "ms_median": statistics.median(times),
+            "ms_low": min(times),
+            "ms_high": max(times),
+            "iterations": counts[name],
+            "rounds": len(times),
+        }
     report["identical"] = bool(torch.equal(outputs["cudnn"], outputs["cudnn_attn"]))
     report["speedup"] = report["cudnn"]["ms_median"] / report["cudnn_attn"]["ms_median"]
     return report

@@ -47,8 +47,20 @@ def memory_peak() -> dict[str, float]:
 
 
 def _captured(heads: int, batch: int, kv: int, kernel: str | None, t: dict[str, Any]) -> tuple:
-    attn = PagedAttention(heads, 1, D, PAGE, dtype=torch.bfloat16, head_dim_v=DV, scale=192**-0.5, max_batch=batch,
-                          max_pages_per_seq=kv // PAGE, cuda_graph=True, device="cuda", decode_kernel=kernel)  # fmt: skip
+    attn = PagedAttention(
+        heads,
+        1,
+        D,
+        PAGE,
+        dtype=torch.bfloat16,
+        head_dim_v=DV,
+        scale=192**-0.5,
+        max_batch=batch,
+        max_pages_per_seq=kv // PAGE,
+        cuda_graph=True,
+        device="cuda",
+        decode_kernel=kernel,
+    )
     attn.plan(t["table"], torch.full((batch,), kv, dtype=torch.int32, device="cuda"))
     out = torch.empty(batch, heads, 1, DV, device="cuda", dtype=torch.bfloat16)
     for latent in t["latents"]:
@@ -78,8 +90,16 @@ def _bounds(heads: int, batch: int, attn: PagedAttention, t: dict[str, Any]) -> 
 
         def step(out: torch.Tensor | None = out, partial_o: torch.Tensor = partial_o) -> None:
             for latent in t["latents"]:
-                mla_bound.layer(latent, t["table"], heads=heads, splits=splits, chunk_pages=schedule.chunk_pages,
-                                partial_o=partial_o, partial_lse=partial_lse, out=out)  # fmt: skip
+                mla_bound.layer(
+                    latent,
+                    t["table"],
+                    heads=heads,
+                    splits=splits,
+                    chunk_pages=schedule.chunk_pages,
+                    partial_o=partial_o,
+                    partial_lse=partial_lse,
+                    out=out,
+                )
 
         step()
         torch.cuda.synchronize()
@@ -93,8 +113,10 @@ def _bounds(heads: int, batch: int, attn: PagedAttention, t: dict[str, Any]) -> 
 def mla_row(heads: int, batch: int, kv: int, peak: float) -> dict[str, Any]:
     gen = torch.Generator(device="cuda").manual_seed(kv + heads + batch)
     pages = kv // PAGE
-    latents = [torch.randn(batch * pages, 1, PAGE, D, device="cuda", generator=gen, dtype=torch.bfloat16)
-               for _ in range(LAYERS)]  # fmt: skip
+    latents = [
+        torch.randn(batch * pages, 1, PAGE, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+        for _ in range(LAYERS)
+    ]
     table = torch.randperm(batch * pages, device="cuda", generator=gen).int().view(batch, pages)
     q = torch.randn(batch, heads, 1, D, device="cuda", generator=gen, dtype=torch.bfloat16)
     t: dict[str, Any] = {"latents": latents, "table": table, "q": q}
@@ -113,8 +135,13 @@ def mla_row(heads: int, batch: int, kv: int, peak: float) -> dict[str, Any]:
     row: dict[str, Any] = {"heads": heads, "batch": batch, "kv": kv}
     for name, values in times.items():
         us = statistics.median(values)
-        row[name] = {"kernel": columns[name][2], "us": us, "low": min(values), "high": max(values),
-                     "peak_pct": 100 * nbytes / us / 1e6 / peak}  # fmt: skip
+        row[name] = {
+            "kernel": columns[name][2],
+            "us": us,
+            "low": min(values),
+            "high": max(values),
+            "peak_pct": 100 * nbytes / us / 1e6 / peak,
+        }
         if name in ("picked", "cudnn"):  # the no-math columns do no FLOPs
             row[name]["tflops"] = flops / us / 1e6
     picked, cudnn = (columns[n][1].float() for n in ("picked", "cudnn"))
@@ -135,9 +162,18 @@ def mla_rows() -> dict[str, Any]:
 
 
 def format_row(row: dict[str, Any]) -> str:
-    cells = [f"{c['kernel']}: {c['us']:.1f} us ({c['low']:.1f}-{c['high']:.1f}) {c['tflops']:.0f} TFLOP/s "
-             f"{c['peak_pct']:.0f}% of peak" for c in (row["picked"], row["cudnn"])]  # fmt: skip
-    cells += [f"{c['kernel']} (no math): {c['us']:.1f} us {c['peak_pct']:.0f}% of peak"
-              for c in (row.get("read"), row.get("bound")) if c]  # fmt: skip
-    return (f"H{row['heads']} B{row['batch']} KV{row['kv']}: " + " | ".join(cells)
-            + f" | {row['speedup']:.2f}x, rel diff {row['rel_diff']:.1e}")  # fmt: skip
+    cells = [
+        f"{c['kernel']}: {c['us']:.1f} us ({c['low']:.1f}-{c['high']:.1f}) {c['tflops']:.0f} TFLOP/s "
+        f"{c['peak_pct']:.0f}% of peak"
+        for c in (row["picked"], row["cudnn"])
+    ]
+    cells += [
+        f"{c['kernel']} (no math): {c['us']:.1f} us {c['peak_pct']:.0f}% of peak"
+        for c in (row.get("read"), row.get("bound"))
+        if c
+    ]
+    return (
+        f"H{row['heads']} B{row['batch']} KV{row['kv']}: "
+        + " | ".join(cells)
+        + f" | {row['speedup']:.2f}x, rel diff {row['rel_diff']:.1e}"
+    )

@@ -36,8 +36,17 @@ def available(device: torch.device) -> bool:
     return mla_decode_hopper.serves(device, PAGE, D_NOPE + D_ROPE, D_NOPE) and _kernel() is not None
 
 
-def layer(cache: torch.Tensor, table: torch.Tensor, *, heads: int, splits: int, chunk_pages: int,
-          partial_o: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor | None) -> None:  # fmt: skip
+def layer(
+    cache: torch.Tensor,
+    table: torch.Tensor,
+    *,
+    heads: int,
+    splits: int,
+    chunk_pages: int,
+    partial_o: torch.Tensor,
+    partial_lse: torch.Tensor,
+    out: torch.Tensor | None,
+) -> None:
     """One layer's reads (``out`` None: the **read** column) or reads, partial writes and merge
     into ``out`` (the **bound** column). ``cache`` ``[pages, 1, PAGE, 576]`` contiguous;
     ``partial_o`` ``[B, splits, H, 512]`` float32 (with one split, ``out`` itself as ``[B, 1, H, 512]``:
@@ -45,10 +54,26 @@ def layer(cache: torch.Tensor, table: torch.Tensor, *, heads: int, splits: int, 
     rows = cache.view(-1, cache.shape[-1])
     batch, pages = table.shape
     _kernel()(
-        (splits, -(-heads // BLOCK_H), batch), Tma.of(rows, (PAGE, D_NOPE)), Tma.of(rows, (PAGE, D_ROPE)), table,
-        table.stride(0), partial_o, *partial_o.stride()[:3], partial_lse, *partial_lse.stride(), chunk_pages, pages,
-        heads, PAGE=PAGE, D_NOPE=D_NOPE, D_ROPE=D_ROPE, BLOCK_H=BLOCK_H, STAGES=STAGES, PARTIALS=out is not None, num_warps=4,
-    )  # fmt: skip
+        (splits, -(-heads // BLOCK_H), batch),
+        Tma.of(rows, (PAGE, D_NOPE)),
+        Tma.of(rows, (PAGE, D_ROPE)),
+        table,
+        table.stride(0),
+        partial_o,
+        *partial_o.stride()[:3],
+        partial_lse,
+        *partial_lse.stride(),
+        chunk_pages,
+        pages,
+        heads,
+        PAGE=PAGE,
+        D_NOPE=D_NOPE,
+        D_ROPE=D_ROPE,
+        BLOCK_H=BLOCK_H,
+        STAGES=STAGES,
+        PARTIALS=out is not None,
+        num_warps=4,
+    )
     if out is not None and splits > 1:
         merge_checked([(partial_o.unsqueeze(3), partial_lse.unsqueeze(3))], out)
 
@@ -68,13 +93,34 @@ def _kernel() -> Any:
         row = gl.load(seq_table + page).to(gl.int32) * kn_desc.block_type.shape[0]
         mbarrier.expect(ready.index(stage), kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(kn_desc, [row, 0], ready.index(stage), kn.index(stage))
-        tma.async_copy_global_to_shared(kr_desc, [row, kn_desc.block_type.shape[1]], ready.index(stage),
-                                        kr.index(stage))  # fmt: skip
+        tma.async_copy_global_to_shared(
+            kr_desc, [row, kn_desc.block_type.shape[1]], ready.index(stage), kr.index(stage)
+        )
 
     @gluon.jit
-    def stream(kn_desc, kr_desc, table_ptr, t_sb, o_ptr, o_sb, o_ss, o_sh, l_ptr, l_sb, l_ss, l_sh, chunk_pages,
-               pages, heads, PAGE: gl.constexpr, D_NOPE: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr,
-               PARTIALS: gl.constexpr):  # fmt: skip
+    def stream(
+        kn_desc,
+        kr_desc,
+        table_ptr,
+        t_sb,
+        o_ptr,
+        o_sb,
+        o_ss,
+        o_sh,
+        l_ptr,
+        l_sb,
+        l_ss,
+        l_sh,
+        chunk_pages,
+        pages,
+        heads,
+        PAGE: gl.constexpr,
+        D_NOPE: gl.constexpr,
+        D_ROPE: gl.constexpr,
+        BLOCK_H: gl.constexpr,
+        STAGES: gl.constexpr,
+        PARTIALS: gl.constexpr,
+    ):
         split = gl.program_id(0)
         h = gl.program_id(1) * BLOCK_H
         b = gl.program_id(2).to(gl.int64)
@@ -103,8 +149,11 @@ def _kernel() -> Any:
         gl.store(l_ptr + b * l_sb + split * l_ss + r * l_sh, checksum, mask=live)
         if PARTIALS:
             c = gl.arange(0, D_NOPE, gl.SliceLayout(0, row_layout))
-            gl.store(o_ptr + b * o_sb + split * o_ss + r[:, None].to(gl.int64) * o_sh + c[None, :],
-                     gl.zeros([BLOCK_H, D_NOPE], o_ptr.dtype.element_ty, row_layout), mask=live[:, None])  # fmt: skip
+            gl.store(
+                o_ptr + b * o_sb + split * o_ss + r[:, None].to(gl.int64) * o_sh + c[None, :],
+                gl.zeros([BLOCK_H, D_NOPE], o_ptr.dtype.element_ty, row_layout),
+                mask=live[:, None],
+            )
 
     return Launcher(stream)
 

@@ -67,8 +67,12 @@ def _inputs(m: Model, s: int) -> dict[str, torch.Tensor]:
         return torch.randn(*shape, device="cuda", generator=gen, dtype=torch.bfloat16)
 
     # BSHD memory, as models hold it, viewed BHSD.
-    t = {"q": randn(m.b, s, m.h, m.d).transpose(1, 2), "k": randn(m.b, s, m.h_kv, m.d).transpose(1, 2),
-         "v": randn(m.b, s, m.h_kv, m.d_v).transpose(1, 2), "grad_o": randn(m.b, s, m.h, m.d_v).transpose(1, 2)}  # fmt: skip
+    t = {
+        "q": randn(m.b, s, m.h, m.d).transpose(1, 2),
+        "k": randn(m.b, s, m.h_kv, m.d).transpose(1, 2),
+        "v": randn(m.b, s, m.h_kv, m.d_v).transpose(1, 2),
+        "grad_o": randn(m.b, s, m.h, m.d_v).transpose(1, 2),
+    }
     if m.sinks:
         t["sinks"] = torch.randn(m.h, device="cuda", generator=gen)
     return t
@@ -129,8 +133,9 @@ def _frontend(m: Model, t: dict[str, torch.Tensor]) -> tuple[Callable, Callable,
     sinks_in: dict[str, Any] = {}
     if sink is not None:
         sinks_in = {"sink_token": bwd.tensor_like(sink), "dSink_token": bwd.tensor_like(d_sink)}
-    dq, dk, dv = bwd.sdpa_backward(q=bq, k=bk, v=bv, o=bo, dO=bdo, stats=bstats, attn_scale=m.d**-0.5, **masks,
-                                   **sinks_in)  # fmt: skip
+    dq, dk, dv = bwd.sdpa_backward(
+        q=bq, k=bk, v=bv, o=bo, dO=bdo, stats=bstats, attn_scale=m.d**-0.5, **masks, **sinks_in
+    )
     grads = [torch.empty_like(x) for x in (q, k, v)]
     for handle_, like in zip((dq, dk, dv), grads):
         handle_.set_output(True).set_dim(list(like.shape)).set_stride(list(like.stride())).set_data_type(bf16)
@@ -138,8 +143,9 @@ def _frontend(m: Model, t: dict[str, torch.Tensor]) -> tuple[Callable, Callable,
     bwd_pack = {bq: q, bk: k, bv: v, bo: o, bdo: d_o, bstats: stats, dq: grads[0], dk: grads[1], dv: grads[2]}
     if sink is not None:
         bwd_pack.update({sinks_in["sink_token"]: sink, sinks_in["dSink_token"]: d_sink})
-    workspace = torch.empty(max(fwd.get_workspace_size(), bwd.get_workspace_size(), 1), dtype=torch.uint8,
-                            device="cuda")  # fmt: skip
+    workspace = torch.empty(
+        max(fwd.get_workspace_size(), bwd.get_workspace_size(), 1), dtype=torch.uint8, device="cuda"
+    )
 
     def forward() -> None:
         fwd.execute(fwd_pack, workspace, handle=handle)
@@ -198,8 +204,11 @@ def model_row(m: Model, s: int) -> dict[str, Any]:
     for key, values in times.items():
         name, part = key.split()
         ms = statistics.median(values)
-        row["columns"][name][part] = {"ms": ms, "tflops": m.flops(s, part == "bwd") / (ms * 1e-3) / 1e12,
-                                      "spread_pct": 100.0 * (max(values) - min(values)) / ms}  # fmt: skip
+        row["columns"][name][part] = {
+            "ms": ms,
+            "tflops": m.flops(s, part == "bwd") / (ms * 1e-3) / 1e12,
+            "spread_pct": 100.0 * (max(values) - min(values)) / ms,
+        }
     if len(runners) == 2:
         ours, theirs = (runners[n][2]() for n in COLUMNS)
         labels = ("O", "dQ", "dK", "dV", "dSinks")
@@ -232,8 +241,10 @@ def format_row(row: dict[str, Any]) -> str:
             cells.append(f"{name}: not run ({cell['error']})")
             continue
         fwd, bwd = cell["fwd"], cell["bwd"]
-        cells.append(f"{name} fwd {fwd['tflops']:.0f} TF/s ({fwd['spread_pct']:.1f}%) bwd {bwd['tflops']:.0f} TF/s "
-                     f"({bwd['spread_pct']:.1f}%) peak {cell['peak_bytes'] / 2**30:.2f} GiB")  # fmt: skip
+        cells.append(
+            f"{name} fwd {fwd['tflops']:.0f} TF/s ({fwd['spread_pct']:.1f}%) bwd {bwd['tflops']:.0f} TF/s "
+            f"({bwd['spread_pct']:.1f}%) peak {cell['peak_bytes'] / 2**30:.2f} GiB"
+        )
     ratio = ""
     if "fwd_ratio" in row:
         worst = max(row["rel_err_vs_frontend"].values())

@@ -35,8 +35,10 @@ def _mixed_step(seed: int = 0) -> dict[str, Any]:
     kv_lens = (q_lens + (torch.rand(BATCH, generator=gen) * (LONGEST_CACHE - q_lens)).int()).to(torch.int32)
     pages = LONGEST_CACHE // PAGE
     table = torch.randperm(BATCH * pages, generator=gen).view(BATCH, pages).int()
-    caches = [[torch.randn(BATCH * pages, HKV, PAGE, D, generator=gen).to("cuda", torch.bfloat16) for _ in range(2)]
-              for _ in range(LAYERS)]  # fmt: skip
+    caches = [
+        [torch.randn(BATCH * pages, HKV, PAGE, D, generator=gen).to("cuda", torch.bfloat16) for _ in range(2)]
+        for _ in range(LAYERS)
+    ]
     q = torch.randn(int(q_lens.sum()), HQ, D, generator=gen).to("cuda", torch.bfloat16)
     return {"q": q, "q_lens": q_lens, "kv_lens": kv_lens, "table": table, "caches": caches}
 
@@ -55,8 +57,10 @@ def _padded_torch(t: dict[str, Any]) -> tuple[torch.Tensor, list, torch.Tensor, 
     for b, (start, n) in enumerate(zip(starts.tolist(), q_lens.tolist())):
         padded[b, :, :n] = t["q"][start : start + n].transpose(0, 1)
     table = t["table"].long().cuda()
-    dense = [tuple(c[table].permute(0, 2, 1, 3, 4).flatten(2, 3)[:, :, :cache].contiguous() for c in layer)
-             for layer in t["caches"]]  # fmt: skip
+    dense = [
+        tuple(c[table].permute(0, 2, 1, 3, 4).flatten(2, 3)[:, :, :cache].contiguous() for c in layer)
+        for layer in t["caches"]
+    ]
     rows = torch.arange(longest, device="cuda").view(1, -1, 1)
     keys = torch.arange(cache, device="cuda").view(1, 1, -1)
     n, kv = q_lens.cuda().view(-1, 1, 1), kv_lens.cuda().view(-1, 1, 1)
@@ -67,8 +71,17 @@ def _padded_torch(t: dict[str, Any]) -> tuple[torch.Tensor, list, torch.Tensor, 
 def prefill_row(seed: int = 0) -> dict[str, Any]:
     t = _mixed_step(seed)
     q = t["q"]
-    attn = PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=BATCH,
-                          max_pages_per_seq=t["table"].shape[1], cuda_graph=True)  # fmt: skip
+    attn = PagedAttention(
+        HQ,
+        HKV,
+        D,
+        PAGE,
+        dtype=torch.bfloat16,
+        device="cuda",
+        max_batch=BATCH,
+        max_pages_per_seq=t["table"].shape[1],
+        cuda_graph=True,
+    )
     attn.plan(t["table"].cuda(), t["kv_lens"].cuda(), q_lens=t["q_lens"])
     outs = [torch.empty_like(q) for _ in range(LAYERS)]
     padded, dense, mask, starts = _padded_torch(t)
@@ -84,25 +97,38 @@ def prefill_row(seed: int = 0) -> dict[str, Any]:
 
     def padded_torch(layer: int) -> None:
         k, v = dense[layer]
-        torch_outs[layer].copy_(torch.nn.functional.scaled_dot_product_attention(padded, k, v, attn_mask=mask,
-                                                                                 enable_gqa=True))  # fmt: skip
+        torch_outs[layer].copy_(
+            torch.nn.functional.scaled_dot_product_attention(padded, k, v, attn_mask=mask, enable_gqa=True)
+        )
 
     def dense_causal(layer: int) -> None:
         dense_out.copy_(sdpa(dq, dkv[0], dkv[1], is_causal=True, enable_gqa=True))
 
-    paths = {"PagedAttention, chunked prefill": _captured(ours),
-             "torch sdpa, padded q + mask": _captured(padded_torch),
-             f"dense causal B{dense_batch} S{DENSE_SEQ} (cudnn_attn.sdpa)": _captured(dense_causal)}  # fmt: skip
+    paths = {
+        "PagedAttention, chunked prefill": _captured(ours),
+        "torch sdpa, padded q + mask": _captured(padded_torch),
+        f"dense causal B{dense_batch} S{DENSE_SEQ} (cudnn_attn.sdpa)": _captured(dense_causal),
+    }
     timings = _time(paths, rounds=8, replays=5)
     dense_flops = dense_batch * 4 * HQ * D * DENSE_SEQ * (DENSE_SEQ + 1) // 2
-    row: dict[str, Any] = {"batch": BATCH, "q_lens": t["q_lens"].tolist(), "kv_lens": t["kv_lens"].tolist(),
-                           "tflop": flops / 1e12, "schedule": str(attn.schedule), "columns": {}}  # fmt: skip
+    row: dict[str, Any] = {
+        "batch": BATCH,
+        "q_lens": t["q_lens"].tolist(),
+        "kv_lens": t["kv_lens"].tolist(),
+        "tflop": flops / 1e12,
+        "schedule": str(attn.schedule),
+        "columns": {},
+    }
     errors = _errors(t, outs[-1], torch_outs[-1], starts)
     for name, cell in timings.items():
         per_layer = cell["us"] / LAYERS
         work = dense_flops if name.startswith("dense") else flops
-        row["columns"][name] = {"us_per_layer": per_layer, "spread_pct": 100 * (cell["high"] - cell["low"]) / cell["us"],
-                                "tflops": work / (per_layer * 1e-6) / 1e12, "rel_err": errors.get(name)}  # fmt: skip
+        row["columns"][name] = {
+            "us_per_layer": per_layer,
+            "spread_pct": 100 * (cell["high"] - cell["low"]) / cell["us"],
+            "tflops": work / (per_layer * 1e-6) / 1e12,
+            "rel_err": errors.get(name),
+        }
     return row
 
 
@@ -144,19 +170,25 @@ def _errors(t: dict[str, Any], ours: torch.Tensor, padded_out: torch.Tensor, sta
         qb = t["q"][start : start + n].transpose(0, 1).float()
         visible = torch.arange(kv, device="cuda")[None, :] <= (kv - n + torch.arange(n, device="cuda"))[:, None]
         want = torch.nn.functional.scaled_dot_product_attention(qb, k, v, attn_mask=visible, enable_gqa=True)
-        for name, got in (("PagedAttention, chunked prefill", ours[start : start + n].transpose(0, 1)),
-                          ("torch sdpa, padded q + mask", padded_out[b, :, :n])):  # fmt: skip
+        for name, got in (
+            ("PagedAttention, chunked prefill", ours[start : start + n].transpose(0, 1)),
+            ("torch sdpa, padded q + mask", padded_out[b, :, :n]),
+        ):
             worst[name] = max(worst[name], float((got.float() - want).norm() / want.norm()))
     return worst
 
 
 def format_prefill(row: dict[str, Any]) -> str:
-    lines = [f"Chunked prefill per layer inside a CUDA-graph replay (B{row['batch']}, chunks 1-{LONGEST_CHUNK} over "
-             f"caches up to {LONGEST_CACHE}, Hq{HQ} Hkv{HKV} d{D} bf16; {row['tflop']:.2f} TFLOP of visible pairs):"]  # fmt: skip
+    lines = [
+        f"Chunked prefill per layer inside a CUDA-graph replay (B{row['batch']}, chunks 1-{LONGEST_CHUNK} over "
+        f"caches up to {LONGEST_CACHE}, Hq{HQ} Hkv{HKV} d{D} bf16; {row['tflop']:.2f} TFLOP of visible pairs):"
+    ]
     for name, c in row["columns"].items():
         err = f", rel err {c['rel_err']:.1e}" if c["rel_err"] is not None else ""
-        lines.append(f"    {name:<44}{c['us_per_layer']:>9.1f} us  {c['tflops']:>6.1f} TFLOP/s  "
-                     f"(spread {c['spread_pct']:.0f}%{err})")  # fmt: skip
+        lines.append(
+            f"    {name:<44}{c['us_per_layer']:>9.1f} us  {c['tflops']:>6.1f} TFLOP/s  "
+            f"(spread {c['spread_pct']:.0f}%{err})"
+        )
     memory = row.get("memory")
     if memory:
         lines.append(

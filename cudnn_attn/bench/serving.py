@@ -49,8 +49,10 @@ def _step(batch: int, kv: int, s_q: int, seed: int = 0) -> dict[str, Any]:
     num_pages = batch * pages
     table = torch.randperm(num_pages, generator=gen).view(batch, pages).int().cuda()
     layers = layers_for(2 * num_pages * HKV * PAGE * D * 2)
-    caches = [[torch.randn(num_pages, HKV, PAGE, D, generator=gen).to("cuda", torch.bfloat16) for _ in range(2)]
-              for _ in range(layers)]  # fmt: skip
+    caches = [
+        [torch.randn(num_pages, HKV, PAGE, D, generator=gen).to("cuda", torch.bfloat16) for _ in range(2)]
+        for _ in range(layers)
+    ]
     q = torch.randn(batch, HQ, s_q, D, generator=gen).to("cuda", torch.bfloat16)
     return {"q": q, "caches": caches, "table": table, "lengths": torch.full((batch,), kv, dtype=torch.int32).cuda()}
 
@@ -99,21 +101,63 @@ def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
     t = _step(batch, kv, s_q)
     q = t["q"]
     layers = len(t["caches"])
-    ours = PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=batch,
-                          max_pages_per_seq=kv // PAGE, cuda_graph=True)  # fmt: skip
-    plain = PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=batch,
-                           max_pages_per_seq=kv // PAGE, cuda_graph=True, splits=1, pack=False,
-                           decode_kernel="cudnn")  # fmt: skip
+    ours = PagedAttention(
+        HQ,
+        HKV,
+        D,
+        PAGE,
+        dtype=torch.bfloat16,
+        device="cuda",
+        max_batch=batch,
+        max_pages_per_seq=kv // PAGE,
+        cuda_graph=True,
+    )
+    plain = PagedAttention(
+        HQ,
+        HKV,
+        D,
+        PAGE,
+        dtype=torch.bfloat16,
+        device="cuda",
+        max_batch=batch,
+        max_pages_per_seq=kv // PAGE,
+        cuda_graph=True,
+        splits=1,
+        pack=False,
+        decode_kernel="cudnn",
+    )
     # The other kernel than the one chosen, as a column of its own.
     other = "cudnn" if _chosen_kernel(ours, t) == "triton" else "triton"
-    forced = PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=batch,
-                            max_pages_per_seq=kv // PAGE, cuda_graph=True, decode_kernel=other)  # fmt: skip
+    forced = PagedAttention(
+        HQ,
+        HKV,
+        D,
+        PAGE,
+        dtype=torch.bfloat16,
+        device="cuda",
+        max_batch=batch,
+        max_pages_per_seq=kv // PAGE,
+        cuda_graph=True,
+        decode_kernel=other,
+    )
     # FP8 caches (e4m3, one scale per cache): half the bytes, read by the same decode kernel.
-    fp8 = PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn, device="cuda",
-                         max_batch=batch, max_pages_per_seq=kv // PAGE, cuda_graph=True)  # fmt: skip
+    fp8 = PagedAttention(
+        HQ,
+        HKV,
+        D,
+        PAGE,
+        dtype=torch.bfloat16,
+        kv_dtype=torch.float8_e4m3fn,
+        device="cuda",
+        max_batch=batch,
+        max_pages_per_seq=kv // PAGE,
+        cuda_graph=True,
+    )
     scales = [[float(c.abs().max()) / E4M3_MAX for c in layer] for layer in t["caches"]]
-    caches8 = [[(c.float() / sc).to(torch.float8_e4m3fn) for c, sc in zip(layer, layer_scales)]
-               for layer, layer_scales in zip(t["caches"], scales)]  # fmt: skip
+    caches8 = [
+        [(c.float() / sc).to(torch.float8_e4m3fn) for c, sc in zip(layer, layer_scales)]
+        for layer, layer_scales in zip(t["caches"], scales)
+    ]
     outs = {name: [torch.empty_like(q) for _ in range(layers)] for name in ("ours", "plain", "forced", "torch", "fp8")}
     for attn in (ours, plain, forced, fp8):
         attn.plan(t["table"], t["lengths"])
@@ -123,8 +167,9 @@ def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
     def torch_layer(layer: int) -> None:
         k, v = dense[layer]
         mask = visible if s_q > 1 else None
-        outs["torch"][layer].copy_(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                                                    enable_gqa=True))  # fmt: skip
+        outs["torch"][layer].copy_(
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        )
 
     def layer_of(attn: PagedAttention, name: str) -> Callable[[int], Any]:
         return lambda layer: attn.run(q, t["caches"][layer][0], t["caches"][layer][1], out=outs[name][layer])
@@ -133,21 +178,29 @@ def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
         "PagedAttention": _captured(layer_of(ours, "ours"), layers),
         "paged, no split or packing": _captured(layer_of(plain, "plain"), layers),
         "torch sdpa, contiguous KV": _captured(torch_layer, layers),
-    }  # fmt: skip
+    }
     paths[f"PagedAttention, {other} kernel"] = _captured(layer_of(forced, "forced"), layers)
     paths["PagedAttention, FP8 caches"] = _captured(
-        lambda layer: fp8.run(q, caches8[layer][0], caches8[layer][1], out=outs["fp8"][layer],
-                              k_scale=scales[layer][0], v_scale=scales[layer][1]),
+        lambda layer: fp8.run(
+            q,
+            caches8[layer][0],
+            caches8[layer][1],
+            out=outs["fp8"][layer],
+            k_scale=scales[layer][0],
+            v_scale=scales[layer][1],
+        ),
         layers,
-    )  # fmt: skip
+    )
     kv_bytes = 2 * batch * kv * HKV * D * 2
     nbytes = kv_bytes + 2 * q.numel() * 2
     source = torch.empty(kv_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     target = torch.empty_like(source)
     paths["device copy (K+V bytes)"] = lambda: target.copy_(source)
     paths["read-only stream (K+V bytes)"] = lambda: source.sum(dtype=torch.float32)
-    big = {"source": torch.empty(PEAK_COPY_BYTES // 2, dtype=torch.bfloat16, device="cuda").normal_(),
-           "read": torch.empty(PEAK_READ_BYTES // 4, dtype=torch.float32, device="cuda").normal_()}  # fmt: skip
+    big = {
+        "source": torch.empty(PEAK_COPY_BYTES // 2, dtype=torch.bfloat16, device="cuda").normal_(),
+        "read": torch.empty(PEAK_READ_BYTES // 4, dtype=torch.float32, device="cuda").normal_(),
+    }
     big["target"] = torch.empty_like(big["source"])
     paths["device copy (1 GiB)"] = lambda: big["target"].copy_(big["source"])
     paths["read-only stream (4 GiB)"] = lambda: big["read"].sum()
@@ -162,19 +215,31 @@ def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
     # Correctness of the replayed outputs against float32 attention of the same K/V.
     k, v = dense[layers - 1]
     mask = visible if s_q > 1 else None
-    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
-                                                                enable_gqa=True)  # fmt: skip
-    row: dict[str, Any] = {"batch": batch, "kv": kv, "s_q": s_q, "layers": layers, "schedule": str(ours.schedule),
-                           "copy_tbps": copy_rate / 1e12, "read_tbps": read_rate / 1e12,
-                           "peak_copy_tbps": peak_copy / 1e12, "peak_read_tbps": peak_read / 1e12,
-                           "columns": {}}  # fmt: skip
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True
+    )
+    row: dict[str, Any] = {
+        "batch": batch,
+        "kv": kv,
+        "s_q": s_q,
+        "layers": layers,
+        "schedule": str(ours.schedule),
+        "copy_tbps": copy_rate / 1e12,
+        "read_tbps": read_rate / 1e12,
+        "peak_copy_tbps": peak_copy / 1e12,
+        "peak_read_tbps": peak_read / 1e12,
+        "columns": {},
+    }
     for name, cell in timings.items():
         if name.startswith(("device copy", "read-only")):
             continue
         per_layer = cell["us"] / layers
         moved = nbytes - kv_bytes // 2 if name == "PagedAttention, FP8 caches" else nbytes  # one byte per element
-        column = {"us_per_layer": per_layer, "spread_pct": 100 * (cell["high"] - cell["low"]) / cell["us"],
-                  "tbps": moved / (per_layer * 1e-6) / 1e12}  # fmt: skip
+        column = {
+            "us_per_layer": per_layer,
+            "spread_pct": 100 * (cell["high"] - cell["low"]) / cell["us"],
+            "tbps": moved / (per_layer * 1e-6) / 1e12,
+        }
         column["pct_of_peak"] = 100 * column["tbps"] * 1e12 / best
         column["pct_of_small_rate"] = 100 * column["tbps"] * 1e12 / small
         key = {
@@ -206,15 +271,21 @@ def serving_rows(shapes: tuple[tuple[int, int, int], ...] = SHAPES) -> list[dict
 
 
 def format_serving(rows: list[dict[str, Any]]) -> str:
-    lines = [f"Decode attention per layer inside a CUDA-graph replay (Hq{HQ} Hkv{HKV} d{D} bf16, page {PAGE}); "
-             "% of the memory's peak (the better of a 1 GiB copy and a 4 GiB read, same rounds), and of the "
-             "rate of a transfer of the layer's own size:"]  # fmt: skip
+    lines = [
+        f"Decode attention per layer inside a CUDA-graph replay (Hq{HQ} Hkv{HKV} d{D} bf16, page {PAGE}); "
+        "% of the memory's peak (the better of a 1 GiB copy and a 4 GiB read, same rounds), and of the "
+        "rate of a transfer of the layer's own size:"
+    ]
     for row in rows:
-        lines.append(f"  B{row['batch']} KV {row['kv']} S_q {row['s_q']}  (peak: copy {row['peak_copy_tbps']:.2f}, "
-                     f"read {row['peak_read_tbps']:.2f} TB/s; K/V-sized: copy {row['copy_tbps']:.2f}, read "
-                     f"{row['read_tbps']:.2f} TB/s; {row['schedule']})")  # fmt: skip
+        lines.append(
+            f"  B{row['batch']} KV {row['kv']} S_q {row['s_q']}  (peak: copy {row['peak_copy_tbps']:.2f}, "
+            f"read {row['peak_read_tbps']:.2f} TB/s; K/V-sized: copy {row['copy_tbps']:.2f}, read "
+            f"{row['read_tbps']:.2f} TB/s; {row['schedule']})"
+        )
         for name, c in row["columns"].items():
-            lines.append(f"    {name:<30}{c['us_per_layer']:>9.1f} us  {c['tbps']:>5.2f} TB/s  "
-                         f"{c['pct_of_peak']:>5.1f}% of peak  {c['pct_of_small_rate']:>5.1f}% of K/V-sized  "
-                         f"(spread {c['spread_pct']:.0f}%, rel err {c['rel_err']:.1e})")  # fmt: skip
+            lines.append(
+                f"    {name:<30}{c['us_per_layer']:>9.1f} us  {c['tbps']:>5.2f} TB/s  "
+                f"{c['pct_of_peak']:>5.1f}% of peak  {c['pct_of_small_rate']:>5.1f}% of K/V-sized  "
+                f"(spread {c['spread_pct']:.0f}%, rel err {c['rel_err']:.1e})"
+            )
     return "\n".join(lines)

@@ -38,8 +38,10 @@ class ServingShape:
         steps = [f"sq{'/'.join(map(str, self.sq))}"] + (
             [f"prefill{'/'.join(map(str, self.prefill))}"] * bool(self.prefill)
         )
-        return (f"paged-h{self.h}/{self.hkv}-d{self.d}-page{self.page}-b{self.batch}x{self.pages}-"
-                f"cache{self.num_pages}-{self.dtype}-{'-'.join(steps)}{'-graph' if self.graph else ''}")  # fmt: skip
+        return (
+            f"paged-h{self.h}/{self.hkv}-d{self.d}-page{self.page}-b{self.batch}x{self.pages}-"
+            f"cache{self.num_pages}-{self.dtype}-{'-'.join(steps)}{'-graph' if self.graph else ''}"
+        )
 
     @property
     def num_pages(self) -> int:
@@ -47,9 +49,19 @@ class ServingShape:
 
     def attention(self, device: Any = "cuda", autotune: bool = False) -> PagedAttention:
         """The ``PagedAttention`` the server makes (its plans are what ``warm`` builds)."""
-        return PagedAttention(self.h, self.hkv, self.d, self.page, dtype=DTYPES[self.dtype], kv_layout=self.layout,
-                              max_batch=self.batch, max_pages_per_seq=self.pages, cuda_graph=self.graph,
-                              device=device, autotune=autotune)  # fmt: skip
+        return PagedAttention(
+            self.h,
+            self.hkv,
+            self.d,
+            self.page,
+            dtype=DTYPES[self.dtype],
+            kv_layout=self.layout,
+            max_batch=self.batch,
+            max_pages_per_seq=self.pages,
+            cuda_graph=self.graph,
+            device=device,
+            autotune=autotune,
+        )
 
     def warm(self, device: Any = "cuda", autotune: bool = True) -> list[str]:
         """Build (tuned) or load every plan of this server's steps; returns each plan's source."""

@@ -66,20 +66,25 @@ def mixed_batch(count: int = 16, seed: int = 0, rounds: int = 10) -> dict[str, A
             dense[b, :, :n] = flat[start : start + n].transpose(0, 1)
     # The fixed-length batch of the same tokens: sequences of the mean length (a multiple of 128).
     fixed_len = max(128, round(tokens / count / 128) * 128)
-    fixed = [torch.randn(max(1, tokens // fixed_len), HEADS, fixed_len, HEAD_DIM, generator=gen).to(dev, dt)
-             for _ in range(3)]  # fmt: skip
+    fixed = [
+        torch.randn(max(1, tokens // fixed_len), HEADS, fixed_len, HEAD_DIM, generator=gen).to(dev, dt)
+        for _ in range(3)
+    ]
 
     def torch_padded(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     steps = {
         "varlen_sdpa, packed": _training_step(
-            lambda q, k, v: varlen_sdpa(q, k, v, cu, cu, longest, longest, is_causal=True), packed,
-            torch.randn_like(packed[0])),
+            lambda q, k, v: varlen_sdpa(q, k, v, cu, cu, longest, longest, is_causal=True),
+            packed,
+            torch.randn_like(packed[0]),
+        ),
         "torch sdpa, padded": _training_step(torch_padded, padded, torch.randn_like(padded[0])),
         "cudnn_attn.sdpa, fixed-length batch": _training_step(
-            lambda q, k, v: sdpa(q, k, v, is_causal=True), fixed, torch.randn_like(fixed[0])),
-    }  # fmt: skip
+            lambda q, k, v: sdpa(q, k, v, is_causal=True), fixed, torch.randn_like(fixed[0])
+        ),
+    }
     work = {
         "varlen_sdpa, packed": _causal_flops(lengths),
         "torch sdpa, padded": _causal_flops(lengths),  # only the real tokens' work counts
@@ -93,8 +98,7 @@ def mixed_batch(count: int = 16, seed: int = 0, rounds: int = 10) -> dict[str, A
     cells = _time(steps, rounds)
     for name, cell in cells.items():
         cell["tflops"] = 3.5 * work[name] / (cell["ms"] * 1e-3) / 1e12  # forward 1 + backward 2.5
-    return {"lengths": lengths, "tokens": tokens, "fixed_length": fixed_len, "rel_err_vs_torch": error,
-            "cells": cells}  # fmt: skip
+    return {"lengths": lengths, "tokens": tokens, "fixed_length": fixed_len, "rel_err_vs_torch": error, "cells": cells}
 
 
 def plans_over_packings(packings: int = 1000, token_budget: int = 32768, seed: int = 1) -> dict[str, Any]:
@@ -117,8 +121,12 @@ def plans_over_packings(packings: int = 1000, token_budget: int = 32768, seed: i
         longest = max(lengths)
         varlen_sdpa(q, k, v, cu, cu, longest, longest, is_causal=True).sum().backward()
     stats = cache.stats()
-    return {"packings": packings, "plans_built": int(stats["builds"]), "batch_sizes_seen": len(batches),
-            "build_seconds": stats["build_seconds"]}  # fmt: skip
+    return {
+        "packings": packings,
+        "plans_built": int(stats["builds"]),
+        "batch_sizes_seen": len(batches),
+        "build_seconds": stats["build_seconds"],
+    }
 
 
 MEMORY_TOKENS = (32768, 131072)
@@ -170,8 +178,15 @@ def llama_step(budget: int = 16384, longest: int = 4096, seed: int = 2, rounds: 
         lengths += _lengths(gen, 1, 128, longest)
     lengths[-1] -= sum(lengths) - budget
     lengths = [n for n in lengths if n > 0]
-    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-                         num_key_value_heads=4, vocab_size=32000, max_position_embeddings=8192)  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        max_position_embeddings=8192,
+    )
     torch.manual_seed(seed)
     model: Any = LlamaForCausalLM(config)
     model.to("cuda", torch.bfloat16)
@@ -209,8 +224,10 @@ def _time(steps: dict[str, Callable], rounds: int) -> dict[str, dict]:
     for r in range(rounds):
         for name in round_order(list(steps), r):
             samples[name].append(autotune.time_plan(steps[name], device, 2, 5))
-    return {name: {"ms": statistics.median(v), "spread_pct": 100.0 * (max(v) - min(v)) / statistics.median(v)}
-            for name, v in samples.items()}  # fmt: skip
+    return {
+        name: {"ms": statistics.median(v), "spread_pct": 100.0 * (max(v) - min(v)) / statistics.median(v)}
+        for name, v in samples.items()
+    }
 
 
 def format_memory(rows: list[dict[str, Any]]) -> str:
@@ -238,16 +255,26 @@ def format_varlen(mixed: dict[str, Any], plans: dict[str, Any], llama: dict[str,
     ]
     base = mixed["cells"]["torch sdpa, padded"]["tflops"]
     for name, cell in mixed["cells"].items():
-        lines.append(f"  {name:<38}{cell['tflops']:>8.1f} TFLOP/s  {cell['tflops'] / base:>5.2f}x  "
-                     f"(spread {cell['spread_pct']:.0f}%)")  # fmt: skip
-    lines.append(f"  fixed-length batch: sequences of {mixed['fixed_length']} tokens; packed vs torch padded "
-                 f"relative error {mixed['rel_err_vs_torch']:.4f}")  # fmt: skip
-    lines.append(f"Plans built over {plans['packings']} random packings ({plans['batch_sizes_seen']} batch sizes): "
-                 f"{plans['plans_built']} ({plans['build_seconds']:.1f} s building)")  # fmt: skip
+        lines.append(
+            f"  {name:<38}{cell['tflops']:>8.1f} TFLOP/s  {cell['tflops'] / base:>5.2f}x  "
+            f"(spread {cell['spread_pct']:.0f}%)"
+        )
+    lines.append(
+        f"  fixed-length batch: sequences of {mixed['fixed_length']} tokens; packed vs torch padded "
+        f"relative error {mixed['rel_err_vs_torch']:.4f}"
+    )
+    lines.append(
+        f"Plans built over {plans['packings']} random packings ({plans['batch_sizes_seen']} batch sizes): "
+        f"{plans['plans_built']} ({plans['build_seconds']:.1f} s building)"
+    )
     if llama is not None:
-        lines.append(f"Llama training step (8 layers, hidden 1024, 16/4 heads, bf16; {llama['documents']} documents of "
-                     f"128-4096 tokens, {llama['tokens']} tokens; padded: {llama['padded_tokens']}):")  # fmt: skip
+        lines.append(
+            f"Llama training step (8 layers, hidden 1024, 16/4 heads, bf16; {llama['documents']} documents of "
+            f"128-4096 tokens, {llama['tokens']} tokens; padded: {llama['padded_tokens']}):"
+        )
         for name, cell in llama["cells"].items():
-            lines.append(f"  {name:<20}{cell['tokens_per_s']:>10,.0f} tokens/s  ({cell['ms']:.1f} ms, "
-                         f"spread {cell['spread_pct']:.0f}%)")  # fmt: skip
+            lines.append(
+                f"  {name:<20}{cell['tokens_per_s']:>10,.0f} tokens/s  ({cell['ms']:.1f} ms, "
+                f"spread {cell['spread_pct']:.0f}%)"
+            )
     return "\n".join(lines)

@@ -34,8 +34,10 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         missing = [name for name in sections if name not in charts.CHARTED]
         if missing:
-            raise usage(f"cudnn-attn bench: --plot has no chart for the {', '.join(missing)} section; drop --plot "
-                        "(--json keeps every figure)")  # fmt: skip
+            raise usage(
+                f"cudnn-attn bench: --plot has no chart for the {', '.join(missing)} section; drop --plot "
+                "(--json keeps every figure)"
+            )
         _needs_matplotlib()
     needs_gpu("bench")
     out = sys.stdout  # the JSON's stream: with --json -, every table goes to stderr instead
@@ -69,8 +71,19 @@ def _shapes(args: argparse.Namespace) -> list[Shape]:
         return [parse(s) for s in args.shapes]
     if any(getattr(args, name) for name in TARGETS):
         return []  # the sections bring their own shapes
-    return [Shape(b=args.batch, h=args.heads, hkv=args.kv_heads, sq=args.seq, skv=args.seq, d=args.head_dim,
-                  dtype=args.dtype, causal=args.causal, bwd=args.bwd)]  # fmt: skip
+    return [
+        Shape(
+            b=args.batch,
+            h=args.heads,
+            hkv=args.kv_heads,
+            sq=args.seq,
+            skv=args.seq,
+            d=args.head_dim,
+            dtype=args.dtype,
+            causal=args.causal,
+            bwd=args.bwd,
+        )
+    ]
 
 
 def _redraw(args: argparse.Namespace) -> int:
@@ -169,12 +182,26 @@ def _context_parallel(args: argparse.Namespace) -> dict[str, Any]:
 
     gpus = args.context_parallel
     if torch.cuda.device_count() < max(gpus, 2):
-        raise environment(f"cudnn-attn bench: --context-parallel {gpus} needs {max(gpus, 2)} CUDA GPUs "
-                          f"({torch.cuda.device_count()} here)")  # fmt: skip
+        raise environment(
+            f"cudnn-attn bench: --context-parallel {gpus} needs {max(gpus, 2)} CUDA GPUs "
+            f"({torch.cuda.device_count()} here)"
+        )
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "context_parallel.json")
-        options = ["--gpus", str(gpus), "--seq", str(args.seq), "--heads", str(args.heads),
-                   "--head-dim", str(args.head_dim), "--mode", args.cp_mode or "p2p", "--json", path]  # fmt: skip
+        options = [
+            "--gpus",
+            str(gpus),
+            "--seq",
+            str(args.seq),
+            "--heads",
+            str(args.heads),
+            "--head-dim",
+            str(args.head_dim),
+            "--mode",
+            args.cp_mode or "p2p",
+            "--json",
+            path,
+        ]
         options += ["--packed"] if args.packed else []
         code = context_parallel.main(options)
         if code:  # its own checks of --seq against the ranks: a usage error, said on stderr already

@@ -67,7 +67,7 @@ def sample_problems(device: str) -> dict[str, AttentionProblem]:
             seq_len_kv=lengths,
             max_seq_len_q=128,
             max_seq_len_kv=128,
-        ),  # fmt: skip
+        ),
         "dropout": base.replace(dropout_p=0.1, stats=stats),
         "head dim 256": base.replace(**dense(torch.bfloat16, 256)),
         "head dims 192/128 (MLA training)": base.replace(**dense(torch.bfloat16, 192, 128)),
@@ -83,7 +83,7 @@ def sample_problems(device: str) -> dict[str, AttentionProblem]:
             page_table_k=table,
             page_table_v=table,
             kv_cache_layout=KVCacheLayout.NPHD,
-        ),  # fmt: skip
+        ),
         "backward": backward,
         "FP8 forward": fp8,
         "FP8 backward": fp8.replace(
@@ -96,7 +96,7 @@ def sample_problems(device: str) -> dict[str, AttentionProblem]:
             grad_k=fp8.k,
             grad_v=fp8.v,
             **scalars(FP8_BACKWARD_SCALES + FP8_BACKWARD_AMAXES),
-        ),  # fmt: skip
+        ),
     }
 
 

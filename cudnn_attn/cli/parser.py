@@ -46,9 +46,11 @@ def build() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     show = commands.add_parser(
-        "info", help="versions, the plan store, the features that run here and the environment variables",
-        epilog=EPILOG, formatter_class=formatter,
-    )  # fmt: skip
+        "info",
+        help="versions, the plan store, the features that run here and the environment variables",
+        epilog=EPILOG,
+        formatter_class=formatter,
+    )
     show.add_argument("--json", nargs="?", const="-", metavar="FILE", help=JSON_HELP + "; a bare --json: stdout")
 
     commands.add_parser(
@@ -68,9 +70,11 @@ def build() -> argparse.ArgumentParser:
     ls.add_argument("--json", nargs="?", const="-", metavar="FILE", help=JSON_HELP + "; a bare --json: stdout")
     actions.add_parser("clear", help="remove every stored plan", epilog=EPILOG, formatter_class=formatter)
     warm = actions.add_parser(
-        "warm", help="build (and tune) plans ahead of time, e.g. at a server's start", epilog=EPILOG,
+        "warm",
+        help="build (and tune) plans ahead of time, e.g. at a server's start",
+        epilog=EPILOG,
         formatter_class=formatter,
-    )  # fmt: skip
+    )
     warm.add_argument(
         "shapes",
         nargs="*",
@@ -79,8 +83,11 @@ def build() -> argparse.ArgumentParser:
     )
     warm.add_argument("--file", help="a file with one shape per line")
     warm.add_argument("--no-autotune", action="store_true", help="store heuristic plans without tuning")
-    warm.add_argument("--json", metavar="FILE", help="write what was warmed, with seconds and plan sources, as "
-                      "JSON to FILE ('-': stdout)")  # fmt: skip
+    warm.add_argument(
+        "--json",
+        metavar="FILE",
+        help="write what was warmed, with seconds and plan sources, as JSON to FILE ('-': stdout)",
+    )
     return parser
 
 
@@ -93,16 +100,25 @@ def bench() -> argparse.ArgumentParser:
     )
     bench.add_argument("-b", "--batch", type=int, default=4, metavar="N", help="batch size (default: 4)")
     bench.add_argument(
-        "-h", "--heads", type=int, nargs="?", const=None, default=16, action=_HeadsOrHelp, metavar="N",
+        "-h",
+        "--heads",
+        type=int,
+        nargs="?",
+        const=None,
+        default=16,
+        action=_HeadsOrHelp,
+        metavar="N",
         help="query heads (default: 16); a bare -h, without N, prints this help",
-    )  # fmt: skip
+    )
     bench.add_argument("--kv-heads", type=int, default=0, metavar="N", help="K/V heads for GQA/MQA (default: --heads)")
     bench.add_argument("-s", "--seq", type=int, default=4096, metavar="N", help="sequence length (default: 4096)")
     bench.add_argument("-d", "--head-dim", type=int, default=128, metavar="N", help="head dimension (default: 128)")
     bench.add_argument(
-        "--dtype", choices=("bf16", "fp16", "fp8"), default="bf16",
+        "--dtype",
+        choices=("bf16", "fp16", "fp8"),
+        default="bf16",
         help="data type of Q, K, V (default: bf16); fp8: FP8 beside bf16 on d128 shapes, forward and backward",
-    )  # fmt: skip
+    )
     bench.add_argument("--causal", action="store_true", help="causal (top-left) mask")
     bench.add_argument("--bwd", action="store_true", help="time the backward")
     bench.add_argument("--grid", action="store_true", help="run the standard grid of shapes")
@@ -110,13 +126,16 @@ def bench() -> argparse.ArgumentParser:
         "--json", metavar="FILE", help="write every figure as JSON to FILE ('-': stdout; the tables then go to stderr)"
     )
     bench.add_argument(
-        "--plot", metavar="PNG", help="draw every section run as a PNG chart, spreads as error bars (needs the plot "
+        "--plot",
+        metavar="PNG",
+        help="draw every section run as a PNG chart, spreads as error bars (needs the plot "
         "extra); a section without a chart is a usage error",
-    )  # fmt: skip
+    )
     bench.add_argument(
-        "--plot-from", metavar="JSON", help="redraw --plot from a report saved with --json, measuring nothing (no GPU "
-        "needed)",
-    )  # fmt: skip
+        "--plot-from",
+        metavar="JSON",
+        help="redraw --plot from a report saved with --json, measuring nothing (no GPU needed)",
+    )
     bench.add_argument("--overhead", action="store_true", help="host time per call on a tiny shape")
     bench.add_argument("--cold-start", action="store_true", help="time to first result in fresh processes")
     sections = bench.add_argument_group(

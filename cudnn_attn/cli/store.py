@@ -46,11 +46,16 @@ def _row(listed: Any) -> dict[str, Any]:
     header = listed.entry.header if listed.entry else {}
     platform = header.get("platform") or {}
     return {
-        "file": listed.path.name, "ok": listed.entry is not None, "bytes": listed.size, "problem": listed.problem,
-        "plan": header.get("describe", "?"), "variant": header.get("variant", "?"),
-        "engine": (header.get("choice") or {}).get("name", "?"), "gpu": platform.get("gpu", "?"),
+        "file": listed.path.name,
+        "ok": listed.entry is not None,
+        "bytes": listed.size,
+        "problem": listed.problem,
+        "plan": header.get("describe", "?"),
+        "variant": header.get("variant", "?"),
+        "engine": (header.get("choice") or {}).get("name", "?"),
+        "gpu": platform.get("gpu", "?"),
         "cudnn": platform.get("cudnn", "?"),
-    }  # fmt: skip
+    }
 
 
 def _warm(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ from .ragged import (
     gather_rows,
     memory_span,
     offset_bounds,
-    offset_value_problems,  # fmt: skip
+    offset_value_problems,
     packed_roles,
 )
 from .roles import offset_role, sequence_lengths
@@ -69,8 +69,9 @@ def clamped(
             value, target = safe.get(offset_role(role)), inputs.get(role, (outputs or {}).get(role))
             if isinstance(value, torch.Tensor) and isinstance(target, torch.Tensor):
                 lengths = safe.get(sequence_lengths(role))
-                safe[offset_role(role)] = clamp_packed_offsets(value, lengths if isinstance(lengths, torch.Tensor)
-                                                               else None, memory_span(target), getattr(p, role))  # fmt: skip
+                safe[offset_role(role)] = clamp_packed_offsets(
+                    value, lengths if isinstance(lengths, torch.Tensor) else None, memory_span(target), getattr(p, role)
+                )
     return safe
 
 

@@ -63,14 +63,27 @@ def forward_problem(
     """An sdpa forward; ``options.attn_scale`` is taken as given (resolve the default first).
     ``fp8``: the FP8 scale inputs and amax outputs by role (see ``roles.FP8_SCALES``)."""
     return AttentionProblem(
-        op=Op.FORWARD, q=q, k=k, v=v,
+        op=Op.FORWARD,
+        q=q,
+        k=k,
+        v=v,
         o=like(default_o(q, v), dtype=o_dtype) if o_dtype is not None else default_o(q, v),
         stats=default_stats(q, seq_len_q, max_seq_len_q) if stats else None,
-        bias=bias, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, page_table_k=page_table_k, page_table_v=page_table_v,
-        dropout_seed=dropout_seed, dropout_offset=dropout_offset, options=options, kv_cache_layout=kv_cache_layout,
-        max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv, sink_token=sink_token, score_mod=score_mod,
+        bias=bias,
+        seq_len_q=seq_len_q,
+        seq_len_kv=seq_len_kv,
+        page_table_k=page_table_k,
+        page_table_v=page_table_v,
+        dropout_seed=dropout_seed,
+        dropout_offset=dropout_offset,
+        options=options,
+        kv_cache_layout=kv_cache_layout,
+        max_seq_len_q=max_seq_len_q,
+        max_seq_len_kv=max_seq_len_kv,
+        sink_token=sink_token,
+        score_mod=score_mod,
         **_fp8_fields(fp8),
-    )  # fmt: skip
+    )
 
 
 def backward_problem(
@@ -105,13 +118,31 @@ def backward_problem(
             like(bias) if bias is not None else TensorSpec.contiguous((1, 1, 1, 1), torch.float32, q.device)
         )
     return AttentionProblem(
-        op=Op.BACKWARD, q=q, k=k, v=v, o=o, grad_o=grad_o, stats=stats,
-        grad_q=like(q, dtype=grad_dtype), grad_k=like(k, dtype=grad_dtype), grad_v=like(v, dtype=grad_dtype),
-        bias=bias, grad_bias=grad_bias_spec, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, dropout_seed=dropout_seed,
-        dropout_offset=dropout_offset, options=options, max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv,
-        deterministic=deterministic, sink_token=sink_token, grad_sink=sink_token, score_mod=score_mod,
+        op=Op.BACKWARD,
+        q=q,
+        k=k,
+        v=v,
+        o=o,
+        grad_o=grad_o,
+        stats=stats,
+        grad_q=like(q, dtype=grad_dtype),
+        grad_k=like(k, dtype=grad_dtype),
+        grad_v=like(v, dtype=grad_dtype),
+        bias=bias,
+        grad_bias=grad_bias_spec,
+        seq_len_q=seq_len_q,
+        seq_len_kv=seq_len_kv,
+        dropout_seed=dropout_seed,
+        dropout_offset=dropout_offset,
+        options=options,
+        max_seq_len_q=max_seq_len_q,
+        max_seq_len_kv=max_seq_len_kv,
+        deterministic=deterministic,
+        sink_token=sink_token,
+        grad_sink=sink_token,
+        score_mod=score_mod,
         **_fp8_fields(fp8),
-    )  # fmt: skip
+    )
 
 
 def _fp8_fields(fp8: dict[str, TensorSpec] | None) -> dict[str, Any]:

@@ -282,8 +282,16 @@ class AttentionProblem:
         if not self.is_forward:
             tokens = {side: min(most[side], token_bucket(t.shape[0])) for side, t in (("q", self.q), ("kv", self.k))}
         changes = {}
-        for role, side in (("q", "q"), ("o", "q"), ("grad_o", "q"), ("grad_q", "q"),
-                           ("k", "kv"), ("v", "kv"), ("grad_k", "kv"), ("grad_v", "kv")):  # fmt: skip
+        for role, side in (
+            ("q", "q"),
+            ("o", "q"),
+            ("grad_o", "q"),
+            ("grad_q", "q"),
+            ("k", "kv"),
+            ("v", "kv"),
+            ("grad_k", "kv"),
+            ("grad_v", "kv"),
+        ):
             spec = getattr(self, role)
             if spec is not None and spec.rank == 3:
                 changes[role] = dataclasses.replace(spec, shape=(tokens[side], *spec.shape[1:]))

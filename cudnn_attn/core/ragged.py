@@ -122,8 +122,10 @@ def packed_offset_problems(p: AttentionProblem, inputs: Mapping, outputs: Mappin
         high = _packed_highs(given, lengths if isinstance(lengths, torch.Tensor) else None, span, getattr(p, role))
         bad = given[:-1][(given[:-1] < 0) | (given[:-1] > high)]
         if bad.numel():
-            found.append(f"{user_name(offset_role(role))}: offsets {bad[:4].tolist()} place a sequence outside "
-                         f"{user_name(role)} ({span} elements bound)")  # fmt: skip
+            found.append(
+                f"{user_name(offset_role(role))}: offsets {bad[:4].tolist()} place a sequence outside "
+                f"{user_name(role)} ({span} elements bound)"
+            )
     return found
 
 

@@ -87,7 +87,7 @@ ROLES: dict[str, Role] = {
                 ("stats", 40, "Stats"),
                 ("page_table_k", 41, "paged_attention_k_table"),
                 ("page_table_v", 42, "paged_attention_v_table"),
-            )  # fmt: skip
+            )
         ),
     )
 }
@@ -97,22 +97,69 @@ UID = {name: role.uid for name, role in ROLES.items()}
 # Each op's run-time inputs in the order of that method's own parameters: a graph's positional
 # inputs are its distinct input tensors, node by node, each node's in this order.
 SCORE_INPUTS = tuple(f"score_input_{i}" for i in range(8))
-MASK_INPUTS = ("bias", "seq_len_q", "seq_len_kv", "dropout_seed", "dropout_offset", "scale_tensor", "sink_token",
-               *SCORE_INPUTS)  # fmt: skip
+MASK_INPUTS = (
+    "bias",
+    "seq_len_q",
+    "seq_len_kv",
+    "dropout_seed",
+    "dropout_offset",
+    "scale_tensor",
+    "sink_token",
+    *SCORE_INPUTS,
+)
 # Ragged offsets come last: the tensors they address are set before them (set_ragged_offset).
-FORWARD_OFFSETS = ("q_offset", "k_offset", "v_offset", "page_table_k_offset", "page_table_v_offset", "o_offset",
-                   "stats_offset")  # fmt: skip
-BACKWARD_OFFSETS = ("q_offset", "k_offset", "v_offset", "o_offset", "grad_o_offset", "stats_offset",
-                    "grad_q_offset", "grad_k_offset", "grad_v_offset")  # fmt: skip
+FORWARD_OFFSETS = (
+    "q_offset",
+    "k_offset",
+    "v_offset",
+    "page_table_k_offset",
+    "page_table_v_offset",
+    "o_offset",
+    "stats_offset",
+)
+BACKWARD_OFFSETS = (
+    "q_offset",
+    "k_offset",
+    "v_offset",
+    "o_offset",
+    "grad_o_offset",
+    "stats_offset",
+    "grad_q_offset",
+    "grad_k_offset",
+    "grad_v_offset",
+)
 SDPA_INPUTS = ("q", "k", "v", *MASK_INPUTS, "page_table_k", "page_table_v", *FORWARD_OFFSETS)
-PAGED_INPUTS = ("q", "k", "v", "page_table_k", "seq_len_q", "seq_len_kv", "page_table_v", "bias",
-                "dropout_seed", "dropout_offset", *SCORE_INPUTS, *FORWARD_OFFSETS)  # fmt: skip
+PAGED_INPUTS = (
+    "q",
+    "k",
+    "v",
+    "page_table_k",
+    "seq_len_q",
+    "seq_len_kv",
+    "page_table_v",
+    "bias",
+    "dropout_seed",
+    "dropout_offset",
+    *SCORE_INPUTS,
+    *FORWARD_OFFSETS,
+)
 BACKWARD_INPUTS = ("q", "k", "v", "o", "grad_o", "stats", *MASK_INPUTS, *BACKWARD_OFFSETS)
 
 FP8_SCALES = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
-FP8_BACKWARD_SCALES = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_grad_o", "descale_s",
-                       "descale_grad_p", "scale_s", "scale_grad_q", "scale_grad_k", "scale_grad_v",
-                       "scale_grad_p")  # fmt: skip
+FP8_BACKWARD_SCALES = (
+    "descale_q",
+    "descale_k",
+    "descale_v",
+    "descale_o",
+    "descale_grad_o",
+    "descale_s",
+    "descale_grad_p",
+    "scale_s",
+    "scale_grad_q",
+    "scale_grad_k",
+    "scale_grad_v",
+    "scale_grad_p",
+)
 FP8_INPUTS = ("q", "k", "v", *FP8_SCALES, *MASK_INPUTS, *FORWARD_OFFSETS)
 FP8_BACKWARD_INPUTS = ("q", "k", "v", "o", "grad_o", "stats", *FP8_BACKWARD_SCALES, *MASK_INPUTS, *BACKWARD_OFFSETS)
 

@@ -17,8 +17,9 @@ from .score_mod import modifier_problems
 def score_input_problems(p: AttentionProblem) -> list[str]:
     found = []
     if p.scale_tensor is not None and (p.scale_tensor.numel != 1 or p.scale_tensor.dtype != torch.float32):
-        found.append(f"attn_scale: {p.scale_tensor.describe()}; a tensor scale is float32 with one value "
-                     "(shape [1, 1, 1, 1])")  # fmt: skip
+        found.append(
+            f"attn_scale: {p.scale_tensor.describe()}; a tensor scale is float32 with one value (shape [1, 1, 1, 1])"
+        )
     want = (1, p.h_q, 1, 1)
     for role, name in (("sink_token", "sink_token"), ("grad_sink", "dSink_token")):
         spec = getattr(p, role)
@@ -37,8 +38,12 @@ def check_sinks(sinks: Any, heads: int, device: torch.device) -> None:
     if not isinstance(sinks, torch.Tensor):
         raise ValidationError([f"sinks: {type(sinks).__name__}; expected a tensor of one logit per query head"])
     if sinks.numel() != heads or sinks.dim() not in (1, 4) or not sinks.is_floating_point():
-        raise ValidationError([f"sinks: shape {list(sinks.shape)} dtype {sinks.dtype}; expected a real tensor of "
-                               f"[{heads}] or [1, {heads}, 1, 1] (one logit per query head)"])  # fmt: skip
+        raise ValidationError(
+            [
+                f"sinks: shape {list(sinks.shape)} dtype {sinks.dtype}; expected a real tensor of "
+                f"[{heads}] or [1, {heads}, 1, 1] (one logit per query head)"
+            ]
+        )
     if sinks.device != device:
         raise ValidationError([f"sinks: on {sinks.device}; q is on {device}"])
 

@@ -29,8 +29,25 @@ if TYPE_CHECKING:
     from .problem import TensorSpec
 
 LEAVES = ("score", "grad", "input", "constant")
-_UNARY = ("neg", "abs", "exp", "log", "tanh", "sigmoid", "sqrt", "rsqrt", "reciprocal", "floor", "ceil",
-          "identity", "sin", "cos", "erf", "softplus", "logical_not")  # fmt: skip
+_UNARY = (
+    "neg",
+    "abs",
+    "exp",
+    "log",
+    "tanh",
+    "sigmoid",
+    "sqrt",
+    "rsqrt",
+    "reciprocal",
+    "floor",
+    "ceil",
+    "identity",
+    "sin",
+    "cos",
+    "erf",
+    "softplus",
+    "logical_not",
+)
 # Each op's parameters, as the frontend names them (its keyword arguments).
 OPS: dict[str, tuple[str, ...]] = {
     **{name: ("input",) for name in _UNARY},
@@ -139,11 +156,14 @@ def modifier_problems(mod: ScoreModifier, *, forward: bool, scores: tuple[int, i
     for i, spec in enumerate(mod.inputs):
         fits = spec.rank == 4 and all(size in (1, full) for size, full in zip(spec.shape, scores))
         if not fits:
-            found.append(f"score_mod input {i}: {spec.describe()}; expected 4-D dims broadcastable to the scores "
-                         f"{list(scores)} (each dim 1 or the scores')")  # fmt: skip
+            found.append(
+                f"score_mod input {i}: {spec.describe()}; expected 4-D dims broadcastable to the scores "
+                f"{list(scores)} (each dim 1 or the scores')"
+            )
         if spec.dtype not in INPUT_DTYPES:
-            found.append(f"score_mod input {i}: dtype {spec.dtype}; expected float32, float16, bfloat16, int32, "
-                         "int64 or bool")  # fmt: skip
+            found.append(
+                f"score_mod input {i}: dtype {spec.dtype}; expected float32, float16, bfloat16, int32, int64 or bool"
+            )
     return found
 
 

@@ -42,8 +42,9 @@ def add_sink_fp8(outputs: dict[str, torch.Tensor], scale_o: torch.Tensor, sink: 
     lse.copy_(merged)
 
 
-def sink_gradient(o: torch.Tensor, d_o: torch.Tensor, stats: torch.Tensor, sink: torch.Tensor,
-                  descale: torch.Tensor | float = 1.0) -> torch.Tensor:  # fmt: skip
+def sink_gradient(
+    o: torch.Tensor, d_o: torch.Tensor, stats: torch.Tensor, sink: torch.Tensor, descale: torch.Tensor | float = 1.0
+) -> torch.Tensor:
     """d loss / d sink, ``[1, H, 1, 1]`` in ``stats``' dtype: the sink's column of the softmax
     gradient. Its probability is ``exp(sink - stats)`` and it weighs no value, so its score's
     gradient is ``P_sink * (0 - D)``, ``D = rowsum(dO * O) * descale`` (FP8: descale_dO * descale_O;

@@ -29,8 +29,9 @@ def softcap_modifier(
 
 
 @functools.lru_cache(maxsize=256)
-def _softcap_modifier(cap: float, options: ScoreOptions, s_q: int, s_kv: int,
-                      same_lengths: bool) -> tuple[score_mod.ScoreModifier, ScoreOptions]:  # fmt: skip
+def _softcap_modifier(
+    cap: float, options: ScoreOptions, s_q: int, s_kv: int, same_lengths: bool
+) -> tuple[score_mod.ScoreModifier, ScoreOptions]:
     if options.alibi:
         raise UnsupportedError(["softcap with ALiBi: the capped scores take no ALiBi bias here"])
     offset = s_kv - s_q if options.aligned_bottom_right else 0

@@ -30,6 +30,7 @@ from .roles import (
     user_name,
 )
 from .score_inputs import score_input_problems
+from .tensor_checks import check_ranks, check_strides
 
 OUTPUT_ROLES = {Op.FORWARD: FORWARD_OUTPUTS + FP8_AMAXES, Op.BACKWARD: BACKWARD_OUTPUTS + FP8_BACKWARD_AMAXES}
 # cuDNN's head dims; the reference runs any (ops/cudnn/capabilities.py refuses the others by name).
@@ -54,8 +55,8 @@ def problems(p: AttentionProblem) -> list[str]:
 @functools.lru_cache(maxsize=4096)  # pure and hashable: a rebuilt graph pays a dict lookup
 def _problems(p: AttentionProblem) -> tuple[str, ...]:
     found: list[str] = []
-    ranks_ok = _check_ranks(p, found)
-    ranks_ok = _check_strides(p, found) and ranks_ok
+    ranks_ok = check_ranks(p, found)
+    ranks_ok = check_strides(p, found, OUTPUT_ROLES[p.op]) and ranks_ok
     _check_dtypes(p, found)
     _check_devices(p, found)
     if not ranks_ok:
@@ -75,109 +76,6 @@ def _problems(p: AttentionProblem) -> tuple[str, ...]:
 
 
 # ---- ranks, strides, dtypes, devices -----------------------------------------------------
-
-
-def _check_ranks(p: AttentionProblem, found: list[str]) -> bool:
-    before = len(found)
-    if p.q.rank not in (3, 4):
-        found.append(
-            f"q: rank {p.q.rank} (shape {list(p.q.shape)}); q must be 4-D [B, H, S, D] "
-            "or 3-D [T, H, D] for ragged (THD) inputs"
-        )
-        return False
-    kv_rank = 4 if p.is_paged else p.q.rank
-    what = (
-        "a 4-D paged cache" if p.is_paged else ("3-D [T, H, D] like q" if p.q.rank == 3 else "4-D [B, H, S, D] like q")
-    )
-    for role in ("k", "v"):
-        spec = getattr(p, role)
-        if spec.rank != kv_rank:
-            found.append(f"{role}: rank {spec.rank} (shape {list(spec.shape)}); expected {what}")
-    for role in ("o", "grad_o", "grad_q"):
-        spec = getattr(p, role)
-        if spec is not None and spec.rank != p.q.rank:
-            found.append(f"{_name(role)}: rank {spec.rank} (shape {list(spec.shape)}); expected rank {p.q.rank} like q")
-    for role in ("grad_k", "grad_v"):
-        spec = getattr(p, role)
-        if spec is not None and spec.rank != p.q.rank:
-            found.append(f"{_name(role)}: rank {spec.rank}; expected rank {p.q.rank} like {role[-1]}")
-    for role in ("stats", "bias", "grad_bias"):
-        spec = getattr(p, role)
-        if spec is not None and spec.rank != 4:
-            found.append(f"{_name(role)}: rank {spec.rank} (shape {list(spec.shape)}); expected 4-D")
-    # torch's SDPA takes an empty batch or sequence (its output is empty, or zeros for S_kv = 0):
-    # dense q/k/v may have them, and the tensors made from their sizes (O, stats, gradients, bias).
-    empty_ok = _empty_dims_allowed(p)
-    for role, spec in p.tensor_specs().items():
-        if any(s < 0 for s in spec.shape) or any(s == 0 for s in spec.shape) and role not in empty_ok:
-            found.append(
-                f"{_role_of(p, spec)}: shape {list(spec.shape)} has an empty dimension; every dimension must be >= 1"
-            )
-            break
-    if not found[before:] and empty_ok and any(n == 0 for n in (*p.q.shape[-1:], *p.v.shape[-1:], p.h_q, p.h_k)):
-        found.append(f"q: shape {list(p.q.shape)}; heads and head dims must be >= 1 (only B, S_q, S_kv may be 0)")
-    return len(found) == before
-
-
-# Roles whose dims follow the dense problem's B, S_q and S_kv alone.
-_EMPTY_ROLES = frozenset(("q", "k", "v", "o", "stats", "grad_o", "grad_q", "grad_k", "grad_v", "bias", "grad_bias",
-                          "rng_dump"))  # fmt: skip
-
-
-def _empty_dims_allowed(p: AttentionProblem) -> frozenset[str]:
-    """The roles that may hold an empty dimension: only in a dense (not ragged, not paged, not
-    FP8) problem, where B, S_q or S_kv = 0 is torch's empty call."""
-    if p.q.rank != 4 or p.is_thd or p.is_paged or p.is_fp8 or p.offset_tensors:
-        return frozenset()
-    return _EMPTY_ROLES
-
-
-def _check_strides(p: AttentionProblem, found: list[str]) -> bool:
-    """Strides match the ranks, the head dim is contiguous, outputs never overlap themselves."""
-    ok = True
-    for role, spec in p.tensor_specs().items():
-        if len(spec.stride) != len(spec.shape):
-            found.append(
-                f"{_name(role)}: {len(spec.stride)} strides {list(spec.stride)} for shape {list(spec.shape)}; "
-                "give one stride per dimension"
-            )
-            ok = False
-        elif any(s < 0 for s in spec.stride):
-            found.append(f"{_name(role)}: negative stride in {list(spec.stride)}; strides must be >= 0")
-            ok = False
-    if not ok:
-        return False
-    for role in ("q", "k", "v", "o", "grad_o", "grad_q", "grad_k", "grad_v", "bias", "grad_bias"):
-        spec = getattr(p, role)
-        if spec is not None and spec.shape and spec.stride[-1] != 1 and spec.shape[-1] != 1:
-            found.append(
-                f"{_name(role)}: last stride {spec.stride[-1]} (strides {list(spec.stride)}); "
-                "the head dimension must be contiguous (stride 1): call .contiguous() or permute a contiguous tensor"
-            )
-    if p.rng_dump is not None:
-        want = (p.batch, p.h_q, p.s_q, p.s_kv)
-        if tuple(p.rng_dump.shape) != want or p.rng_dump.dtype != torch.float32 or not p.is_forward:
-            found.append(f"rng_dump: {p.rng_dump.describe()}; the forward's dropout keep-mask is float32 {list(want)}")
-    for role in OUTPUT_ROLES[p.op]:
-        spec = getattr(p, role)
-        # With ragged offsets the batch stride is unused: sequences are placed by the offsets.
-        if spec is not None and role not in p.offset_tensors and overlaps(spec):
-            found.append(
-                f"{_name(role)}: strides {list(spec.stride)} for shape {list(spec.shape)} make elements overlap; "
-                "an output needs a layout where every element has its own memory"
-            )
-    return True
-
-
-def overlaps(spec: TensorSpec) -> bool:
-    """Whether two elements of ``spec`` share memory (dims of size 1 never address memory)."""
-    dims = sorted((stride, size) for stride, size in zip(spec.stride, spec.shape) if size > 1)
-    extent = 1  # elements spanned by the dims inside the current one
-    for stride, size in dims:
-        if stride < extent:
-            return True
-        extent = stride * size
-    return False
 
 
 def _check_dtypes(p: AttentionProblem, found: list[str]) -> None:
@@ -266,8 +164,11 @@ def _check_fp8(p: AttentionProblem, found: list[str]) -> None:
 def _check_devices(p: AttentionProblem, found: list[str]) -> None:
     # Dropout seeds and offsets, a tensor scale and a score modifier's scalars may live on the host (by value).
     host = ("dropout_seed", "dropout_offset", "scale_tensor")
-    specs = {role: spec for role, spec in p.tensor_specs().items()
-             if not (spec.device == "cpu" and (role in host or role.startswith("score_input_") and spec.numel == 1))}  # fmt: skip
+    specs = {
+        role: spec
+        for role, spec in p.tensor_specs().items()
+        if not (spec.device == "cpu" and (role in host or role.startswith("score_input_") and spec.numel == 1))
+    }
     if len({spec.device for spec in specs.values()}) > 1:
         where = ", ".join(
             f"{_name(role)} on {spec.device}" for role, spec in specs.items() if spec.device != p.q.device
@@ -340,8 +241,10 @@ def _check_masks(p: AttentionProblem, found: list[str]) -> None:
     # ALiBi without top-left causal and bottom-right causal with a bias, ALiBi or dropout are well
     # formed: the reference runs them, cuDNN refuses them (ops/cudnn/capabilities.py).
     if p.options.right_bound is not None and (p.options.right_bound < 1 or p.options.causal is not Causal.NONE):
-        found.append(f"diagonal_band_right_bound: {p.options.right_bound}; a bound past the diagonal is >= 1, "
-                     "without a causal mask (causal is a right bound of 0)")  # fmt: skip
+        found.append(
+            f"diagonal_band_right_bound: {p.options.right_bound}; a bound past the diagonal is >= 1, "
+            "without a causal mask (causal is a right bound of 0)"
+        )
     if p.options.sliding_window is not None:
         if p.options.sliding_window < 1:
             found.append(f"sliding_window_length: {p.options.sliding_window}; must be >= 1")
@@ -359,8 +262,10 @@ def unrunnable(p: AttentionProblem) -> list[str]:
         return []
     found = []
     if p.options.causal is Causal.BOTTOM_RIGHT:
-        found.append(f"use_causal_mask_bottom_right: S_q={s_q} > S_kv={s_kv}; bottom-right causal needs S_q <= S_kv "
-                     "(or a padding mask with per-batch lengths)")  # fmt: skip
+        found.append(
+            f"use_causal_mask_bottom_right: S_q={s_q} > S_kv={s_kv}; bottom-right causal needs S_q <= S_kv "
+            "(or a padding mask with per-batch lengths)"
+        )
     return found
 
 
@@ -458,10 +363,3 @@ def _check_backward(p: AttentionProblem, found: list[str]) -> None:
 
 def _name(role: str) -> str:
     return user_name(role)
-
-
-def _role_of(p: AttentionProblem, spec: TensorSpec) -> str:
-    for role, candidate in p.tensor_specs().items():
-        if candidate is spec:
-            return _name(role)
-    return "tensor"

@@ -75,9 +75,14 @@ def resolve(
     problems: list[str] = []
     flags = {
         name: _flag(value, name, problems)
-        for name, value in (("causal", causal), ("is_causal", is_causal), ("deterministic", deterministic),
-                            ("return_attn_probs", return_attn_probs), ("return_lse", return_lse))
-    }  # fmt: skip
+        for name, value in (
+            ("causal", causal),
+            ("is_causal", is_causal),
+            ("deterministic", deterministic),
+            ("return_attn_probs", return_attn_probs),
+            ("return_lse", return_lse),
+        )
+    }
     if causal is not None and is_causal is not None and (flags["causal"] or flags["is_causal"]):
         problems.append(
             f"causal: {causal!r} with is_causal: {is_causal!r}; give one: causal (FlashAttention's) aligns the "

@@ -102,9 +102,11 @@ def agree(
     if others and local:
         problems.append(f"group: {_ranks(others)} refused their arguments too (listed in their errors)")
     elif others:
-        problems.append(f"group: {_ranks(others)} refused its own arguments (listed in its error)"
-                        if len(others) == 1 else f"group: {_ranks(others)} refused their own arguments "
-                        "(listed in their errors)")  # fmt: skip
+        problems.append(
+            f"group: {_ranks(others)} refused its own arguments (listed in its error)"
+            if len(others) == 1
+            else f"group: {_ranks(others)} refused their own arguments (listed in their errors)"
+        )
     if not local and not others:  # fields of a rank with local problems may be placeholders
         for i, f in enumerate(made, 2):
             column = [r[i] for r in rows]

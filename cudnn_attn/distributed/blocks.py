@@ -35,8 +35,9 @@ MAX_ENTRIES = 512
 _runs = KeyedCache(MAX_ENTRIES)  # flat key -> PreparedRun
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: str,
-            window: int | None = None) -> list[torch.Tensor]:  # fmt: skip
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: str, window: int | None = None
+) -> list[torch.Tensor]:
     """``[o, stats]``: the block's output and its float32 ``[B, H, S_q, 1]`` natural-log LSE.
 
     Example::
@@ -67,8 +68,19 @@ def backward(q, k, v, out, d_out, stats, scale: float, mask: str, window: int | 
     return run.run_ordered(inputs)
 
 
-def packed_forward(q, k, v, lengths_q, lengths_k, max_q: int, max_k: int, scale: float, mask: str,
-                   window: int | None, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def packed_forward(
+    q,
+    k,
+    v,
+    lengths_q,
+    lengths_k,
+    max_q: int,
+    max_k: int,
+    scale: float,
+    mask: str,
+    window: int | None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o [T_q, H, D_v], stats float32 [B, H, max_q, 1])`` of packed sequences: ``q``
     ``[T_q, H, D]``, ``k``/``v`` ``[T_k, H_kv, D]``, contiguous, ``lengths_*`` int32 ``[B, 1, 1, 1]``
     summing to the token counts; ``max_*``: bounds on the lengths (plan buckets); ``out``: where
@@ -81,13 +93,35 @@ def packed_forward(q, k, v, lengths_q, lengths_k, max_q: int, max_k: int, scale:
     return o, stats
 
 
-def packed_backward(q, k, v, out, d_out, stats, lengths_q, lengths_k, max_q: int, max_k: int, scale: float, mask: str,
-                    window: int | None, d_q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def packed_backward(
+    q,
+    k,
+    v,
+    out,
+    d_out,
+    stats,
+    lengths_q,
+    lengths_k,
+    max_q: int,
+    max_k: int,
+    scale: float,
+    mask: str,
+    window: int | None,
+    d_q: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of packed sequences, laid out as q, k, v; ``out``, ``d_out`` and
     ``stats`` are the whole rows' (as ``backward``), ``out``/``d_out`` contiguous like q; ``d_q``:
     where to write dq (contiguous, q's dtype), None: a new tensor."""
-    inputs = {"q": q, "k": k, "v": v, "o": out, "grad_o": d_out, "stats": stats, "seq_len_q": lengths_q,
-              "seq_len_kv": lengths_k}  # fmt: skip
+    inputs = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "o": out,
+        "grad_o": d_out,
+        "stats": stats,
+        "seq_len_q": lengths_q,
+        "seq_len_kv": lengths_k,
+    }
     run = _packed_run("pb", inputs, max_q, max_k, scale, mask, window)
     grad_q = torch.empty_like(q) if d_q is None else d_q
     grads = {"grad_q": grad_q, "grad_k": torch.empty_like(k), "grad_v": torch.empty_like(v)}
@@ -95,8 +129,9 @@ def packed_backward(q, k, v, out, d_out, stats, lengths_q, lengths_k, max_q: int
     return written["grad_q"], written["grad_k"], written["grad_v"]
 
 
-def _packed_run(op: str, inputs: dict[str, torch.Tensor], max_q: int, max_k: int, scale: float, mask: str,
-                window: int | None) -> PreparedRun:  # fmt: skip
+def _packed_run(
+    op: str, inputs: dict[str, torch.Tensor], max_q: int, max_k: int, scale: float, mask: str, window: int | None
+) -> PreparedRun:
     """The run of a packed block's plan: keyed without the token counts, which the plan reads
     from its inputs (``AttentionProblem.for_plan``), so one run serves every packing; a
     backward's by their buckets, which size its workspace."""
@@ -126,12 +161,31 @@ def _packed_run(op: str, inputs: dict[str, torch.Tensor], max_q: int, max_k: int
         options = _options(scale, mask, window, padding=True)
         len_q, len_k = specs["seq_len_q"], specs["seq_len_kv"]
         if op == "pf":
-            problem = forward_problem(specs["q"], specs["k"], specs["v"], options, stats=True, seq_len_q=len_q,
-                                      seq_len_kv=len_k, max_seq_len_q=max_q, max_seq_len_kv=max_k)  # fmt: skip
+            problem = forward_problem(
+                specs["q"],
+                specs["k"],
+                specs["v"],
+                options,
+                stats=True,
+                seq_len_q=len_q,
+                seq_len_kv=len_k,
+                max_seq_len_q=max_q,
+                max_seq_len_kv=max_k,
+            )
         else:
-            problem = backward_problem(specs["q"], specs["k"], specs["v"], specs["o"], specs["grad_o"], specs["stats"],
-                                       options, seq_len_q=len_q, seq_len_kv=len_k, max_seq_len_q=max_q,
-                                       max_seq_len_kv=max_k)  # fmt: skip
+            problem = backward_problem(
+                specs["q"],
+                specs["k"],
+                specs["v"],
+                specs["o"],
+                specs["grad_o"],
+                specs["stats"],
+                options,
+                seq_len_q=len_q,
+                seq_len_kv=len_k,
+                max_seq_len_q=max_q,
+                max_seq_len_kv=max_k,
+            )
         values = {"seq_len_q": inputs["seq_len_q"], "seq_len_kv": inputs["seq_len_kv"]}
         run = _runs.put(key, prepare(problem, values=values, context=CONTEXT))
     return run

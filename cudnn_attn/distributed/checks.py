@@ -47,9 +47,22 @@ class Checked:
     documents: Documents | None = None
 
 
-def checked(q: Any, k: Any, v: Any, m: Members, is_causal: Any, scale: Any, mode: Any, enable_gqa: Any, layout: Any,
-            *, cu_seqlens: Any = None, max_seqlen: Any = None, window_size: Any = (-1, -1),
-            sinks: Any = None) -> Checked:  # fmt: skip
+def checked(
+    q: Any,
+    k: Any,
+    v: Any,
+    m: Members,
+    is_causal: Any,
+    scale: Any,
+    mode: Any,
+    enable_gqa: Any,
+    layout: Any,
+    *,
+    cu_seqlens: Any = None,
+    max_seqlen: Any = None,
+    window_size: Any = (-1, -1),
+    sinks: Any = None,
+) -> Checked:
     """The call resolved, once every rank's arguments are known good; raises otherwise.
 
     Example::
@@ -58,8 +71,20 @@ def checked(q: Any, k: Any, v: Any, m: Members, is_causal: Any, scale: Any, mode
     """
     packed = cu_seqlens is not None
     lengths = _lengths(cu_seqlens)
-    key: tuple | None = (m.group, m.world, *(_geometry(t) for t in (q, k, v)), is_causal, scale, mode, enable_gqa,
-                         layout, lengths, max_seqlen, window_size, _geometry(sinks))  # fmt: skip
+    key: tuple | None = (
+        m.group,
+        m.world,
+        *(_geometry(t) for t in (q, k, v)),
+        is_causal,
+        scale,
+        mode,
+        enable_gqa,
+        layout,
+        lengths,
+        max_seqlen,
+        window_size,
+        _geometry(sinks),
+    )
     try:
         steady = known(key)  # every rank agreed on this signature before: only the short exchange
     except TypeError:  # an unhashable argument: never agreed, so it is checked (and refused) below
@@ -132,15 +157,18 @@ def _unsupported(q: Any, k: Any, v: Any, window_size: Any) -> list[str]:
     problems = []
     for name, t in (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.is_nested:
-            problems.append(f"{name}: a nested (ragged) tensor; context parallelism takes dense [B, H, S_shard, D] "
-                            "shards, or packed [T_shard, H, D] ones with cu_seqlens")  # fmt: skip
+            problems.append(
+                f"{name}: a nested (ragged) tensor; context parallelism takes dense [B, H, S_shard, D] "
+                "shards, or packed [T_shard, H, D] ones with cu_seqlens"
+            )
     try:
         causal, left, right = window_band(window_size, Causal.NONE)
     except ValueError:
         return problems  # malformed: refused as such (_score_term_problems)
     if right is not None or (left is not None and causal is Causal.NONE):
-        problems.append(f"window_size: {tuple(window_size)}; context parallelism takes a causal sliding window "
-                        "(left, 0) or none")  # fmt: skip
+        problems.append(
+            f"window_size: {tuple(window_size)}; context parallelism takes a causal sliding window (left, 0) or none"
+        )
     return problems
 
 
@@ -179,15 +207,18 @@ def _problems(q, k, v, m: Members, is_causal, scale, mode, enable_gqa, layout, w
         elif t.dtype not in FLOATING_IO:
             problems.append(f"{name}: dtype {dtype_name(t.dtype)}; expected float16 or bfloat16")
         elif t.dim() == 3 and not packed:
-            problems.append(f"{name}: 3-D (shape {list(t.shape)}); packed [T_shard, H, D] shards need cu_seqlens, "
-                            "the whole packed sequence's (dense shards are [B, H, S_shard, D])")  # fmt: skip
+            problems.append(
+                f"{name}: 3-D (shape {list(t.shape)}); packed [T_shard, H, D] shards need cu_seqlens, "
+                "the whole packed sequence's (dense shards are [B, H, S_shard, D])"
+            )
         elif t.dim() != (3 if packed else 4):
             problems.append(f"{name}: {t.dim()}-D (shape {list(t.shape)}); expected {want}")
     if problems:
         return problems
     if len({q.dtype, k.dtype, v.dtype}) > 1:
-        problems.append(f"k/v: dtypes {dtype_name(k.dtype)}/{dtype_name(v.dtype)}; q is {dtype_name(q.dtype)}, "
-                        "they must match")  # fmt: skip
+        problems.append(
+            f"k/v: dtypes {dtype_name(k.dtype)}/{dtype_name(v.dtype)}; q is {dtype_name(q.dtype)}, they must match"
+        )
     if len({q.device, k.device, v.device}) > 1:
         problems.append(f"k/v: on {k.device}/{v.device}; q is on {q.device}, put them on one device")
     backend = str(dist.get_backend(m.group))
@@ -200,8 +231,9 @@ def _problems(q, k, v, m: Members, is_causal, scale, mode, enable_gqa, layout, w
     if not packed and (k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]):
         problems.append(f"k/v: batch {k.shape[0]}/{v.shape[0]}; q's is {q.shape[0]}, they must match")
     if k.shape[seq] != s or v.shape[seq] != s:
-        problems.append(f"k/v: shard length {k.shape[seq]}/{v.shape[seq]}; q's is {s}: q, k and v must hold the "
-                        "same positions")  # fmt: skip
+        problems.append(
+            f"k/v: shard length {k.shape[seq]}/{v.shape[seq]}; q's is {s}: q, k and v must hold the same positions"
+        )
     if k.shape[dim] != d:
         problems.append(f"k: head dim {k.shape[dim]} differs from q's {d}; q and k must share it")
     h_kv = k.shape[heads]

@@ -96,13 +96,27 @@ def context_parallel_sdpa(
         ```
     """
     m = members(group, CONTEXT)
-    c = checked(q, k, v, m, is_causal, scale, mode, enable_gqa, layout, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                window_size=window_size, sinks=sinks)  # fmt: skip
+    c = checked(
+        q,
+        k,
+        v,
+        m,
+        is_causal,
+        scale,
+        mode,
+        enable_gqa,
+        layout,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        window_size=window_size,
+        sinks=sinks,
+    )
     return attend(q, k, v, Setup(m, c.scale, c.is_causal, mode, layout, left=c.left, documents=c.documents), sinks)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, setup: Setup,
-           sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, setup: Setup, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     """``context_parallel_sdpa`` once its arguments are checked and resolved into ``setup``."""
     if setup.documents is not None:  # packed plans read contiguous tokens
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

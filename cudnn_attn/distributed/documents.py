@@ -82,8 +82,10 @@ def cu_problems(cu: Any, world: int, layout: str, tokens: int | None, max_seqlen
     if not isinstance(cu, torch.Tensor):
         return [f"cu_seqlens: {type(cu).__name__}; expected an int32 tensor [documents + 1]"]
     if cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 or cu.shape[0] < 2:
-        return [f"cu_seqlens: {str(cu.dtype).removeprefix('torch.')} {list(cu.shape)}; expected int32 or int64 "
-                "[documents + 1] with at least one document"]  # fmt: skip
+        return [
+            f"cu_seqlens: {str(cu.dtype).removeprefix('torch.')} {list(cu.shape)}; expected int32 or int64 "
+            "[documents + 1] with at least one document"
+        ]
     values = derived(cu, _on_host)
     lengths = values[1:] - values[:-1]
     problems = []
@@ -95,18 +97,23 @@ def cu_problems(cu: Any, world: int, layout: str, tokens: int | None, max_seqlen
     parts = chunks_per_rank(layout) * world
     if (lengths % parts).any():
         at = int(torch.nonzero(lengths % parts)[0])
-        problems.append(f"cu_seqlens: document {at} has length {int(lengths[at])}, not a multiple of {parts} "
-                        f"({world} ranks, layout={layout!r}: every document is cut into {parts} equal chunks); "
-                        f"pad each document to a multiple of {parts}")  # fmt: skip
+        problems.append(
+            f"cu_seqlens: document {at} has length {int(lengths[at])}, not a multiple of {parts} "
+            f"({world} ranks, layout={layout!r}: every document is cut into {parts} equal chunks); "
+            f"pad each document to a multiple of {parts}"
+        )
     if tokens is not None and int(values[-1]) != tokens * world:
-        problems.append(f"cu_seqlens: ends at {int(values[-1])}, but {world} shards of {tokens} tokens hold "
-                        f"{tokens * world}; cu_seqlens describes the whole packed sequence")  # fmt: skip
+        problems.append(
+            f"cu_seqlens: ends at {int(values[-1])}, but {world} shards of {tokens} tokens hold "
+            f"{tokens * world}; cu_seqlens describes the whole packed sequence"
+        )
     if max_seqlen is not None:
         if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
             problems.append(f"max_seqlen: {max_seqlen!r}; expected an int >= 1 or None")
         elif lengths.numel() and int(lengths.max()) > max_seqlen:
-            problems.append(f"max_seqlen: {max_seqlen}; document {int(torch.argmax(lengths))} has length "
-                            f"{int(lengths.max())}")  # fmt: skip
+            problems.append(
+                f"max_seqlen: {max_seqlen}; document {int(torch.argmax(lengths))} has length {int(lengths.max())}"
+            )
     return problems
 
 

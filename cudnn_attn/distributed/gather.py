@@ -42,8 +42,9 @@ def gathered_kv(
     return tuple(shards.join([p[i] for p in parts]) for i in (0, 1))  # type: ignore[return-value]
 
 
-def forward(q: torch.Tensor, kv: torch.Tensor, packing: PackedKV, m: Members, shards: Shards,
-            sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def forward(
+    q: torch.Tensor, kv: torch.Tensor, packing: PackedKV, m: Members, shards: Shards, sink: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's ``(out, lse)``, as ``ring.forward`` returns them."""
     failure, every = None, None
     try:

@@ -44,8 +44,14 @@ def shard_of(x: torch.Tensor, layout: str, rank: int, world: int, seq_dim: int) 
     return torch.cat(parts, dim=seq_dim).contiguous()
 
 
-def shard(x: torch.Tensor, group: Any = None, seq_dim: int | None = None, layout: str = "zigzag", *,
-          cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def shard(
+    x: torch.Tensor,
+    group: Any = None,
+    seq_dim: int | None = None,
+    layout: str = "zigzag",
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
     """This rank's shard of the full sequence ``x`` along ``seq_dim``: a local op, no communication.
 
     Args:
@@ -91,8 +97,14 @@ def shard(x: torch.Tensor, group: Any = None, seq_dim: int | None = None, layout
     return shard_of(x, layout, m.rank, m.world, seq_dim)
 
 
-def unshard(x: torch.Tensor, group: Any = None, seq_dim: int | None = None, layout: str = "zigzag", *,
-            cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def unshard(
+    x: torch.Tensor,
+    group: Any = None,
+    seq_dim: int | None = None,
+    layout: str = "zigzag",
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The full sequence from every rank's shard ``x``: a collective (all-gather) every rank calls.
 
     Args:
@@ -149,8 +161,9 @@ def _documents(cu: Any, x: torch.Tensor, seq_dim: int, world: int, layout: str, 
     """The documents of a whole packed ``x``, or a ``ValidationError`` naming ``cu_seqlens``."""
     problems = documents.cu_problems(cu, world, layout, None, None)
     if not problems and sum(documents.host_lengths(cu)) != x.shape[seq_dim]:
-        problems.append(f"cu_seqlens: ends at {sum(documents.host_lengths(cu))}; x holds {x.shape[seq_dim]} tokens "
-                        f"(dim {seq_dim})")  # fmt: skip
+        problems.append(
+            f"cu_seqlens: ends at {sum(documents.host_lengths(cu))}; x holds {x.shape[seq_dim]} tokens (dim {seq_dim})"
+        )
     if problems:
         raise ValidationError(problems, context=context)
     return documents.Documents(documents.host_lengths(cu), world, layout)

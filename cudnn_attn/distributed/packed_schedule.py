@@ -63,8 +63,9 @@ def ring_steps(
     return tuple(ring_calls(docs, is_causal, rank, (rank - i) % docs.world, left, device) for i in range(docs.world))
 
 
-def ring_calls(docs: Documents, is_causal: bool, rank: int, src: int, left: int | None,
-               device: torch.device) -> tuple[SegmentCall, ...]:  # fmt: skip
+def ring_calls(
+    docs: Documents, is_causal: bool, rank: int, src: int, left: int | None, device: torch.device
+) -> tuple[SegmentCall, ...]:
     """The calls of rank ``rank`` against the K/V shard of rank ``src``; () when it sees none.
 
     Example, each document causal over its own part at the rank's own step (one call)::
@@ -74,15 +75,17 @@ def ring_calls(docs: Documents, is_causal: bool, rank: int, src: int, left: int 
     return _ring_calls(docs, is_causal, rank, src, left, str(device))
 
 
-def gathered_calls(docs: Documents, is_causal: bool, rank: int, left: int | None,
-                   device: torch.device) -> tuple[SegmentCall, ...]:  # fmt: skip
+def gathered_calls(
+    docs: Documents, is_causal: bool, rank: int, left: int | None, device: torch.device
+) -> tuple[SegmentCall, ...]:
     """The calls of rank ``rank`` against the gathered K/V (the whole packed sequence, in order)."""
     return _gathered_calls(docs, is_causal, rank, left, str(device))
 
 
 @functools.lru_cache(maxsize=256)
-def _ring_calls(docs: Documents, is_causal: bool, rank: int, src: int, left: int | None,
-                device: str) -> tuple[SegmentCall, ...]:  # fmt: skip
+def _ring_calls(
+    docs: Documents, is_causal: bool, rank: int, src: int, left: int | None, device: str
+) -> tuple[SegmentCall, ...]:
     segments = []
     for local, n in zip(docs.local_starts, docs.local_lengths):
         for block in schedule.ring_blocks(docs.layout, is_causal, rank, src, docs.world, n, left):
@@ -92,8 +95,9 @@ def _ring_calls(docs: Documents, is_causal: bool, rank: int, src: int, left: int
 
 
 @functools.lru_cache(maxsize=64)
-def _gathered_calls(docs: Documents, is_causal: bool, rank: int, left: int | None,
-                    device: str) -> tuple[SegmentCall, ...]:  # fmt: skip
+def _gathered_calls(
+    docs: Documents, is_causal: bool, rank: int, left: int | None, device: str
+) -> tuple[SegmentCall, ...]:
     segments = []
     for local, start, n in zip(docs.local_starts, docs.starts, docs.local_lengths):
         for block in schedule.all_gathered_blocks(docs.layout, is_causal, rank, docs.world, n, left):
@@ -101,8 +105,9 @@ def _gathered_calls(docs: Documents, is_causal: bool, rank: int, left: int | Non
     return _calls(segments, sum(docs.local_lengths), docs.tokens, device)
 
 
-def _calls(blocks: list[tuple[schedule.Block, int, int, int, int]], rows: int, keys: int,
-           device: str) -> tuple[SegmentCall, ...]:  # fmt: skip
+def _calls(
+    blocks: list[tuple[schedule.Block, int, int, int, int]], rows: int, keys: int, device: str
+) -> tuple[SegmentCall, ...]:
     """Blocks (with where their rows and keys start, and how many the document has of each)
     grouped into calls by mask, rows unique per call."""
     groups: dict[tuple[str, int | None], list[list[Segment]]] = {}

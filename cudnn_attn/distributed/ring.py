@@ -37,8 +37,9 @@ KV_TAG, GRAD_TAG = 0, 1  # two shifts in flight at once in the backward
 Shards = DenseShards | PackedShards
 
 
-def forward(q: torch.Tensor, kv: torch.Tensor, packing: PackedKV, ring: Ring, shards: Shards,
-            sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def forward(
+    q: torch.Tensor, kv: torch.Tensor, packing: PackedKV, ring: Ring, shards: Shards, sink: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's ``(out, lse)``: ``out`` in q's dtype, laid out as q with V's head dim, ``lse``
     float32 with a last dim of 1; ``sink`` (float32, broadcasting to the LSE) folds in after the
     last step. A step with no calls (its keys all unseen) only passes the K/V on.

@@ -81,8 +81,9 @@ def gathered_blocks(layout: str, is_causal: bool, rank: int, world: int, shard_l
     ]
 
 
-def ring_blocks(layout: str, is_causal: bool, rank: int, src: int, world: int, shard_len: int,
-                left: int | None = None) -> list[Block]:  # fmt: skip
+def ring_blocks(
+    layout: str, is_causal: bool, rank: int, src: int, world: int, shard_len: int, left: int | None = None
+) -> list[Block]:
     """Every block rank ``rank`` computes with the K/V shard of rank ``src``; ``left``: a causal
     sliding window's left bound (None: none). Empty: the step computes nothing.
 
@@ -100,13 +101,20 @@ def ring_blocks(layout: str, is_causal: bool, rank: int, src: int, world: int, s
     for ia, a in enumerate(chunk_ids(layout, rank, world)):
         for ib, b in enumerate(chunk_ids(layout, src, world)):
             for rows, keys, mask, window in pair_spans(a, b, c, left):
-                blocks.append(Block(slice(ia * c + rows[0], ia * c + rows[1]), slice(ib * c + keys[0], ib * c + keys[1]),
-                                    mask, window))  # fmt: skip
+                blocks.append(
+                    Block(
+                        slice(ia * c + rows[0], ia * c + rows[1]),
+                        slice(ib * c + keys[0], ib * c + keys[1]),
+                        mask,
+                        window,
+                    )
+                )
     return blocks
 
 
-def all_gathered_blocks(layout: str, is_causal: bool, rank: int, world: int, shard_len: int,
-                        left: int | None = None) -> list[Block]:  # fmt: skip
+def all_gathered_blocks(
+    layout: str, is_causal: bool, rank: int, world: int, shard_len: int, left: int | None = None
+) -> list[Block]:
     """``gathered_blocks`` with an optional causal sliding window ``left``: each of r's chunks
     against the keys from ``left`` before its first query to its last, bottom-right."""
     if left is None:

@@ -49,8 +49,9 @@ class DenseShards:
         return [DenseCall(block, self.scale) for block in found]
 
     def gathered_calls(self, device: torch.device) -> list[DenseCall]:
-        found = schedule.all_gathered_blocks(self.layout, self.is_causal, self.rank, self.world, self.shard_len,
-                                             self.left)  # fmt: skip
+        found = schedule.all_gathered_blocks(
+            self.layout, self.is_causal, self.rank, self.world, self.shard_len, self.left
+        )
         return [DenseCall(block, self.scale) for block in found]
 
     def running_output(self, q: torch.Tensor, d_v: int, calls: Sequence[Any]) -> RunningOutput:
@@ -112,8 +113,17 @@ class DenseCall:
     ) -> Grads:
         """``(dq, dk, dv)`` of the block, in tensors of their own (``d_q``: None, see ``query_grads``)."""
         b = self.block
-        grad_q, d_k, d_v = blocks.backward(q[:, :, b.rows], k[:, :, b.keys], v[:, :, b.keys], out[:, :, b.rows],
-                                        d_out[:, :, b.rows], stats_of(b.rows), self.scale, b.mask, b.window)  # fmt: skip
+        grad_q, d_k, d_v = blocks.backward(
+            q[:, :, b.rows],
+            k[:, :, b.keys],
+            v[:, :, b.keys],
+            out[:, :, b.rows],
+            d_out[:, :, b.rows],
+            stats_of(b.rows),
+            self.scale,
+            b.mask,
+            b.window,
+        )
         return grad_q, d_k, d_v
 
     def add_grads(self, d_k: torch.Tensor, d_v: torch.Tensor, grads: Grads, first: bool = False) -> None:
@@ -195,8 +205,19 @@ class PackedCall:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(o [M, H, D_v], lse [M, H, 1])`` of the call's M rows; ``o`` written into ``out`` if given."""
         c = self.call
-        o, stats = blocks.packed_forward(_take(q, c.rows), _take(k, c.keys), _take(v, c.keys), c.lengths_q,
-                                         c.lengths_k, c.max_q, c.max_k, self.scale, c.mask, c.window, out)  # fmt: skip
+        o, stats = blocks.packed_forward(
+            _take(q, c.rows),
+            _take(k, c.keys),
+            _take(v, c.keys),
+            c.lengths_q,
+            c.lengths_k,
+            c.max_q,
+            c.max_k,
+            self.scale,
+            c.mask,
+            c.window,
+            out,
+        )
         # stats [slots, H, max_q, 1] -> each row's [H, 1], in the call's row order
         return o, stats.squeeze(-1).permute(0, 2, 1)[c.sequence, c.position].unsqueeze(-1)
 
@@ -209,9 +230,22 @@ class PackedCall:
         stats = torch.zeros(c.lengths_q.shape[0], c.max_q, q.shape[1], dtype=torch.float32, device=q.device)
         stats[c.sequence, c.position] = rows_lse.squeeze(-1)
         stats = stats.permute(0, 2, 1).unsqueeze(-1).contiguous()
-        return blocks.packed_backward(_take(q, c.rows), _take(k, c.keys), _take(v, c.keys), _take(out, c.rows),
-                                      _take(d_out, c.rows), stats, c.lengths_q, c.lengths_k, c.max_q, c.max_k,
-                                      self.scale, c.mask, c.window, d_q)  # fmt: skip
+        return blocks.packed_backward(
+            _take(q, c.rows),
+            _take(k, c.keys),
+            _take(v, c.keys),
+            _take(out, c.rows),
+            _take(d_out, c.rows),
+            stats,
+            c.lengths_q,
+            c.lengths_k,
+            c.max_q,
+            c.max_k,
+            self.scale,
+            c.mask,
+            c.window,
+            d_q,
+        )
 
     def add_grads(self, d_k: torch.Tensor, d_v: torch.Tensor, grads: Grads, first: bool = False) -> None:
         """dK and dV into float32 ``d_k``/``d_v`` (written, not added, when ``first``)."""

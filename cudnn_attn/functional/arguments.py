@@ -24,8 +24,15 @@ from ..errors import ValidationError, shown
 TORCH_FLOATING = (*FLOATING_IO, torch.float64)
 
 # How errors from the graph name sdpa's own arguments.
-ARGUMENT_NAMES = {"q": "query", "k": "key", "v": "value", "attn_bias": "attn_mask", "attn_scale": "scale",
-                  "dropout": "dropout_p", "o": "output"}  # fmt: skip
+ARGUMENT_NAMES = {
+    "q": "query",
+    "k": "key",
+    "v": "value",
+    "attn_bias": "attn_mask",
+    "attn_scale": "scale",
+    "dropout": "dropout_p",
+    "o": "output",
+}
 
 
 def causal_from_mask(attn_mask: Any, is_causal: Any, query: Any, key: Any) -> tuple[Any, Any]:

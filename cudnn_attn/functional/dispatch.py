@@ -173,17 +173,16 @@ def sdpa(
     attn_mask, is_causal = causal_from_mask(attn_mask, is_causal, query, key)
     query, key, value, attn_mask = autocast_inputs(query, key, value, attn_mask)
     if sinks is not None or softcap is not None or _windowed(window_size):
-        return sdpa_with_score_terms(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks,
-                                     softcap, window_size)  # fmt: skip
+        return sdpa_with_score_terms(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks, softcap, window_size
+        )
     if not torch.compiler.is_compiling():
         out = sdpa_eager.run(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if out is not None:
             return out
     check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     causal = causal_kind(is_causal)
-    train = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, key, value, attn_mask)
-    )  # fmt: skip
+    train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask))
     call = Call(query, key, value, attn_mask, float(dropout_p), causal, scale, enable_gqa, train)
     requested = "auto" if torch.compiler.is_compiling() else backend_choice.chosen()
     choice = select_call(call, requested, torch_op=False)  # the compile op has its own autograd

@@ -32,8 +32,9 @@ _SCALARS = (float, int, type(None))
 _CAUSAL = (bool, Causal)  # a bool, or the variant a CausalBias mask stands for
 
 
-def run(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_causal: Any, scale: Any,
-        enable_gqa: Any) -> torch.Tensor | None:  # fmt: skip
+def run(
+    query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_causal: Any, scale: Any, enable_gqa: Any
+) -> torch.Tensor | None:
     """The call's output, or None where this path does not apply (not plain 4-D tensors)."""
     if type(query) is not torch.Tensor or type(key) is not torch.Tensor or type(value) is not torch.Tensor:
         return None
@@ -44,17 +45,41 @@ def run(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_cau
     if attn_mask is not None and type(attn_mask) is not torch.Tensor:
         return None
     train = torch.is_grad_enabled() and (
-        query.requires_grad or key.requires_grad or value.requires_grad
+        query.requires_grad
+        or key.requires_grad
+        or value.requires_grad
         or (attn_mask is not None and attn_mask.requires_grad)
-    )  # fmt: skip
+    )
     mask = None if attn_mask is None else (attn_mask.shape, attn_mask.stride(), attn_mask.dtype, attn_mask.device)
-    flat = (query.shape, query.stride(), query.dtype, query.device, key.shape, key.stride(), key.dtype, key.device,
-            value.shape, value.stride(), value.dtype, value.device, mask, dropout_p, is_causal, scale, enable_gqa,
-            query is key, key is value, query is value, train, backend_choice.chosen())  # fmt: skip
+    flat = (
+        query.shape,
+        query.stride(),
+        query.dtype,
+        query.device,
+        key.shape,
+        key.stride(),
+        key.dtype,
+        key.device,
+        value.shape,
+        value.stride(),
+        value.dtype,
+        value.device,
+        mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+        query is key,
+        key is value,
+        query is value,
+        train,
+        backend_choice.chosen(),
+    )
     entry = _prepared.get(flat)
     if entry is None:
-        entry = _prepared.put(flat, _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                             train))  # fmt: skip
+        entry = _prepared.put(
+            flat, _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, train)
+        )
     return entry(query, key, value, attn_mask)
 
 
@@ -82,8 +107,9 @@ def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
     # Templates of the seed's geometry: drawing a seed here would shift torch's generator.
     seed, offset = (torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)) if dropout_p else (None, None)
     try:
-        entry.forward_run = problems.forward_run(q, k, v, bias, entry.scale, causal, entry.dropout_p, seed, offset,
-                                                 train, entry.backend)  # fmt: skip
+        entry.forward_run = problems.forward_run(
+            q, k, v, bias, entry.scale, causal, entry.dropout_p, seed, offset, train, entry.backend
+        )
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
         raise error.renamed(ARGUMENT_NAMES, context="sdpa") from None
     entry.plain = bias is None and not entry.dropout_p  # (q, k, v) alone
@@ -148,8 +174,7 @@ class Prepared:
                 bias_grad,
                 self.backend,
             )
-        return run.run_ordered(problems.backward_inputs(q, k, v, out, d_out, stats, bias, self.dropout_p, seed,
-                                                        offset))  # fmt: skip
+        return run.run_ordered(problems.backward_inputs(q, k, v, out, d_out, stats, bias, self.dropout_p, seed, offset))
 
 
 @backend_choice.kept_for_backward

@@ -33,8 +33,14 @@ from ..varlen import varlen_attention
 from .arguments import ARGUMENT_NAMES, causal_kind, check_arguments, materialised
 
 # How the varlen door's errors name sdpa's arguments: each sequence tensor speaks for its lengths.
-_NAMES = {**ARGUMENT_NAMES, "cu_seqlens_q": "query", "cu_seqlens_k": "key", "max_seqlen_q": "query",
-          "max_seqlen_k": "key", "causal": "is_causal"}  # fmt: skip
+_NAMES = {
+    **ARGUMENT_NAMES,
+    "cu_seqlens_q": "query",
+    "cu_seqlens_k": "key",
+    "max_seqlen_q": "query",
+    "max_seqlen_k": "key",
+    "causal": "is_causal",
+}
 
 
 def nested_sdpa(
@@ -108,9 +114,14 @@ def _checked(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
     if invalid:
         raise ValidationError(invalid, context="sdpa")
     if unsupported:
-        raise UnsupportedError(unsupported, context="sdpa",
-                               alternatives=["nested query/key/value of layout=torch.jagged, [B, H, (S), D], no "
-                                             "attn_mask", "dense [B, H, S, D] tensors padded, with attn_mask"])  # fmt: skip
+        raise UnsupportedError(
+            unsupported,
+            context="sdpa",
+            alternatives=[
+                "nested query/key/value of layout=torch.jagged, [B, H, (S), D], no attn_mask",
+                "dense [B, H, S, D] tensors padded, with attn_mask",
+            ],
+        )
     check_arguments(query, key, value, None, dropout_p, is_causal, scale, enable_gqa)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     problems = []
@@ -119,11 +130,17 @@ def _checked(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
             f"query: dtype {dtype_name(query.dtype)} but key is {dtype_name(key.dtype)} and value "
             f"{dtype_name(value.dtype)}; query, key and value must share one dtype"
         )
-    problems += [f"{name}: batch {t.shape[0]} differs from query's {q.shape[0]}; one sequence per query sequence"
-                for name, t in (("key", k), ("value", v)) if t.shape[0] != q.shape[0]]  # fmt: skip
+    problems += [
+        f"{name}: batch {t.shape[0]} differs from query's {q.shape[0]}; one sequence per query sequence"
+        for name, t in (("key", k), ("value", v))
+        if t.shape[0] != q.shape[0]
+    ]
     # An empty packing would run on a warm plan and be refused by a cold one: refused here, as dense sdpa does.
-    problems += [f"{name}: no tokens (every sequence is empty); at least one is needed, as in dense sdpa"
-                 for name, t in (("query", q), ("key", k), ("value", v)) if t.values().shape[0] == 0]  # fmt: skip
+    problems += [
+        f"{name}: no tokens (every sequence is empty); at least one is needed, as in dense sdpa"
+        for name, t in (("query", q), ("key", k), ("value", v))
+        if t.values().shape[0] == 0
+    ]
     if not problems and k.offsets() is not v.offsets() and not torch.equal(k.offsets(), v.offsets()):
         problems.append("value: sequence lengths differ from key's; key and value must share their lengths")
     if problems:
@@ -141,24 +158,31 @@ def _form_problems(tensors: dict[str, Any], attn_mask: Any) -> tuple[list[str], 
             invalid.append(f"{name}: {type(t).__name__}; expected a torch tensor")
         elif not t.is_nested:
             if nested:
-                invalid.append(f"{name}: a dense tensor, but {nested[0]} is nested; give query, key and value "
-                               "all nested (layout=torch.jagged) or all dense")  # fmt: skip
+                invalid.append(
+                    f"{name}: a dense tensor, but {nested[0]} is nested; give query, key and value "
+                    "all nested (layout=torch.jagged) or all dense"
+                )
         elif t.layout is not torch.jagged:
             unsupported.append(f"{name}: a nested tensor of layout {t.layout}; expected layout=torch.jagged")
         elif t.dim() != 4:
             invalid.append(f"{name}: {t.dim()}-D nested tensor; expected 4-D [B, H, (S), D]")
         elif t._ragged_idx != 2:  # type: ignore[attr-defined]
-            invalid.append(f"{name}: ragged dim {t._ragged_idx} (shape {list(t.shape)}); expected the sequence dim, "  # type: ignore[attr-defined]
-                           "[B, H, (S), D]: a [B, (S), H, D] tensor needs .transpose(1, 2)")  # fmt: skip
+            invalid.append(
+                f"{name}: ragged dim {t._ragged_idx} (shape {list(t.shape)}); expected the sequence dim, "  # type: ignore[attr-defined]
+                "[B, H, (S), D]: a [B, (S), H, D] tensor needs .transpose(1, 2)"
+            )
         elif t.lengths() is not None:  # type: ignore[attr-defined]
             unsupported.append(f"{name}: a nested tensor with holes (offsets and lengths); call .contiguous() first")
     if attn_mask is not None:
         if nested:
-            unsupported.append("attn_mask: not supported with nested query/key/value (as in torch's SDPA); "
-                               "is_causal=True gives a causal mask per sequence")  # fmt: skip
+            unsupported.append(
+                "attn_mask: not supported with nested query/key/value (as in torch's SDPA); "
+                "is_causal=True gives a causal mask per sequence"
+            )
         elif _is_nested(attn_mask):
-            invalid.append("attn_mask: a nested tensor; expected a dense bool or float tensor broadcastable to "
-                           "[B, H, L, S]")  # fmt: skip
+            invalid.append(
+                "attn_mask: a nested tensor; expected a dense bool or float tensor broadcastable to [B, H, L, S]"
+            )
     return invalid, unsupported
 
 

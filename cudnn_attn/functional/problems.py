@@ -34,13 +34,32 @@ def forward_inputs(q, k, v, bias, dropout_p, seed, offset) -> list[Any]:
     return [t for t in (q, k, v, bias) if t is not None] + ([seed, offset] if dropout_p > 0 else [])
 
 
-def forward_run(q, k, v, bias, scale: float, causal: Causal | str, dropout_p: float, seed, offset,
-                train: bool, backend: str = "auto") -> PreparedRun:  # fmt: skip
+def forward_run(
+    q,
+    k,
+    v,
+    bias,
+    scale: float,
+    causal: Causal | str,
+    dropout_p: float,
+    seed,
+    offset,
+    train: bool,
+    backend: str = "auto",
+) -> PreparedRun:
     """The prepared forward of this call (O, plus stats when ``train``) on ``backend``'s graphs;
     inputs as ``forward_inputs``."""
     seed, offset = (seed, offset) if dropout_p > 0 else (None, None)
-    problem = forward_problem(TensorSpec.of(q), TensorSpec.of(k), TensorSpec.of(v), _options(scale, causal, dropout_p), stats=train,
-                              bias=_spec(bias), dropout_seed=_spec(seed), dropout_offset=_spec(offset))  # fmt: skip
+    problem = forward_problem(
+        TensorSpec.of(q),
+        TensorSpec.of(k),
+        TensorSpec.of(v),
+        _options(scale, causal, dropout_p),
+        stats=train,
+        bias=_spec(bias),
+        dropout_seed=_spec(seed),
+        dropout_offset=_spec(offset),
+    )
     return prepare(problem, backend=backend, context="sdpa")
 
 
@@ -49,15 +68,39 @@ def backward_inputs(q, k, v, out, d_out, stats, bias, dropout_p, seed, offset) -
     return inputs + ([seed, offset] if dropout_p > 0 else [])
 
 
-def backward_run(q, k, v, out, d_out, stats, bias, scale: float, causal: Causal | str, dropout_p: float, seed,
-                 offset, bias_grad: bool, backend: str = "auto") -> PreparedRun:  # fmt: skip
+def backward_run(
+    q,
+    k,
+    v,
+    out,
+    d_out,
+    stats,
+    bias,
+    scale: float,
+    causal: Causal | str,
+    dropout_p: float,
+    seed,
+    offset,
+    bias_grad: bool,
+    backend: str = "auto",
+) -> PreparedRun:
     """The prepared backward of this call (dQ, dK, dV, plus dBias when ``bias_grad``); inputs as
     ``backward_inputs``. ``d_out`` must have ``out``'s strides (see ``like``)."""
     seed, offset = (seed, offset) if dropout_p > 0 else (None, None)
     q_, k_, v_, o_, d_o_, stats_ = (TensorSpec.of(t) for t in (q, k, v, out, d_out, stats))
-    problem = backward_problem(q_, k_, v_, o_, d_o_, stats_,
-                               _options(scale, causal, dropout_p), bias=_spec(bias), grad_bias=bias_grad,
-                               dropout_seed=_spec(seed), dropout_offset=_spec(offset))  # fmt: skip
+    problem = backward_problem(
+        q_,
+        k_,
+        v_,
+        o_,
+        d_o_,
+        stats_,
+        _options(scale, causal, dropout_p),
+        bias=_spec(bias),
+        grad_bias=bias_grad,
+        dropout_seed=_spec(seed),
+        dropout_offset=_spec(offset),
+    )
     return prepare(problem, backend=backend, context="sdpa")
 
 

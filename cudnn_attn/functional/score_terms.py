@@ -39,8 +39,9 @@ from .arguments import ARGUMENT_NAMES, batched, causal_kind, check_arguments
 MAX_RUNS = 256
 
 
-def sdpa_with_score_terms(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks, softcap,
-                          window_size=(-1, -1)) -> torch.Tensor:  # fmt: skip
+def sdpa_with_score_terms(
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks, softcap, window_size=(-1, -1)
+) -> torch.Tensor:
     """``cudnn_attn.sdpa``'s call with ``sinks``, ``softcap`` or ``window_size`` (its other
     arguments as there)."""
     check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -57,15 +58,26 @@ def sdpa_with_score_terms(query, key, value, attn_mask, dropout_p, is_causal, sc
     return restore(out)
 
 
-def score_terms_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float,
-                     causal: Causal, dropout_p: float, sinks: Any, softcap: Any = None, window: int | None = None,
-                     right_bound: int | None = None) -> torch.Tensor:  # fmt: skip
+def score_terms_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    causal: Causal,
+    dropout_p: float,
+    sinks: Any,
+    softcap: Any = None,
+    window: int | None = None,
+    right_bound: int | None = None,
+) -> torch.Tensor:
     """Attention of ``[B, H, S, D]`` tensors with ``sinks``, ``softcap`` (checked here, by name) or a
     band (``window``: the left bound W, key j visible iff j > i - W; ``right_bound``)."""
     if sinks is not None:
         check_sinks(sinks, q.shape[1], q.device)
-    options = ScoreOptions(attn_scale=scale, causal=causal, sliding_window=window, right_bound=right_bound,
-                           dropout_p=float(dropout_p))  # fmt: skip
+    options = ScoreOptions(
+        attn_scale=scale, causal=causal, sliding_window=window, right_bound=right_bound, dropout_p=float(dropout_p)
+    )
     modifier = None
     if softcap is not None:
         modifier, options = softcap_modifier(softcap, options, q.shape[2], k.shape[2])
@@ -99,29 +111,62 @@ def _rng_specs(rng: tuple | None) -> tuple[TensorSpec | None, TensorSpec | None]
 
 
 def _forward_run(q, k, v, bias, sink, options: ScoreOptions, modifier, rng) -> PreparedRun:
-    fast = (_geometry(q), _geometry(k), _geometry(v), _geometry(bias), sink is not None, options, modifier,
-            backend_choice.chosen())  # fmt: skip
+    fast = (
+        _geometry(q),
+        _geometry(k),
+        _geometry(v),
+        _geometry(bias),
+        sink is not None,
+        options,
+        modifier,
+        backend_choice.chosen(),
+    )
     run = _forward_runs.get(fast)
     if run is None:
-        problem = forward_problem(TensorSpec.of(q), TensorSpec.of(k), TensorSpec.of(v), options, stats=True,
-                                  bias=None if bias is None else TensorSpec.of(bias),
-                                  sink_token=None if sink is None else _sink_spec(q), score_mod=modifier,
-                                  dropout_seed=_rng_specs(rng)[0], dropout_offset=_rng_specs(rng)[1])  # fmt: skip
+        problem = forward_problem(
+            TensorSpec.of(q),
+            TensorSpec.of(k),
+            TensorSpec.of(v),
+            options,
+            stats=True,
+            bias=None if bias is None else TensorSpec.of(bias),
+            sink_token=None if sink is None else _sink_spec(q),
+            score_mod=modifier,
+            dropout_seed=_rng_specs(rng)[0],
+            dropout_offset=_rng_specs(rng)[1],
+        )
         run = _forward_runs.put(fast, prepare(problem, context="sdpa"))
     return run
 
 
 def _backward_run(ctx, q, k, v, bias, sink, out, d_out, stats, rng) -> PreparedRun:
     grad_bias = bias is not None and ctx.needs_input_grad[3]
-    fast = (*(_geometry(t) for t in (q, k, v, out, d_out, stats, bias)), grad_bias, sink is not None, ctx.options,
-            ctx.modifier, backend_choice.chosen())  # fmt: skip
+    fast = (
+        *(_geometry(t) for t in (q, k, v, out, d_out, stats, bias)),
+        grad_bias,
+        sink is not None,
+        ctx.options,
+        ctx.modifier,
+        backend_choice.chosen(),
+    )
     run = _backward_runs.get(fast)
     if run is None:
         spec = TensorSpec.of
-        problem = backward_problem(spec(q), spec(k), spec(v), spec(out), spec(d_out), spec(stats), ctx.options,
-                                   bias=None if bias is None else spec(bias), grad_bias=grad_bias,
-                                   sink_token=None if sink is None else _sink_spec(q), score_mod=ctx.modifier,
-                                   dropout_seed=_rng_specs(rng)[0], dropout_offset=_rng_specs(rng)[1])  # fmt: skip
+        problem = backward_problem(
+            spec(q),
+            spec(k),
+            spec(v),
+            spec(out),
+            spec(d_out),
+            spec(stats),
+            ctx.options,
+            bias=None if bias is None else spec(bias),
+            grad_bias=grad_bias,
+            sink_token=None if sink is None else _sink_spec(q),
+            score_mod=ctx.modifier,
+            dropout_seed=_rng_specs(rng)[0],
+            dropout_offset=_rng_specs(rng)[1],
+        )
         run = _backward_runs.put(fast, prepare(problem, context="sdpa backward"))
     return run
 

@@ -164,8 +164,11 @@ def attention_forward(
         return out.transpose(1, 2).contiguous(), None
     window = _window(sliding_window, key.shape[2])
     if window is not None and not causal:
-        raise UnsupportedError([f"sliding_window: {sliding_window} without a causal mask; cuDNN's band takes a "
-                                "left bound only"], context=CONTEXT, alternatives=_ALTERNATIVES)  # fmt: skip
+        raise UnsupportedError(
+            [f"sliding_window: {sliding_window} without a causal mask; cuDNN's band takes a left bound only"],
+            context=CONTEXT,
+            alternatives=_ALTERNATIVES,
+        )
     trains_sinks = attention_mask is not None and _trains_sinks(query, key, value, options)
     packing = None
     if not trains_sinks and (softcap is None or query.shape[2] == key.shape[2]):
@@ -270,8 +273,9 @@ def _trains_sinks(query, key, value, options: dict) -> bool:
     return sinks is not None and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
 
 
-def _dense_terms(query, key, value, tokens: torch.Tensor | None, causal: bool, window: int | None,
-                 options: dict) -> torch.Tensor:  # fmt: skip
+def _dense_terms(
+    query, key, value, tokens: torch.Tensor | None, causal: bool, window: int | None, options: dict
+) -> torch.Tensor:
     """Soft-capped layers (Gemma-2) the packed path cannot take, and sinks being trained over
     padding (gpt-oss): ``cudnn_attn.sdpa`` with ``softcap`` (whose causal mask lives in the score
     modifier) or ``sinks``. Padding, packed runs and windows become a dense boolean
@@ -285,8 +289,11 @@ def _dense_terms(query, key, value, tokens: torch.Tensor | None, causal: bool, w
     if tokens is None and window is not None and _dense_window(causal, window, q_len, k_len, options):
         out = sdpa(query, key, value, is_causal=True, window_size=(window, 0), **options)
         return out.transpose(1, 2).contiguous()
-    _log.debug("softcap or trained sinks with padding, packed runs or a window: a dense [B, 1, Q, K] mask "
-               "(%d x %d)", q_len, k_len)  # fmt: skip
+    _log.debug(
+        "softcap or trained sinks with padding, packed runs or a window: a dense [B, 1, Q, K] mask (%d x %d)",
+        q_len,
+        k_len,
+    )
     device = query.device
     col = torch.arange(k_len, device=device)
     row = torch.arange(k_len - q_len, k_len, device=device)[:, None]
@@ -314,8 +321,19 @@ def _packed(query, key, value, packing: Packing, causal: bool, window: int | Non
     alignment = _alignment(packing, options) if causal else None
     # Top-left only where every sequence's lengths agree: one tensor for both then tells varlen so.
     cu_k = packing.cu_q if alignment == "top_left" else packing.cu_k
-    out = varlen_attention(q, k, v, packing.cu_q, cu_k, packing.max_q, packing.max_k, causal=alignment,
-                           window_left=window, context=CONTEXT, **options)  # fmt: skip
+    out = varlen_attention(
+        q,
+        k,
+        v,
+        packing.cu_q,
+        cu_k,
+        packing.max_q,
+        packing.max_k,
+        causal=alignment,
+        window_left=window,
+        context=CONTEXT,
+        **options,
+    )
     if packing.rows_q is None:
         return out.view(batch, q_len, heads, out.shape[-1])
     return out.new_zeros(batch, q_len, heads, out.shape[-1]).index_put(packing.rows_q, out)
@@ -344,8 +362,10 @@ def _gather(x: torch.Tensor, rows: tuple[torch.Tensor, ...] | None) -> torch.Ten
 def _refuse_unsupported(query: torch.Tensor, mask: Any, softcap: float | None, kwargs: dict) -> None:
     reasons = []
     if query.dtype not in FLOATING_IO:
-        reasons.append(f"query: dtype {str(query.dtype).removeprefix('torch.')}; cudnn_attn attends in float16, "
-                       "bfloat16 or float32 (load the model with dtype=torch.bfloat16)")  # fmt: skip
+        reasons.append(
+            f"query: dtype {str(query.dtype).removeprefix('torch.')}; cudnn_attn attends in float16, "
+            "bfloat16 or float32 (load the model with dtype=torch.bfloat16)"
+        )
     if kwargs.get("position_bias") is not None:
         reasons.append("position_bias: a per-layer position bias is not supported")
     if kwargs.get("cache") is not None:
@@ -422,8 +442,9 @@ def _queries(kwargs: dict) -> tuple[int, Any]:
         return int(kwargs["q_length"]), kwargs.get("q_offset", 0)
     cache_position = kwargs.get("cache_position")
     if cache_position is None:
-        raise UnsupportedError(["mask arguments: neither q_length nor cache_position; unknown transformers version"],
-                               context=CONTEXT)  # fmt: skip
+        raise UnsupportedError(
+            ["mask arguments: neither q_length nor cache_position; unknown transformers version"], context=CONTEXT
+        )
     return int(cache_position.shape[0]), cache_position[0]
 
 
@@ -436,6 +457,11 @@ def _device(kwargs: dict) -> Any:
 
 def _dense_mask(batch_size, kv_length, kv_offset, mask_function, attention_mask, kwargs: dict) -> torch.Tensor | None:
     """transformers' own dense boolean mask (what its SDPA path gets), never skipped."""
-    return sdpa_mask(batch_size=batch_size, kv_length=kv_length, kv_offset=kv_offset, mask_function=mask_function,
-                     attention_mask=attention_mask, **{**kwargs, "allow_is_causal_skip": False,
-                                                       "allow_is_bidirectional_skip": False})  # fmt: skip
+    return sdpa_mask(
+        batch_size=batch_size,
+        kv_length=kv_length,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        **{**kwargs, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False},
+    )

@@ -73,8 +73,9 @@ def find_packing(mask, kwargs: dict, batch: int, q_len: int, k_len: int, causal:
                 [f"attention_mask: covers {packing.keys} keys, the layer has {k_len}"], context=CONTEXT
             )
         return packing
-    cu_q, cu_k, max_q, max_k = (kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-                                                               "max_length_k"))  # fmt: skip
+    cu_q, cu_k, max_q, max_k = (
+        kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    )
     if cu_q is not None and cu_k is not None and max_q is not None and max_k is not None:
         return Packing(cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), k_len, aligned=None)
     positions = kwargs.get("position_ids")
@@ -88,8 +89,9 @@ def _from_token_ids(ids: torch.Tensor, q_len: int, causal: bool) -> Packing:
     last ``q_len`` keys; otherwise every query (cross-attention too) sees its row's real keys."""
     batch, keys = ids.shape
     if ids.is_floating_point() or ids.is_complex():
-        raise ValidationError([f"attention_mask: dtype {ids.dtype}; expected a bool or integer [B, keys] token mask"],
-                              context=CONTEXT)  # fmt: skip
+        raise ValidationError(
+            [f"attention_mask: dtype {ids.dtype}; expected a bool or integer [B, keys] token mask"], context=CONTEXT
+        )
     if causal and keys < q_len:
         raise ValidationError([f"attention_mask: covers {keys} keys, fewer than the {q_len} queries"], context=CONTEXT)
     ids = ids.to(torch.int64)
@@ -98,8 +100,10 @@ def _from_token_ids(ids: torch.Tensor, q_len: int, causal: bool) -> Packing:
     slot = ids - 1 + per_row * torch.arange(batch, device=ids.device)[:, None]  # each token's sequence
     slot_k = slot[real]
     if bool((slot_k.diff() < 0).any()):
-        raise ValidationError(["attention_mask: sequence ids decrease along a row; each sequence's tokens must be "
-                               "consecutive"], context=CONTEXT)  # fmt: skip
+        raise ValidationError(
+            ["attention_mask: sequence ids decrease along a row; each sequence's tokens must be consecutive"],
+            context=CONTEXT,
+        )
     if not causal and per_row > 1:
         raise UnsupportedError(["attention_mask: packed sequences without a causal mask"], context=CONTEXT)
     lengths_k = torch.bincount(slot_k, minlength=batch * per_row)
@@ -112,8 +116,16 @@ def _from_token_ids(ids: torch.Tensor, q_len: int, causal: bool) -> Packing:
     else:
         lengths_q, rows_q = torch.full((batch,), q_len, dtype=torch.int64, device=ids.device), None
     longest_q, longest_k = torch.stack([lengths_q.max(), lengths_k.max()]).tolist()
-    return Packing(_cumulative(lengths_q), _cumulative(lengths_k), max(int(longest_q), 1), max(int(longest_k), 1),
-                    keys, causal and keys == q_len, rows_q, rows_k)  # fmt: skip
+    return Packing(
+        _cumulative(lengths_q),
+        _cumulative(lengths_k),
+        max(int(longest_q), 1),
+        max(int(longest_k), 1),
+        keys,
+        causal and keys == q_len,
+        rows_q,
+        rows_k,
+    )
 
 
 def _from_positions(positions: torch.Tensor) -> Packing | None:

@@ -101,10 +101,22 @@ def quantise_qkv(
     blocks = [_blocks(n) for n in sizes]
     source = scales if scales is not None else amaxes
     kernels.quantise_qkv(
-        (sum(blocks),), *xs, *outs, *sizes, blocks[0], blocks[0] + blocks[1], source, used, descales,
-        record if record is not None else used, E4M3_MAX, SCALE_STRIDE,
-        FROM_AMAX=amaxes is not None, RECORD=record is not None, BLOCK=BLOCK,
-    )  # fmt: skip
+        (sum(blocks),),
+        *xs,
+        *outs,
+        *sizes,
+        blocks[0],
+        blocks[0] + blocks[1],
+        source,
+        used,
+        descales,
+        record if record is not None else used,
+        E4M3_MAX,
+        SCALE_STRIDE,
+        FROM_AMAX=amaxes is not None,
+        RECORD=record is not None,
+        BLOCK=BLOCK,
+    )
     return outs, used, descales
 
 
@@ -134,8 +146,17 @@ def advance_history(history: torch.Tensor, current: torch.Tensor, slot: torch.Te
         slot.fill_((column + 1) % history.shape[1])
         return
     length = history.shape[1]
-    kernels.advance_history((1,), history, current, slot, scales, length, E4M3_MAX, SCALE_STRIDE,
-                                  SPAN=max(16, 1 << (length - 1).bit_length()))  # fmt: skip
+    kernels.advance_history(
+        (1,),
+        history,
+        current,
+        slot,
+        scales,
+        length,
+        E4M3_MAX,
+        SCALE_STRIDE,
+        SPAN=max(16, 1 << (length - 1).bit_length()),
+    )
 
 
 def from_fp8(x8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -205,9 +226,28 @@ def _kernels() -> Any:
             tl.atomic_max(amax_ptr, tl.max(tl.abs(x), axis=0))
 
     @triton.jit
-    def quantise_qkv(q_ptr, k_ptr, v_ptr, q8_ptr, k8_ptr, v8_ptr, n_q, n_k, n_v, end_q, end_k,
-                     source_ptr, used_ptr, descale_ptr, record_ptr, limit, stride,
-                     FROM_AMAX: tl.constexpr, RECORD: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    def quantise_qkv(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        q8_ptr,
+        k8_ptr,
+        v8_ptr,
+        n_q,
+        n_k,
+        n_v,
+        end_q,
+        end_k,
+        source_ptr,
+        used_ptr,
+        descale_ptr,
+        record_ptr,
+        limit,
+        stride,
+        FROM_AMAX: tl.constexpr,
+        RECORD: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         pid = tl.program_id(0)
         if pid < end_q:
             which, block, x_ptr, out_ptr, n = 0, pid, q_ptr, q8_ptr, n_q
@@ -245,8 +285,7 @@ def _kernels() -> Any:
         tl.atomic_max(out_ptr + which, tl.max(tl.abs(x), axis=0))
 
     @triton.jit
-    def advance_history(history_ptr, current_ptr, slot_ptr, scale_ptr, length, limit, stride,
-                        SPAN: tl.constexpr):  # fmt: skip
+    def advance_history(history_ptr, current_ptr, slot_ptr, scale_ptr, length, limit, stride, SPAN: tl.constexpr):
         slot = tl.load(slot_ptr)
         columns = tl.arange(0, SPAN)
         for which in tl.static_range(3):
@@ -270,6 +309,10 @@ def _kernels() -> Any:
         x = tl.load(x_ptr + offsets, mask=inside).to(tl.float32)
         tl.store(out_ptr + offsets, (x * tl.load(descale_ptr)).to(out_ptr.dtype.element_ty), mask=inside)
 
-    return types.SimpleNamespace(quantise=Launcher(quantise), quantise_qkv=Launcher(quantise_qkv),
-                                 amax_qkv=Launcher(amax_qkv), advance_history=Launcher(advance_history),
-                                 dequantise=Launcher(dequantise))  # fmt: skip
+    return types.SimpleNamespace(
+        quantise=Launcher(quantise),
+        quantise_qkv=Launcher(quantise_qkv),
+        amax_qkv=Launcher(amax_qkv),
+        advance_history=Launcher(advance_history),
+        dequantise=Launcher(dequantise),
+    )

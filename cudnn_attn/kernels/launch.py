@@ -80,16 +80,36 @@ class Launcher:
             with torch.cuda.device(device):
                 return self(grid, *args, **constexprs)
         # _kind of each argument, its two common cases inline: this runs on every launch.
-        key = (device, *[(a.dtype, a.data_ptr() % 16 == 0) if type(a) is torch.Tensor
-                         else (a == 1, a % 16 == 0, -(2**31) <= a < 2**31, a >= 2**63) if type(a) is int
-                         else _kind(a) for a in args], *constexprs.items())  # fmt: skip
+        key = (
+            device,
+            *[
+                (a.dtype, a.data_ptr() % 16 == 0)
+                if type(a) is torch.Tensor
+                else (a == 1, a % 16 == 0, -(2**31) <= a < 2**31, a >= 2**63)
+                if type(a) is int
+                else _kind(a)
+                for a in args
+            ],
+            *constexprs.items(),
+        )
         found = self._compiled.get(key)
         if found is not None and not _launch_hooked():
             compiled, tail = found
             grid_y = grid[1] if len(grid) > 1 else 1
             grid_z = grid[2] if len(grid) > 2 else 1
-            compiled.run(grid[0], grid_y, grid_z, torch._C._cuda_getCurrentRawStream(device), compiled.function,
-                         compiled.packed_metadata, None, None, None, *args, *tail)  # fmt: skip
+            compiled.run(
+                grid[0],
+                grid_y,
+                grid_z,
+                torch._C._cuda_getCurrentRawStream(device),
+                compiled.function,
+                compiled.packed_metadata,
+                None,
+                None,
+                None,
+                *args,
+                *tail,
+            )
             return None
         given = [_gluon_descriptor(a) if isinstance(a, Tma) else a for a in args]
         compiled = self.kernel[grid](*given, **constexprs)

@@ -71,9 +71,13 @@ def merge_checked(parts: Parts, out: torch.Tensor, lse: torch.Tensor | None = No
 
 
 def split_targets(
-    out: torch.Tensor, splits: int, heads: int, dim: int, partial_o: torch.Tensor | None,
+    out: torch.Tensor,
+    splits: int,
+    heads: int,
+    dim: int,
+    partial_o: torch.Tensor | None,
     partial_lse: torch.Tensor | None,
-) -> tuple[torch.Tensor, tuple[int, int, int], torch.Tensor, tuple[int, int, int]]:  # fmt: skip
+) -> tuple[torch.Tensor, tuple[int, int, int], torch.Tensor, tuple[int, int, int]]:
     """Where a split-KV decode kernel writes, with (batch, split, head) strides: ``out``
     ``[B, H, 1, D]`` itself for one split (normalised; no log-sum-exp, its target a placeholder
     never written), else float32 partial outputs ``[B, splits, H, D]`` and log-sum-exps
@@ -178,10 +182,22 @@ def _merge_triton(kernels: Any, parts: Parts, out: torch.Tensor, lse: torch.Tens
     grid = (-(-rows // rows_per_program), -(-d // block_d))
     record = lse if lse is not None else out  # a pointer the kernel never writes when not recording
     kernels.merge(
-        grid, *args, out, *out.stride(), record, *(lse.stride() if lse is not None else (0, 0, 0)),
-        rows, h, s, d, WRITE_LSE=lse is not None, ROWS=rows_per_program, BLOCK_D=block_d, CHUNKS=chunks,
+        grid,
+        *args,
+        out,
+        *out.stride(),
+        record,
+        *(lse.stride() if lse is not None else (0, 0, 0)),
+        rows,
+        h,
+        s,
+        d,
+        WRITE_LSE=lse is not None,
+        ROWS=rows_per_program,
+        BLOCK_D=block_d,
+        CHUNKS=chunks,
         ONE_PASS=len(parts) == 1 and most <= chunks,
-    )  # fmt: skip
+    )
 
 
 @functools.cache
@@ -227,12 +243,50 @@ def _kernels() -> Any:
         return acc, total
 
     @triton.jit
-    def merge(o0_ptr, s0_ptr, n0, o0_sb, o0_sn, o0_sh, o0_ss, o0_sd, s0_sb, s0_sn, s0_sh, s0_ss,
-              o1_ptr, s1_ptr, n1, o1_sb, o1_sn, o1_sh, o1_ss, o1_sd, s1_sb, s1_sn, s1_sh, s1_ss,
-              out_ptr, out_sb, out_sh, out_ss, out_sd, lse_ptr, lse_sb, lse_sh, lse_ss,
-              rows, heads, seq, dim,
-              WRITE_LSE: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-              CHUNKS: tl.constexpr, ONE_PASS: tl.constexpr):  # fmt: skip
+    def merge(
+        o0_ptr,
+        s0_ptr,
+        n0,
+        o0_sb,
+        o0_sn,
+        o0_sh,
+        o0_ss,
+        o0_sd,
+        s0_sb,
+        s0_sn,
+        s0_sh,
+        s0_ss,
+        o1_ptr,
+        s1_ptr,
+        n1,
+        o1_sb,
+        o1_sn,
+        o1_sh,
+        o1_ss,
+        o1_sd,
+        s1_sb,
+        s1_sn,
+        s1_sh,
+        s1_ss,
+        out_ptr,
+        out_sb,
+        out_sh,
+        out_ss,
+        out_sd,
+        lse_ptr,
+        lse_sb,
+        lse_sh,
+        lse_ss,
+        rows,
+        heads,
+        seq,
+        dim,
+        WRITE_LSE: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        CHUNKS: tl.constexpr,
+        ONE_PASS: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         col = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         live = row < rows
@@ -247,10 +301,16 @@ def _kernels() -> Any:
 
         if ONE_PASS:  # one part of at most CHUNKS chunks: its stats and outputs in one round of loads
             c = tl.arange(0, CHUNKS)
-            s = tl.load(s0_ptrs[:, None] + c.to(tl.int64)[None, :] * s0_sn, mask=live[:, None] & (c < n0)[None, :],
-                        other=float("-inf"))  # fmt: skip
-            o = tl.load(o0_ptrs[:, None, :] + (c.to(tl.int64) * o0_sn)[None, :, None],
-                        mask=inside[:, None, :] & (c < n0)[None, :, None], other=0.0)  # fmt: skip
+            s = tl.load(
+                s0_ptrs[:, None] + c.to(tl.int64)[None, :] * s0_sn,
+                mask=live[:, None] & (c < n0)[None, :],
+                other=float("-inf"),
+            )
+            o = tl.load(
+                o0_ptrs[:, None, :] + (c.to(tl.int64) * o0_sn)[None, :, None],
+                mask=inside[:, None, :] & (c < n0)[None, :, None],
+                other=0.0,
+            )
             m = tl.max(s, 1)
             base = tl.where(m == float("-inf"), 0.0, m)
             w = tl.exp(s - base[:, None])
@@ -270,7 +330,10 @@ def _kernels() -> Any:
         out_ptrs = out_ptr + (bi * out_sb + hi * out_sh + si * out_ss)[:, None] + (col * out_sd)[None, :]
         tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=inside)
         if WRITE_LSE:  # log(0) = -inf for rows with no visible key; one program per row writes it
-            tl.store(lse_ptr + bi * lse_sb + hi * lse_sh + si * lse_ss, base + tl.log(total),
-                     mask=live & (tl.program_id(1) == 0))  # fmt: skip
+            tl.store(
+                lse_ptr + bi * lse_sb + hi * lse_sh + si * lse_ss,
+                base + tl.log(total),
+                mask=live & (tl.program_id(1) == 0),
+            )
 
     return types.SimpleNamespace(merge=Launcher(merge))

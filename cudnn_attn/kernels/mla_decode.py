@@ -107,19 +107,47 @@ def mla_decode(
     token = 2 if kv_layout == "NHPD" else 1  # the token dim of [N, 1, P, D] or [N, P, 1, D]
     page, c_st, v_st = cache.shape[token], cache.stride(token), v_cache.stride(token)
     latent = v_cache.data_ptr() == cache.data_ptr() and v_cache.stride() == cache.stride()
-    o, (o_sb, o_ss, o_sh), lse, (l_sb, l_ss, l_sh) = split_targets(out, splits, heads, head_dim_v, partial_o,
-                                                                   partial_lse)  # fmt: skip
+    o, (o_sb, o_ss, o_sh), lse, (l_sb, l_ss, l_sh) = split_targets(
+        out, splits, heads, head_dim_v, partial_o, partial_lse
+    )
     block_h = tuning.get("block_h", 64 if heads >= 64 else max(16, 1 << (heads - 1).bit_length()))
     grid = (splits, triton_cdiv(heads, block_h), batch)
     kernels.decode(
-        grid, q, q.stride(0), q.stride(1), cache, cache.stride(0), c_st, v_cache, v_cache.stride(0), v_st, table,
-        table.stride(0), lengths,
-        o, o_sb, o_ss, o_sh, lse, l_sb, l_ss, l_sh, sink if sink is not None else lengths,
-        scale * LOG2_E, chunk_pages, heads,
-        D_V=head_dim_v, D_ROPE=dim - head_dim_v, BLOCK_H=block_h, PAGE=page, NORMALISE=splits == 1,
-        HAS_SINK=sink is not None, V_IS_LATENT=latent,
-        num_warps=tuning.get("num_warps", 8), num_stages=tuning.get("num_stages", 2),
-    )  # fmt: skip
+        grid,
+        q,
+        q.stride(0),
+        q.stride(1),
+        cache,
+        cache.stride(0),
+        c_st,
+        v_cache,
+        v_cache.stride(0),
+        v_st,
+        table,
+        table.stride(0),
+        lengths,
+        o,
+        o_sb,
+        o_ss,
+        o_sh,
+        lse,
+        l_sb,
+        l_ss,
+        l_sh,
+        sink if sink is not None else lengths,
+        scale * LOG2_E,
+        chunk_pages,
+        heads,
+        D_V=head_dim_v,
+        D_ROPE=dim - head_dim_v,
+        BLOCK_H=block_h,
+        PAGE=page,
+        NORMALISE=splits == 1,
+        HAS_SINK=sink is not None,
+        V_IS_LATENT=latent,
+        num_warps=tuning.get("num_warps", 8),
+        num_stages=tuning.get("num_stages", 2),
+    )
     if splits > 1:
         merge_checked([(o.unsqueeze(3), lse.unsqueeze(3))], out)
     return out
@@ -140,10 +168,39 @@ def _kernels() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def decode(q_ptr, q_sb, q_sh, c_ptr, c_sn, c_st, v_ptr, v_sn, v_st, table_ptr, t_sb, len_ptr,
-               o_ptr, o_sb, o_ss, o_sh, lse_ptr, l_sb, l_ss, l_sh, sink_ptr, scale_log2, chunk_pages, heads,
-               D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
-               NORMALISE: tl.constexpr, HAS_SINK: tl.constexpr, V_IS_LATENT: tl.constexpr):  # fmt: skip
+    def decode(
+        q_ptr,
+        q_sb,
+        q_sh,
+        c_ptr,
+        c_sn,
+        c_st,
+        v_ptr,
+        v_sn,
+        v_st,
+        table_ptr,
+        t_sb,
+        len_ptr,
+        o_ptr,
+        o_sb,
+        o_ss,
+        o_sh,
+        lse_ptr,
+        l_sb,
+        l_ss,
+        l_sh,
+        sink_ptr,
+        scale_log2,
+        chunk_pages,
+        heads,
+        D_V: tl.constexpr,
+        D_ROPE: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        PAGE: tl.constexpr,
+        NORMALISE: tl.constexpr,
+        HAS_SINK: tl.constexpr,
+        V_IS_LATENT: tl.constexpr,
+    ):
         split = tl.program_id(0)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         b = tl.program_id(2).to(tl.int64)
@@ -188,8 +245,9 @@ def _kernels() -> Any:
         o_ptrs = o_ptr + b * o_sb + split * o_ss + h[:, None] * o_sh + dv[None, :]
         tl.store(o_ptrs, result.to(o_ptr.dtype.element_ty), mask=live[:, None])
         if not NORMALISE:  # natural-log LSE of the chunk, -inf where it has no key
-            lse = tl.where(total > 0, (m + tl.log2(tl.where(total > 0, total, 1.0))) * 0.6931471805599453,
-                           float("-inf"))  # fmt: skip
+            lse = tl.where(
+                total > 0, (m + tl.log2(tl.where(total > 0, total, 1.0))) * 0.6931471805599453, float("-inf")
+            )
             tl.store(lse_ptr + b * l_sb + split * l_ss + h * l_sh, lse, mask=live)
 
     return types.SimpleNamespace(decode=Launcher(decode))

@@ -122,21 +122,57 @@ def paged_decode(
     # step and two stages ran 9-16% faster than the 16-bit settings at every shape tried; with
     # 4-8 tokens 15-20% slower (H100, CUDA-graph replay).
     lean = kv_fp8 and s_q == 1
-    pages_per_step = tuning.get("pages_per_step", 1 if lean else default_pages_per_step(batch * kv_heads * splits,
-                                                                                       page, q.device))  # fmt: skip
+    pages_per_step = tuning.get(
+        "pages_per_step", 1 if lean else default_pages_per_step(batch * kv_heads * splits, page, q.device)
+    )
     # One split: normalised straight into out, the partial targets placeholders never written.
-    o, (o_sb, o_ss, o_sh), lse, (l_sb, l_ss, l_sh) = split_targets(out, splits, heads * s_q, dim, partial_o,
-                                                                   partial_lse)  # fmt: skip
+    o, (o_sb, o_ss, o_sh), lse, (l_sb, l_ss, l_sh) = split_targets(
+        out, splits, heads * s_q, dim, partial_o, partial_lse
+    )
     block_r = max(MIN_ROWS, 1 << (rows - 1).bit_length())
     kernels.decode(
-        (splits, kv_heads, batch), q, q.stride(0), q.stride(1), q.stride(2), k_cache, v_cache, stride_page,
-        stride_head, stride_token, table, table.stride(0), lengths, out, out.stride(0), out.stride(1),
-        out.stride(2), o, o_sb, o_ss, o_sh, lse, l_sb, l_ss, l_sh, scale * LOG2_E * k_scale, chunk_pages,
-        sink if sink is not None else lengths, v_scale,
-        GROUP=group, S_Q=s_q, BLOCK_R=block_r, HEAD_DIM=dim, BLOCK_D=block_d, PAGE=page,
-        BLOCK_N=page * pages_per_step, SPLIT=splits > 1, HAS_SINK=sink is not None, KV_FP8=kv_fp8,
-        num_warps=tuning.get("num_warps", 4 if block_d <= 128 else 8), num_stages=tuning.get("num_stages", 2 if lean else 3),
-    )  # fmt: skip
+        (splits, kv_heads, batch),
+        q,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k_cache,
+        v_cache,
+        stride_page,
+        stride_head,
+        stride_token,
+        table,
+        table.stride(0),
+        lengths,
+        out,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        o,
+        o_sb,
+        o_ss,
+        o_sh,
+        lse,
+        l_sb,
+        l_ss,
+        l_sh,
+        scale * LOG2_E * k_scale,
+        chunk_pages,
+        sink if sink is not None else lengths,
+        v_scale,
+        GROUP=group,
+        S_Q=s_q,
+        BLOCK_R=block_r,
+        HEAD_DIM=dim,
+        BLOCK_D=block_d,
+        PAGE=page,
+        BLOCK_N=page * pages_per_step,
+        SPLIT=splits > 1,
+        HAS_SINK=sink is not None,
+        KV_FP8=kv_fp8,
+        num_warps=tuning.get("num_warps", 4 if block_d <= 128 else 8),
+        num_stages=tuning.get("num_stages", 2 if lean else 3),
+    )
     if splits > 1:
         parts = o.unflatten(2, (heads, s_q)), lse.unflatten(2, (heads, s_q))
         merge_checked([parts], out)
@@ -154,12 +190,46 @@ def _kernels() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def decode(q_ptr, q_sb, q_sh, q_st, k_ptr, v_ptr, c_sn, c_sh, c_st, table_ptr, t_sb, len_ptr,
-               out_ptr, out_sb, out_sh, out_st, o_ptr, o_sb, o_ss, o_sh, lse_ptr, l_sb, l_ss, l_sh,
-               scale_log2, chunk_pages, sink_ptr, v_scale,
-               GROUP: tl.constexpr, S_Q: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-               HAS_SINK: tl.constexpr, KV_FP8: tl.constexpr):  # fmt: skip
+    def decode(
+        q_ptr,
+        q_sb,
+        q_sh,
+        q_st,
+        k_ptr,
+        v_ptr,
+        c_sn,
+        c_sh,
+        c_st,
+        table_ptr,
+        t_sb,
+        len_ptr,
+        out_ptr,
+        out_sb,
+        out_sh,
+        out_st,
+        o_ptr,
+        o_sb,
+        o_ss,
+        o_sh,
+        lse_ptr,
+        l_sb,
+        l_ss,
+        l_sh,
+        scale_log2,
+        chunk_pages,
+        sink_ptr,
+        v_scale,
+        GROUP: tl.constexpr,
+        S_Q: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        PAGE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLIT: tl.constexpr,
+        HAS_SINK: tl.constexpr,
+        KV_FP8: tl.constexpr,
+    ):
         split = tl.program_id(0)
         kv_head = tl.program_id(1)
         b = tl.program_id(2).to(tl.int64)
@@ -169,8 +239,11 @@ def _kernels() -> Any:
         live = r < GROUP * S_Q
         heads = kv_head * GROUP + r // S_Q
         t = r % S_Q
-        q = tl.load(q_ptr + b * q_sb + (heads * q_sh + t * q_st)[:, None] + d[None, :],
-                    mask=live[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
+        q = tl.load(
+            q_ptr + b * q_sb + (heads * q_sh + t * q_st)[:, None] + d[None, :],
+            mask=live[:, None] & (d < HEAD_DIM)[None, :],
+            other=0.0,
+        )
         length = tl.load(len_ptr + b)
         start = split * chunk_pages * PAGE
         end = tl.minimum(length, start + chunk_pages * PAGE)
@@ -218,8 +291,9 @@ def _kernels() -> Any:
             flat = kv_head * (GROUP * S_Q) + r  # the row's index in [H_q * S_q]: head-major
             o_ptrs = o_ptr + b * o_sb + split * o_ss + flat[:, None] * o_sh + d[None, :]
             tl.store(o_ptrs, result, mask=live[:, None] & (d < HEAD_DIM)[None, :])
-            lse = tl.where(total > 0, (m + tl.log2(tl.where(total > 0, total, 1.0))) * 0.6931471805599453,
-                           float("-inf"))  # fmt: skip
+            lse = tl.where(
+                total > 0, (m + tl.log2(tl.where(total > 0, total, 1.0))) * 0.6931471805599453, float("-inf")
+            )
             tl.store(lse_ptr + b * l_sb + split * l_ss + flat * l_sh, lse, mask=live)
         else:
             out_ptrs = out_ptr + b * out_sb + (heads * out_sh + t * out_st)[:, None] + d[None, :]

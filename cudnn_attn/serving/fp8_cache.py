@@ -34,20 +34,23 @@ def check_scales(fp8: bool, k_scale: Any, v_scale: Any) -> tuple[float, float]:
     for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             kind = "a tensor" if isinstance(value, torch.Tensor) else type(value).__name__
-            problems.append(f"{name}: {kind}; expected a float (FlashInfer's and vLLM's convention: a tensor "
-                            "would cost a host sync per layer)")  # fmt: skip
+            problems.append(
+                f"{name}: {kind}; expected a float (FlashInfer's and vLLM's convention: a tensor "
+                "would cost a host sync per layer)"
+            )
         elif not math.isfinite(value) or value <= 0:
             problems.append(f"{name}: {value!r}; expected a finite float > 0")
         elif value != 1.0 and not fp8:
-            problems.append(f"{name}: {value!r}; scales apply to FP8 caches (kv_dtype=torch.float8_e4m3fn or "
-                            "float8_e5m2), and these are 16-bit")  # fmt: skip
+            problems.append(
+                f"{name}: {value!r}; scales apply to FP8 caches (kv_dtype=torch.float8_e4m3fn or "
+                "float8_e5m2), and these are 16-bit"
+            )
     if problems:
         raise ValidationError(problems, context="PagedAttention.run")
     return float(k_scale), float(v_scale)
 
 
-def dequantised_pages(cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype,
-                      scale: float) -> torch.Tensor:  # fmt: skip
+def dequantised_pages(cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     """The pages ``table`` names, in its order (row by row), as ``dtype`` real values."""
     return dequantised(cache.index_select(0, table.reshape(-1).to(torch.long)), dtype, scale)
 

@@ -47,10 +47,11 @@ from ..log import logger as log
 from ..runtime.keyed import KeyedCache
 from ..runtime.prepared import PreparedRun, prepare
 from . import schedule as paged_schedule
+from . import warming
 from .fp8_cache import UNIT_SCALES, check_scales, compact_table, dequantised, dequantised_pages, is_fp8
-from .paged_checks import MAX_QUERY_TOKENS, check_plan, check_run, unread_slots_zeroed
+from .paged_checks import check_plan, check_run, unread_slots_zeroed
 from .schedule import Schedule
-from .step import Step, StepBuffers, StepTables, bucket, canonical_device, geometry
+from .step import Step, StepBuffers, StepTables, canonical_device, geometry
 
 LAYOUTS = ("NHPD", "NPHD")
 MAX_RUNS = 256  # the prepared runs one instance keeps: a few per layer geometry
@@ -138,8 +139,13 @@ class PagedAttention:
     ):
         problems = []
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                            ("page_size", page_size), ("head_dim_v", head_dim_v)):  # fmt: skip
+        for name, value in (
+            ("num_q_heads", num_q_heads),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("page_size", page_size),
+            ("head_dim_v", head_dim_v),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name}: {value!r}; must be an int >= 1")
         if not problems and num_q_heads % num_kv_heads:
@@ -161,12 +167,21 @@ class PagedAttention:
         if problems:
             raise ValidationError(problems, context="PagedAttention")
         if is_fp8(kv_dtype) and head_dim_v != head_dim:
-            raise UnsupportedError([f"kv_dtype: {kv_dtype} with head dims {head_dim}/{head_dim_v}: FP8 caches are "
-                                    "read by the decode kernel of one head dim for K and V; MLA's latent kernels "
-                                    "and cuDNN's paged attention read 16-bit caches"],
-                                   context="PagedAttention", alternatives=[f"kv_dtype=None ({dtype})"])  # fmt: skip
-        self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size = (num_q_heads, num_kv_heads, head_dim,
-                                                                              page_size)  # fmt: skip
+            raise UnsupportedError(
+                [
+                    f"kv_dtype: {kv_dtype} with head dims {head_dim}/{head_dim_v}: FP8 caches are "
+                    "read by the decode kernel of one head dim for K and V; MLA's latent kernels "
+                    "and cuDNN's paged attention read 16-bit caches"
+                ],
+                context="PagedAttention",
+                alternatives=[f"kv_dtype=None ({dtype})"],
+            )
+        self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size = (
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+        )
         self.dtype, self.kv_layout, self.cuda_graph = dtype, kv_layout, cuda_graph
         self.kv_dtype, self._fp8 = kv_dtype, is_fp8(kv_dtype)
         self.max_batch, self.max_pages_per_seq = max_batch, max_pages_per_seq
@@ -179,9 +194,18 @@ class PagedAttention:
         self._runs = KeyedCache(MAX_RUNS)  # by the problem a plan was built for
         self._fast = KeyedCache(4 * MAX_RUNS)  # by the call's tensor geometry, in front
         self._buffers = StepBuffers(cuda_graph)
-        self._tables = StepTables(num_q_heads, num_kv_heads, head_dim, page_size, buffers=self._buffers,
-                                  splits=splits, pack=pack, kernel=decode_kernel, head_dim_v=head_dim_v,
-                                  fp8_caches=is_fp8(kv_dtype))  # fmt: skip
+        self._tables = StepTables(
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            buffers=self._buffers,
+            splits=splits,
+            pack=pack,
+            kernel=decode_kernel,
+            head_dim_v=head_dim_v,
+            fp8_caches=is_fp8(kv_dtype),
+        )
         self.schedule: Schedule | None = None
         self.plans = 0
 
@@ -249,48 +273,24 @@ class PagedAttention:
             sources = attn.warm(num_pages=64, s_q=(1, 4))
             ```
         """
-        problems = []
-        if self.max_batch is None or self.max_pages_per_seq is None:
-            problems.append("max_batch: warm() needs max_batch and max_pages_per_seq (the step geometry to plan for)")
-        for name, values in (("s_q", s_q), ("prefill_tokens", prefill_tokens)):
-            if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in values):
-                problems.append(f"{name}: {values!r}; expected ints >= 1")
-        if any(n > MAX_QUERY_TOKENS for n in s_q if isinstance(n, int)):
-            problems.append(f"s_q: {s_q!r}; decode takes 1..{MAX_QUERY_TOKENS} query tokens")
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
-            problems.append(f"num_pages: {num_pages!r}; must be an int >= 1")
-        if problems:
-            raise ValidationError(problems, context="PagedAttention.warm")
-        assert self.max_batch is not None and self.max_pages_per_seq is not None
-        device = self.device or canonical_device("cuda" if torch.cuda.is_available() else "cpu")
-        rows, width, page = self.max_batch, self.max_pages_per_seq, self.page_size
-        k_cache, v_cache = (
-            torch.zeros((num_pages, self.num_kv_heads, page, dim) if self.kv_layout == "NHPD"
-                        else (num_pages, page, self.num_kv_heads, dim), dtype=self.kv_dtype, device=device)
-            for dim in (self.head_dim, self.head_dim_v)
-        )  # fmt: skip
-        table = (torch.arange(rows * width, dtype=torch.int32, device=device) % num_pages).view(rows, width)
-        lengths = torch.full((rows,), width * page, dtype=torch.int32, device=device)
-        self.plan(table, lengths)
-        for tokens in s_q:
-            self.run(torch.zeros(rows, self.num_q_heads, tokens, self.head_dim, dtype=self.dtype, device=device),
-                     k_cache, v_cache)  # fmt: skip
-        for tokens in prefill_tokens:
-            q = torch.zeros(tokens, self.num_q_heads, self.head_dim, dtype=self.dtype, device=device)
-            most = min(tokens, width * page)  # without cuda_graph, each chunk bucket up to it is a plan
-            buckets = {bucket(1 << b) for b in range(most.bit_length() + 1)} if not self.cuda_graph else set()
-            for chunk in sorted({min(size, most) for size in buckets} | {most}):
-                q_lens = torch.zeros(rows, dtype=torch.int32)
-                q_lens[: tokens // chunk] = chunk
-                self.plan(table, lengths, q_lens=q_lens)
-                self.run(q, k_cache, v_cache)
+        warming.check(self, num_pages, s_q, prefill_tokens)
+        warming.run_steps(self, num_pages, s_q, prefill_tokens)
         self._tables.step = None
         return [getattr(run.plan, "source", "reference") for run in self._runs.values()]
 
     # ---- run: per layer -----------------------------------------------------------------------
 
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None = None, *,
-            sinks: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:  # fmt: skip
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor | None = None,
+        *,
+        sinks: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:
         """Attention for one layer of the planned step.
 
         No host sync, and no allocation when ``out`` is given: safe to capture in a CUDA graph.
@@ -318,8 +318,10 @@ class PagedAttention:
         """
         step = self._tables.step
         if step is None:
-            raise ValidationError(["plan: run() before any plan(); call plan(page_table, seq_lens_kv) each step"],
-                                  context="PagedAttention.run")  # fmt: skip
+            raise ValidationError(
+                ["plan: run() before any plan(); call plan(page_table, seq_lens_kv) each step"],
+                context="PagedAttention.run",
+            )
         check_run(self, q, k_cache, v_cache, out, step)
         fp8 = self._fp8
         # The defaults, as every 16-bit step passes them, skip the checks: run() is per layer.
@@ -349,21 +351,35 @@ class PagedAttention:
             return self._returned(result, q, out)
         if fp8:  # cuDNN's paged calls read 16-bit caches
             if q.is_cuda:
-                raise UnsupportedError([f"k_cache: {self.kv_dtype} caches decode through the Triton kernel, which "
-                                        f"does not run this step (decode_kernel={self._tables.kernel!r}, page "
-                                        f"{self.page_size}, head dim {self.head_dim}); cuDNN's paged attention "
-                                        "reads 16-bit caches"],
-                                       context="PagedAttention.run",
-                                       alternatives=["decode_kernel=None", "a power-of-two page of 16-256 tokens",
-                                                     f"kv_dtype=None ({self.dtype})"])  # fmt: skip
+                raise UnsupportedError(
+                    [
+                        f"k_cache: {self.kv_dtype} caches decode through the Triton kernel, which "
+                        f"does not run this step (decode_kernel={self._tables.kernel!r}, page "
+                        f"{self.page_size}, head dim {self.head_dim}); cuDNN's paged attention "
+                        "reads 16-bit caches"
+                    ],
+                    context="PagedAttention.run",
+                    alternatives=[
+                        "decode_kernel=None",
+                        "a power-of-two page of 16-256 tokens",
+                        f"kv_dtype=None ({self.dtype})",
+                    ],
+                )
             log.debug("PagedAttention.run: FP8 caches dequantised whole for the reference backend's decode")
             k_cache, v_cache = (dequantised(c, self.dtype, sc) for c, sc in zip((k_cache, v_cache), scales))
         parts = []
         body_q = self._body_query(q_full, schedule)
         # With sinks every path keeps its log-sum-exp, and the sink is folded in from it after.
-        body = self._run_part("body", body_q, k_cache, v_cache, derived, schedule,
-                              stats=schedule.merged or sink is not None,
-                              out=None if schedule.merged else self._unpacked_view(result, schedule))  # fmt: skip
+        body = self._run_part(
+            "body",
+            body_q,
+            k_cache,
+            v_cache,
+            derived,
+            schedule,
+            stats=schedule.merged or sink is not None,
+            out=None if schedule.merged else self._unpacked_view(result, schedule),
+        )
         lse = None
         if schedule.merged:
             o, stats = body
@@ -389,31 +405,73 @@ class PagedAttention:
             return out
         return result[: q.shape[0]] if result.shape[0] != q.shape[0] else result
 
-    def _run_triton(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, derived: dict[str, Any],
-                    schedule: Schedule, result: torch.Tensor, sink: torch.Tensor | None,
-                    scales: tuple[float, float]) -> None:  # fmt: skip
+    def _run_triton(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        derived: dict[str, Any],
+        schedule: Schedule,
+        result: torch.Tensor,
+        sink: torch.Tensor | None,
+        scales: tuple[float, float],
+    ) -> None:
         rows, s_q, splits = q.shape[0], q.shape[2], schedule.splits
         partial_o = partial_lse = None
         if splits > 1:  # persistent: a captured step writes and merges the same buffers
             name = f"@{s_q},{splits}"  # a geometry's own: a captured step keeps its pointers
-            partial_o = self._buffers.scratch(f"decode_o{name}", (rows, splits, self.num_q_heads * s_q,
-                                                                  self.head_dim_v), torch.float32, q.device)  # fmt: skip
-            partial_lse = self._buffers.scratch(f"decode_lse{name}", (rows, splits, self.num_q_heads * s_q),
-                                                torch.float32, q.device)  # fmt: skip
+            partial_o = self._buffers.scratch(
+                f"decode_o{name}", (rows, splits, self.num_q_heads * s_q, self.head_dim_v), torch.float32, q.device
+            )
+            partial_lse = self._buffers.scratch(
+                f"decode_lse{name}", (rows, splits, self.num_q_heads * s_q), torch.float32, q.device
+            )
         if self.head_dim_v != self.head_dim:  # MLA: one latent head for every query head
-            mla_decode.mla_decode(q, k_cache, v_cache, derived["table"], self._buffers["lengths"], result,
-                                  head_dim_v=self.head_dim_v, scale=self.scale, kv_layout=self.kv_layout,
-                                  splits=splits, chunk_pages=schedule.chunk_pages, partial_o=partial_o,
-                                  partial_lse=partial_lse, sink=None if sink is None else sink.view(-1))  # fmt: skip
+            mla_decode.mla_decode(
+                q,
+                k_cache,
+                v_cache,
+                derived["table"],
+                self._buffers["lengths"],
+                result,
+                head_dim_v=self.head_dim_v,
+                scale=self.scale,
+                kv_layout=self.kv_layout,
+                splits=splits,
+                chunk_pages=schedule.chunk_pages,
+                partial_o=partial_o,
+                partial_lse=partial_lse,
+                sink=None if sink is None else sink.view(-1),
+            )
             return
-        paged_decode.paged_decode(q, k_cache, v_cache, derived["table"], self._buffers["lengths"], result,
-                                  scale=self.scale, kv_layout=self.kv_layout, splits=splits,
-                                  chunk_pages=schedule.chunk_pages, partial_o=partial_o, partial_lse=partial_lse,
-                                  sink=None if sink is None else sink.view(-1), k_scale=scales[0],
-                                  v_scale=scales[1])  # fmt: skip
+        paged_decode.paged_decode(
+            q,
+            k_cache,
+            v_cache,
+            derived["table"],
+            self._buffers["lengths"],
+            result,
+            scale=self.scale,
+            kv_layout=self.kv_layout,
+            splits=splits,
+            chunk_pages=schedule.chunk_pages,
+            partial_o=partial_o,
+            partial_lse=partial_lse,
+            sink=None if sink is None else sink.view(-1),
+            k_scale=scales[0],
+            v_scale=scales[1],
+        )
 
-    def _run_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None,
-                     step: Step, sink: torch.Tensor | None, fp8_scales: tuple[float, float] | None) -> torch.Tensor:  # fmt: skip
+    def _run_prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor | None,
+        step: Step,
+        sink: torch.Tensor | None,
+        fp8_scales: tuple[float, float] | None,
+    ) -> torch.Tensor:
         """Chunked prefill: packed queries, bottom-right causal per sequence, one ragged call.
         Prefill chunks bring query rows enough to fill the GPU: no split, no packing. FP8
         caches (``fp8_scales``) are read through a compact 16-bit copy of the step's pages."""
@@ -426,11 +484,19 @@ class PagedAttention:
             result = torch.empty(*q.shape[:-1], self.head_dim_v, dtype=q.dtype, device=q.device)
         table, lengths, q_lengths = derived["table"], self._buffers["lengths"], derived["q_lengths"]
         if fp8_scales is not None:
-            k_cache, v_cache = (dequantised_pages(c, table, self.dtype, sc) for c, sc in zip((k_cache, v_cache),
-                                                                                              fp8_scales))  # fmt: skip
+            k_cache, v_cache = (
+                dequantised_pages(c, table, self.dtype, sc) for c, sc in zip((k_cache, v_cache), fp8_scales)
+            )
             table = compact_table(table)
-        inputs = {"q": q, "k": k_cache, "v": v_cache, "page_table_k": table, "page_table_v": table,
-                  "seq_len_q": q_lengths, "seq_len_kv": lengths}  # fmt: skip
+        inputs = {
+            "q": q,
+            "k": k_cache,
+            "v": v_cache,
+            "page_table_k": table,
+            "page_table_v": table,
+            "seq_len_q": q_lengths,
+            "seq_len_kv": lengths,
+        }
         if sink is not None:  # cuDNN takes sinks with packed queries, from two query tokens up
             inputs["sink_token"] = sink
             longest = max(longest, 2)
@@ -465,11 +531,27 @@ class PagedAttention:
         shape = (rows, splits, self.num_q_heads, schedule.s_q)
         return o.view(*shape, self.head_dim_v), stats.view(*shape)
 
-    def _run_part(self, part: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  derived: dict[str, Any], schedule: Schedule, stats: bool, out: torch.Tensor | None = None) -> Any:  # fmt: skip
+    def _run_part(
+        self,
+        part: str,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        derived: dict[str, Any],
+        schedule: Schedule,
+        stats: bool,
+        out: torch.Tensor | None = None,
+    ) -> Any:
         table = derived[f"{part}_table"]
-        inputs = {"q": q, "k": k_cache, "v": v_cache, "page_table_k": table, "page_table_v": table,
-                  "seq_len_q": derived[f"{part}_q_lengths"], "seq_len_kv": derived[f"{part}_lengths"]}  # fmt: skip
+        inputs = {
+            "q": q,
+            "k": k_cache,
+            "v": v_cache,
+            "page_table_k": table,
+            "page_table_v": table,
+            "seq_len_q": derived[f"{part}_q_lengths"],
+            "seq_len_kv": derived[f"{part}_lengths"],
+        }
         o = out if out is not None else torch.empty(*q.shape[:-1], self.head_dim_v, dtype=q.dtype, device=q.device)
         outputs = {"o": o}
         if stats:
@@ -477,8 +559,14 @@ class PagedAttention:
         self._paged_sdpa(inputs, outputs, causal=part == "tail")
         return (o, outputs["stats"]) if stats else o
 
-    def _paged_sdpa(self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor], *, causal: bool,
-                    max_seq_len_q: int | None = None) -> None:  # fmt: skip
+    def _paged_sdpa(
+        self,
+        inputs: dict[str, torch.Tensor],
+        outputs: dict[str, torch.Tensor],
+        *,
+        causal: bool,
+        max_seq_len_q: int | None = None,
+    ) -> None:
         """One paged forward: ``inputs`` and ``outputs`` by role, bottom-right ``causal`` or not.
         Its problem is these tensors' geometry, the outputs' own strides included; the run
         prepared for it serves every call of that problem (a packed q's token count aside: the
@@ -491,25 +579,36 @@ class PagedAttention:
             run = self._fast.put(fast, self._prepared_run(inputs, outputs, causal, max_seq_len_q))
         run.run(inputs, outputs)
 
-    def _prepared_run(self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor], causal: bool,
-                      max_seq_len_q: int | None) -> PreparedRun:  # fmt: skip
+    def _prepared_run(
+        self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor], causal: bool, max_seq_len_q: int | None
+    ) -> PreparedRun:
         """The run of these tensors' problem (one per plan: a packed q's token count aside)."""
         spec = TensorSpec.of
-        options = ScoreOptions(attn_scale=self.scale, causal=Causal.BOTTOM_RIGHT if causal else Causal.NONE,
-                               padding=True)  # fmt: skip
+        options = ScoreOptions(
+            attn_scale=self.scale, causal=Causal.BOTTOM_RIGHT if causal else Causal.NONE, padding=True
+        )
         problem = forward_problem(
-            spec(inputs["q"]), spec(inputs["k"]), spec(inputs["v"]), options, stats="stats" in outputs,
-            seq_len_q=spec(inputs["seq_len_q"]), seq_len_kv=spec(inputs["seq_len_kv"]), max_seq_len_q=max_seq_len_q,
-            max_seq_len_kv=inputs["page_table_k"].shape[1] * self.page_size, page_table_k=spec(inputs["page_table_k"]),
-            page_table_v=spec(inputs["page_table_v"]), kv_cache_layout=KVCacheLayout(self.kv_layout),
+            spec(inputs["q"]),
+            spec(inputs["k"]),
+            spec(inputs["v"]),
+            options,
+            stats="stats" in outputs,
+            seq_len_q=spec(inputs["seq_len_q"]),
+            seq_len_kv=spec(inputs["seq_len_kv"]),
+            max_seq_len_q=max_seq_len_q,
+            max_seq_len_kv=inputs["page_table_k"].shape[1] * self.page_size,
+            page_table_k=spec(inputs["page_table_k"]),
+            page_table_v=spec(inputs["page_table_v"]),
+            kv_cache_layout=KVCacheLayout(self.kv_layout),
             sink_token=spec(inputs["sink_token"]) if "sink_token" in inputs else None,
-        )  # fmt: skip
+        )
         o, stats = spec(outputs["o"]), spec(outputs["stats"]) if "stats" in outputs else None
         if problem.o != o or problem.stats != stats:  # the outputs given are laid out otherwise
             problem = problem.replace(o=o, stats=stats)
         key = problem.for_plan()
         run = self._runs.get(key)
         if run is None:  # values checked once, as a plan's first build does
-            run = self._runs.put(key, prepare(problem, autotune=self._autotune, values=inputs,
-                                              context="PagedAttention"))  # fmt: skip
+            run = self._runs.put(
+                key, prepare(problem, autotune=self._autotune, values=inputs, context="PagedAttention")
+            )
         return run

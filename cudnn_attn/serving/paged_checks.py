@@ -49,12 +49,16 @@ def check_plan(attn: Any, page_table: Any, seq_lens_kv: Any, q_lens: Any) -> tor
         bad = (seq_lens_kv < 0) | (seq_lens_kv > limit)  # 0: an empty slot, whose output is zeros
         if bad.any():
             at = int(torch.nonzero(bad)[0])
-            problems.append(f"seq_lens_kv: sequence {at} has length {int(seq_lens_kv[at])}; allowed 0..{limit} "
-                            f"({pages} pages of {attn.page_size})")  # fmt: skip
+            problems.append(
+                f"seq_lens_kv: sequence {at} has length {int(seq_lens_kv[at])}; allowed 0..{limit} "
+                f"({pages} pages of {attn.page_size})"
+            )
         elif q_lens is not None and not q_lens.is_cuda and ((q_lens < 0) | (q_lens > seq_lens_kv)).any():
             at = int(torch.nonzero((q_lens < 0) | (q_lens > seq_lens_kv))[0])
-            problems.append(f"q_lens: sequence {at} has {int(q_lens[at])} new tokens; allowed 0..seq_lens_kv[{at}]="
-                            f"{int(seq_lens_kv[at])} (the new tokens are the last of its cache)")  # fmt: skip
+            problems.append(
+                f"q_lens: sequence {at} has {int(q_lens[at])} new tokens; allowed 0..seq_lens_kv[{at}]="
+                f"{int(seq_lens_kv[at])} (the new tokens are the last of its cache)"
+            )
     if problems:
         raise ValidationError(problems, context="PagedAttention.plan")
     return device
@@ -82,8 +86,11 @@ def check_run(attn: Any, q: Any, k_cache: Any, v_cache: Any, out: Any, step: Ste
     q_rank = 3 if step.prefill else 4
     for name, t, rank in (("q", q, q_rank), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
         if not isinstance(t, torch.Tensor) or t.dim() != rank:
-            form = ("a packed [T, H_q, D] tensor (the step was planned with q_lens)" if name == "q" and rank == 3
-                    else "a 4-D tensor")  # fmt: skip
+            form = (
+                "a packed [T, H_q, D] tensor (the step was planned with q_lens)"
+                if name == "q" and rank == 3
+                else "a 4-D tensor"
+            )
             problems.append(f"{name}: expected {form}, got {getattr(t, 'shape', type(t).__name__)}")
         elif t.dtype != (attn.dtype if name == "q" else attn.kv_dtype):
             wanted = attn.dtype if name == "q" else attn.kv_dtype
@@ -110,19 +117,26 @@ def check_run(attn: Any, q: Any, k_cache: Any, v_cache: Any, out: Any, step: Ste
         if not 1 <= s_q <= MAX_QUERY_TOKENS:
             problems.append(f"q: {s_q} query tokens per sequence; allowed 1..{MAX_QUERY_TOKENS}")
     for name, t, dim in (("k_cache", k_cache, attn.head_dim), ("v_cache", v_cache, attn.head_dim_v)):
-        expected = ([None, attn.num_kv_heads, attn.page_size, dim] if attn.kv_layout == "NHPD"
-                    else [None, attn.page_size, attn.num_kv_heads, dim])  # fmt: skip
+        expected = (
+            [None, attn.num_kv_heads, attn.page_size, dim]
+            if attn.kv_layout == "NHPD"
+            else [None, attn.page_size, attn.num_kv_heads, dim]
+        )
         if list(t.shape[1:]) != expected[1:]:
-            problems.append(f"{name}: shape {list(t.shape)}; expected [num_pages, {', '.join(map(str, expected[1:]))}] "
-                            f"({attn.kv_layout})")  # fmt: skip
+            problems.append(
+                f"{name}: shape {list(t.shape)}; expected [num_pages, {', '.join(map(str, expected[1:]))}] "
+                f"({attn.kv_layout})"
+            )
     if v_cache.shape[0] != k_cache.shape[0]:
         problems.append(f"v_cache: {v_cache.shape[0]} pages, k_cache has {k_cache.shape[0]}")
     largest = step.largest_page
     if largest is not None and largest[0] >= k_cache.shape[0]:
         page, row, entry = largest
         pages = k_cache.shape[0]
-        problems.append(f"page_table: sequence {row}, entry {entry} is page {page}; the cache has {pages} "
-                        f"page{'s' if pages != 1 else ''}")  # fmt: skip
+        problems.append(
+            f"page_table: sequence {row}, entry {entry} is page {page}; the cache has {pages} "
+            f"page{'s' if pages != 1 else ''}"
+        )
     shape = [*q.shape[:-1], attn.head_dim_v]
     if out is not None and (not isinstance(out, torch.Tensor) or list(out.shape) != shape or out.dtype != q.dtype):
         problems.append(f"out: expected a {q.dtype} tensor of shape {shape}")

@@ -87,8 +87,13 @@ def choose(
     if kernel is None:  # measured faster than cuDNN's calls at every shape of ``bench --serving``
         kernel = "triton" if triton and packs else "cudnn"
     elif kernel == "triton" and not packs:
-        log.debug("decode_kernel='triton': %d query heads per K/V head by %d tokens exceed its tile of %d rows; "
-                  "this step runs cuDNN's calls", num_q_heads // num_kv_heads, s_q, paged_decode.MAX_ROWS)  # fmt: skip
+        log.debug(
+            "decode_kernel='triton': %d query heads per K/V head by %d tokens exceed its tile of %d rows; "
+            "this step runs cuDNN's calls",
+            num_q_heads // num_kv_heads,
+            s_q,
+            paged_decode.MAX_ROWS,
+        )
         kernel = "cudnn"
     if kernel == "triton":  # one kernel packs the group and tokens, splits the keys and masks itself
         if splits is None:
@@ -97,8 +102,15 @@ def choose(
                 splits = min(MAX_SPLITS, 2 * splits)
         splits = max(1, min(int(splits), pages_per_seq))
         chunk_pages = math.ceil(pages_per_seq / splits)
-        return Schedule(batch=batch, s_q=s_q, splits=math.ceil(pages_per_seq / chunk_pages), chunk_pages=chunk_pages,
-                        packed=True, tail=False, kernel="triton")  # fmt: skip
+        return Schedule(
+            batch=batch,
+            s_q=s_q,
+            splits=math.ceil(pages_per_seq / chunk_pages),
+            chunk_pages=chunk_pages,
+            packed=True,
+            tail=False,
+            kernel="triton",
+        )
     # Measured on an H200 (``cudnn-attn bench --serving``, CUDA-graph replay): with one query
     # token cuDNN's own paged decode beat every split and packing of cuDNN calls tried (it
     # spreads a sequence over the GPU itself), so its single-token decode runs plain unless
@@ -112,12 +124,22 @@ def choose(
     splits = max(1, min(int(splits), pages_per_seq))
     chunk_pages = math.ceil(pages_per_seq / splits)
     splits = math.ceil(pages_per_seq / chunk_pages)  # no empty trailing chunk
-    return Schedule(batch=batch, s_q=s_q, splits=splits, chunk_pages=chunk_pages, packed=packed, tail=s_q > 1,
-                    kernel=kernel)  # fmt: skip
+    return Schedule(
+        batch=batch, s_q=s_q, splits=splits, chunk_pages=chunk_pages, packed=packed, tail=s_q > 1, kernel=kernel
+    )
 
 
-def _mla(batch: int, pages_per_seq: int, heads: int, s_q: int, splits: int | None, kernel: str | None,
-         sm_count: int, triton: bool, hopper: bool) -> Schedule:  # fmt: skip
+def _mla(
+    batch: int,
+    pages_per_seq: int,
+    heads: int,
+    s_q: int,
+    splits: int | None,
+    kernel: str | None,
+    sm_count: int,
+    triton: bool,
+    hopper: bool,
+) -> Schedule:
     """MLA decode: our kernel (``mla_decode.py``; on Hopper the warp-specialised one) with enough
     chunks per sequence for one wave of blocks of 64 heads (on an H100 one wave beat 2-4 waves
     and half a wave at every shape of ``bench --mla``). Measured there (CUDA-graph replay, d
@@ -133,18 +155,33 @@ def _mla(batch: int, pages_per_seq: int, heads: int, s_q: int, splits: int | Non
     if kernel == "cudnn":
         wanted = 1 if splits is None else max(1, min(int(splits), pages_per_seq))
         chunk = math.ceil(pages_per_seq / wanted)
-        return Schedule(batch=batch, s_q=s_q, splits=math.ceil(pages_per_seq / chunk), chunk_pages=chunk,
-                        packed=False, tail=s_q > 1, kernel="cudnn")  # fmt: skip
+        return Schedule(
+            batch=batch,
+            s_q=s_q,
+            splits=math.ceil(pages_per_seq / chunk),
+            chunk_pages=chunk,
+            packed=False,
+            tail=s_q > 1,
+            kernel="cudnn",
+        )
     if splits is None:
         splits = max(1, sm_count // (batch * math.ceil(heads / 64)))
     splits = max(1, min(int(splits), pages_per_seq))
     chunk = math.ceil(pages_per_seq / splits)
-    return Schedule(batch=batch, s_q=s_q, splits=math.ceil(pages_per_seq / chunk), chunk_pages=chunk, packed=True,
-                    tail=False, kernel="triton")  # fmt: skip
+    return Schedule(
+        batch=batch,
+        s_q=s_q,
+        splits=math.ceil(pages_per_seq / chunk),
+        chunk_pages=chunk,
+        packed=True,
+        tail=False,
+        kernel="triton",
+    )
 
 
-def _splits(blocks: int, pages_per_seq: int, page_size: int, sm_count: int,
-            min_chunk_tokens: int = MIN_CHUNK_TOKENS) -> int:  # fmt: skip
+def _splits(
+    blocks: int, pages_per_seq: int, page_size: int, sm_count: int, min_chunk_tokens: int = MIN_CHUNK_TOKENS
+) -> int:
     """Chunks per sequence: a power of two bringing ``blocks`` near ``TARGET_BLOCKS`` (scaled to
     this GPU's SMs), no chunk under ``min_chunk_tokens``."""
     longest_split = max(1, pages_per_seq * page_size // min_chunk_tokens)

@@ -88,11 +88,26 @@ class StepTables:
     prefill ``("prefill", tokens, longest, num_pages)``. ``splits``, ``pack``, ``kernel``: the
     layout forced (None: ``paged_schedule.choose`` picks it per geometry)."""
 
-    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *, buffers: StepBuffers,
-                 splits: int | None, pack: bool | None, kernel: str | None, head_dim_v: int | None = None,
-                 fp8_caches: bool = False):  # fmt: skip
-        self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size = (num_q_heads, num_kv_heads, head_dim,
-                                                                              page_size)  # fmt: skip
+    def __init__(
+        self,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        *,
+        buffers: StepBuffers,
+        splits: int | None,
+        pack: bool | None,
+        kernel: str | None,
+        head_dim_v: int | None = None,
+        fp8_caches: bool = False,
+    ):
+        self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size = (
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+        )
         self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
         self.buffers, self.cuda_graph = buffers, buffers.cuda_graph
         self.splits, self.pack, self.kernel = splits, pack, kernel
@@ -100,8 +115,15 @@ class StepTables:
         self.step: Step | None = None  # the planned step
         self._derived: dict[tuple, dict[str, Any]] = {}  # per geometry: the step's derived inputs
 
-    def plan(self, page_table: torch.Tensor, seq_lens_kv: torch.Tensor, q_lens: torch.Tensor | None,
-             device: torch.device, rows: int, width: int) -> None:  # fmt: skip
+    def plan(
+        self,
+        page_table: torch.Tensor,
+        seq_lens_kv: torch.Tensor,
+        q_lens: torch.Tensor | None,
+        device: torch.device,
+        rows: int,
+        width: int,
+    ) -> None:
         """Make a checked step ``step``: copied into the buffers (``rows`` by ``width`` pages),
         lengths clamped on the device, and every layer geometry of its kind run before derived."""
         batch, pages = page_table.shape
@@ -115,8 +137,7 @@ class StepTables:
         if q_lens is not None:
             query_lengths = self.buffers.buffer("q_lens", (rows,), torch.int32, device)
             query_lengths.zero_()
-            torch.minimum(q_lens.to(device, non_blocking=True).clamp(min=0), lengths[:batch],
-                          out=query_lengths[:batch])  # fmt: skip
+            torch.minimum(q_lens.to(device, non_blocking=True).clamp(min=0), lengths[:batch], out=query_lengths[:batch])
             host = not q_lens.is_cuda  # then the longest chunk and the tokens are known without a sync
             step.longest_q = int(q_lens.max()) if host else None
             step.tokens = int(q_lens.sum()) if host else None
@@ -176,19 +197,34 @@ class StepTables:
         else:
             triton = paged_decode.supported(device, self.page_size, self.head_dim) and self.head_dim_v == self.head_dim
         if self.kernel == "triton" and not triton:
-            raise UnsupportedError(["decode_kernel: 'triton' needs a CUDA device, Triton, a power-of-two page of "
-                                    "16-256 tokens and one head dim for K and V, or MLA's latent (one K/V head, "
-                                    f"powers of two for V and the rope part) (here {device}, page {self.page_size}, "
-                                    f"head dims {self.head_dim}/{self.head_dim_v})"],
-                                   context="PagedAttention", alternatives=["decode_kernel=None or 'cudnn'"])  # fmt: skip
+            raise UnsupportedError(
+                [
+                    "decode_kernel: 'triton' needs a CUDA device, Triton, a power-of-two page of "
+                    "16-256 tokens and one head dim for K and V, or MLA's latent (one K/V head, "
+                    f"powers of two for V and the rope part) (here {device}, page {self.page_size}, "
+                    f"head dims {self.head_dim}/{self.head_dim_v})"
+                ],
+                context="PagedAttention",
+                alternatives=["decode_kernel=None or 'cudnn'"],
+            )
         # Eager, a Triton launch costs the host more than the kernel saves on the GPU (H200: 102
         # against 52 us per run), so it is chosen for captured steps only, unless forced.
         schedule = paged_schedule.choose(
-            rows, width, self.page_size, self.num_q_heads, self.num_kv_heads, s_q, sm_count=sm_count(device),
-            splits=self.splits, pack=self.pack, kernel=self.kernel,
-            triton=triton and (self.cuda_graph or mla or self.fp8_caches), mla=mla, hopper=hopper,
+            rows,
+            width,
+            self.page_size,
+            self.num_q_heads,
+            self.num_kv_heads,
+            s_q,
+            sm_count=sm_count(device),
+            splits=self.splits,
+            pack=self.pack,
+            kernel=self.kernel,
+            triton=triton and (self.cuda_graph or mla or self.fp8_caches),
+            mla=mla,
+            hopper=hopper,
             fp8=self.fp8_caches,
-        )  # fmt: skip
+        )
         page = self.page_size
         if schedule.kernel == "triton":  # the kernel walks the clamped table itself
             table = self.buffers["table"].clamp(0, num_pages - 1)
@@ -205,12 +241,14 @@ class StepTables:
             first_hidden = (lengths - s_q + 1).clamp(min=0)
             body_end = torch.div(first_hidden, page, rounding_mode="floor") * page
             span = paged_schedule.tail_pages(page, s_q)
-            columns = (torch.div(body_end, page, rounding_mode="floor").unsqueeze(1)
-                       + torch.arange(span, device=device)).clamp(max=width - 1)  # fmt: skip
+            columns = (
+                torch.div(body_end, page, rounding_mode="floor").unsqueeze(1) + torch.arange(span, device=device)
+            ).clamp(max=width - 1)
             derived["tail_table"] = store("tail_table", torch.gather(table, 1, columns.long()))
             derived["tail_lengths"] = store("tail_lengths", (lengths - body_end).to(torch.int32))
-            derived["tail_q_lengths"] = store("tail_q_lengths", torch.full((rows,), s_q, dtype=torch.int32,
-                                                                                  device=device))  # fmt: skip
+            derived["tail_q_lengths"] = store(
+                "tail_q_lengths", torch.full((rows,), s_q, dtype=torch.int32, device=device)
+            )
         splits, chunk = schedule.splits, schedule.chunk_pages
         padded = torch.zeros(rows, splits * chunk, dtype=torch.int32, device=device)
         padded[:, :width] = table
@@ -219,8 +257,9 @@ class StepTables:
         chunk_lengths = (body_end.unsqueeze(1) - starts).clamp(0, chunk * page)
         derived["body_lengths"] = store("body_lengths", chunk_lengths.reshape(-1).to(torch.int32))
         body_rows = (self.num_q_heads // self.num_kv_heads) * s_q if schedule.packed else s_q
-        derived["body_q_lengths"] = store("body_q_lengths", torch.full((rows * splits,), body_rows,
-                                                                              dtype=torch.int32, device=device))  # fmt: skip
+        derived["body_q_lengths"] = store(
+            "body_q_lengths", torch.full((rows * splits,), body_rows, dtype=torch.int32, device=device)
+        )
         return derived
 
 

@@ -88,9 +88,14 @@ class Choice:
 
     def as_record(self) -> dict[str, Any]:
         return {
-            "index": self.index, "name": self.name, "engine_id": self.engine_id, "knobs": self.knobs,
-            "tuned": self.tuned, "timings_ms": self.timings_ms, "tuning_seconds": self.tuning_seconds,
-        }  # fmt: skip
+            "index": self.index,
+            "name": self.name,
+            "engine_id": self.engine_id,
+            "knobs": self.knobs,
+            "tuned": self.tuned,
+            "timings_ms": self.timings_ms,
+            "tuning_seconds": self.tuning_seconds,
+        }
 
 
 def engine_and_knobs(graph: Any, index: int) -> tuple[int | None, dict[str, int]]:
@@ -170,9 +175,14 @@ def tune(graph: Any, pack: dict[int, Any], handle: Any, device: torch.device, la
     timings = {names[i]: round(t, 5) for i, t in first.items()}
     timings.update({names[i]: round(t, 5) for i, t in best_ms.items()})
     choice = Choice(
-        index=best, name=names[best], engine_id=engine_id, knobs=knobs, tuned=True,
-        timings_ms=timings, tuning_seconds=time.perf_counter() - started,
-    )  # fmt: skip
+        index=best,
+        name=names[best],
+        engine_id=engine_id,
+        knobs=knobs,
+        tuned=True,
+        timings_ms=timings,
+        tuning_seconds=time.perf_counter() - started,
+    )
     log.debug(  # debug: at info, the plan's own line says "tuned" with the engine and seconds
         "autotune %s: %d candidates in %.2fs; best %s (%.4f ms)",
         label,

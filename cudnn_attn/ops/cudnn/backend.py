@@ -45,8 +45,10 @@ class CudnnBackend:
         try:
             here = platform(cudnn_platform.device_index(problem.device))
         except ModuleNotFoundError as error:  # a CPU install: the frontend comes with the GPU extras
-            return [f"nvidia-cudnn-frontend is not installed ({error}); on a GPU machine install "
-                    'cudnn-attn with the extra of your torch\'s CUDA: pip install "cudnn-attn[cu12]" or "[cu13]"']  # fmt: skip
+            return [
+                f"nvidia-cudnn-frontend is not installed ({error}); on a GPU machine install "
+                'cudnn-attn with the extra of your torch\'s CUDA: pip install "cudnn-attn[cu12]" or "[cu13]"'
+            ]
         except Exception as error:  # the frontend is there but libcudnn is missing or unloadable
             return [f"the cuDNN library cannot be loaded: {str(error).splitlines()[0]}"]
         return capabilities.unsupported_reasons(problem, here)
@@ -196,8 +198,13 @@ class CudnnBackend:
                 str(error).splitlines()[0] if str(error) else error,
             )
             return
-        header = {"problem": signature(plan.problem), "platform": record, "variant": variant, "choice": plan.choice.as_record(),
-                  "describe": plan.problem.describe()}  # fmt: skip
+        header = {
+            "problem": signature(plan.problem),
+            "platform": record,
+            "variant": variant,
+            "choice": plan.choice.as_record(),
+            "describe": plan.problem.describe(),
+        }
         store.save(key, header, blob)
 
 

@@ -121,21 +121,26 @@ def _reasons(p: AttentionProblem, platform: Platform) -> tuple[str, ...]:
         if p.is_forward and p.s_q == 1 and not folded_sink.applies(p):
             # cuDNN 9.19: "decode only mode ... not supported with sink_token"; dense and paged
             # decode add the sink after the run (folded_sink.py), a packed query cannot.
-            reasons.append("sink_token with S_q = 1 and a packed (THD) or offset query: cuDNN's decode kernels "
-                           "take no sink")  # fmt: skip
+            reasons.append(
+                "sink_token with S_q = 1 and a packed (THD) or offset query: cuDNN's decode kernels take no sink"
+            )
         if not p.is_forward and p.grad_sink is not None and p.has_dropout and not folded_sink.applies(p):
             # Measured on an H100 with cuDNN 9.19: dSink comes back scaled by (1 - dropout_p), exactly
             # (dQ, dK, dV right); the gradient is -P_sink * rowsum(dO * O), dropout already inside O.
-            reasons.append("dSink_token with dropout: cuDNN 9.19 returns dSink scaled by (1 - dropout) (measured "
-                           "on an H100); refused")  # fmt: skip
+            reasons.append(
+                "dSink_token with dropout: cuDNN 9.19 returns dSink scaled by (1 - dropout) (measured "
+                "on an H100); refused"
+            )
         if (
             not p.is_forward
             and (p.is_thd or p.offset_tensors)
             and not folded_sink.applies(p)
             and platform.cudnn < RAGGED_SINK_BACKWARD_MIN_CUDNN
         ):
-            reasons.append(f"sink_token in a ragged (THD) backward needs cuDNN >= 9.26 (have {_ver(platform.cudnn)}; "
-                           "older versions read out of bounds, the frontend says)")  # fmt: skip
+            reasons.append(
+                f"sink_token in a ragged (THD) backward needs cuDNN >= 9.26 (have {_ver(platform.cudnn)}; "
+                "older versions read out of bounds, the frontend says)"
+            )
     if p.score_mod is not None:
         reasons += _score_mod_reasons(p, platform)
     if not p.is_forward and p.s_q == 1 and p.s_kv == 1:
@@ -171,16 +176,23 @@ def _mask_reasons(p: AttentionProblem) -> list[str]:
     """Masks cuDNN's attention does not combine (the frontend's support surface refuses them too)."""
     reasons = []
     if p.options.alibi and p.options.causal is not Causal.TOP_LEFT:
-        reasons.append(f"use_alibi_mask without top-left causal (given causal={p.options.causal.value}): cuDNN applies "
-                       "ALiBi only with diagonal_band_right_bound=0 on the top-left diagonal")  # fmt: skip
+        reasons.append(
+            f"use_alibi_mask without top-left causal (given causal={p.options.causal.value}): cuDNN applies "
+            "ALiBi only with diagonal_band_right_bound=0 on the top-left diagonal"
+        )
     # The frontend counts any right bound on the bottom-right diagonal as its bottom-right causal mask.
     right_bound = p.options.causal is not Causal.NONE or p.options.right_bound is not None
     if right_bound and p.options.aligned_bottom_right:
-        for flag, name in ((p.bias is not None, "attn_bias"), (p.options.alibi, "use_alibi_mask"),
-                           (p.has_dropout, "dropout")):  # fmt: skip
+        for flag, name in (
+            (p.bias is not None, "attn_bias"),
+            (p.options.alibi, "use_alibi_mask"),
+            (p.has_dropout, "dropout"),
+        ):
             if flag:
-                reasons.append(f"use_causal_mask_bottom_right with {name}: cuDNN's bottom-right causal mask (a right "
-                               "bound on the bottom-right diagonal) takes no bias, ALiBi or dropout")  # fmt: skip
+                reasons.append(
+                    f"use_causal_mask_bottom_right with {name}: cuDNN's bottom-right causal mask (a right "
+                    "bound on the bottom-right diagonal) takes no bias, ALiBi or dropout"
+                )
     return reasons
 
 
@@ -355,23 +367,31 @@ def _score_mod_reasons(p: AttentionProblem, platform: Platform) -> list[str]:
             # Measured on an H100 with cuDNN 9.19, through the bare frontend too: scores multiplied by a
             # [B, 1, 1, 1] or [B, H, 1, 1] tensor come out wrong (rel err 0.96-0.98); [1, H, 1, 1], and
             # per-row and per-column tensors [1, 1, S, 1] / [1, 1, 1, S], are read right.
-            reasons.append(f"score_mod input {i}: shape {list(spec.shape)}; cuDNN 9.19 misreads score_mod tensors "
-                           "that vary by batch; pass a dense attn_mask beside the modifier instead")  # fmt: skip
+            reasons.append(
+                f"score_mod input {i}: shape {list(spec.shape)}; cuDNN 9.19 misreads score_mod tensors "
+                "that vary by batch; pass a dense attn_mask beside the modifier instead"
+            )
     if p.is_fp8:
         # Measured on an H100 with cuDNN 9.19: sdpa_fp8 with a soft-capping fn builds and runs, but O
         # comes out wrong (rel err 12.5 against the emulation, values saturated). Not measured elsewhere.
-        reasons.append("fn (a score modifier) on FP8 attention: cuDNN 9.19 returns wrong results (measured on an "
-                       "H100: rel err 12 for soft-capping); refused. Use sdpa with score_mod on fp16/bf16 tensors")  # fmt: skip
+        reasons.append(
+            "fn (a score modifier) on FP8 attention: cuDNN 9.19 returns wrong results (measured on an "
+            "H100: rel err 12 for soft-capping); refused. Use sdpa with score_mod on fp16/bf16 tensors"
+        )
     o = p.options
     if o.padding and not (p.score_mod is not None and p.score_mod.keys_in_bounds):
         # Measured on an H100 with cuDNN 9.19: beside a score modifier the sequence lengths bound no
         # key (dense BHSD with seq_len_kv and packed THD alike: O off by 45-64%); the query rows are
         # still bounded. A top-left causal mask inside the modifier over equal lengths needs no bound.
-        reasons.append("score_mod with sequence lengths (padding, packed sequences): cuDNN 9.19 applies no padding "
-                       "mask beside a score modifier, so keys past a sequence's length would be attended (measured "
-                       "on an H100); refused. A dense boolean attn_mask beside the modifier is applied "
-                       "(cudnn_attn.sdpa(softcap=, attn_mask=)), and the reference backend runs it")  # fmt: skip
+        reasons.append(
+            "score_mod with sequence lengths (padding, packed sequences): cuDNN 9.19 applies no padding "
+            "mask beside a score modifier, so keys past a sequence's length would be attended (measured "
+            "on an H100); refused. A dense boolean attn_mask beside the modifier is applied "
+            "(cudnn_attn.sdpa(softcap=, attn_mask=)), and the reference backend runs it"
+        )
     if o.has_band or o.alibi:
-        reasons.append("score_mod with a causal mask, band or ALiBi: cuDNN applies no mask of its own beside a score "
-                       "modifier; write the mask inside score_mod (gen_index, cmp_ge, binary_select)")  # fmt: skip
+        reasons.append(
+            "score_mod with a causal mask, band or ALiBi: cuDNN applies no mask of its own beside a score "
+            "modifier; write the mask inside score_mod (gen_index, cmp_ge, binary_select)"
+        )
     return reasons

@@ -27,8 +27,11 @@ def new_handle(device_index: int) -> Any:
     import cudnn
 
     native = getattr(cudnn, "_pybind_module", None)
-    create, stream_of, wrap = (getattr(native, "create_handle", None), getattr(native, "get_stream", None),
-                               getattr(cudnn, "Handle", None))  # fmt: skip
+    create, stream_of, wrap = (
+        getattr(native, "create_handle", None),
+        getattr(native, "get_stream", None),
+        getattr(cudnn, "Handle", None),
+    )
     if create is None or stream_of is None or not isinstance(wrap, type):
         return cudnn.create_handle()
     raw = create()

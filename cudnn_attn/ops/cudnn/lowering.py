@@ -104,8 +104,9 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) ->
     def caller_offsets(role: str) -> Any:
         """The caller's ragged offsets of ``role``: bound as int64 (core/ragged.clamp_offsets)."""
         name = offset_role(role)
-        return graph.tensor(name=name, dim=[p.batch + 1, 1, 1, 1], stride=[1, 1, 1, 1],
-                            data_type=cudnn.data_type.INT64, uid=UID[name])  # fmt: skip
+        return graph.tensor(
+            name=name, dim=[p.batch + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT64, uid=UID[name]
+        )
 
     def ragged(role: str, spec: TensorSpec) -> dict[str, Any]:
         if not p.is_thd or spec.rank != 3:  # paged caches beside a ragged q are not ragged
@@ -114,8 +115,13 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) ->
         uid = entry.ragged_uid
         assert uid is not None and entry.lengths is not None, f"{role} cannot be ragged"
         lowered.ragged[uid] = (entry.lengths, spec.stride[0])
-        offsets = graph.tensor(name=f"ragged_{role}", dim=[p.batch + 1, 1, 1, 1], stride=[1, 1, 1, 1],
-                               data_type=cudnn.data_type.INT64, uid=uid)  # fmt: skip
+        offsets = graph.tensor(
+            name=f"ragged_{role}",
+            dim=[p.batch + 1, 1, 1, 1],
+            stride=[1, 1, 1, 1],
+            data_type=cudnn.data_type.INT64,
+            uid=uid,
+        )
         return {"ragged_offset": offsets}
 
     def output(handle: Any, role: str, spec: TensorSpec) -> None:
@@ -141,23 +147,39 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) ->
             stride = (
                 p.rng_dump.stride if p.rng_dump is not None else [p.h_q * p.s_q * p.s_kv, p.s_q * p.s_kv, p.s_kv, 1]
             )
-            options["rng_dump"] = graph.tensor(name="rng_dump", dim=[p.batch, p.h_q, p.s_q, p.s_kv], stride=list(stride),
-                                               data_type=cudnn.data_type.FLOAT, uid=UID["rng_dump"])  # fmt: skip
+            options["rng_dump"] = graph.tensor(
+                name="rng_dump",
+                dim=[p.batch, p.h_q, p.s_q, p.s_kv],
+                stride=list(stride),
+                data_type=cudnn.data_type.FLOAT,
+                uid=UID["rng_dump"],
+            )
         amaxes: dict[str, Any] = {}
         sink_after = folded_sink.applies(p)  # the plan folds the sink in after the run, from the stats
         if p.is_fp8:
             if "score_mod" in options:  # sdpa_fp8's name for it
                 options["fn"] = options.pop("score_mod")
             o, stats, *amax_handles = graph.sdpa_fp8(
-                inputs["q"], inputs["k"], inputs["v"], generate_stats=p.generates_stats or sink_after, name="sdpa_fp8",
-                **_scales(FP8_SCALES, tensor, p), **options,
-            )  # fmt: skip
+                inputs["q"],
+                inputs["k"],
+                inputs["v"],
+                generate_stats=p.generates_stats or sink_after,
+                name="sdpa_fp8",
+                **_scales(FP8_SCALES, tensor, p),
+                **options,
+            )
             amaxes = dict(zip(FP8_AMAXES, amax_handles))  # Amax_S, Amax_O
         else:
             if p.q.dtype == torch.float32:  # float32 I/O is served by the composite implementation alone
                 options["implementation"] = cudnn.attention_implementation.COMPOSITE
-            o, stats = graph.sdpa(inputs["q"], inputs["k"], inputs["v"], generate_stats=p.generates_stats or sink_after,
-                                  name="sdpa", **options)  # fmt: skip
+            o, stats = graph.sdpa(
+                inputs["q"],
+                inputs["k"],
+                inputs["v"],
+                generate_stats=p.generates_stats or sink_after,
+                name="sdpa",
+                **options,
+            )
         output(o, "o", p.o)
         if p.stats is not None:
             output(stats, "stats", p.stats)
@@ -170,24 +192,49 @@ def lower(p: AttentionProblem, *, rng_dump: bool = False, handle: Any = None) ->
     extra = {role: tensor(role, getattr(p, role), **ragged(role, getattr(p, role))) for role in ("o", "grad_o")}
     stats = tensor("stats", p.stats)
     if p.grad_bias is not None:
-        d_bias = graph.tensor(name="grad_bias", dim=list(p.grad_bias.shape), stride=list(p.grad_bias.stride),
-                              data_type=cudnn_dtype(p.grad_bias.dtype), uid=UID["grad_bias"])  # fmt: skip
+        d_bias = graph.tensor(
+            name="grad_bias",
+            dim=list(p.grad_bias.shape),
+            stride=list(p.grad_bias.stride),
+            data_type=cudnn_dtype(p.grad_bias.dtype),
+            uid=UID["grad_bias"],
+        )
         options["dBias"] = d_bias
     if p.grad_sink is not None and not folded_sink.applies(p):  # else the plan makes dSink after the run
-        options["dSink_token"] = graph.tensor(name="grad_sink", dim=list(p.grad_sink.shape), stride=list(p.grad_sink.stride),
-                                              data_type=cudnn.data_type.FLOAT, uid=UID["grad_sink"])  # fmt: skip
+        options["dSink_token"] = graph.tensor(
+            name="grad_sink",
+            dim=list(p.grad_sink.shape),
+            stride=list(p.grad_sink.stride),
+            data_type=cudnn.data_type.FLOAT,
+            uid=UID["grad_sink"],
+        )
     if p.is_fp8:
         d_q, d_k, d_v, *amax_handles = graph.sdpa_fp8_backward(
-            inputs["q"], inputs["k"], inputs["v"], extra["o"], extra["grad_o"], stats,
-            use_deterministic_algorithm=p.deterministic, name="sdpa_fp8_backward",
-            **_scales(FP8_BACKWARD_SCALES, tensor, p), **options,
-        )  # fmt: skip
+            inputs["q"],
+            inputs["k"],
+            inputs["v"],
+            extra["o"],
+            extra["grad_o"],
+            stats,
+            use_deterministic_algorithm=p.deterministic,
+            name="sdpa_fp8_backward",
+            **_scales(FP8_BACKWARD_SCALES, tensor, p),
+            **options,
+        )
         amaxes = dict(zip(FP8_BACKWARD_AMAXES, amax_handles))  # Amax_dQ, Amax_dK, Amax_dV, Amax_dP
     else:
         d_q, d_k, d_v = graph.sdpa_backward(
-            inputs["q"], inputs["k"], inputs["v"], extra["o"], extra["grad_o"], stats,
-            use_deterministic_algorithm=p.deterministic, name="sdpa_backward", **options, **_token_totals(p),
-        )  # fmt: skip
+            inputs["q"],
+            inputs["k"],
+            inputs["v"],
+            extra["o"],
+            extra["grad_o"],
+            stats,
+            use_deterministic_algorithm=p.deterministic,
+            name="sdpa_backward",
+            **options,
+            **_token_totals(p),
+        )
         amaxes = {}
     for handle, role in ((d_q, "grad_q"), (d_k, "grad_k"), (d_v, "grad_v")):
         output(handle, role, getattr(p, role))
@@ -224,9 +271,14 @@ def _mask_options(p: AttentionProblem, graph: Any, tensor: Any, lowered: Lowered
 
     options: dict[str, Any] = {"attn_scale": p.options.attn_scale}
     if p.scale_tensor is not None:  # read at each run: on the host it is passed by value
-        options["attn_scale"] = graph.tensor(name="attn_scale", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1],
-                                             data_type=cudnn.data_type.FLOAT, uid=UID["scale_tensor"],
-                                             is_pass_by_value=p.scale_tensor.device == "cpu")  # fmt: skip
+        options["attn_scale"] = graph.tensor(
+            name="attn_scale",
+            dim=[1, 1, 1, 1],
+            stride=[1, 1, 1, 1],
+            data_type=cudnn.data_type.FLOAT,
+            uid=UID["scale_tensor"],
+            is_pass_by_value=p.scale_tensor.device == "cpu",
+        )
     # sdpa / sdpa_backward: diagonal_band_{left,right}_bound; sdpa_fp8 / sdpa_fp8_backward: {left,right}_bound.
     left, right = (
         ("left_bound", "right_bound") if p.is_fp8 else ("diagonal_band_left_bound", "diagonal_band_right_bound")
@@ -249,11 +301,16 @@ def _mask_options(p: AttentionProblem, graph: Any, tensor: Any, lowered: Lowered
         options["bias"] = tensor("bias", p.bias)
     if p.score_mod is not None:
         inputs = [
-            graph.tensor(name=f"score_input_{i}", dim=list(spec.shape), stride=list(spec.stride),
-                         data_type=cudnn_dtype(spec.dtype), uid=UID[f"score_input_{i}"],
-                         is_pass_by_value=spec.device == "cpu")
+            graph.tensor(
+                name=f"score_input_{i}",
+                dim=list(spec.shape),
+                stride=list(spec.stride),
+                data_type=cudnn_dtype(spec.dtype),
+                uid=UID[f"score_input_{i}"],
+                is_pass_by_value=spec.device == "cpu",
+            )
             for i, spec in enumerate(p.score_mod.inputs)
-        ]  # fmt: skip
+        ]
         forward, backward = callbacks(p.score_mod, inputs)
         options["score_mod"] = forward
         if backward is not None and not p.is_forward:  # sdpa takes no bprop
@@ -281,15 +338,24 @@ def _mask_options(p: AttentionProblem, graph: Any, tensor: Any, lowered: Lowered
                 continue
             # Paged without per-sequence query lengths, or a workaround: the plan binds full lengths.
             lowered.constant_lengths[role] = constants.get(role, p.s_q)
-            options[role] = graph.tensor(name=role, dim=[p.batch, 1, 1, 1], stride=[1, 1, 1, 1],
-                                         data_type=cudnn.data_type.INT32, uid=UID[role])  # fmt: skip
+            options[role] = graph.tensor(
+                name=role, dim=[p.batch, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32, uid=UID[role]
+            )
     if p.has_dropout:
         rng = []
         for role in ("dropout_seed", "dropout_offset"):
             spec = getattr(p, role)
             on_host = spec is None or spec.device == "cpu"
             dtype = cudnn_dtype(spec.dtype) if spec is not None else cudnn.data_type.INT64
-            rng.append(graph.tensor(name=role, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dtype,
-                                    uid=UID[role], is_pass_by_value=on_host))  # fmt: skip
+            rng.append(
+                graph.tensor(
+                    name=role,
+                    dim=[1, 1, 1, 1],
+                    stride=[1, 1, 1, 1],
+                    data_type=dtype,
+                    uid=UID[role],
+                    is_pass_by_value=on_host,
+                )
+            )
         options["dropout"] = (p.options.dropout_p, rng[0], rng[1])
     return options

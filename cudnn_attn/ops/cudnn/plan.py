@@ -85,8 +85,15 @@ class CudnnPlan:
             stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.ExternalStream(pointer, device=self.device)
         )
 
-    def _run(self, inputs: RunInputs, outputs: Mapping[str, torch.Tensor], stream: Any, workspace: Any, handle: Any,
-             rng_dump: torch.Tensor | None) -> None:  # fmt: skip
+    def _run(
+        self,
+        inputs: RunInputs,
+        outputs: Mapping[str, torch.Tensor],
+        stream: Any,
+        workspace: Any,
+        handle: Any,
+        rng_dump: torch.Tensor | None,
+    ) -> None:
         sink = d_sink = None
         if self._sink_after:
             inputs = dict(inputs)
@@ -213,8 +220,10 @@ class CudnnPlan:
             try:
                 self.graph.build_plan_at_index(index)
             except Exception as error:
-                raise UnsupportedError([f"plan index {index}: cuDNN could not build this candidate on this GPU "
-                                        f"({error})"], context=self.problem.describe()) from error  # fmt: skip
+                raise UnsupportedError(
+                    [f"plan index {index}: cuDNN could not build this candidate on this GPU ({error})"],
+                    context=self.problem.describe(),
+                ) from error
 
     def at_index(self, index: int) -> CudnnPlan:
         """This plan running candidate ``index`` (built here on first use) instead of the chosen one."""

@@ -92,9 +92,15 @@ class ReferencePlan:
         else:
             d_bias = outputs.get("grad_bias")
             d_q, d_k, d_v, d_b = reference_math.backward(
-                dense["q"], dense["k"], dense["v"], dense["o"], dense["grad_o"], dense["stats"], terms,
+                dense["q"],
+                dense["k"],
+                dense["v"],
+                dense["o"],
+                dense["grad_o"],
+                dense["stats"],
+                terms,
                 bias_shape=tuple(d_bias.shape) if d_bias is not None else None,
-            )  # fmt: skip
+            )
             self._write(outputs["grad_q"], d_q, inputs, "grad_q")
             self._write(outputs["grad_k"], d_k, inputs, "grad_k")
             self._write(outputs["grad_v"], d_v, inputs, "grad_v")
@@ -122,9 +128,15 @@ class ReferencePlan:
         scales = {role: _as_tensor(inputs[role]) for role in (*FP8_SCALES, *FP8_BACKWARD_SCALES) if role in inputs}
         if p.is_forward:
             o, stats, amax_s, amax_o = reference_fp8.forward_fp8(
-                dense["q"], dense["k"], dense["v"], *(scales[role] for role in FP8_SCALES),
-                terms=terms, out_dtype=p.o.dtype, p_dtype=p.q.dtype, compute_dtype=dt,
-            )  # fmt: skip
+                dense["q"],
+                dense["k"],
+                dense["v"],
+                *(scales[role] for role in FP8_SCALES),
+                terms=terms,
+                out_dtype=p.o.dtype,
+                p_dtype=p.q.dtype,
+                compute_dtype=dt,
+            )
             self._write(outputs["o"], o, inputs, "o")
             if "stats" in outputs:
                 self._write(outputs["stats"], stats, inputs, "stats")
@@ -134,10 +146,19 @@ class ReferencePlan:
             return
         assert p.grad_q is not None and p.grad_o is not None
         d_q, d_k, d_v, *amaxes = reference_fp8.backward_fp8(
-            dense["q"], dense["k"], dense["v"], dense["o"], dense["grad_o"], dense["stats"],
+            dense["q"],
+            dense["k"],
+            dense["v"],
+            dense["o"],
+            dense["grad_o"],
+            dense["stats"],
             *(scales[role] for role in FP8_BACKWARD_SCALES),
-            terms=terms, grad_dtype=p.grad_q.dtype, p_dtype=p.q.dtype, ds_dtype=p.grad_o.dtype, compute_dtype=dt,
-        )  # fmt: skip
+            terms=terms,
+            grad_dtype=p.grad_q.dtype,
+            p_dtype=p.q.dtype,
+            ds_dtype=p.grad_o.dtype,
+            compute_dtype=dt,
+        )
         self._write(outputs["grad_q"], d_q, inputs, "grad_q")
         self._write(outputs["grad_k"], d_k, inputs, "grad_k")
         self._write(outputs["grad_v"], d_v, inputs, "grad_v")
@@ -239,10 +260,16 @@ class ReferencePlan:
             modifier = score_mod.forward_fn(p.score_mod, tensors)
             modifier_grad = score_mod.backward_fn(p.score_mod, tensors)
         return reference_math.ScoreTerms(
-            scale=float(inputs["scale_tensor"]) if p.scale_tensor is not None else p.options.attn_scale, bias=bias, alibi=alibi, allowed=allowed, keep=keep,
-            dropout_p=p.options.dropout_p, sink=_as_tensor(inputs["sink_token"]).to(dt) if p.sink_token else None,
-            modifier=modifier, modifier_grad=modifier_grad,
-        )  # fmt: skip
+            scale=float(inputs["scale_tensor"]) if p.scale_tensor is not None else p.options.attn_scale,
+            bias=bias,
+            alibi=alibi,
+            allowed=allowed,
+            keep=keep,
+            dropout_p=p.options.dropout_p,
+            sink=_as_tensor(inputs["sink_token"]).to(dt) if p.sink_token else None,
+            modifier=modifier,
+            modifier_grad=modifier_grad,
+        )
 
     # ---- dense to outputs --------------------------------------------------------------
 
@@ -250,8 +277,9 @@ class ReferencePlan:
         p = self.problem
         lengths = sequence_lengths(role)
         if role in p.offset_tensors:  # the caller's ragged offsets: each sequence's real rows only
-            ragged.scatter_rows(out, dense, _as_tensor(inputs[offset_role(role)]), _lengths_or_none(inputs, lengths),
-                                getattr(p, role))  # fmt: skip
+            ragged.scatter_rows(
+                out, dense, _as_tensor(inputs[offset_role(role)]), _lengths_or_none(inputs, lengths), getattr(p, role)
+            )
         elif p.is_thd and role != "stats":
             out.copy_(pack_thd(dense, _as_tensor(inputs[lengths]), out.shape[0]))
         else:

@@ -134,8 +134,16 @@ def forward_fp8(
     b, heads, s_q, _ = q.shape
     qf = q.to(ct)
     kf, vf = _expand_kv(k.to(ct), heads), _expand_kv(v.to(ct), heads)
-    sc = _Scalars(qf, attn_scale=terms.scale, descale_q=descale_q, descale_k=descale_k, descale_v=descale_v,
-                  descale_s=descale_s, scale_s=scale_s, scale_o=scale_o)  # fmt: skip
+    sc = _Scalars(
+        qf,
+        attn_scale=terms.scale,
+        descale_q=descale_q,
+        descale_k=descale_k,
+        descale_v=descale_v,
+        descale_s=descale_s,
+        scale_s=scale_s,
+        scale_o=scale_o,
+    )
     o = torch.empty(b, heads, s_q, vf.shape[-1], dtype=out_dtype, device=q.device)
     stats = torch.empty(b, heads, s_q, 1, dtype=ct, device=q.device)
     amax_s = torch.zeros((), dtype=ct, device=q.device)
@@ -206,10 +214,22 @@ def backward_fp8(
     kv_heads_k, kv_heads_v = k.shape[1], v.shape[1]
     qf, dof = q.to(ct), d_o.to(ct)
     kf, vf = _expand_kv(k.to(ct), heads), _expand_kv(v.to(ct), heads)
-    sc = _Scalars(qf, attn_scale=terms.scale, descale_q=descale_q, descale_k=descale_k, descale_v=descale_v,
-                  descale_o=descale_o, descale_do=descale_do, descale_s=descale_s, descale_dp=descale_dp,
-                  scale_s=scale_s, scale_dq=scale_dq, scale_dk=scale_dk, scale_dv=scale_dv,
-                  scale_dp=scale_dp)  # fmt: skip
+    sc = _Scalars(
+        qf,
+        attn_scale=terms.scale,
+        descale_q=descale_q,
+        descale_k=descale_k,
+        descale_v=descale_v,
+        descale_o=descale_o,
+        descale_do=descale_do,
+        descale_s=descale_s,
+        descale_dp=descale_dp,
+        scale_s=scale_s,
+        scale_dq=scale_dq,
+        scale_dk=scale_dk,
+        scale_dv=scale_dv,
+        scale_dp=scale_dp,
+    )
     delta = (dof * o.to(ct)).sum(-1, keepdim=True) * sc.descale_do * sc.descale_o
     lse_all = stats.to(ct)
     d_q = torch.empty(q.shape, dtype=grad_dtype, device=q.device)

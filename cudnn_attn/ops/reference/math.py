@@ -175,8 +175,9 @@ def backward(
         d_q[:, :, block] = torch.matmul(d_scaled, k_full) * terms.scale
         d_k += torch.matmul(d_scaled.transpose(-1, -2), q[:, :, block]) * terms.scale
         if d_bias is not None:
-            reduced = reduce_to_shape(d_s, tuple(d_bias.shape[:2]) + (1 if d_bias.shape[2] == 1 else len(rows),)
-                                      + tuple(d_bias.shape[3:]))  # fmt: skip
+            reduced = reduce_to_shape(
+                d_s, tuple(d_bias.shape[:2]) + (1 if d_bias.shape[2] == 1 else len(rows),) + tuple(d_bias.shape[3:])
+            )
             if d_bias.shape[2] == 1:
                 d_bias += reduced
             else:

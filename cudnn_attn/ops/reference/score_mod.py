@@ -18,19 +18,43 @@ Evaluate = Callable[[torch.Tensor, range], torch.Tensor]
 EvaluateGrad = Callable[[torch.Tensor, torch.Tensor, range], torch.Tensor]
 
 _UNARY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "neg": torch.neg, "abs": torch.abs, "exp": torch.exp, "log": torch.log, "tanh": torch.tanh,
-    "sigmoid": torch.sigmoid, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "reciprocal": torch.reciprocal,
-    "floor": torch.floor, "ceil": torch.ceil, "identity": lambda x: x, "sin": torch.sin, "cos": torch.cos,
-    "erf": torch.erf, "softplus": torch.nn.functional.softplus,
-}  # fmt: skip
+    "neg": torch.neg,
+    "abs": torch.abs,
+    "exp": torch.exp,
+    "log": torch.log,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "sqrt": torch.sqrt,
+    "rsqrt": torch.rsqrt,
+    "reciprocal": torch.reciprocal,
+    "floor": torch.floor,
+    "ceil": torch.ceil,
+    "identity": lambda x: x,
+    "sin": torch.sin,
+    "cos": torch.cos,
+    "erf": torch.erf,
+    "softplus": torch.nn.functional.softplus,
+}
 _BINARY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "scale": torch.mul, "bias": torch.add,
-    "max": torch.maximum, "min": torch.minimum, "pow": torch.pow, "mod": torch.fmod,
-    "cmp_eq": torch.eq, "cmp_neq": torch.ne, "cmp_lt": torch.lt, "cmp_le": torch.le, "cmp_gt": torch.gt,
+    "add": torch.add,
+    "sub": torch.sub,
+    "mul": torch.mul,
+    "div": torch.div,
+    "scale": torch.mul,
+    "bias": torch.add,
+    "max": torch.maximum,
+    "min": torch.minimum,
+    "pow": torch.pow,
+    "mod": torch.fmod,
+    "cmp_eq": torch.eq,
+    "cmp_neq": torch.ne,
+    "cmp_lt": torch.lt,
+    "cmp_le": torch.le,
+    "cmp_gt": torch.gt,
     "cmp_ge": torch.ge,
     "tanh_backward": lambda loss, x: loss * (1 - torch.tanh(x) ** 2),
     "sigmoid_backward": lambda loss, x: loss * torch.sigmoid(x) * (1 - torch.sigmoid(x)),
-}  # fmt: skip
+}
 
 
 class BlockEvaluator:
