@@ -9,7 +9,10 @@ Example::
 Inside the block ops only record their calls (``recording/state.py``). Leaving it builds them
 (``recording/build.py``): every node validated, all problems in one ``ValidationError``, each
 node's plan taken through the runtime's planner (the plan cache, built on a miss). Calling the
-graph runs the plans (``runtime/runner.py``). This file holds Graph's public methods only.
+graph runs the plans (``runtime/runner.py``). This file holds Graph's public methods only, with
+no base class: what only frontend code uses (``tensor``, the build steps, plan helpers,
+``execute``, ``serialize``) delegates to the frontend's dialect, ``frontend/``, which never
+imports this file.
 """
 
 from __future__ import annotations

@@ -145,7 +145,8 @@ class Recording:
         outputs: tuple[str, ...],
     ) -> Node:
         """A new node with its output handles; its call kept for the build to interpret."""
-        self.check_open(method)
+        if self.built:  # tested here, not by a call: a graph made per call records on its hot path
+            self.check_open(method)
         self.key.add(self, method, name, args, mask)
         count = sum(1 for n in self.nodes if n.op is op)
         node = Node(op=op, name=op.value if count == 0 else f"{op.value}_{count}", positional=positional)
