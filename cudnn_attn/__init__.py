@@ -9,7 +9,7 @@ CPU tensors run on the pure-PyTorch reference backend; CUDA tensors on cuDNN.
 
 The cuDNN frontend's module-level attention names (``backend_version``, ``set_stream``,
 ``diagonal_alignment``, ``cudnnGraphNotSupportedError``, ...) mean here what they mean there
-(``compat.py``, ``errors.py``); the frontend's other names (convolutions, norms, GEMMs,
+(``frontend/compat.py``, ``errors.py``); the frontend's other names (convolutions, norms, GEMMs,
 ``create_kernel_cache``, ...) raise an ``AttributeError`` that points to ``import cudnn``.
 """
 
@@ -27,7 +27,13 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and edit
     from . import nn
     from .buckets import BucketedAttention
     from .cache import PlanCache, default_cache
-    from .compat import (
+    from .core.dtypes import data_type
+    from .core.problem import AttentionProblem, Causal, KVCacheLayout, Op, TensorSpec
+    from .errors import cudnnGraphNotSupportedError
+    from .fp8 import sdpa_fp8
+    from .fp8_scaling import Fp8Scaling
+    from .fp8_tensor import Fp8Tensor
+    from .frontend.compat import (
         Handle,
         attention_implementation,
         backend_version,
@@ -42,16 +48,10 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and edit
         heur_mode,
         set_stream,
     )
-    from .core.dtypes import data_type
-    from .core.problem import AttentionProblem, Causal, KVCacheLayout, Op, TensorSpec
-    from .errors import cudnnGraphNotSupportedError
-    from .fp8 import sdpa_fp8
-    from .fp8_scaling import Fp8Scaling
-    from .fp8_tensor import Fp8Tensor
+    from .frontend.decorators import graph_cache, jit
     from .functional import sdpa
     from .graph import Graph, graph, pygraph
     from .ops.cudnn.autotune import set_autotune
-    from .recording.frontend_steps import graph_cache, jit
     from .runtime.backend_choice import backend
     from .serving.paged_attention import PagedAttention
     from .varlen import varlen_sdpa
@@ -64,6 +64,12 @@ _LAZY = {
     "BucketedAttention": ".buckets",
     "PlanCache": ".cache",
     "default_cache": ".cache",
+    "data_type": ".core.dtypes",
+    **dict.fromkeys(("AttentionProblem", "Causal", "KVCacheLayout", "Op", "TensorSpec"), ".core.problem"),
+    "cudnnGraphNotSupportedError": ".errors",
+    "sdpa_fp8": ".fp8",
+    "Fp8Scaling": ".fp8_scaling",
+    "Fp8Tensor": ".fp8_tensor",
     **dict.fromkeys(
         (
             "Handle",
@@ -80,18 +86,12 @@ _LAZY = {
             "heur_mode",
             "set_stream",
         ),
-        ".compat",
+        ".frontend.compat",
     ),  # fmt: skip
-    "data_type": ".core.dtypes",
-    **dict.fromkeys(("AttentionProblem", "Causal", "KVCacheLayout", "Op", "TensorSpec"), ".core.problem"),
-    "cudnnGraphNotSupportedError": ".errors",
-    "sdpa_fp8": ".fp8",
-    "Fp8Scaling": ".fp8_scaling",
-    "Fp8Tensor": ".fp8_tensor",
+    **dict.fromkeys(("graph_cache", "jit"), ".frontend.decorators"),
     "sdpa": ".functional",
     **dict.fromkeys(("Graph", "graph", "pygraph"), ".graph"),
     "set_autotune": ".ops.cudnn.autotune",
-    **dict.fromkeys(("graph_cache", "jit"), ".recording.frontend_steps"),
     "backend": ".runtime.backend_choice",
     "PagedAttention": ".serving.paged_attention",
     "varlen_sdpa": ".varlen",
@@ -119,7 +119,7 @@ def __getattr__(name: str) -> Any:
     public = name.isidentifier() and not name.startswith("_")
     # A submodule of ours not imported yet is ours, whatever the frontend calls the same name.
     if public and importlib.util.find_spec(f"{__name__}.{name}") is None:
-        from .compat import frontend_names
+        from .frontend.compat import frontend_names
 
         if name in frontend_names():
             message += (

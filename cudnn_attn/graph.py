@@ -9,38 +9,42 @@ Example::
 Inside the block ops only record their calls (``recording/state.py``). Leaving it builds them
 (``recording/build.py``): every node validated, all problems in one ``ValidationError``, each
 node's plan taken through the runtime's planner (the plan cache, built on a miss). Calling the
-graph runs the plans (``runtime/runner.py``). This file holds Graph's public methods only.
+graph runs the plans (``runtime/runner.py``). This file holds Graph's public methods only, with
+no base class: what only frontend code uses (``tensor``, the build steps, plan helpers,
+``execute``, ``serialize``) delegates to the frontend's dialect, ``frontend/``, which never
+imports this file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from .cache import PlanCache, default_cache
-from .core.dtypes import data_type, to_torch_dtype
-from .core.problem import AttentionProblem, Op, TensorSpec, contiguous_strides, device_name
+from .core import roles
+from .core.dtypes import data_type, to_torch_dtype_or_problem
+from .core.problem import AttentionProblem, Op
 from .core.roles import BACKWARD_INPUTS, PAGED_INPUTS, SDPA_INPUTS
-from .errors import GraphStateError, UnsupportedError, ValidationError
+from .errors import GraphStateError, ValidationError
+from .frontend import options, plans, serialized, tensors
+from .frontend.declared import DeclaredIO, mark_outputs
+from .frontend.execute import execute_at_index, execute_pack
 from .ops import BACKEND_NAMES
 from .ops.cudnn.autotune import enabled_by_default as autotune_default
-from .recording import declared, reuse, state
-from .recording import frontend_steps as steps
-from .recording.build import plan_nodes, positional_inputs, validate_nodes
-from .recording.declared import DeclaredIO
-from .recording.fp8_ops import Fp8Ops
-from .recording.handles import InputHandle, OutputHandle, TensorHandle, handle_spec, ints_or_problem
+from .recording import interpret, state
+from .recording.build import runner_for
+from .recording.handles import InputHandle, OutputHandle
 from .recording.keywords import publishes_mask_keywords, stats_requested
-from .runtime import interop, lifecycle
+from .runtime import lifecycle
 from .runtime.runner import Runner
 
 _DTYPE_ARGUMENTS = ("io_data_type", "intermediate_data_type", "compute_data_type")
 
 
-class Graph(Fp8Ops, steps.FrontendSteps):
+class Graph:
     """A graph of attention nodes: recorded once, built once, run many times.
 
     Inside ``with Graph() as g:`` the ops (``sdpa``, ``sdpa_backward``, ``sdpa_with_paged_cache``,
@@ -131,29 +135,26 @@ class Graph(Fp8Ops, steps.FrontendSteps):
         cache: PlanCache | None = None,
         **kwargs: Any,
     ):
-        problems = []
+        problems: list[str] = []
         self._dtypes: dict[str, torch.dtype | None] = dict.fromkeys(_DTYPE_ARGUMENTS)
         if io_data_type is not None or intermediate_data_type is not None or compute_data_type is not None:
             for arg, value in zip(_DTYPE_ARGUMENTS, (io_data_type, intermediate_data_type, compute_data_type)):
-                try:
-                    self._dtypes[arg] = to_torch_dtype(value, arg)
-                except TypeError as error:
-                    problems.append(str(error))
+                self._dtypes[arg] = to_torch_dtype_or_problem(value, arg, problems)
         if backend not in BACKEND_NAMES:
             problems.append(f"backend: {backend!r}; allowed {', '.join(map(repr, BACKEND_NAMES))}")
         if cache is not None and not isinstance(cache, PlanCache):
             problems.append(f"cache: {type(cache).__name__}; expected a cudnn_attn.PlanCache")
         frontend = (sm_count, sm_version, kernel_cache, device_property, is_dynamic_shape_enabled,
                     is_override_shape_enabled, cuda_graph_retention, is_cuda_graph_replay_expected)  # fmt: skip
-        if kwargs or frontend != steps.FRONTEND_DEFAULTS:  # checked only when given: graphs are made per call
-            problems += steps.frontend_options(*frontend, **kwargs)
+        if kwargs or frontend != options.FRONTEND_DEFAULTS:  # checked only when given: graphs are made per call
+            problems += options.frontend_options(*frontend, **kwargs)
         if name is not None and not isinstance(name, str):
             problems.append(f"name: {name!r}; expected a string")
         if problems:
             raise ValidationError(problems, context="Graph")
         self.sm_count, self.sm_version = sm_count, sm_version
         self.is_override_shape_enabled = bool(is_override_shape_enabled)  # execute(override_*) allowed
-        # The frontend's pythonic Graph: call order declared by name (recording/declared.py).
+        # The frontend's pythonic Graph: call order declared by name (frontend/declared.py).
         self.declared = (list(inputs or ()), list(outputs or ())) if inputs is not None or outputs is not None else None
         self._io: DeclaredIO | None = None
         self.backend = backend
@@ -231,42 +232,10 @@ class Graph(Fp8Ops, steps.FrontendSteps):
             GraphStateError: the graph is already built.
         """
         self.recording.check_open("tensor")
-        unsupported = steps.frontend_tensor_options(is_virtual, reordering_type, ragged_offset_multiplier)
-        if unsupported:
-            raise UnsupportedError(unsupported, context="Graph.tensor")
-        problems: list[str] = []
-        if dim is None:
-            problems.append("dim: missing; give the tensor's dims")
-        shape = ints_or_problem(dim, "dim", problems) if dim is not None else None
-        strides = ints_or_problem(stride, "stride", problems) if stride is not None else None
-        if shape is not None and strides is None:
-            strides = contiguous_strides(shape)
-        if shape is not None and strides is not None and len(shape) != len(strides):
-            problems.append(f"stride: {len(strides)} strides for {len(shape)} dims; give one stride per dim")
-        try:
-            dtype = to_torch_dtype(data_type, "data_type") or self._dtypes["io_data_type"]
-            if dtype is None:
-                problems.append("data_type: NOT_SET; give the tensor's data type (or the graph's io_data_type)")
-        except TypeError as error:
-            problems.append(str(error))
-        on_host = is_pass_by_value or not torch.cuda.is_available()  # pass-by-value scalars live on the host
-        where = device if device is not None else ("cpu" if on_host else "cuda")
-        try:
-            device_str = device_name(where)
-        except (RuntimeError, ValueError, TypeError):
-            problems.append(f"device: {device!r} is not a device; give e.g. 'cuda:0' or 'cpu'")
-        if not isinstance(name, str):
-            problems.append(f"name: {name!r}; expected a string")
-        if problems:
-            raise ValidationError(problems, context="Graph.tensor")
-        assert shape is not None and strides is not None and dtype is not None
-        handle = self.recording.made_input(TensorSpec(shape, strides, dtype, device_str), name or "tensor", None)
-        handle.is_pass_by_value = bool(is_pass_by_value)
-        if uid is not None:
-            handle.set_uid(uid)
-        if ragged_offset is not None:
-            handle.set_ragged_offset(ragged_offset)
-        return handle
+        tensors.refuse_unsupported(is_virtual, reordering_type, ragged_offset_multiplier)
+        io_dtype = self._dtypes["io_data_type"]  # a tensor's type when it is given none
+        spec = tensors.described_spec(dim, stride, data_type, io_dtype, is_pass_by_value, name, device)
+        return tensors.described(self.recording, spec, name, is_pass_by_value, uid, ragged_offset)
 
     def tensor_like(self, template: Any, name: str = "") -> InputHandle:
         """An input with ``template``'s geometry (the frontend's ``graph.tensor_like``).
@@ -283,17 +252,7 @@ class Graph(Fp8Ops, steps.FrontendSteps):
             ValidationError: ``template`` is none of those.
             GraphStateError: the graph is already built.
         """
-        self.recording.check_open("tensor_like")
-        if isinstance(template, TensorHandle):
-            return self.recording.made_input(handle_spec(template), name or template.name, None)
-        tensor = interop.as_torch(template)
-        if tensor is None:
-            raise ValidationError(
-                [f"template: {type(template).__name__}; expected a torch tensor, a DLPack array or a graph tensor"]
-            )
-        handle = self.recording.made_input(TensorSpec.of(tensor), name or "tensor", tensor)
-        self.recording.by_identity[id(template)] = handle
-        return handle
+        return tensors.like(self.recording, template, name)
 
     # ---- ops -----------------------------------------------------------------------------------
     # Each op records its call and returns its output handles; the call is interpreted (keywords
@@ -406,7 +365,7 @@ class Graph(Fp8Ops, steps.FrontendSteps):
                 paged_attention_max_seq_len_kv, kv_cache_layout, compute_data_type, rng_dump)  # fmt: skip
         stats = stats_requested(is_inference, generate_stats, [])  # its errors are reported at build
         outputs = ("o", "stats") if stats else ("o",)
-        node = self.recording.record_call(Op.FORWARD, name, SDPA_INPUTS, "sdpa", state.interpret_sdpa, args, mask,
+        node = self.recording.record_call(Op.FORWARD, name, SDPA_INPUTS, "sdpa", interpret.interpret_sdpa, args, mask,
                                           outputs + (("rng_dump",) if rng_dump is not None else ()))  # fmt: skip
         if rng_dump is not None:
             self.recording.caller_output(node, "rng_dump", rng_dump)
@@ -473,7 +432,7 @@ class Graph(Fp8Ops, steps.FrontendSteps):
         """
         args = (q, k, v, page_table, seq_len_q, seq_len_kv, page_table_v, max_seq_len_kv, kv_cache_layout)
         node = self.recording.record_call(
-            Op.FORWARD, name, PAGED_INPUTS, "sdpa_with_paged_cache", state.interpret_paged, args, mask, ("o",)
+            Op.FORWARD, name, PAGED_INPUTS, "sdpa_with_paged_cache", interpret.interpret_paged, args, mask, ("o",)
         )
         return node.outputs["o"], None
 
@@ -543,12 +502,10 @@ class Graph(Fp8Ops, steps.FrontendSteps):
             ```
         """
         args = (q, k, v, o, dO, stats, use_deterministic_algorithm, bias_grad, dBias, compute_data_type)
-        roles = (
-            ("grad_q", "grad_k", "grad_v", "grad_bias")
-            if state.flag_true(bias_grad) or dBias is not None
-            else ("grad_q", "grad_k", "grad_v")
-        )
-        node = self.recording.record_call(Op.BACKWARD, name, BACKWARD_INPUTS, "sdpa_backward", state.interpret_backward,
+        roles: tuple[str, ...] = ("grad_q", "grad_k", "grad_v")
+        if interpret.flag_true(bias_grad) or dBias is not None:
+            roles += ("grad_bias",)
+        node = self.recording.record_call(Op.BACKWARD, name, BACKWARD_INPUTS, "sdpa_backward", interpret.interpret_backward,
                                           args, mask, roles + (("grad_sink",) if dSink_token is not None else ()))  # fmt: skip
         for role, given in (("grad_bias", dBias), ("grad_sink", dSink_token)):
             if given is not None:
@@ -556,6 +513,160 @@ class Graph(Fp8Ops, steps.FrontendSteps):
         if dBias is not None or dSink_token is not None:
             return tuple(node.outputs[role] for role in ("grad_q", "grad_k", "grad_v"))
         return tuple(node.outputs.values())
+
+    @publishes_mask_keywords
+    def sdpa_fp8(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        descale_q: Any,
+        descale_k: Any,
+        descale_v: Any,
+        descale_s: Any,
+        scale_s: Any,
+        scale_o: Any,
+        *,
+        is_inference: bool | None = None,
+        generate_stats: bool | None = None,
+        compute_data_type: Any = None,
+        name: str | None = None,
+        fn: Any = None,
+        **mask: Any,
+    ) -> tuple[OutputHandle, OutputHandle | None, OutputHandle, OutputHandle]:
+        """FP8 attention forward (the frontend's ``sdpa_fp8``): ``(O, Stats or None, Amax_S, Amax_O)``.
+
+        S = q k^T * attn_scale * descale_q * descale_k; P = softmax(S) (Amax_S = max|P|) is
+        quantised with ``scale_s``; O = (P v) * descale_s * descale_v (Amax_O = max|O|) is
+        written as ``O * scale_o`` in O's dtype (q's by default). On a GPU this needs Hopper or
+        newer and cuDNN >= 9.7 (not 9.10.0), head dims up to 128 (d_qk up to 192); the reference
+        backend emulates it exactly on the CPU. ``cudnn_attn.sdpa_fp8`` does the scaling for
+        16-bit callers.
+
+        Args:
+            q: ``[B, H_q, S_q, D]`` ``torch.float8_e4m3fn`` (or ``float8_e5m2``).
+            k: ``[B, H_kv, S_kv, D]``, q's dtype.
+            v: ``[B, H_kv, S_kv, D_v]``, q's dtype.
+            descale_q: float32 ``[1, 1, 1, 1]``, the inverse of q's quantisation scale.
+            descale_k: as ``descale_q``, for k.
+            descale_v: as ``descale_q``, for v.
+            descale_s: float32 ``[1, 1, 1, 1]``, the inverse of ``scale_s``.
+            scale_s: float32 ``[1, 1, 1, 1]``, P's quantisation scale.
+            scale_o: float32 ``[1, 1, 1, 1]``, O's quantisation scale.
+            is_inference: the frontend's flag: False generates Stats.
+            generate_stats: whether Stats is produced; default False.
+            compute_data_type: float32 only.
+            name: the node's name.
+            fn: the frontend's name here for ``score_mod``: ``(graph, S) -> S'`` on the descaled
+                scores before the masks (inference only).
+            **mask: the mask and scale keywords of ``sdpa`` (``sink_token`` included).
+
+        Returns:
+            ``(O, Stats, Amax_S, Amax_O)`` handles; Stats is None unless generated, the amaxes
+            are float32 ``[1, 1, 1, 1]``.
+
+        Example:
+            ```python
+            import torch
+
+            import cudnn_attn
+
+            q, k, v = (torch.randn(1, 2, 64, 64).to(torch.float8_e4m3fn) for _ in range(3))
+            def scale(x):  # every scale and descale: a float32 [1, 1, 1, 1] tensor
+                return torch.full((1, 1, 1, 1), x)
+
+            # descale_q, descale_k, descale_v (unit: values as stored), descale_s, scale_s, scale_o
+            scales = [scale(1.0), scale(1.0), scale(1.0), scale(1 / 448), scale(448.0), scale(1.0)]
+            with cudnn_attn.Graph() as g:
+                o, _, amax_s, amax_o = g.sdpa_fp8(q, k, v, *scales, use_causal_mask=True)
+            out, amax_s, amax_o = g(q, k, v, *scales)  # O in float8_e4m3fn
+            ```
+        """
+        scales = (descale_q, descale_k, descale_v, descale_s, scale_s, scale_o)
+        args = (q, k, v, scales, is_inference, generate_stats, compute_data_type, fn)
+        stats = stats_requested(is_inference, generate_stats, [])  # its errors are reported at build
+        outputs = ("o", "stats", *roles.FP8_AMAXES) if stats else ("o", *roles.FP8_AMAXES)
+        node = self.recording.record_call(Op.FORWARD, name, roles.FP8_INPUTS, "sdpa_fp8", interpret.interpret_fp8, args, mask,
+                                          outputs)  # fmt: skip
+        node.fp8 = True
+        return node.outputs["o"], node.outputs.get("stats"), node.outputs["amax_s"], node.outputs["amax_o"]
+
+    @publishes_mask_keywords
+    def sdpa_fp8_backward(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        o: Any,
+        dO: Any,  # noqa: N803 - the frontend's spelling
+        stats: Any,
+        descale_q: Any,
+        descale_k: Any,
+        descale_v: Any,
+        descale_o: Any,
+        descale_dO: Any,  # noqa: N803
+        descale_s: Any,
+        descale_dP: Any,  # noqa: N803
+        scale_s: Any,
+        scale_dQ: Any,  # noqa: N803
+        scale_dK: Any,  # noqa: N803
+        scale_dV: Any,  # noqa: N803
+        scale_dP: Any,  # noqa: N803
+        *,
+        use_deterministic_algorithm: bool = False,
+        compute_data_type: Any = None,
+        name: str | None = None,
+        dSink_token: Any = None,  # noqa: N803 - the frontend's spelling
+        **mask: Any,
+    ) -> tuple[OutputHandle, ...]:
+        """Gradients of ``sdpa_fp8``: ``(dQ, dK, dV, Amax_dQ, Amax_dK, Amax_dV, Amax_dP)``.
+
+        Give the same mask, scale and ``sink_token`` as the forward whose ``o`` and ``stats``
+        are passed. Every scale and descale is a float32 ``[1, 1, 1, 1]`` tensor; the gradients
+        are written scaled by ``scale_dQ``/``scale_dK``/``scale_dV`` in q's dtype. Same GPU and
+        cuDNN needs as ``sdpa_fp8``, head dims up to 128.
+
+        Args:
+            q: the forward's FP8 queries.
+            k: the forward's FP8 keys.
+            v: the forward's FP8 values.
+            o: the forward's FP8 output.
+            dO: the output's gradient, FP8.
+            stats: the forward's Stats, float32 ``[B, H_q, S_q, 1]``.
+            descale_q: q's descale.
+            descale_k: k's descale.
+            descale_v: v's descale.
+            descale_o: o's descale.
+            descale_dO: dO's descale.
+            descale_s: P's descale.
+            descale_dP: dP's descale.
+            scale_s: P's scale.
+            scale_dQ: dQ's scale.
+            scale_dK: dK's scale.
+            scale_dV: dV's scale.
+            scale_dP: dP's scale.
+            use_deterministic_algorithm: ask cuDNN for a deterministic dQ.
+            compute_data_type: float32 only.
+            name: the node's name.
+            dSink_token: a ``[1, H_q, 1, 1]`` float32 tensor the caller made that receives the
+                sink's gradient.
+            **mask: the mask and scale keywords of ``sdpa``.
+
+        Returns:
+            ``(dQ, dK, dV, Amax_dQ, Amax_dK, Amax_dV, Amax_dP)`` handles.
+        """
+        scales = (descale_q, descale_k, descale_v, descale_o, descale_dO, descale_s, descale_dP, scale_s, scale_dQ,
+                  scale_dK, scale_dV, scale_dP)  # fmt: skip
+        args = (q, k, v, o, dO, stats, scales, use_deterministic_algorithm, compute_data_type)
+        outputs = ("grad_q", "grad_k", "grad_v", *roles.FP8_BACKWARD_AMAXES)
+        node = self.recording.record_call(
+            Op.BACKWARD, name, roles.FP8_BACKWARD_INPUTS, "sdpa_fp8_backward", interpret.interpret_fp8_backward, args, mask,
+            outputs + (("grad_sink",) if dSink_token is not None else ()),
+        )  # fmt: skip
+        node.fp8 = True
+        if dSink_token is not None:
+            self.recording.caller_output(node, "grad_sink", dSink_token)
+        return tuple(node.outputs[role] for role in outputs)
 
     # ---- build and run -------------------------------------------------------------------------
 
@@ -579,32 +690,16 @@ class Graph(Fp8Ops, steps.FrontendSteps):
                 reasons and what would work.
         """
         recording = self.recording
-        if heuristics is not None and (problems := steps.heuristics_problems(heuristics)):
-            raise ValidationError(problems, context=self.name)
+        if heuristics is not None:
+            options.check_heuristics([heuristics], self.name)
         if recording.built:
             return self
-        if self.declared is not None:  # declared outputs are marked; the others are virtual
-            for entry in self.declared[1]:
-                handle = declared.resolve(recording, entry)
-                if isinstance(handle, OutputHandle):
-                    handle.marked = handle.is_output = True
+        if self.declared is not None:
+            mark_outputs(recording, self.declared[1])
         if self.virtual_outputs or self.declared is not None:
             recording.settle_outputs()
-        # A build that failed validation has interpreted its calls already: it is built in full again.
-        key = None if recording.interpreted else recording.key.key(recording)
-        earlier = self.cache.recorded.get(key) if key is not None else None
-        if earlier is not None and self.cache.touch(earlier.cache_keys):
-            self._runner = reuse.adopt(recording, earlier, self.handle)
-        else:
-            recording.interpret()
-            dtypes = {**self._dtypes, "io_data_type": None} if self.virtual_outputs else self._dtypes
-            validate_nodes(recording.nodes, dtypes, self.name)
-            plan_nodes(recording.nodes, self.backend, self.autotune, self.cache, self.name)
-            recording.inputs = positional_inputs(recording.nodes)
-            self._runner = Runner(self.name, recording.inputs, recording.nodes, self.handle)
-            recorded = reuse.recorded(recording, self._runner) if key is not None else None
-            if recorded is not None:
-                self.cache.recorded.put(key, recorded)
+        dtypes = {**self._dtypes, "io_data_type": None} if self.virtual_outputs else self._dtypes
+        self._runner = runner_for(recording, dtypes, self.backend, self.autotune, self.cache, self.handle)
         recording.built = True
         if self.declared is not None:
             self._io = DeclaredIO(recording, *self.declared, context=self.name)
@@ -660,6 +755,135 @@ class Graph(Fp8Ops, steps.FrontendSteps):
         if self._runner is None:
             raise GraphStateError(f"{self.name}: this graph's plans were released (the interpreter is exiting)")
         self._runner.run_roles(inputs, outputs)
+
+    # ---- the frontend's build steps, plan helpers and run (frontend/) ------------------------
+    # The frontend builds in steps; here every step is one build(), so frontend code runs unchanged.
+
+    def validate(self) -> Graph:
+        """The frontend's first build step: builds the graph (all steps are one ``build()`` here)."""
+        return self.build()
+
+    def build_operation_graph(self) -> Graph:
+        """The frontend's second build step: builds the graph."""
+        return self.build()
+
+    def create_execution_plans(self, *heuristics: Any) -> Graph:
+        """The frontend's plan step: the modes are checked, the graph built (mode A, FALLBACK behind)."""
+        options.check_heuristics(heuristics, self.name)
+        return self.build()
+
+    def check_support(self, *args: Any) -> Graph:
+        """The frontend's support check: builds the graph (``UnsupportedError`` lists the reasons)."""
+        return self.build()
+
+    def build_plans(self, *args: Any, **kwargs: Any) -> Graph:
+        """The frontend's last build step: builds; with ``build_plan_policy.ALL`` each candidate plan is
+        built when first run by index."""
+        options.check_policies(args, kwargs, self.name)
+        return self.build()
+
+    def get_workspace_size(
+        self, handle: Any = None, override_uids: Any = None, override_shapes: Any = None, override_strides: Any = None
+    ) -> int:
+        """The largest workspace, in bytes, of the graph's plans (allocated when ``execute`` gets none)."""
+        return plans.workspace_size(self)
+
+    def serialize(self, *, as_bytes: bool = False, include_kernels: bool = True) -> Any:
+        """The built graph as bytes ``deserialize`` reads back (``frontend/serialized.py``); a list of
+        byte values unless ``as_bytes``, as the frontend returns. ``include_kernels`` is accepted."""
+        data = serialized.serialize(self)
+        return data if as_bytes else list(data)
+
+    def deserialize(self, *args: Any, **kwargs: Any) -> None:
+        """``deserialize(data)`` or ``deserialize(handle, data, enforce_precompiled=False)``, into
+        an empty graph: it is built from what ``serialize`` wrote, with nothing planned again."""
+        handle, data = serialized.arguments(args, kwargs)
+        self.handle = handle if self.handle is None else self.handle
+        self._runner = serialized.deserialize(self, data)
+        lifecycle.track_releasable(self)
+
+    def get_execution_plan_count(self) -> int:
+        """How many candidate plans the graph has: 0 until it is built."""
+        return plans.count(self.recording)
+
+    def get_plan_name_at_index(self, index: int) -> str:
+        """The engine name of candidate plan ``index`` of a one-node graph."""
+        return plans.name_at(self, index)
+
+    def get_workspace_size_plan_at_index(
+        self,
+        index: int,
+        handle: Any = None,
+        override_uids: Any = None,
+        override_shapes: Any = None,
+        override_strides: Any = None,
+    ) -> int:
+        """The workspace, in bytes, of candidate plan ``index`` of a one-node graph."""
+        return plans.workspace_at(self, index)
+
+    def execute_plan_at_index(
+        self,
+        variant_pack: Mapping[Any, Any],
+        workspace: Any = None,
+        index: int = 0,
+        handle: Any = None,
+        *,
+        tensor_uids: Any = None,
+    ) -> None:
+        """``execute`` with candidate plan ``index`` (built on first use) instead of the chosen one."""
+        execute_at_index(self, self._other_runners(), variant_pack, workspace, index, handle)
+
+    def execute(
+        self,
+        variant_pack: Mapping[Any, Any],
+        workspace: Any = None,
+        handle: Any = None,
+        override_uids: Any = None,
+        override_shapes: Any = None,
+        override_strides: Any = None,
+        *,
+        tensor_uids: Any = None,
+        stream: Any = None,
+    ) -> None:
+        """The frontend's run: every tensor of the graph, inputs and outputs, given in one dict.
+
+        Args:
+            variant_pack: every input and every produced output of the graph, keyed by handle,
+                name or uid; outputs are written in place. ``None`` keys are ignored.
+            workspace: a device buffer of at least ``get_workspace_size()`` bytes, or None.
+            handle: a handle to run with.
+            override_uids: with ``is_override_shape_enabled=True``: the uids whose dims and
+                strides this run overrides.
+            override_shapes: their dims, in ``override_uids``' order.
+            override_strides: their strides, likewise.
+            tensor_uids: the frontend's keyword, accepted.
+            stream: a torch stream or raw ``cudaStream_t`` int; the current stream by default.
+
+        Raises:
+            ShapeMismatchError: a key not of this graph, an output missing from the pack, or a
+                tensor of another geometry.
+
+        Example:
+            ```python
+            import torch
+
+            import cudnn_attn as cudnn
+
+            q = torch.randn(1, 2, 16, 64, dtype=torch.float16)
+            g = cudnn.pygraph()
+            Q = g.tensor_like(q, "q")
+            O, _ = g.sdpa(Q, Q, Q, use_causal_mask=True)
+            O.set_output(True).set_name("o")
+            g.build()
+            o = torch.empty_like(q)
+            g.execute({"q": q, "o": o})
+            ```
+        """
+        overrides = (override_uids, override_shapes, override_strides)
+        execute_pack(self, self._other_runners(), variant_pack, workspace, handle, overrides, stream)
+
+    def _other_runners(self) -> dict[Hashable, Any]:
+        return self.__dict__.setdefault("_others", {})  # by plan index or override; most graphs never need it
 
     @property
     def problems(self) -> list[AttentionProblem]:

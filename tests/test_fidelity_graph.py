@@ -23,7 +23,7 @@ from conftest import rel_err
 
 import cudnn_attn
 import cudnn_attn as cudnn
-from cudnn_attn.recording.serialized import MAGIC
+from cudnn_attn.frontend.serialized import MAGIC
 
 H, D = 2, 8
 

@@ -141,6 +141,15 @@ def to_torch_dtype(value: Any, argument: str = "data_type") -> torch.dtype | Non
     )
 
 
+def to_torch_dtype_or_problem(value: Any, argument: str, problems: list[str]) -> torch.dtype | None:
+    """``to_torch_dtype``, its problem appended to ``problems`` (None then) instead of raised."""
+    try:
+        return to_torch_dtype(value, argument)
+    except TypeError as error:
+        problems.append(str(error))
+        return None
+
+
 def _torch_member_names() -> str:
     return ", ".join(m.name for m in data_type if m not in _NO_TORCH_DTYPE)
 

@@ -1,8 +1,9 @@
 """Building a recorded graph: nodes to problems, problems to plans, plans to a runner.
 
-A pure step over the nodes: every node's problem is assembled and validated (all problems
-of all nodes raised together in one ``ValidationError``), then each problem's plan is taken
-through the runtime's planner (backend chosen, plan from the plan cache, built on a miss).
+A recording that repeats an earlier one adopts its build (``reuse.py``). Otherwise a pure step
+over the nodes: every node's problem is assembled and validated (all problems of all nodes
+raised together in one ``ValidationError``), then each problem's plan is taken through the
+runtime's planner (backend chosen, plan from the plan cache, built on a miss).
 """
 
 from __future__ import annotations
@@ -16,10 +17,39 @@ from ..cache import PlanCache
 from ..core import bounds, validation
 from ..errors import UnsupportedError, ValidationError
 from ..runtime import planner
+from ..runtime.runner import Runner
+from . import reuse
 from .assembly import assemble_problem, missing_inputs
 from .handles import InputHandle
 from .node import Node
 from .pairing import pairing_problems
+from .state import Recording
+
+
+def runner_for(
+    recording: Recording,
+    dtypes: dict[str, torch.dtype | None],
+    backend: str,
+    autotune: bool,
+    cache: PlanCache,
+    handle: Any,
+) -> Runner:
+    """The runner of ``recording``'s plans: an identical earlier recording's build adopted, or
+    every call interpreted, validated and planned (and that build kept for the next)."""
+    # A build that failed validation has interpreted its calls already: it is built in full again.
+    key = None if recording.interpreted else recording.key.key(recording)
+    earlier = cache.recorded.get(key) if key is not None else None
+    if earlier is not None and cache.touch(earlier.cache_keys):
+        return reuse.adopt(recording, earlier, handle)
+    recording.interpret()
+    validate_nodes(recording.nodes, dtypes, recording.name)
+    plan_nodes(recording.nodes, backend, autotune, cache, recording.name)
+    recording.inputs = positional_inputs(recording.nodes)
+    runner = Runner(recording.name, recording.inputs, recording.nodes, handle)
+    recorded = reuse.recorded(recording, runner) if key is not None else None
+    if recorded is not None:
+        cache.recorded.put(key, recorded)
+    return runner
 
 
 def validate_nodes(nodes: Sequence[Node], dtypes: dict[str, torch.dtype | None], context: str) -> None:

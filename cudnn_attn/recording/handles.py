@@ -8,7 +8,7 @@ returns (O, Stats, dQ, ...); its setters mirror the cuDNN frontend's and chain.
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -16,14 +16,34 @@ from ..core.dtypes import to_torch_dtype
 from ..core.problem import TensorSpec, contiguous_strides, device_name
 from ..errors import GraphStateError, ValidationError, shown
 
-if TYPE_CHECKING:
-    from .state import Recording
+
+class Keyed(Protocol):
+    keyed: bool  # False: the recording cannot be keyed, and is built in full
+
+
+class RecordingPort(Protocol):
+    """What a handle asks of the recording that holds it (``state.Recording``). Named here, so
+    that handles need not import the recording, which imports them."""
+
+    @property
+    def built(self) -> bool: ...
+
+    @property
+    def key(self) -> Keyed: ...
+
+    def new_uid(self, handle: Any) -> int: ...
+
+    def claim_uid(self, handle: Any, uid: Any) -> None: ...
+
+    def claim_name(self, old: str, name: Any) -> None: ...
+
+    def check_open(self, what: str) -> None: ...
 
 
 class TensorHandle:
     """Common face of graph tensors: a name and the frontend's getters."""
 
-    def __init__(self, recording: Recording, name: str):
+    def __init__(self, recording: RecordingPort, name: str):
         self.recording = recording  # of the graph it belongs to
         self._name = name
         self.uid = recording.new_uid(self)  # the frontend's tensor uid: a key of execute's variant pack
@@ -138,7 +158,7 @@ class InputHandle(TensorHandle):
         ```
     """
 
-    def __init__(self, recording: Recording, name: str, spec: TensorSpec, role: str, template: torch.Tensor | None):
+    def __init__(self, recording: RecordingPort, name: str, spec: TensorSpec, role: str, template: torch.Tensor | None):
         super().__init__(recording, name)
         self._spec = spec
         self.role = role
@@ -204,7 +224,7 @@ class OutputHandle(TensorHandle):
         ```
     """
 
-    def __init__(self, recording: Recording, name: str, node: Any, port: str, index: int = 0):
+    def __init__(self, recording: RecordingPort, name: str, node: Any, port: str, index: int = 0):
         super().__init__(recording, name)
         self.node = node
         self.index = index  # its place among the graph's outputs, in creation order

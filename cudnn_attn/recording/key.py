@@ -12,15 +12,27 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ..runtime import backend_choice
 from .handles import InputHandle, OutputHandle
+from .node import Node
 
-if TYPE_CHECKING:
-    from .state import Recording
+
+class Recorded(Protocol):
+    """What a key reads of its recording (``state.Recording``, which imports this module)."""
+
+    @property
+    def by_identity(self) -> dict[int, InputHandle]: ...
+
+    @property
+    def made(self) -> list[InputHandle]: ...
+
+    @property
+    def nodes(self) -> list[Node]: ...
+
 
 _SCALARS = frozenset((bool, int, float, str))
 
@@ -44,7 +56,7 @@ class RecordingKey:
         self.tensors: list[torch.Tensor] = []
         self._slots: dict[int, int] = {}  # id(tensor) -> index in tensors
 
-    def add(self, recording: Recording, method: str, name: Any, args: tuple, mask: dict[str, Any]) -> None:
+    def add(self, recording: Recorded, method: str, name: Any, args: tuple, mask: dict[str, Any]) -> None:
         if not self.keyed:
             return
         try:
@@ -62,7 +74,7 @@ class RecordingKey:
         """Which distinct tensor of the recording ``tensor`` is (None: not an argument)."""
         return self._slots.get(id(tensor))
 
-    def key(self, recording: Recording) -> tuple | None:
+    def key(self, recording: Recorded) -> tuple | None:
         """The whole recording's key, with the handles' settings as they are now, and the backend
         an enclosing ``cudnn_attn.backend(...)`` block chose (a build adopts no other's); None if unkeyed."""
         if not self.keyed:
@@ -82,7 +94,7 @@ class RecordingKey:
         self.tensors = []
         self._slots = {}
 
-    def _of(self, value: Any, recording: Recording) -> Hashable:
+    def _of(self, value: Any, recording: Recorded) -> Hashable:
         kind = type(value)
         if kind is torch.Tensor:
             ident = id(value)

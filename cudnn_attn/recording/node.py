@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.problem import AttentionProblem, Op
 from ..core.roles import user_name
-from ..recording.keywords import Parsed
+from .keywords import Parsed
 
 if TYPE_CHECKING:
     from ..ops.base import Plan

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from ..core.dtypes import to_torch_dtype
 from ..core.problem import Op, TensorSpec
 from ..core.roles import ROLES, offset_role, user_name
 from ..errors import GraphStateError, UnsupportedError, ValidationError
@@ -22,16 +21,8 @@ from ..runtime import interop
 from . import score_mod
 from .handles import InputHandle, OutputHandle, TensorHandle
 from .key import RecordingKey
-from .keywords import MaskKeywords, collect_keywords, parse_keywords, stats_requested
+from .keywords import MaskKeywords, collect_keywords, parse_keywords
 from .node import Node
-
-# Why a keyword is refused where users might expect it.
-PAGED_HINTS = {
-    "generate_stats": "paged attention is forward inference: it returns no stats",
-    "is_inference": "paged attention is always inference",
-    "paged_attention_k_table": "pass the page table as the 4th argument, page_table",
-    "paged_attention_v_table": "use page_table_v",
-}
 
 Interpret = Callable[..., None]  # (recording, node, mask, *args) -> None
 
@@ -154,7 +145,8 @@ class Recording:
         outputs: tuple[str, ...],
     ) -> Node:
         """A new node with its output handles; its call kept for the build to interpret."""
-        self.check_open(method)
+        if self.built:  # tested here, not by a call: a graph made per call records on its hot path
+            self.check_open(method)
         self.key.add(self, method, name, args, mask)
         count = sum(1 for n in self.nodes if n.op is op)
         node = Node(op=op, name=op.value if count == 0 else f"{op.value}_{count}", positional=positional)
@@ -292,61 +284,3 @@ def bind_offsets(node: Node) -> None:
             node.errors.append(
                 f"{node.argument(role)}: has ragged offsets (set_ragged_offset); only {takers} take them"
             )
-
-
-def check_compute_dtype(value: Any, node: Node) -> None:
-    try:
-        dtype = to_torch_dtype(value, "compute_data_type")
-    except TypeError as error:
-        node.errors.append(str(error))
-        return
-    if dtype is not None and dtype != torch.float32:
-        node.errors.append(f"compute_data_type: {dtype}; attention accumulates in float32 (data_type.FLOAT)")
-
-
-def flag_true(flag: Any) -> bool:
-    return flag is True or (type(flag) is int and flag == 1)
-
-
-# Each op's interpretation of its recorded call: ``Recording.interpret`` calls them at build.
-
-
-def interpret_sdpa(recording: Recording, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, is_inference: Any,
-                   generate_stats: Any, table_k: Any, table_v: Any, max_seq_len_kv: Any, layout: Any,
-                   compute_data_type: Any, rng_dump: Any) -> None:  # fmt: skip
-    recording.bind_call(node, {"q": q, "k": k, "v": v}, mask, "sdpa")
-    stats_requested(is_inference, generate_stats, node.errors)
-    check_compute_dtype(compute_data_type, node)
-    if table_k is not None or table_v is not None:
-        table_v = table_v if table_v is not None else table_k
-        recording.bind_paged(node, table_k, table_v, max_seq_len_kv, layout)
-    elif max_seq_len_kv is not None:
-        node.errors.append("paged_attention_max_seq_len_kv: given without paged caches (paged_attention_k_table)")
-
-
-def interpret_paged(recording: Recording, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, page_table: Any,
-                    seq_len_q: Any, seq_len_kv: Any, page_table_v: Any, max_seq_len_kv: Any,
-                    layout: Any) -> None:  # fmt: skip
-    mask = dict(mask)
-    padding = mask.pop("use_padding_mask", True)
-    mask.update(seq_len_q=seq_len_q, seq_len_kv=seq_len_kv)
-    recording.bind_call(node, {"q": q, "k": k, "v": v}, mask, "sdpa_with_paged_cache", PAGED_HINTS)
-    node.spelling.update(page_table_k="page_table", page_table_v="page_table_v")
-    if padding is not True:
-        node.errors.append(f"use_padding_mask: {padding!r}; paged caches are always read through seq_len_kv")
-    if page_table is None:
-        node.errors.append("page_table: missing; give the [B, pages_per_seq] int32 page table of the caches")
-    table_v = page_table_v if page_table_v is not None else page_table
-    recording.bind_paged(node, page_table, table_v, max_seq_len_kv, layout)
-
-
-def interpret_backward(recording: Recording, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, o: Any,
-                       d_o: Any, stats: Any, deterministic: Any, bias_grad: Any, d_bias: Any,
-                       compute_data_type: Any) -> None:  # fmt: skip
-    tensors = {"q": q, "k": k, "v": v, "o": o, "grad_o": d_o, "stats": stats}
-    recording.bind_call(node, tensors, mask, "sdpa_backward")
-    check_compute_dtype(compute_data_type, node)
-    for flag, value in (("use_deterministic_algorithm", deterministic), ("bias_grad", bias_grad)):
-        if value is not None and (not isinstance(value, (bool, int)) or value not in (0, 1)):  # None: the default
-            node.errors.append(f"{flag}: {value!r}; expected True or False")
-    node.deterministic = flag_true(deterministic)

@@ -1,5 +1,5 @@
-"""``cudnn_attn.compat``: the cuDNN frontend's module-level spellings, so drop-in code
-(``import cudnn_attn as cudnn``) runs unchanged.
+"""The cuDNN frontend's module-level spellings (``cudnn_attn.heur_mode``, ``create_handle``, ...),
+so drop-in code (``import cudnn_attn as cudnn``) runs unchanged.
 
 Enums: ``heur_mode``, ``diagonal_alignment``, ``attention_implementation`` and
 ``build_plan_policy`` carry the frontend's member names. They are this library's own classes, as
@@ -23,7 +23,7 @@ import functools
 import pkgutil
 from typing import Any
 
-from .errors import UnsupportedError
+from ..errors import UnsupportedError
 
 
 # Our own enums with the frontend's member names (why: the module docstring); keywords read any

@@ -10,7 +10,7 @@ override costs a dict lookup.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,11 +18,12 @@ import torch
 from ..core import validation
 from ..core.problem import TensorSpec
 from ..errors import ShapeMismatchError, ValidationError
+from ..recording.handles import ints_or_problem
+from ..recording.node import Node
 from ..runtime import planner
 from ..runtime.runner import Runner
 from .declared import resolve
-from .handles import ints_or_problem
-from .node import Node
+from .port import GraphPort
 
 
 class StandIn:
@@ -34,20 +35,22 @@ class StandIn:
         self.ragged_offset = getattr(handle, "ragged_offset", None)
 
 
-def overridden_runner(graph: Any, uids: Any, shapes: Any, strides: Any) -> tuple[Runner, dict[Any, Any]] | None:
-    """The runner for this override and the graph's handles -> its own; None when the override
-    changes nothing. Bad overrides raise ``ValidationError`` naming the argument."""
+def overridden_runner(
+    graph: GraphPort, runners: dict[Hashable, Any], uids: Any, shapes: Any, strides: Any
+) -> tuple[Runner, dict[Any, Any]] | None:
+    """The runner for this override and the graph's handles -> its own, made on first use and
+    kept in ``runners``; None when the override changes nothing. Bad overrides raise
+    ``ValidationError`` naming the argument."""
     specs = _overridden_specs(graph, uids, shapes, strides)
     if all(handle.spec == spec for handle, spec in specs.items()):
         return None
-    key = tuple((handle.get_uid(), spec.shape, spec.stride) for handle, spec in specs.items())
-    runners = graph.__dict__.setdefault("_override_runners", {})
+    key = ("override", *[(handle.get_uid(), spec.shape, spec.stride) for handle, spec in specs.items()])
     if key not in runners:
         runners[key] = _runner(graph, specs)
     return runners[key]
 
 
-def _overridden_specs(graph: Any, uids: Any, shapes: Any, strides: Any) -> dict[Any, TensorSpec]:
+def _overridden_specs(graph: GraphPort, uids: Any, shapes: Any, strides: Any) -> dict[Any, TensorSpec]:
     if not graph.is_override_shape_enabled:
         raise ValidationError(["override_uids: this graph was made without is_override_shape_enabled=True"],
                               context=graph.name)  # fmt: skip
@@ -84,14 +87,15 @@ def _overridden_specs(graph: Any, uids: Any, shapes: Any, strides: Any) -> dict[
     return specs
 
 
-def _runner(graph: Any, specs: dict[Any, TensorSpec]) -> tuple[Runner, dict[Any, Any]]:
+def _runner(graph: GraphPort, specs: dict[Any, TensorSpec]) -> tuple[Runner, dict[Any, Any]]:
     """Each node's problem with the overridden geometry, validated and planned; handles stand-ins
     carry the new specs (the runner checks every run's tensors against them)."""
     stand_in: dict[Any, Any] = {}
     nodes: list[Node] = []
     found: list[str] = []
     for node in graph.nodes:
-        changes = {role: specs[h] for role, h in {**node.inputs, **node.outputs}.items() if h in specs}
+        assert node.problem is not None, "a built graph's nodes have their problems"
+        changes: dict[str, Any] = {role: specs[h] for role, h in {**node.inputs, **node.outputs}.items() if h in specs}
         problem = dataclasses.replace(node.problem, **changes)
         lines = validation.problems(problem)
         if lines:
@@ -100,9 +104,9 @@ def _runner(graph: Any, specs: dict[Any, TensorSpec]) -> tuple[Runner, dict[Any,
         for role, handle in node.outputs.items():
             if handle not in stand_in:
                 stand_in[handle] = StandIn(handle, getattr(problem, role, None))
-        for handle in node.inputs.values():
-            if handle not in stand_in:
-                stand_in[handle] = StandIn(handle, specs.get(handle, handle.spec))
+        for read in node.inputs.values():
+            if read not in stand_in:
+                stand_in[read] = StandIn(read, specs.get(read, read.spec))
         planned = planner.plan(problem, graph.backend, graph.autotune, graph.cache)
         nodes.append(dataclasses.replace(
             node, problem=problem, plan=planned.plan,

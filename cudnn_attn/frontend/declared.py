@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import ShapeMismatchError, ValidationError
-from .handles import InputHandle, OutputHandle, TensorHandle
-from .state import Recording
+from ..recording.handles import InputHandle, OutputHandle, TensorHandle
+from ..recording.state import Recording
 
 
 def resolve(recording: Recording, entry: Any) -> TensorHandle | None:
@@ -41,6 +41,14 @@ def _named(recording: Recording, entry: Any) -> TensorHandle | None:
                     return handle
     handles = [*recording.inputs, *(h for node in recording.nodes for h in node.outputs.values())]
     return next((h for h in handles if h.name == entry), None)
+
+
+def mark_outputs(recording: Recording, outputs: Sequence[Any]) -> None:
+    """The declared outputs are marked (``set_output(True)``): the others become virtual at build."""
+    for entry in outputs:
+        handle = resolve(recording, entry)
+        if isinstance(handle, OutputHandle):
+            handle.marked = handle.is_output = True
 
 
 class DeclaredIO:

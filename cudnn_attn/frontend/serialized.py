@@ -22,13 +22,14 @@ from ..core.roles import BACKWARD_OUTPUTS, FORWARD_OUTPUTS, FP8_AMAXES, FP8_BACK
 from ..errors import GraphStateError, UnsupportedError, ValidationError
 from ..ops.dispatch import runs_on
 from ..plan_store import signature
+from ..recording.assembly import INPUTS, REQUIRED
+from ..recording.build import positional_inputs
+from ..recording.handles import InputHandle, OutputHandle
+from ..recording.keywords import Parsed
+from ..recording.node import Node
 from ..runtime import planner
 from ..runtime.runner import Runner
-from .assembly import INPUTS, REQUIRED
-from .build import positional_inputs
-from .handles import InputHandle, OutputHandle
-from .keywords import Parsed
-from .node import Node
+from .port import GraphPort
 from .serialized_checks import binding_problems, header_problems, typed_problems
 
 # Then a SHA-256 of everything after it, the header's length, the JSON header and the plans.
@@ -37,7 +38,7 @@ _FORMAT_1 = b"cudnn_attn.graph/1\n"  # no checksum; written before 0.1.0's relea
 _DAMAGED = "data: a truncated or damaged serialized graph"
 
 
-def serialize(graph: Any) -> bytes:
+def serialize(graph: GraphPort) -> bytes:
     graph.build()
     recording = graph.recording
     # A caller-made output (dBias=, dSink_token= given a graph tensor) is found by that tensor's uid and name.
@@ -46,7 +47,7 @@ def serialize(graph: Any) -> bytes:
     for node in graph.nodes:
         if node.backend is None or node.problem is None:
             raise GraphStateError(f"{graph.name}: this graph's plans were released; nothing to serialize")
-        blob = planner.to_blob(node.backend, node.plan)
+        blob = planner.to_blob(node.backend, node.plan)  # type: ignore[arg-type]  # released: None, as before
         tensors = {
             role: {
                 "uid": caller.get(id(h), h).get_uid(),
@@ -65,7 +66,7 @@ def serialize(graph: Any) -> bytes:
     return MAGIC + hashlib.sha256(body).digest() + body
 
 
-def deserialize(graph: Any, data: Any) -> Runner:
+def deserialize(graph: GraphPort, data: Any) -> Runner:
     """Read ``data`` (``serialize``'s bytes, or the frontend's list of byte values) into ``graph``;
     the runner of its plans is returned."""
     recording = graph.recording
@@ -113,6 +114,24 @@ def deserialize(graph: Any, data: Any) -> Runner:
     recording.inputs = positional_inputs(recording.nodes)
     recording.calls, recording.interpreted, recording.built = [], True, True
     return Runner(graph.name, recording.inputs, recording.nodes, graph.handle)
+
+
+def arguments(args: tuple, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``(handle, data)`` of ``deserialize(data)`` or ``deserialize(handle, data, enforce_precompiled=False)``,
+    positional or by keyword (``enforce_precompiled`` is accepted)."""
+    kwargs.pop("enforce_precompiled", None)
+    handle = kwargs.pop("handle", kwargs.pop("handle_", None))
+    data = kwargs.pop("data", None)
+    if kwargs or len(args) > 3:
+        raise ValidationError(
+            [f"{k}: not a parameter of deserialize" for k in kwargs] or ["deserialize: too many arguments"]
+        )
+    if data is None:
+        if len(args) == 1:
+            (data,) = args
+        elif args:
+            handle, data = args[0], args[1]
+    return handle, data
 
 
 def _split(raw: bytes) -> tuple[dict[str, Any], list[bytes]]:

@@ -1,0 +1,97 @@
+"""The frontend's run: ``execute(variant_pack)``, every tensor of the graph (inputs and the
+outputs it writes in place) given in one dict keyed by handle, name or uid.
+
+A plain pack runs through the graph's own call; a pack with shape overrides runs on the
+override's runner (``overrides.py``), and ``execute_plan_at_index`` on a candidate plan's
+(``plans.py``). Both are kept in the graph's table of other runners.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+from ..errors import ShapeMismatchError, ValidationError
+from ..recording.handles import InputHandle
+from ..runtime import interop
+from .declared import resolve
+from .overrides import check_overridden, overridden_runner
+from .plans import runner_at
+from .port import GraphPort
+
+
+def execute_pack(
+    graph: GraphPort,
+    runners: dict[Hashable, Any],
+    variant_pack: Mapping[Any, Any],
+    workspace: Any,
+    handle: Any,
+    overrides: tuple[Any, Any, Any],
+    stream: Any,
+) -> None:
+    """Run ``graph`` on ``variant_pack``; ``overrides``: ``(override_uids, override_shapes, override_strides)``."""
+    found = None
+    if any(given is not None for given in overrides):
+        graph.build()
+        found = overridden_runner(graph, runners, *overrides)
+    # Tensors are viewed by memory with the geometry this run checks them against: the override's.
+    inputs, outputs = variant_pack_of(graph, variant_pack, found[1] if found is not None else {})
+    if found is not None:
+        runner, stand_in = found
+        check_overridden({**inputs, **outputs}, stand_in, graph.name)
+        values, _ = runner.bind(({stand_in[h]: t for h, t in inputs.items()},))
+        runner.bind_out(values, {stand_in[h]: t for h, t in outputs.items()})
+        runner.run(values, handle, stream, workspace)
+        return
+    graph(inputs, handle=handle, stream=stream, out=outputs, workspace=workspace)
+
+
+def execute_at_index(
+    graph: GraphPort,
+    runners: dict[Hashable, Any],
+    variant_pack: Mapping[Any, Any],
+    workspace: Any,
+    index: Any,
+    handle: Any,
+) -> None:
+    """``execute`` with candidate plan ``index`` (built on first use) instead of the chosen one."""
+    runner = runner_at(graph, runners, index)
+    inputs, outputs = variant_pack_of(graph, variant_pack, {})
+    runner.bind_out(values := runner.bind((inputs,))[0], outputs)
+    runner.run(values, handle, None, workspace)
+
+
+def variant_pack_of(
+    graph: GraphPort, variant_pack: Mapping[Any, Any], stand_in: Mapping[Any, Any]
+) -> tuple[dict[Any, Any], dict[Any, Any]]:
+    """The pack's inputs and outputs by handle, the graph built; unknown keys and missing outputs
+    raise. ``stand_in``: handle -> its stand-in under this run's overrides (its geometry)."""
+    if not isinstance(variant_pack, Mapping):
+        raise ValidationError([f"variant_pack: {type(variant_pack).__name__}; expected a dict of handle -> tensor"])
+    graph.build()
+    recording = graph.recording
+    inputs: dict[Any, Any] = {}
+    outputs: dict[Any, Any] = {}
+    unknown: list[str] = []
+    read = set(recording.inputs)
+    for key, value in variant_pack.items():
+        handle = resolve(recording, key)
+        if handle is None:
+            if key is not None:
+                unknown.append(f"{key!r}: not a tensor of this graph (keys: handles, names or uids)")
+            continue
+        if handle.ragged_offset is None:  # a ragged tensor is bound by its memory as it is
+            value = interop.same_memory_view(value, stand_in.get(handle, handle).spec)
+        if isinstance(handle, InputHandle):
+            if handle in read:  # a tensor of the graph no node reads is not bound, as in the frontend
+                inputs[handle] = value
+        else:
+            outputs[handle] = value
+    if unknown:
+        raise ShapeMismatchError(unknown, context="execute")
+    missing = [h.name for h in graph.outputs if h not in outputs]
+    if missing:
+        raise ShapeMismatchError(
+            [f"{name}: missing from the variant pack (outputs are written in place)" for name in missing]
+        )
+    return inputs, outputs
