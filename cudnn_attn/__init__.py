@@ -87,7 +87,7 @@ _LAZY = {
             "set_stream",
         ),
         ".frontend.compat",
-    ),  # fmt: skip
+    ),
     **dict.fromkeys(("graph_cache", "jit"), ".frontend.decorators"),
     "sdpa": ".functional",
     **dict.fromkeys(("Graph", "graph", "pygraph"), ".graph"),

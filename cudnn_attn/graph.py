@@ -21,18 +21,15 @@ from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import torch
-
 from .cache import PlanCache, default_cache
 from .core import roles
-from .core.dtypes import data_type, to_torch_dtype_or_problem
+from .core.dtypes import data_type
 from .core.problem import AttentionProblem, Op
 from .core.roles import BACKWARD_INPUTS, PAGED_INPUTS, SDPA_INPUTS
-from .errors import GraphStateError, ValidationError
+from .errors import GraphStateError
 from .frontend import options, plans, serialized, tensors
 from .frontend.declared import DeclaredIO, mark_outputs
 from .frontend.execute import execute_at_index, execute_pack
-from .ops import BACKEND_NAMES
 from .ops.cudnn.autotune import enabled_by_default as autotune_default
 from .recording import interpret, state
 from .recording.build import runner_for
@@ -40,8 +37,6 @@ from .recording.handles import InputHandle, OutputHandle
 from .recording.keywords import publishes_mask_keywords, stats_requested
 from .runtime import lifecycle
 from .runtime.runner import Runner
-
-_DTYPE_ARGUMENTS = ("io_data_type", "intermediate_data_type", "compute_data_type")
 
 
 class Graph:
@@ -135,23 +130,10 @@ class Graph:
         cache: PlanCache | None = None,
         **kwargs: Any,
     ):
-        problems: list[str] = []
-        self._dtypes: dict[str, torch.dtype | None] = dict.fromkeys(_DTYPE_ARGUMENTS)
-        if io_data_type is not None or intermediate_data_type is not None or compute_data_type is not None:
-            for arg, value in zip(_DTYPE_ARGUMENTS, (io_data_type, intermediate_data_type, compute_data_type)):
-                self._dtypes[arg] = to_torch_dtype_or_problem(value, arg, problems)
-        if backend not in BACKEND_NAMES:
-            problems.append(f"backend: {backend!r}; allowed {', '.join(map(repr, BACKEND_NAMES))}")
-        if cache is not None and not isinstance(cache, PlanCache):
-            problems.append(f"cache: {type(cache).__name__}; expected a cudnn_attn.PlanCache")
-        frontend = (sm_count, sm_version, kernel_cache, device_property, is_dynamic_shape_enabled,
-                    is_override_shape_enabled, cuda_graph_retention, is_cuda_graph_replay_expected)  # fmt: skip
-        if kwargs or frontend != options.FRONTEND_DEFAULTS:  # checked only when given: graphs are made per call
-            problems += options.frontend_options(*frontend, **kwargs)
-        if name is not None and not isinstance(name, str):
-            problems.append(f"name: {name!r}; expected a string")
-        if problems:
-            raise ValidationError(problems, context="Graph")
+        frontend: tuple = (sm_count, sm_version, kernel_cache, device_property, is_dynamic_shape_enabled)
+        frontend += (is_override_shape_enabled, cuda_graph_retention, is_cuda_graph_replay_expected)
+        dtypes = (io_data_type, intermediate_data_type, compute_data_type)
+        self._dtypes = options.graph_arguments(name, dtypes, backend, cache, frontend, kwargs)
         self.sm_count, self.sm_version = sm_count, sm_version
         self.is_override_shape_enabled = bool(is_override_shape_enabled)  # execute(override_*) allowed
         # The frontend's pythonic Graph: call order declared by name (frontend/declared.py).
@@ -361,12 +343,14 @@ class Graph:
         """
         if kv_cache_layout is None and self.virtual_outputs and paged_attention_k_table is not None:
             kv_cache_layout = "NHPD"  # pygraph: caches are [num_pages, H_kv, page_size, D] by dims, as in the frontend
-        args = (q, k, v, is_inference, generate_stats, paged_attention_k_table, paged_attention_v_table,
-                paged_attention_max_seq_len_kv, kv_cache_layout, compute_data_type, rng_dump)  # fmt: skip
+        paged = (paged_attention_k_table, paged_attention_v_table, paged_attention_max_seq_len_kv, kv_cache_layout)
+        args = (q, k, v, is_inference, generate_stats, *paged, compute_data_type, rng_dump)
         stats = stats_requested(is_inference, generate_stats, [])  # its errors are reported at build
-        outputs = ("o", "stats") if stats else ("o",)
-        node = self.recording.record_call(Op.FORWARD, name, SDPA_INPUTS, "sdpa", interpret.interpret_sdpa, args, mask,
-                                          outputs + (("rng_dump",) if rng_dump is not None else ()))  # fmt: skip
+        outputs: tuple[str, ...] = ("o", "stats") if stats else ("o",)
+        outputs += ("rng_dump",) if rng_dump is not None else ()
+        node = self.recording.record_call(
+            Op.FORWARD, name, SDPA_INPUTS, "sdpa", interpret.interpret_sdpa, args, mask, outputs
+        )
         if rng_dump is not None:
             self.recording.caller_output(node, "rng_dump", rng_dump)
         return node.outputs["o"], node.outputs.get("stats")
@@ -505,8 +489,11 @@ class Graph:
         roles: tuple[str, ...] = ("grad_q", "grad_k", "grad_v")
         if interpret.flag_true(bias_grad) or dBias is not None:
             roles += ("grad_bias",)
-        node = self.recording.record_call(Op.BACKWARD, name, BACKWARD_INPUTS, "sdpa_backward", interpret.interpret_backward,
-                                          args, mask, roles + (("grad_sink",) if dSink_token is not None else ()))  # fmt: skip
+        written = roles + (("grad_sink",) if dSink_token is not None else ())
+        interpreter = interpret.interpret_backward
+        node = self.recording.record_call(
+            Op.BACKWARD, name, BACKWARD_INPUTS, "sdpa_backward", interpreter, args, mask, written
+        )
         for role, given in (("grad_bias", dBias), ("grad_sink", dSink_token)):
             if given is not None:
                 self.recording.caller_output(node, role, given)
@@ -586,8 +573,9 @@ class Graph:
         args = (q, k, v, scales, is_inference, generate_stats, compute_data_type, fn)
         stats = stats_requested(is_inference, generate_stats, [])  # its errors are reported at build
         outputs = ("o", "stats", *roles.FP8_AMAXES) if stats else ("o", *roles.FP8_AMAXES)
-        node = self.recording.record_call(Op.FORWARD, name, roles.FP8_INPUTS, "sdpa_fp8", interpret.interpret_fp8, args, mask,
-                                          outputs)  # fmt: skip
+        node = self.recording.record_call(
+            Op.FORWARD, name, roles.FP8_INPUTS, "sdpa_fp8", interpret.interpret_fp8, args, mask, outputs
+        )
         node.fp8 = True
         return node.outputs["o"], node.outputs.get("stats"), node.outputs["amax_s"], node.outputs["amax_o"]
 
@@ -655,14 +643,15 @@ class Graph:
         Returns:
             ``(dQ, dK, dV, Amax_dQ, Amax_dK, Amax_dV, Amax_dP)`` handles.
         """
-        scales = (descale_q, descale_k, descale_v, descale_o, descale_dO, descale_s, descale_dP, scale_s, scale_dQ,
-                  scale_dK, scale_dV, scale_dP)  # fmt: skip
+        descales = (descale_q, descale_k, descale_v, descale_o, descale_dO, descale_s, descale_dP)
+        scales = (*descales, scale_s, scale_dQ, scale_dK, scale_dV, scale_dP)
         args = (q, k, v, o, dO, stats, scales, use_deterministic_algorithm, compute_data_type)
         outputs = ("grad_q", "grad_k", "grad_v", *roles.FP8_BACKWARD_AMAXES)
+        written = outputs + (("grad_sink",) if dSink_token is not None else ())
+        op_inputs, interpreter = roles.FP8_BACKWARD_INPUTS, interpret.interpret_fp8_backward
         node = self.recording.record_call(
-            Op.BACKWARD, name, roles.FP8_BACKWARD_INPUTS, "sdpa_fp8_backward", interpret.interpret_fp8_backward, args, mask,
-            outputs + (("grad_sink",) if dSink_token is not None else ()),
-        )  # fmt: skip
+            Op.BACKWARD, name, op_inputs, "sdpa_fp8_backward", interpreter, args, mask, written
+        )
         node.fp8 = True
         if dSink_token is not None:
             self.recording.caller_output(node, "grad_sink", dSink_token)
@@ -742,8 +731,9 @@ class Graph:
         if runner is None:
             raise GraphStateError(f"{self.name}: this graph's plans were released (the interpreter is exiting)")
         if self._io is not None:
-            return self._io.call(lambda given, given_out: runner((given,), handle, stream, given_out, workspace),
-                                 args, out)  # fmt: skip
+            return self._io.call(
+                lambda given, given_out: runner((given,), handle, stream, given_out, workspace), args, out
+            )
         return runner(args, handle, stream, out, workspace)
 
     def run_roles(self, inputs: dict[str, Any], outputs: dict[str, Any]) -> None:
@@ -940,9 +930,14 @@ class pygraph(Graph):  # noqa: N801 - the frontend's spelling
 
 
 @contextmanager
-def graph(handle: Any, name: str = "cudnn_graph", io_data_type: Any = data_type.HALF,
-          intermediate_data_type: Any = data_type.FLOAT, compute_data_type: Any = data_type.FLOAT,
-          **graph_kwargs: Any) -> Iterator[tuple[pygraph, list]]:  # fmt: skip
+def graph(
+    handle: Any,
+    name: str = "cudnn_graph",
+    io_data_type: Any = data_type.HALF,
+    intermediate_data_type: Any = data_type.FLOAT,
+    compute_data_type: Any = data_type.FLOAT,
+    **graph_kwargs: Any,
+) -> Iterator[tuple[pygraph, list]]:
     """The frontend's ``with cudnn.graph(handle) as (g, _):`` context manager.
 
     Yields a ``pygraph`` (with the frontend's io/intermediate/compute defaults) and an empty

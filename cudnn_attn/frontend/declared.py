@@ -58,8 +58,10 @@ class DeclaredIO:
         problems = []
         self.inputs: list[InputHandle] = []
         self.outputs: list[OutputHandle] = []
-        for argument, entries, kind, into in (("inputs", inputs, InputHandle, self.inputs),
-                                              ("outputs", outputs, OutputHandle, self.outputs)):  # fmt: skip
+        for argument, entries, kind, into in (
+            ("inputs", inputs, InputHandle, self.inputs),
+            ("outputs", outputs, OutputHandle, self.outputs),
+        ):
             for entry in entries:
                 handle = resolve(recording, entry)
                 if not isinstance(handle, kind):

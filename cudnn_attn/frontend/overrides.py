@@ -52,11 +52,15 @@ def overridden_runner(
 
 def _overridden_specs(graph: GraphPort, uids: Any, shapes: Any, strides: Any) -> dict[Any, TensorSpec]:
     if not graph.is_override_shape_enabled:
-        raise ValidationError(["override_uids: this graph was made without is_override_shape_enabled=True"],
-                              context=graph.name)  # fmt: skip
+        raise ValidationError(
+            ["override_uids: this graph was made without is_override_shape_enabled=True"], context=graph.name
+        )
     lists = {"override_uids": uids, "override_shapes": shapes, "override_strides": strides}
-    problems = [f"{name}: {type(v).__name__}; expected a list" for name, v in lists.items()
-                if not isinstance(v, Sequence) or isinstance(v, str)]  # fmt: skip
+    problems = [
+        f"{name}: {type(v).__name__}; expected a list"
+        for name, v in lists.items()
+        if not isinstance(v, Sequence) or isinstance(v, str)
+    ]
     if not problems and not len(uids) == len(shapes) == len(strides):
         problems.append(f"override_uids: {len(uids)} uids for {len(shapes)} shapes and {len(strides)} strides")
     if problems:
@@ -108,11 +112,15 @@ def _runner(graph: GraphPort, specs: dict[Any, TensorSpec]) -> tuple[Runner, dic
             if read not in stand_in:
                 stand_in[read] = StandIn(read, specs.get(read, read.spec))
         planned = planner.plan(problem, graph.backend, graph.autotune, graph.cache)
-        nodes.append(dataclasses.replace(
-            node, problem=problem, plan=planned.plan,
-            inputs={role: stand_in[h] for role, h in node.inputs.items()},
-            outputs={role: stand_in[h] for role, h in node.outputs.items()},
-        ))  # fmt: skip
+        nodes.append(
+            dataclasses.replace(
+                node,
+                problem=problem,
+                plan=planned.plan,
+                inputs={role: stand_in[h] for role, h in node.inputs.items()},
+                outputs={role: stand_in[h] for role, h in node.outputs.items()},
+            )
+        )
     if found:
         raise ValidationError([f"with the overrides: {line}" for line in found], context=graph.name)
     inputs = [stand_in[h] for h in graph.recording.inputs]

@@ -54,12 +54,20 @@ def serialize(graph: GraphPort) -> bytes:
                 "name": caller.get(id(h), h).name,
                 "output": isinstance(h, OutputHandle) and h.is_output,
                 "by_value": h.is_pass_by_value,
-            }  # fmt: skip
+            }
             for role, h in {**node.inputs, **node.outputs}.items()
             if h.spec is not None
         }
-        nodes.append({"name": node.name, "problem": signature(node.problem), "backend": node.backend,
-                      "tensors": tensors, "runtime": node.runtime, "plan_bytes": len(blob)})  # fmt: skip
+        nodes.append(
+            {
+                "name": node.name,
+                "problem": signature(node.problem),
+                "backend": node.backend,
+                "tensors": tensors,
+                "runtime": node.runtime,
+                "plan_bytes": len(blob),
+            }
+        )
         blobs.append(blob)
     header = json.dumps({"name": graph.name, "nodes": nodes}).encode()
     body = len(header).to_bytes(8, "little") + header + b"".join(blobs)
@@ -85,13 +93,15 @@ def deserialize(graph: GraphPort, data: Any) -> Runner:
         except UnsupportedError:
             raise
         except Exception as error:  # the frontend's own refusal: another GPU architecture or cuDNN
-            raise UnsupportedError([f"node {entry['name']}: cuDNN cannot load this plan here: {error}"],
-                                   context=graph.name) from error  # fmt: skip
+            raise UnsupportedError(
+                [f"node {entry['name']}: cuDNN cannot load this plan here: {error}"], context=graph.name
+            ) from error
         op = problem.op
         node = Node(op=op, name=entry["name"], positional=_positional(op, problem.is_fp8))
         node.problem, node.plan, node.backend, node.fp8 = problem, planned.plan, planned.backend, problem.is_fp8
-        node.parsed = Parsed(problem.options, True, problem.max_seq_len_q, problem.max_seq_len_kv,
-                             runtime=dict(entry["runtime"]))  # fmt: skip
+        node.parsed = Parsed(
+            problem.options, True, problem.max_seq_len_q, problem.max_seq_len_kv, runtime=dict(entry["runtime"])
+        )
         for role, tensor in entry["tensors"].items():
             handle = by_uid.get(tensor["uid"])
             if handle is None:

@@ -98,8 +98,9 @@ def assemble_problem(node: Node, dtypes: dict[str, torch.dtype | None]) -> Atten
         if wanted is not None and (wanted.is_output or wanted.consumed):  # virtual stats are not computed
             stats = output_spec(node.outputs["stats"], default_stats(q, specs.get("seq_len_q"), parsed.max_seq_len_q))
         if "rng_dump" in node.outputs:
-            dump = TensorSpec.contiguous((*q.shape[:3], specs["k"].shape[2] if specs["k"].rank == 4 else 1),
-                                         torch.float32, q.device)  # fmt: skip
+            dump = TensorSpec.contiguous(
+                (*q.shape[:3], specs["k"].shape[2] if specs["k"].rank == 4 else 1), torch.float32, q.device
+            )
             common["rng_dump"] = output_spec(node.outputs["rng_dump"], dump)
         inputs: dict[str, Any] = {role: spec for role, spec in specs.items() if role in INPUTS[Op.FORWARD, node.fp8]}
         amaxes = _amaxes(node, FP8_AMAXES, q.device)

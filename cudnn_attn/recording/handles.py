@@ -94,9 +94,11 @@ class TensorHandle:
         ``[B + 1, 1, 1, 1]`` graph tensor of element offsets; see ``cudnn_attn.core.ragged``)."""
         if not isinstance(offsets, InputHandle) or offsets.recording is not self.recording:
             raise ValidationError(
-                [f"{self._name}.set_ragged_offset: {type(offsets).__name__}; expected a tensor of this graph "
-                 "(graph.tensor_like(offsets) or graph.tensor(...)) holding B + 1 element offsets"]
-            )  # fmt: skip
+                [
+                    f"{self._name}.set_ragged_offset: {type(offsets).__name__}; expected a tensor of this graph "
+                    "(graph.tensor_like(offsets) or graph.tensor(...)) holding B + 1 element offsets"
+                ]
+            )
         if self.recording.built:
             raise GraphStateError(f"{self._name}.set_ragged_offset: the graph is already built")
         if offsets.made_index is None or (isinstance(self, InputHandle) and self.made_index is None):

@@ -44,9 +44,22 @@ def flag_true(flag: Any) -> bool:
 # Each op's interpretation of its recorded call: ``Recording.interpret`` calls them at build.
 
 
-def interpret_sdpa(recording: Recording, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, is_inference: Any,
-                   generate_stats: Any, table_k: Any, table_v: Any, max_seq_len_kv: Any, layout: Any,
-                   compute_data_type: Any, rng_dump: Any) -> None:  # fmt: skip
+def interpret_sdpa(
+    recording: Recording,
+    node: Node,
+    mask: dict[str, Any],
+    q: Any,
+    k: Any,
+    v: Any,
+    is_inference: Any,
+    generate_stats: Any,
+    table_k: Any,
+    table_v: Any,
+    max_seq_len_kv: Any,
+    layout: Any,
+    compute_data_type: Any,
+    rng_dump: Any,
+) -> None:
     recording.bind_call(node, {"q": q, "k": k, "v": v}, mask, "sdpa")
     stats_requested(is_inference, generate_stats, node.errors)
     check_compute_dtype(compute_data_type, node)
@@ -57,9 +70,20 @@ def interpret_sdpa(recording: Recording, node: Node, mask: dict[str, Any], q: An
         node.errors.append("paged_attention_max_seq_len_kv: given without paged caches (paged_attention_k_table)")
 
 
-def interpret_paged(recording: Recording, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, page_table: Any,
-                    seq_len_q: Any, seq_len_kv: Any, page_table_v: Any, max_seq_len_kv: Any,
-                    layout: Any) -> None:  # fmt: skip
+def interpret_paged(
+    recording: Recording,
+    node: Node,
+    mask: dict[str, Any],
+    q: Any,
+    k: Any,
+    v: Any,
+    page_table: Any,
+    seq_len_q: Any,
+    seq_len_kv: Any,
+    page_table_v: Any,
+    max_seq_len_kv: Any,
+    layout: Any,
+) -> None:
     mask = dict(mask)
     padding = mask.pop("use_padding_mask", True)
     mask.update(seq_len_q=seq_len_q, seq_len_kv=seq_len_kv)
@@ -73,9 +97,21 @@ def interpret_paged(recording: Recording, node: Node, mask: dict[str, Any], q: A
     recording.bind_paged(node, page_table, table_v, max_seq_len_kv, layout)
 
 
-def interpret_backward(recording: Recording, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, o: Any,
-                       d_o: Any, stats: Any, deterministic: Any, bias_grad: Any, d_bias: Any,
-                       compute_data_type: Any) -> None:  # fmt: skip
+def interpret_backward(
+    recording: Recording,
+    node: Node,
+    mask: dict[str, Any],
+    q: Any,
+    k: Any,
+    v: Any,
+    o: Any,
+    d_o: Any,
+    stats: Any,
+    deterministic: Any,
+    bias_grad: Any,
+    d_bias: Any,
+    compute_data_type: Any,
+) -> None:
     tensors = {"q": q, "k": k, "v": v, "o": o, "grad_o": d_o, "stats": stats}
     recording.bind_call(node, tensors, mask, "sdpa_backward")
     check_compute_dtype(compute_data_type, node)
@@ -85,23 +121,47 @@ def interpret_backward(recording: Recording, node: Node, mask: dict[str, Any], q
     node.deterministic = flag_true(deterministic)
 
 
-def interpret_fp8(recording: Recording, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, scales: tuple,
-                   is_inference: Any, generate_stats: Any, compute_data_type: Any, fn: Any) -> None:  # fmt: skip
+def interpret_fp8(
+    recording: Recording,
+    node: Node,
+    mask: dict[str, Any],
+    q: Any,
+    k: Any,
+    v: Any,
+    scales: tuple,
+    is_inference: Any,
+    generate_stats: Any,
+    compute_data_type: Any,
+    fn: Any,
+) -> None:
     if fn is not None:  # sdpa_fp8's name for score_mod (interpreted here, at build: the call's key holds both)
         if mask.get("score_mod") is not None:
             node.errors.append("fn: given beside score_mod; sdpa_fp8 takes its score modifier once, as fn")
         mask = {**mask, "score_mod": fn}
-    recording.bind_call(node, {"q": q, "k": k, "v": v, **dict(zip(FP8_SCALES, scales))}, mask,
-                        "sdpa_fp8")  # fmt: skip
+    recording.bind_call(node, {"q": q, "k": k, "v": v, **dict(zip(FP8_SCALES, scales))}, mask, "sdpa_fp8")
     stats_requested(is_inference, generate_stats, node.errors)
     check_compute_dtype(compute_data_type, node)
 
 
-def interpret_fp8_backward(recording: Recording, node: Node, mask: dict[str, Any], q: Any, k: Any, v: Any, o: Any, d_o: Any,
-                            stats: Any, scales: tuple, deterministic: Any, compute_data_type: Any) -> None:  # fmt: skip
+def interpret_fp8_backward(
+    recording: Recording,
+    node: Node,
+    mask: dict[str, Any],
+    q: Any,
+    k: Any,
+    v: Any,
+    o: Any,
+    d_o: Any,
+    stats: Any,
+    scales: tuple,
+    deterministic: Any,
+    compute_data_type: Any,
+) -> None:
     modifiers = [keyword for keyword in ("score_mod", "score_mod_bprop") if mask.get(keyword) is not None]
-    node.errors += [f"{keyword}: not a keyword of sdpa_fp8_backward (the frontend's FP8 backward takes no score "
-                    "modifier)" for keyword in modifiers]  # fmt: skip
+    node.errors += [
+        f"{keyword}: not a keyword of sdpa_fp8_backward (the frontend's FP8 backward takes no score modifier)"
+        for keyword in modifiers
+    ]
     mask = {k: v for k, v in mask.items() if k not in modifiers}
     tensors = {
         "q": q,

@@ -62,9 +62,12 @@ class RecordingKey:
         try:
             of = self._of
             # None is the commonest argument (unused keywords): kept inline, as are mask scalars.
-            part = (method, None if name is None else of(name, recording),
-                    tuple([a if a is None else of(a, recording) for a in args]),
-                    tuple([(k, (type(v), v) if type(v) in _SCALARS else of(v, recording)) for k, v in mask.items()]))  # fmt: skip
+            part = (
+                method,
+                None if name is None else of(name, recording),
+                tuple([a if a is None else of(a, recording) for a in args]),
+                tuple([(k, (type(v), v) if type(v) in _SCALARS else of(v, recording)) for k, v in mask.items()]),
+            )
         except _UnkeyedError:
             self.keyed = False
             return
@@ -80,13 +83,18 @@ class RecordingKey:
         if not self.keyed:
             return None
         made = tuple(
-            [(h.name, h.spec, self.slot(h.template) if h.template is not None else None, _offsets(h))
-             for h in recording.made]
-        )  # fmt: skip
+            [
+                (h.name, h.spec, self.slot(h.template) if h.template is not None else None, _offsets(h))
+                for h in recording.made
+            ]
+        )
         outputs = tuple(
-            [(h.name, h.is_output, h.dim, h.stride, h.dtype, _offsets(h))
-             for node in recording.nodes for h in node.outputs.values()]
-        )  # fmt: skip
+            [
+                (h.name, h.is_output, h.dim, h.stride, h.dtype, _offsets(h))
+                for node in recording.nodes
+                for h in node.outputs.values()
+            ]
+        )
         return (*self.parts, made, outputs, backend_choice.chosen())
 
     def forget(self) -> None:

@@ -75,8 +75,11 @@ class MaskKeywords:
     paged_attention_max_seq_len_kv: Any = None
 
 
-ALIASES = (("sliding_window", "sliding_window_length"), ("left_bound", "diagonal_band_left_bound"),
-           ("right_bound", "diagonal_band_right_bound"))  # fmt: skip
+ALIASES = (
+    ("sliding_window", "sliding_window_length"),
+    ("left_bound", "diagonal_band_left_bound"),
+    ("right_bound", "diagonal_band_right_bound"),
+)
 NOT_RUN_HERE = {
     "block_mask": "block-sparse tile masks need cuDNN's unified engine (cuDNN >= 9.14); not supported here",
     "score_max": "the softmax partials (score_max, score_sum_exp) as outputs are not supported here; use Stats",
@@ -138,8 +141,12 @@ def parse_keywords(given: MaskKeywords, *, ragged: bool) -> Parsed:
     if given.attn_bias is not None and given.bias is not None:
         errors.append("attn_bias: given twice (attn_bias= and its alias bias=); give one")
     bias = given.attn_bias if given.attn_bias is not None else given.bias
-    for role, value in (("bias", bias), ("seq_len_q", given.seq_len_q), ("seq_len_kv", given.seq_len_kv),
-                        ("sink_token", given.sink_token)):  # fmt: skip
+    for role, value in (
+        ("bias", bias),
+        ("seq_len_q", given.seq_len_q),
+        ("seq_len_kv", given.seq_len_kv),
+        ("sink_token", given.sink_token),
+    ):
         if value is not None:
             tensors[role] = value
     dropout_p, runtime = _dropout(given, tensors, errors)

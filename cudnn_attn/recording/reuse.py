@@ -28,8 +28,17 @@ if TYPE_CHECKING:
     from .state import Recording
 
 # The Node fields a build sets, which a later identical recording adopts.
-_BUILT_FIELDS = ("parsed", "spelling", "paged", "kv_cache_layout", "deterministic", "problem", "plan", "backend",
-                 "cache_key")  # fmt: skip
+_BUILT_FIELDS = (
+    "parsed",
+    "spelling",
+    "paged",
+    "kv_cache_layout",
+    "deterministic",
+    "problem",
+    "plan",
+    "backend",
+    "cache_key",
+)
 # Integer inputs whose values a build checks where they are given as tensors.
 _VALUE_ROLES = frozenset({"seq_len_q", "seq_len_kv", "page_table_k", "page_table_v", *offset_roles()})
 

@@ -50,8 +50,12 @@ class ScoreTensor:
 
     def set_output(self, value: bool) -> ScoreTensor:
         if value:
-            raise UnsupportedError([f"{self.name or self.op}: a score modifier's tensors stay inside the fused "
-                                    "attention; they cannot be graph outputs"])  # fmt: skip
+            raise UnsupportedError(
+                [
+                    f"{self.name or self.op}: a score modifier's tensors stay inside the fused "
+                    "attention; they cannot be graph outputs"
+                ]
+            )
         return self
 
     def set_is_virtual(self, value: bool) -> ScoreTensor:
@@ -75,8 +79,12 @@ class ScoreGraph:
             if isinstance(value, TensorHandle) and value.recording is not self._owner:
                 raise ValidationError([f"{where}: a tensor of another graph"])
             if not isinstance(value, TensorHandle) and interop.as_torch(value) is None:
-                raise ValidationError([f"{where}: {type(value).__name__}; expected a tensor of the score "
-                                       "modifier, a tensor of this graph or a number"])  # fmt: skip
+                raise ValidationError(
+                    [
+                        f"{where}: {type(value).__name__}; expected a tensor of the score "
+                        "modifier, a tensor of this graph or a number"
+                    ]
+                )
             for i, known in enumerate(self.inputs):
                 if known is value:
                     return ScoreTensor("input", value=i)
@@ -119,8 +127,12 @@ class ScoreGraph:
 
     def __getattr__(self, name: str) -> Callable[..., ScoreTensor]:
         if name not in OPS:
-            raise UnsupportedError([f"graph.{name}: not an op a score modifier may use; it takes the pointwise ops "
-                                    f"{', '.join(sorted(OPS))} and tensor_scalar"])  # fmt: skip
+            raise UnsupportedError(
+                [
+                    f"graph.{name}: not an op a score modifier may use; it takes the pointwise ops "
+                    f"{', '.join(sorted(OPS))} and tensor_scalar"
+                ]
+            )
 
         def record(*args: Any, name: str = "", compute_data_type: Any = None, **kwargs: Any) -> ScoreTensor:
             return self._op(op_name, args, kwargs, compute_data_type, name)
