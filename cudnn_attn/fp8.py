@@ -29,8 +29,8 @@ from .fp8_scaling import Fp8Scaling
 from .fp8_tensor import Fp8Tensor
 from .functional.arguments import ARGUMENT_NAMES, check_arguments, materialised
 from .kernels.fp8_cast import E4M3, E4M3_MAX, amax_qkv, from_fp8, quantise_qkv, scale_view
-from .runtime import backend_choice
 from .runtime.prepared import PreparedRun, prepare
+from .runtime.training import differentiable
 
 BACKWARDS = ("bf16", "fp8")
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
@@ -142,7 +142,7 @@ def sdpa_fp8(
         if fp8_out:
             out8, descale_o = forward(*batch, bool(is_causal), attn_scale, scaling, fp8_out=True)
             return Fp8Tensor(out8[0] if unbatched else out8, descale_o)
-        out = _Fp8Attention.apply(*batch, bool(is_causal), attn_scale, scaling, fp8_backward)
+        out = differentiable(_Fp8Call(bool(is_causal), attn_scale, scaling, fp8_backward), *batch)
         if out_dtype is not None and out_dtype != out.dtype:
             out = out.to(out_dtype)
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:  # the graph's words for q, k, v
@@ -385,45 +385,46 @@ def _forward_run(args: tuple, is_causal: bool, attn_scale: float, stats: bool = 
 _FP8_SAVED = ("q8", "k8", "v8", "o8", "stats", "descale_q", "descale_k", "descale_v", "scale_s")
 
 
-@backend_choice.kept_for_backward
-class _Fp8Attention(torch.autograd.Function):
-    """The FP8 forward; gradients from the 16-bit inputs (``backward="bf16"``) or through the
-    FP8 backward (``backward="fp8"``, ``gradients`` below)."""
+class _Fp8Call:
+    """The FP8 forward as the training seam runs it (``runtime/training.py``), inputs
+    ``(query, key, value)``; gradients from the 16-bit inputs (``backward="bf16"``) or through
+    the FP8 backward (``backward="fp8"``, ``gradients`` below)."""
 
-    @staticmethod
-    def forward(ctx, query, key, value, is_causal: bool, attn_scale: float, scaling, fp8_backward: bool):  # type: ignore[override]
-        ctx.options = (is_causal, attn_scale, scaling)
-        ctx.fp8_backward = fp8_backward
-        if not fp8_backward:
-            ctx.save_for_backward(query, key, value)
-            return forward(query, key, value, is_causal, attn_scale, scaling)
+    non_differentiable: tuple[int, ...] = ()
+
+    def __init__(self, is_causal: bool, attn_scale: float, scaling: Any, fp8_backward: bool):
+        self.is_causal, self.attn_scale, self.scaling, self.fp8_backward = is_causal, attn_scale, scaling, fp8_backward
+        self.gradient_scales: torch.Tensor | None = None  # the FP8 backward's, set by its first run
+
+    def forward(self, inputs: tuple) -> tuple[tuple[torch.Tensor], tuple, None]:
+        query, key, value = inputs
+        if not self.fp8_backward:
+            return (forward(query, key, value, self.is_causal, self.attn_scale, self.scaling),), inputs, None
         keep: dict[str, Any] = {}
-        out = forward(query, key, value, is_causal, attn_scale, scaling, keep=keep)
-        ctx.save_for_backward(*(keep[name] for name in _FP8_SAVED))
-        ctx.gradient_scales = None  # set by the first backward
-        return out
+        out = forward(query, key, value, self.is_causal, self.attn_scale, self.scaling, keep=keep)
+        return (out,), tuple(keep[name] for name in _FP8_SAVED), None
 
-    @staticmethod
-    def backward(ctx, d_out):  # type: ignore[override]
-        is_causal, attn_scale, scaling = ctx.options
-        if ctx.fp8_backward:
-            saved = dict(zip(_FP8_SAVED, ctx.saved_tensors), is_causal=is_causal, attn_scale=attn_scale)
+    def backward(self, saved: tuple, state: None, grads: tuple, needs: tuple[bool, ...]) -> tuple:
+        d_out = grads[0]
+        if self.fp8_backward:
+            kept = dict(zip(_FP8_SAVED, saved), is_causal=self.is_causal, attn_scale=self.attn_scale)
             # A retained graph differentiated again is the same derivative: it reuses the
             # gradient scales of its first backward (the history has moved on since, with that
             # backward's own amaxes), so it gives the same gradients, and it records nothing:
             # the history holds one backward per forward, not repeats of it.
-            grads, ctx.gradient_scales = gradients(saved, d_out, scaling, d_out.dtype, scales=ctx.gradient_scales)
-            return (*(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad)), None, None, None, None)
+            found, self.gradient_scales = gradients(kept, d_out, self.scaling, d_out.dtype, scales=self.gradient_scales)
+            return tuple(g if needed else None for g, needed in zip(found, needs))
         from .functional import sdpa
 
-        query, key, value = ctx.saved_tensors
+        query, key, value = saved
         enable_gqa = query.shape[-3] != key.shape[-3]
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_(x.requires_grad) for x in (query, key, value)]
-            out = sdpa(*leaves, is_causal=is_causal, scale=attn_scale, enable_gqa=enable_gqa)
+            q, k, v = leaves
+            out = sdpa(q, k, v, is_causal=self.is_causal, scale=self.attn_scale, enable_gqa=enable_gqa)
             wanted = [x for x in leaves if x.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, d_out))
-        return (*(next(grads) if x.requires_grad else None for x in leaves), None, None, None, None)
+            found_iter = iter(torch.autograd.grad(out, wanted, d_out))
+        return tuple(next(found_iter) if x.requires_grad else None for x in leaves)
 
 
 # backward="fp8": gradients through cuDNN's FP8 backward.

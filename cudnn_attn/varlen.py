@@ -50,6 +50,7 @@ from .runtime import backend_choice
 from .runtime.interop import in_layout_of
 from .runtime.keyed import KeyedCache
 from .runtime.prepared import PreparedRun, prepare
+from .runtime.training import differentiable
 
 CAUSAL = (None, "top_left", "bottom_right")
 SMALLEST_BUCKET = 16
@@ -278,7 +279,7 @@ def varlen_attention(
     # nothing of it (a call under no_grad needs no stats and no backward).
     options.train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
     try:
-        return _Varlen.apply(q, k, v, lengths_q, lengths_k, options, sinks, cu_seqlens_q)
+        return differentiable(_VarlenCall(options, sinks), q, k, v, lengths_q, lengths_k, sinks, cu_seqlens_q)
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
         raise error.renamed(_NAMES, context=context) from None
 
@@ -319,10 +320,19 @@ class _Options:
 _backward_prepared: weakref.WeakSet[PreparedRun] = weakref.WeakSet()  # forward runs whose backward is prepared
 
 
-@backend_choice.kept_for_backward
-class _Varlen(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, lengths_q, lengths_k, options, sinks, cu_seqlens_q):  # type: ignore[override]
+class _VarlenCall:
+    """One packed call as the training seam runs it (``runtime/training.py``): inputs
+    ``(q, k, v, lengths_q, lengths_k, sinks, cu_seqlens_q)``, outputs ``out`` (and the LSE by
+    token, no gradient through it, with ``options.lse``)."""
+
+    def __init__(self, options: _Options, sinks: torch.Tensor | None):
+        self.options = options
+        self.sink_meta = None if sinks is None else (sinks.shape, sinks.dtype)
+        self.non_differentiable: tuple[int, ...] = (1,) if options.lse else ()
+
+    def forward(self, inputs: tuple) -> tuple[tuple[torch.Tensor, ...], tuple, None]:
+        q, k, v, lengths_q, lengths_k, sinks, cu_seqlens_q = inputs
+        options = self.options
         train = options.train
         sink = sink_token(sinks)
         run = _forward_run(q, k, v, lengths_q, lengths_k, options, train or options.lse, sink)
@@ -335,29 +345,25 @@ class _Varlen(torch.autograd.Function):
             # cannot run is refused here, not after a forward the caller has built on.
             _backward_run(q, k, v, out, out, outputs["stats"], lengths_q, lengths_k, options, sink)
             _backward_prepared.add(run)
-        if train:
-            ctx.save_for_backward(q, k, v, out, outputs["stats"], lengths_q, lengths_k, sink)
-            ctx.options, ctx.sink_meta = options, None if sinks is None else (sinks.shape, sinks.dtype)
+        saved = (q, k, v, out, outputs["stats"], lengths_q, lengths_k, sink) if train else ()
         if not options.lse:
-            return out
-        lse = lse_by_token(outputs["stats"], cu_seqlens_q, q.shape[0])
-        ctx.mark_non_differentiable(lse)  # gradients flow through out alone
-        return out, lse
+            return (out,), saved, None
+        return (out, lse_by_token(outputs["stats"], cu_seqlens_q, q.shape[0])), saved, None
 
-    @staticmethod
-    def backward(ctx, d_out, *_):  # type: ignore[override]
-        q, k, v, out, stats, lengths_q, lengths_k, sink = ctx.saved_tensors
-        d_out = in_layout_of(d_out, out)
-        run = _backward_run(q, k, v, out, d_out, stats, lengths_q, lengths_k, ctx.options, sink)
-        grads = {
+    def backward(self, saved: tuple, state: None, grads: tuple, needs: tuple[bool, ...]) -> tuple:
+        q, k, v, out, stats, lengths_q, lengths_k, sink = saved
+        d_out = in_layout_of(grads[0], out)
+        run = _backward_run(q, k, v, out, d_out, stats, lengths_q, lengths_k, self.options, sink)
+        found = {
             role: torch.zeros_like(t) for role, t in zip(("grad_q", "grad_k", "grad_v"), (q, k, v))
         }  # rows no sequence covers stay zero
-        inputs = ctx.options.inputs(
+        inputs = self.options.inputs(
             q=q, k=k, v=v, o=out, grad_o=d_out, stats=stats, seq_len_q=lengths_q, seq_len_kv=lengths_k, sink_token=sink
         )
-        written = run.run(inputs, grads)
-        d_sink = None if sink is None else written["grad_sink"].reshape(ctx.sink_meta[0]).to(ctx.sink_meta[1])
-        return (*grads.values(), None, None, None, d_sink, None)
+        written = run.run(inputs, found)
+        meta = self.sink_meta
+        d_sink = None if meta is None else written["grad_sink"].reshape(meta[0]).to(meta[1])
+        return (*found.values(), None, None, d_sink, None)
 
 
 def _spec(t: torch.Tensor) -> TensorSpec:

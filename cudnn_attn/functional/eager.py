@@ -6,7 +6,7 @@ later call with that key, so those pay a tuple, a lock-free dict lookup and the 
 launches: no re-validation, no placeholder tensors, no custom-op dispatch. Which engine runs a
 signature is ``ops.dispatch.select_call``'s choice: torch's own kernels (its cuDNN attention op
 for training calls it serves, its SDPA kernel for what cuDNN lacks) run the call themselves;
-otherwise the graphs run it, training through a plain ``torch.autograd.Function``.
+otherwise the graphs run it, training through the one training seam (``runtime/training.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ..runtime import backend_choice
 from ..runtime.interop import in_layout_of
 from ..runtime.keyed import KeyedCache
 from ..runtime.prepared import PreparedRun
+from ..runtime.training import differentiable
 from . import problems
 from .arguments import ARGUMENT_NAMES, causal_kind, check_arguments, mask_as_bias, materialised
 
@@ -140,21 +141,38 @@ class Prepared:
         q, k, v = self.layouts(query, key, value)
         if self.plain:  # (q, k, v) alone, the common case: straight to the plan
             if self.train:
-                return _Attention.apply(q, k, v, None, self, None)
+                return differentiable(self, q, k, v, None, None, None)
             return self.forward_run.run_ordered((q, k, v))[0]  # type: ignore[union-attr]
         bias = None if attn_mask is None else mask_as_bias(attn_mask, q, k.shape[-2])
         rng = self.rng() if self.dropout_p else None
         if self.train:
-            return _Attention.apply(q, k, v, bias, self, rng)
-        return self.forward(q, k, v, bias, rng)[0]
+            return differentiable(self, q, k, v, bias, *(rng or (None, None)))
+        return self.run_forward(q, k, v, bias, rng)[0]
 
-    def forward(self, q, k, v, bias, rng) -> list[torch.Tensor]:
+    # ---- Trainable (runtime/training.py): inputs (q, k, v, bias, seed, offset) ----------------
+
+    non_differentiable: tuple[int, ...] = ()
+
+    def forward(self, inputs: tuple) -> tuple[tuple[torch.Tensor], tuple, None]:
+        q, k, v, bias, seed, offset = inputs
+        out, stats = self.run_forward(q, k, v, bias, None if seed is None else (seed, offset))
+        return (out,), (q, k, v, bias, out, stats, seed, offset), None
+
+    def backward(self, saved: tuple, state: None, grads: tuple, needs: tuple[bool, ...]) -> tuple:
+        q, k, v, bias, out, stats, seed, offset = saved
+        bias_grad = bias is not None and needs[3]
+        found = self.run_backward(q, k, v, out, grads[0], stats, bias, seed, offset, bias_grad)
+        return found[0], found[1], found[2], (found[3] if bias_grad else None), None, None
+
+    # ---- the runs ---------------------------------------------------------------------------
+
+    def run_forward(self, q, k, v, bias, rng) -> list[torch.Tensor]:
         assert self.forward_run is not None
         if self.plain:
             return self.forward_run.run_ordered((q, k, v))
         return self.forward_run.run_ordered([t for t in (q, k, v, bias, *(rng or ())) if t is not None])
 
-    def backward(self, q, k, v, out, d_out, stats, bias, seed, offset, bias_grad: bool) -> list[torch.Tensor]:
+    def run_backward(self, q, k, v, out, d_out, stats, bias, seed, offset, bias_grad: bool) -> list[torch.Tensor]:
         d_out = in_layout_of(d_out, out)
         run = self.backward_runs.get(bias_grad)
         if run is None:
@@ -175,26 +193,6 @@ class Prepared:
                 self.backend,
             )
         return run.run_ordered(problems.backward_inputs(q, k, v, out, d_out, stats, bias, self.dropout_p, seed, offset))
-
-
-@backend_choice.kept_for_backward
-class _Attention(torch.autograd.Function):
-    """Eager training: the forward graph with stats, the backward graph on demand."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, bias, entry: Prepared, rng):  # type: ignore[override]
-        out, stats = entry.forward(q, k, v, bias, rng)
-        seed, offset = rng if rng is not None else (None, None)
-        ctx.save_for_backward(q, k, v, bias, out, stats, seed, offset)
-        ctx.entry = entry
-        return out
-
-    @staticmethod
-    def backward(ctx, d_out):  # type: ignore[override]
-        q, k, v, bias, out, stats, seed, offset = ctx.saved_tensors
-        bias_grad = bias is not None and ctx.needs_input_grad[3]
-        grads = ctx.entry.backward(q, k, v, out, d_out, stats, bias, seed, offset, bias_grad)
-        return grads[0], grads[1], grads[2], (grads[3] if bias_grad else None), None, None
 
 
 def clear() -> None:

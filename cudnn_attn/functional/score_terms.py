@@ -9,7 +9,7 @@ scores become ``cap * tanh(s / cap)`` before the mask and bias; cuDNN runs it as
 its own beside a modifier). ``window_size`` is FlashAttention's ``(left, right)`` band
 (``core/mask.window_band``). Calls with any of them take this path: the forward problem with its stats
 and the backward problem (with ``dSink_token``), each prepared once per geometry
-(``runtime.prepare``), through one autograd function. Dropout draws a fresh seed per call from
+(``runtime.prepare``), through the one training seam (``runtime/training.py``). Dropout draws a fresh seed per call from
 torch's default generator, as ``sdpa``'s does; the backward reuses the forward's mask.
 
 Under ``torch.compile`` the same runs sit behind two custom ops (``cudnn_attn::sdpa_terms_forward``
@@ -34,6 +34,7 @@ from ..runtime import backend_choice
 from ..runtime.interop import in_layout_of
 from ..runtime.keyed import KeyedCache
 from ..runtime.prepared import PreparedRun, prepare
+from ..runtime.training import differentiable
 from .arguments import ARGUMENT_NAMES, batched, causal_kind, check_arguments
 
 MAX_RUNS = 256
@@ -84,7 +85,7 @@ def score_terms_sdpa(
     # A fresh dropout seed from torch's default generator (torch.manual_seed repeats it); the
     # backward reuses the forward's mask through the same seed and offset.
     rng = (torch.randint(0, 2**62, (1,), dtype=torch.int64), torch.zeros(1, dtype=torch.int64)) if dropout_p else None
-    return _ScoreTermsAttention.apply(q, k, v, bias, sinks, options, modifier, rng)
+    return differentiable(_ScoreTermsCall(options, modifier, rng, sinks), q, k, v, bias, sinks)
 
 
 def _sink_spec(q: torch.Tensor) -> TensorSpec:
@@ -139,14 +140,16 @@ def _forward_run(q, k, v, bias, sink, options: ScoreOptions, modifier, rng) -> P
     return run
 
 
-def _backward_run(ctx, q, k, v, bias, sink, out, d_out, stats, rng) -> PreparedRun:
-    grad_bias = bias is not None and ctx.needs_input_grad[3]
+def _backward_run(
+    options: ScoreOptions, modifier, grad_bias: bool, q, k, v, bias, sink, out, d_out, stats, rng
+) -> PreparedRun:
+    grad_bias = bias is not None and grad_bias
     fast = (
         *(_geometry(t) for t in (q, k, v, out, d_out, stats, bias)),
         grad_bias,
         sink is not None,
-        ctx.options,
-        ctx.modifier,
+        options,
+        modifier,
         backend_choice.chosen(),
     )
     run = _backward_runs.get(fast)
@@ -159,11 +162,11 @@ def _backward_run(ctx, q, k, v, bias, sink, out, d_out, stats, rng) -> PreparedR
             spec(out),
             spec(d_out),
             spec(stats),
-            ctx.options,
+            options,
             bias=None if bias is None else spec(bias),
             grad_bias=grad_bias,
             sink_token=None if sink is None else _sink_spec(q),
-            score_mod=ctx.modifier,
+            score_mod=modifier,
             dropout_seed=_rng_specs(rng)[0],
             dropout_offset=_rng_specs(rng)[1],
         )
@@ -183,11 +186,12 @@ def _forward(q, k, v, bias, sink, options: ScoreOptions, modifier, rng) -> tuple
     return outputs["o"], outputs["stats"]
 
 
-def _backward(ctx, q, k, v, bias, sink, out, d_out, stats, rng) -> dict[str, torch.Tensor]:
-    """dQ, dK, dV (and dBias, dSink where asked) of one call; ``ctx`` holds the options, the
-    modifier and which inputs need gradients."""
+def _backward(
+    options: ScoreOptions, modifier, grad_bias: bool, q, k, v, bias, sink, out, d_out, stats, rng
+) -> dict[str, torch.Tensor]:
+    """dQ, dK, dV (and dBias where ``grad_bias``, dSink where there is a sink) of one call."""
     d_out = in_layout_of(d_out, out)
-    run = _backward_run(ctx, q, k, v, bias, sink, out, d_out, stats, rng)
+    run = _backward_run(options, modifier, grad_bias, q, k, v, bias, sink, out, d_out, stats, rng)
     inputs = {"q": q, "k": k, "v": v, "o": out, "grad_o": d_out, "stats": stats}
     if rng is not None:
         inputs["dropout_seed"], inputs["dropout_offset"] = rng
@@ -198,27 +202,30 @@ def _backward(ctx, q, k, v, bias, sink, out, d_out, stats, rng) -> dict[str, tor
     return run.run(inputs)
 
 
-@backend_choice.kept_for_backward
-class _ScoreTermsAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, bias, sinks, options: ScoreOptions, modifier, rng):  # type: ignore[override]
-        sink = sink_token(sinks)
-        out, stats = _forward(q, k, v, bias, sink, options, modifier, rng)
-        ctx.rng = rng
-        ctx.save_for_backward(q, k, v, bias, sink, out, stats)
-        ctx.options, ctx.modifier = options, modifier
-        ctx.sink_meta = None if sinks is None else (sinks.shape, sinks.dtype)
-        return out
+class _ScoreTermsCall:
+    """One call with score terms, as the training seam runs it (``runtime/training.py``):
+    inputs ``(q, k, v, bias, sinks)``; the options, modifier and dropout seed are the call's."""
 
-    @staticmethod
-    def backward(ctx, d_out):  # type: ignore[override]
-        q, k, v, bias, sink, out, stats = ctx.saved_tensors
-        grads = _backward(ctx, q, k, v, bias, sink, out, d_out, stats, ctx.rng)
+    non_differentiable: tuple[int, ...] = ()
+
+    def __init__(self, options: ScoreOptions, modifier: Any, rng: tuple | None, sinks: Any):
+        self.options, self.modifier, self.rng = options, modifier, rng
+        self.sink_meta = None if sinks is None else (sinks.shape, sinks.dtype)
+
+    def forward(self, inputs: tuple) -> tuple[tuple[torch.Tensor], tuple, None]:
+        q, k, v, bias, sinks = inputs
+        sink = sink_token(sinks)
+        out, stats = _forward(q, k, v, bias, sink, self.options, self.modifier, self.rng)
+        return (out,), (q, k, v, bias, sink, out, stats), None
+
+    def backward(self, saved: tuple, state: None, grads: tuple, needs: tuple[bool, ...]) -> tuple:
+        q, k, v, bias, sink, out, stats = saved
+        found = _backward(self.options, self.modifier, needs[3], q, k, v, bias, sink, out, grads[0], stats, self.rng)
         d_sink = None
-        if ctx.sink_meta is not None:
-            shape, dtype = ctx.sink_meta
-            d_sink = grads["grad_sink"].reshape(shape).to(dtype)
-        return grads["grad_q"], grads["grad_k"], grads["grad_v"], grads.get("grad_bias"), d_sink, None, None, None
+        if self.sink_meta is not None:
+            shape, dtype = self.sink_meta
+            d_sink = found["grad_sink"].reshape(shape).to(dtype)
+        return found["grad_q"], found["grad_k"], found["grad_v"], found.get("grad_bias"), d_sink
 
 
 def compiled_score_terms_sdpa(
@@ -315,8 +322,7 @@ def sdpa_terms_backward(
     bias_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     options, modifier = _op_options(q, k, scale, causal, dropout_p, window, right_bound, softcap)
-    ctx = _OpContext(options, modifier, bias_grad)
-    grads = _backward(ctx, q, k, v, bias, sink, out, d_out, stats, _op_rng(seed, offset))
+    grads = _backward(options, modifier, bias_grad, q, k, v, bias, sink, out, d_out, stats, _op_rng(seed, offset))
     d_bias = grads["grad_bias"] if bias_grad else q.new_empty(0)
     d_sink = grads["grad_sink"].reshape(sink.shape).to(torch.float32) if sink is not None else q.new_empty(0)
     return grads["grad_q"], grads["grad_k"], grads["grad_v"], d_bias, d_sink
@@ -350,14 +356,6 @@ def _(
     )
     d_sink = sink.new_empty(sink.shape) if sink is not None else q.new_empty(0)
     return (*grads, d_bias, d_sink)
-
-
-class _OpContext:
-    """What ``_backward_run`` reads from an autograd context, for the custom backward op."""
-
-    def __init__(self, options: ScoreOptions, modifier: Any, bias_grad: bool):
-        self.options, self.modifier = options, modifier
-        self.needs_input_grad = (True, True, True, bias_grad)
 
 
 def _setup_context(ctx, inputs, output):
