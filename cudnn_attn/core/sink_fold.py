@@ -50,10 +50,13 @@ def sink_gradient(
     gradient is ``P_sink * (0 - D)``, ``D = rowsum(dO * O) * descale`` (FP8: descale_dO * descale_O;
     dropout is already inside O). Needs only the forward's O and stats: a backward run without
     the sink, given the stats that include it, makes dQ, dK, dV, and this makes the rest."""
-    delta = _row_dot(d_o, o, stats.dtype).unsqueeze(-1) * descale
-    lse = torch.where(torch.isneginf(stats), torch.zeros_like(stats), stats)
-    p_sink = torch.where(torch.isneginf(stats), torch.zeros_like(stats), torch.exp(sink.to(stats.dtype) - lse))
-    return -(p_sink * delta).sum(dim=(0, 2, 3), keepdim=True).view(1, -1, 1, 1)
+    delta = _row_dot(d_o, o, stats.dtype).unsqueeze(-1)
+    if not (isinstance(descale, float) and descale == 1.0):
+        delta = delta * descale
+    # exp(sink - L) <= 1 where L holds the sink; a row with no key and no sink (L = -inf) gives
+    # +inf, set to 0: few launches, as this runs once per backward of every sink layer.
+    p_sink = torch.exp(sink.to(stats.dtype) - stats).nan_to_num_(nan=float("nan"), posinf=0.0)
+    return torch.sum(p_sink * delta, dim=(0, 2, 3), keepdim=True).neg_().view(1, -1, 1, 1)
 
 
 def packed_sink_gradient(
