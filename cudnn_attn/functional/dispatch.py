@@ -180,6 +180,12 @@ def sdpa(
         out = sdpa_eager.run(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if out is not None:
             return out
+        check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        # Another rank ([L, E], [H, L, E], [N, ..., H, L, E]) or scalars of other types: the same
+        # door on the call's 4-D views, not the compile op (whose dispatch costs host time).
+        out = _eager_on_4d(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if out is not None:
+            return out
     check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     causal = causal_kind(is_causal)
     train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask))
@@ -200,6 +206,17 @@ def sdpa(
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
         raise error.renamed(ARGUMENT_NAMES, context="sdpa") from None
     return restore(out)
+
+
+def _eager_on_4d(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> torch.Tensor | None:
+    """A checked call through the eager door on ``[B, H, L, E]`` views, in the caller's rank;
+    None where that door does not take it (tensor subclasses). A mask keeps its own form (bool
+    or float) unless the caller's batch dims had to be flattened into it."""
+    views = batched(query, key, value, attn_mask, scale)
+    q, k, v, bias, resolved, restore = views
+    mask = bias if attn_mask is not None and query.dim() > 4 and attn_mask.dim() > 3 else attn_mask
+    out = sdpa_eager.run(q, k, v, mask, float(dropout_p), causal_kind(is_causal), resolved, bool(enable_gqa))
+    return None if out is None else restore(out)
 
 
 def _windowed(window_size: object) -> bool:
