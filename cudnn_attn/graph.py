@@ -22,19 +22,17 @@ from contextlib import contextmanager
 from typing import Any
 
 from .cache import PlanCache, default_cache
-from .core import roles
 from .core.dtypes import data_type
-from .core.problem import AttentionProblem, Op
-from .core.roles import BACKWARD_INPUTS, PAGED_INPUTS, SDPA_INPUTS
+from .core.problem import AttentionProblem
 from .errors import GraphStateError
 from .frontend import options, plans, serialized, tensors
 from .frontend.declared import DeclaredIO, mark_outputs
 from .frontend.execute import execute_at_index, execute_pack
 from .ops.cudnn.autotune import enabled_by_default as autotune_default
-from .recording import interpret, state
+from .recording import ops_table, state
 from .recording.build import runner_for
 from .recording.handles import InputHandle, OutputHandle
-from .recording.keywords import publishes_mask_keywords, stats_requested
+from .recording.keywords import publishes_mask_keywords
 from .runtime import lifecycle
 from .runtime.runner import Runner
 
@@ -239,7 +237,8 @@ class Graph:
     # ---- ops -----------------------------------------------------------------------------------
     # Each op records its call and returns its output handles; the call is interpreted (keywords
     # parsed, tensors bound) when the graph is built, and only where no earlier build of the same
-    # recording can be adopted (recording/reuse.py).
+    # recording can be adopted (recording/reuse.py). Each passes its parameters by name, as
+    # locals() (nothing else is bound before): recording/ops_table.py declares which it reads.
 
     @publishes_mask_keywords
     def sdpa(
@@ -343,16 +342,7 @@ class Graph:
         """
         if kv_cache_layout is None and self.virtual_outputs and paged_attention_k_table is not None:
             kv_cache_layout = "NHPD"  # pygraph: caches are [num_pages, H_kv, page_size, D] by dims, as in the frontend
-        paged = (paged_attention_k_table, paged_attention_v_table, paged_attention_max_seq_len_kv, kv_cache_layout)
-        args = (q, k, v, is_inference, generate_stats, *paged, compute_data_type, rng_dump)
-        stats = stats_requested(is_inference, generate_stats, [])  # its errors are reported at build
-        outputs: tuple[str, ...] = ("o", "stats") if stats else ("o",)
-        outputs += ("rng_dump",) if rng_dump is not None else ()
-        node = self.recording.record_call(
-            Op.FORWARD, name, SDPA_INPUTS, "sdpa", interpret.interpret_sdpa, args, mask, outputs
-        )
-        if rng_dump is not None:
-            self.recording.caller_output(node, "rng_dump", rng_dump)
+        node = self.recording.record_call(ops_table.SDPA, locals())
         return node.outputs["o"], node.outputs.get("stats")
 
     @publishes_mask_keywords
@@ -414,10 +404,7 @@ class Graph:
             out = g(q, k_cache, v_cache, table, lengths)  # [2, 4, 1, 64]
             ```
         """
-        args = (q, k, v, page_table, seq_len_q, seq_len_kv, page_table_v, max_seq_len_kv, kv_cache_layout)
-        node = self.recording.record_call(
-            Op.FORWARD, name, PAGED_INPUTS, "sdpa_with_paged_cache", interpret.interpret_paged, args, mask, ("o",)
-        )
+        node = self.recording.record_call(ops_table.PAGED, locals())
         return node.outputs["o"], None
 
     @publishes_mask_keywords
@@ -485,19 +472,8 @@ class Graph:
             dq, dk, dv = bwd(q, k, v, o, d_o, stats)
             ```
         """
-        args = (q, k, v, o, dO, stats, use_deterministic_algorithm, bias_grad, dBias, compute_data_type)
-        roles: tuple[str, ...] = ("grad_q", "grad_k", "grad_v")
-        if interpret.flag_true(bias_grad) or dBias is not None:
-            roles += ("grad_bias",)
-        written = roles + (("grad_sink",) if dSink_token is not None else ())
-        interpreter = interpret.interpret_backward
-        node = self.recording.record_call(
-            Op.BACKWARD, name, BACKWARD_INPUTS, "sdpa_backward", interpreter, args, mask, written
-        )
-        for role, given in (("grad_bias", dBias), ("grad_sink", dSink_token)):
-            if given is not None:
-                self.recording.caller_output(node, role, given)
-        if dBias is not None or dSink_token is not None:
+        node = self.recording.record_call(ops_table.BACKWARD, locals())
+        if dBias is not None or dSink_token is not None:  # the caller's tensors receive them: not returned
             return tuple(node.outputs[role] for role in ("grad_q", "grad_k", "grad_v"))
         return tuple(node.outputs.values())
 
@@ -569,14 +545,7 @@ class Graph:
             out, amax_s, amax_o = g(q, k, v, *scales)  # O in float8_e4m3fn
             ```
         """
-        scales = (descale_q, descale_k, descale_v, descale_s, scale_s, scale_o)
-        args = (q, k, v, scales, is_inference, generate_stats, compute_data_type, fn)
-        stats = stats_requested(is_inference, generate_stats, [])  # its errors are reported at build
-        outputs = ("o", "stats", *roles.FP8_AMAXES) if stats else ("o", *roles.FP8_AMAXES)
-        node = self.recording.record_call(
-            Op.FORWARD, name, roles.FP8_INPUTS, "sdpa_fp8", interpret.interpret_fp8, args, mask, outputs
-        )
-        node.fp8 = True
+        node = self.recording.record_call(ops_table.FP8, locals())
         return node.outputs["o"], node.outputs.get("stats"), node.outputs["amax_s"], node.outputs["amax_o"]
 
     @publishes_mask_keywords
@@ -643,19 +612,8 @@ class Graph:
         Returns:
             ``(dQ, dK, dV, Amax_dQ, Amax_dK, Amax_dV, Amax_dP)`` handles.
         """
-        descales = (descale_q, descale_k, descale_v, descale_o, descale_dO, descale_s, descale_dP)
-        scales = (*descales, scale_s, scale_dQ, scale_dK, scale_dV, scale_dP)
-        args = (q, k, v, o, dO, stats, scales, use_deterministic_algorithm, compute_data_type)
-        outputs = ("grad_q", "grad_k", "grad_v", *roles.FP8_BACKWARD_AMAXES)
-        written = outputs + (("grad_sink",) if dSink_token is not None else ())
-        op_inputs, interpreter = roles.FP8_BACKWARD_INPUTS, interpret.interpret_fp8_backward
-        node = self.recording.record_call(
-            Op.BACKWARD, name, op_inputs, "sdpa_fp8_backward", interpreter, args, mask, written
-        )
-        node.fp8 = True
-        if dSink_token is not None:
-            self.recording.caller_output(node, "grad_sink", dSink_token)
-        return tuple(node.outputs[role] for role in outputs)
+        node = self.recording.record_call(ops_table.FP8_BACKWARD, locals())
+        return tuple(handle for role, handle in node.outputs.items() if role != "grad_sink")
 
     # ---- build and run -------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """``cudnn_attn.recording``: what ``Graph`` records and how a recording becomes a build (Graph's
 machinery; ``graph.py`` holds only its public methods). ``handles`` (the tensor handles ops take
-and return), ``node`` (one recorded op), ``keywords`` (the mask keywords, parsed once), ``state``
+and return), ``node`` (one recorded op), ``ops_table`` (each op declared once: its parameters,
+roles and outputs), ``keywords`` (the mask keywords, parsed once), ``state``
 (a graph's recording: nodes, inputs, names, calls), ``interpret`` (each op's recorded call,
 interpreted at build), ``score_mod`` (score_mod callbacks traced), ``assembly`` (node ->
 ``AttentionProblem``), ``pairing`` (a backward fed its forward's outputs), ``build`` (adopt an

@@ -18,7 +18,7 @@ from ..core import bounds, validation
 from ..errors import UnsupportedError, ValidationError
 from ..runtime import planner
 from ..runtime.runner import Runner
-from . import reuse
+from . import interpret, reuse
 from .assembly import assemble_problem, missing_inputs
 from .handles import InputHandle
 from .node import Node
@@ -41,7 +41,7 @@ def runner_for(
     earlier = cache.recorded.get(key) if key is not None else None
     if earlier is not None and cache.touch(earlier.cache_keys):
         return reuse.adopt(recording, earlier, handle)
-    recording.interpret()
+    interpret.interpret_calls(recording)
     validate_nodes(recording.nodes, dtypes, recording.name)
     plan_nodes(recording.nodes, backend, autotune, cache, recording.name)
     recording.inputs = positional_inputs(recording.nodes)

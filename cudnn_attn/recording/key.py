@@ -11,7 +11,7 @@ built in full, as always.
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -56,7 +56,8 @@ class RecordingKey:
         self.tensors: list[torch.Tensor] = []
         self._slots: dict[int, int] = {}  # id(tensor) -> index in tensors
 
-    def add(self, recording: Recorded, method: str, name: Any, args: tuple, mask: dict[str, Any]) -> None:
+    def add(self, recording: Recorded, method: str, names: tuple[str, ...], arguments: Mapping[str, Any]) -> None:
+        """One op's part: its method, its arguments (``names``, in its table's order), its mask keywords."""
         if not self.keyed:
             return
         try:
@@ -64,9 +65,13 @@ class RecordingKey:
             # None is the commonest argument (unused keywords): kept inline, as are mask scalars.
             part = (
                 method,
-                None if name is None else of(name, recording),
-                tuple([a if a is None else of(a, recording) for a in args]),
-                tuple([(k, (type(v), v) if type(v) in _SCALARS else of(v, recording)) for k, v in mask.items()]),
+                tuple([a if (a := arguments[n]) is None else of(a, recording) for n in names]),
+                tuple(
+                    [
+                        (k, (type(v), v) if type(v) in _SCALARS else of(v, recording))
+                        for k, v in arguments["mask"].items()
+                    ]
+                ),
             )
         except _UnkeyedError:
             self.keyed = False

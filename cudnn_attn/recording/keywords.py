@@ -217,6 +217,11 @@ def stats_requested(is_inference: Any, generate_stats: Any, errors: list[str]) -
     return not is_inference if is_inference is not None else False
 
 
+def flag_true(flag: Any) -> bool:
+    """Whether a flag keyword is set (``True`` or ``1``; anything else is reported where it is checked)."""
+    return flag is True or (type(flag) is int and flag == 1)
+
+
 # ---- one keyword each -------------------------------------------------------------------
 
 

@@ -9,7 +9,7 @@ tensors bound to input handles) unless an earlier identical recording's build is
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -21,10 +21,9 @@ from ..runtime import interop
 from . import score_mod
 from .handles import InputHandle, OutputHandle, TensorHandle
 from .key import RecordingKey
-from .keywords import MaskKeywords, collect_keywords, parse_keywords
+from .keywords import MaskKeywords, collect_keywords, flag_true, parse_keywords, stats_requested
 from .node import Node
-
-Interpret = Callable[..., None]  # (recording, node, mask, *args) -> None
+from .ops_table import STATS, OpSpec
 
 
 class Recording:
@@ -36,7 +35,7 @@ class Recording:
         self.inputs: list[InputHandle] = []  # in creation order; positional order once built
         self.by_identity: dict[int, InputHandle] = {}  # id(argument) -> its handle
         self.names: set[str] = set()
-        self.calls: list[tuple[Interpret, Node, tuple, dict[str, Any]]] = []
+        self.calls: list[tuple[OpSpec, Node, Mapping[str, Any]]] = []  # interpret.interpret_calls reads them
         self.interpreted = False
         self.made: list[InputHandle] = []  # handles made with tensor()/tensor_like(), in order
         self.key = RecordingKey(options)
@@ -133,32 +132,36 @@ class Recording:
 
     # ---- recording calls -------------------------------------------------------------------------
 
-    def record_call(
-        self,
-        op: Op,
-        name: str | None,
-        positional: tuple[str, ...],
-        method: str,
-        interpret: Interpret,
-        args: tuple,
-        mask: dict[str, Any],
-        outputs: tuple[str, ...],
-    ) -> Node:
-        """A new node with its output handles; its call kept for the build to interpret."""
+    def record_call(self, spec: OpSpec, arguments: Mapping[str, Any]) -> Node:
+        """A new node with its output handles (``spec``'s, those the call asks for); the call,
+        ``arguments`` by parameter name, kept for the build to interpret."""
         if self.built:  # tested here, not by a call: a graph made per call records on its hot path
-            self.check_open(method)
-        self.key.add(self, method, name, args, mask)
+            self.check_open(spec.name)
+        self.key.add(self, spec.name, spec.arguments, arguments)
+        op, name = spec.op, arguments["name"]
         count = sum(1 for n in self.nodes if n.op is op)
-        node = Node(op=op, name=op.value if count == 0 else f"{op.value}_{count}", positional=positional)
+        node = Node(op=op, name=op.value if count == 0 else f"{op.value}_{count}", positional=spec.inputs, fp8=spec.fp8)
         if name is not None:
             if isinstance(name, str):
                 node.name = name
             else:
                 node.errors.append(f"name: {name!r}; expected a string")
         self.nodes.append(node)
-        for role in outputs:
-            self.new_output(node, role)
-        self.calls.append((interpret, node, args, mask))
+        for output in spec.outputs:
+            given = arguments[output.given] if output.given is not None else None
+            if given is not None:
+                made = True
+            elif output.flag == STATS:  # its errors are reported at build
+                made = stats_requested(arguments["is_inference"], arguments["generate_stats"], [])
+            elif output.flag is not None:
+                made = flag_true(arguments[output.flag])
+            else:
+                made = output.given is None
+            if made:
+                self.new_output(node, output.role)
+            if given is not None:
+                self.caller_output(node, output.role, given)
+        self.calls.append((spec, node, arguments))
         return node
 
     def new_output(self, node: Node, role: str, name: str | None = None) -> OutputHandle:
@@ -168,14 +171,6 @@ class Recording:
         self._output_count += 1
         node.outputs[role] = handle
         return handle
-
-    def interpret(self) -> None:
-        """Parse and bind every recorded call (once: a build that failed validation keeps them)."""
-        calls, self.calls, self.interpreted = self.calls, [], True
-        for interpret, node, args, mask in calls:
-            interpret(self, node, mask, *args)
-        for node in self.nodes:
-            bind_offsets(node)
 
     def forget_tensors(self) -> None:
         """Built: templates only served the build-time checks; holding them would keep the first
