@@ -161,6 +161,8 @@ class Recording:
                 self.new_output(node, output.role)
             if given is not None:
                 self.caller_output(node, output.role, given)
+        if isinstance(arguments, dict):  # the method's locals(): its graph would keep itself alive
+            arguments.pop("self", None)
         self.calls.append((spec, node, arguments))
         return node
 
