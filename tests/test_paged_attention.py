@@ -10,6 +10,8 @@ from conftest import rel_err
 
 import cudnn_attn
 from cudnn_attn.errors import ValidationError
+from cudnn_attn.ops import dispatch
+from cudnn_attn.ops.decode_step import DecodeStep
 from cudnn_attn.serving import schedule as paged_schedule
 
 HQ, HKV, D, PAGE = 8, 2, 32, 16
@@ -333,22 +335,32 @@ def test_a_prefill_run_needs_the_planned_tokens():
         attn.run(q.view(1, 12, HQ, D), k_cache, v_cache)
 
 
+def decode_schedule(batch, pages, heads, kv_heads, s_q, *, runs=True, requested="auto", mla=False, hopper=False):
+    """The layout of a captured step, page 64, on the kernel ``ops/dispatch`` chooses: ``runs``
+    whether the Triton kernel runs here, ``hopper`` whether MLA's Hopper kernel serves."""
+    dims = (576, 512) if mla else (64, 64)
+    step = DecodeStep("cuda:0", batch, heads, kv_heads, s_q, 64, *dims, True, False, runs, hopper, 64)
+    kernel = dispatch.select_decode(step, requested)
+    return paged_schedule.choose(batch, pages, 64, heads, kv_heads, s_q, kernel=kernel, mla=mla)
+
+
 @pytest.mark.parametrize("batch,pages", [(1, 32), (1, 512), (4, 128), (8, 512), (64, 64)])
 @pytest.mark.parametrize("s_q", [1, 4, 16])
 def test_decode_takes_the_triton_kernel_where_it_serves(batch, pages, s_q):
     """Page 64, 32 query / 8 K/V heads: the Triton kernel (group and tokens packed, split, the
     causal mask inside: no tail), measured faster than cuDNN's calls at every batch, cache length
     and token count; cuDNN's calls where Triton is missing or the tile would pass 64 rows."""
-    schedule = paged_schedule.choose(batch, pages, 64, 32, 8, s_q, triton=True)
+    schedule = decode_schedule(batch, pages, 32, 8, s_q)
     assert (schedule.kernel, schedule.packed, schedule.tail) == ("triton", True, False)
     assert 1 <= schedule.splits <= pages and schedule.splits * schedule.chunk_pages >= pages
     assert schedule.splits == 1 or (schedule.splits - 1) * schedule.chunk_pages < pages  # no empty chunk
-    plain = paged_schedule.choose(batch, pages, 64, 32, 8, s_q, triton=False)  # no Triton here
+    plain = decode_schedule(batch, pages, 32, 8, s_q, runs=False)  # no Triton here
     assert plain.kernel == "cudnn" and plain.tail == (s_q > 1)
-    wide = paged_schedule.choose(batch, pages, 64, 64, 2, s_q, triton=True)  # 32 heads a group
+    assert plain == paged_schedule.choose(batch, pages, 64, 32, 8, s_q)
+    wide = decode_schedule(batch, pages, 64, 2, s_q)  # 32 heads a group
     assert wide.kernel == ("triton" if 32 * s_q <= 64 else "cudnn")
-    forced = paged_schedule.choose(batch, pages, 64, 64, 2, s_q, triton=True, kernel="triton")
-    assert forced.kernel == wide.kernel  # forced, but the tile cannot hold the rows: cuDNN's calls
+    forced = decode_schedule(batch, pages, 64, 2, s_q, requested="triton")
+    assert forced == wide  # forced, but the tile cannot hold the rows: cuDNN's calls
 
 
 @pytest.mark.parametrize(
@@ -364,11 +376,13 @@ def test_mla_decode_of_one_sequence_with_few_heads_stays_with_cudnn_unless_the_h
         batch, heads, hopper, kernel):  # fmt: skip
     """MLA (one latent head, 576/512, page 64) over 32k tokens: the Triton kernel measured 15% behind
     cuDNN for one sequence of 16 heads, the Hopper kernel 2.8x ahead; one wave of 64-head blocks."""
-    schedule = paged_schedule.choose(batch, 512, 64, heads, 1, 1, triton=True, mla=True, hopper=hopper)
+    schedule = decode_schedule(batch, 512, heads, 1, 1, mla=True, hopper=hopper)
     assert schedule.kernel == kernel
     if kernel == "triton":
         assert schedule.splits * schedule.chunk_pages >= 512
         assert 66 < batch * -(-heads // 64) * schedule.splits <= 132  # about one wave of programs
+    several = decode_schedule(batch, 512, heads, 1, 2, mla=True, hopper=hopper, requested="triton")
+    assert (several.kernel, several.splits, several.packed, several.tail) == ("cudnn", 1, False, True)
 
 
 def test_forcing_the_triton_kernel_where_it_cannot_run_is_refused():

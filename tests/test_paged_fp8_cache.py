@@ -11,6 +11,7 @@ from test_paged_attention import HKV, HQ, PAGE, D, expected, expected_packed, ma
 
 import cudnn_attn
 from cudnn_attn.errors import UnsupportedError, ValidationError
+from cudnn_attn.ops import dispatch
 from cudnn_attn.serving import schedule as paged_schedule
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -78,7 +79,8 @@ def test_what_fp8_caches_cannot_take_is_named():
 def test_fp8_caches_split_twice_as_finely_with_one_query_token():
     # Half the bytes per chunk: one query token wants twice the splits (bench --serving); several
     # query tokens keep the 16-bit layout.
-    geometry = dict(batch=4, pages_per_seq=128, page_size=64, num_q_heads=32, num_kv_heads=8, triton=True)
+    geometry = dict(batch=4, pages_per_seq=128, page_size=64, num_q_heads=32, num_kv_heads=8)
+    geometry["kernel"] = dispatch.DECODE_KERNELS["triton"]
     plain, fp8 = (paged_schedule.choose(**geometry, s_q=1, fp8=f) for f in (False, True))
     assert fp8.kernel == "triton" and fp8.splits == min(paged_schedule.MAX_SPLITS, 2 * plain.splits) > plain.splits
     assert paged_schedule.choose(**geometry, s_q=4, fp8=True) == paged_schedule.choose(**geometry, s_q=4)

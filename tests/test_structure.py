@@ -584,22 +584,11 @@ def test_a_name_shadowing_a_submodule_is_caught():
     assert [line.split(": ")[1].split()[0] for line in found] == ["cudnn_attn.fp8", "cudnn_attn.data_type"]
 
 
-# Which engine runs a problem is chosen in ops/dispatch.py alone (issue 43, move 1): no other layer
-# tells backends apart by name, so a new backend touches ops/ (and runtime/, which passes names on).
+# Which engine runs a problem, and which kernel a paged decode step, is chosen in ops/dispatch.py
+# alone (issue 43, move 1): no other layer tells backends or kernels apart by name, so a new one
+# touches ops/ (and runtime/, which passes names on).
 ENGINE_NAMES = frozenset({"cudnn", "reference", "torch", "torch_cudnn", "triton"})
 CHOOSERS = (f"{PACKAGE}/ops/", f"{PACKAGE}/runtime/")
-# Still choosing for themselves, until the paged-decode kernels join ops/dispatch: serving's split-KV
-# schedule picks cuDNN's calls or the Triton decode kernel, and its benchmarks read that pick.
-DECODE_KERNEL_CHOICE = frozenset(
-    f"{PACKAGE}/{path}"
-    for path in (
-        "serving/schedule.py",
-        "serving/step.py",
-        "serving/paged_attention.py",
-        "bench/mla.py",
-        "bench/serving.py",
-    )
-)
 
 
 def backend_name_comparisons(label: str, source: str) -> list[str]:
@@ -622,7 +611,7 @@ def test_only_ops_and_runtime_compare_backend_names():
     found = [
         line
         for label, source in package_sources().items()
-        if not label.startswith(CHOOSERS) and label not in DECODE_KERNEL_CHOICE
+        if not label.startswith(CHOOSERS)
         for line in backend_name_comparisons(label, source)
     ]
     assert not found, "backend names compared outside ops/ and runtime/:\n" + "\n".join(found)

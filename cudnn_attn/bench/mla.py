@@ -122,7 +122,8 @@ def mla_row(heads: int, batch: int, kv: int, peak: float) -> dict[str, Any]:
     t: dict[str, Any] = {"latents": latents, "table": table, "q": q}
     columns = {"picked": _captured(heads, batch, kv, None, t), "cudnn": _captured(heads, batch, kv, "cudnn", t)}
     picked_attn = columns["picked"][3]
-    if mla_bound.available(q.device) and picked_attn.schedule is not None and picked_attn.schedule.kernel == "triton":
+    picked_schedule = picked_attn.schedule
+    if mla_bound.available(q.device) and picked_schedule is not None and picked_schedule.decode_kernel.one_kernel:
         columns.update(_bounds(heads, batch, picked_attn, t))
     names = list(columns)
     times: dict[str, list[float]] = {name: [] for name in columns}
@@ -142,7 +143,7 @@ def mla_row(heads: int, batch: int, kv: int, peak: float) -> dict[str, Any]:
             "high": max(values),
             "peak_pct": 100 * nbytes / us / 1e6 / peak,
         }
-        if name in ("picked", "cudnn"):  # the no-math columns do no FLOPs
+        if name not in ("read", "bound"):  # the no-math columns do no FLOPs
             row[name]["tflops"] = flops / us / 1e6
     picked, cudnn = (columns[n][1].float() for n in ("picked", "cudnn"))
     row["rel_diff"] = float((picked - cudnn).norm() / cudnn.norm())

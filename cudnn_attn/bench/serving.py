@@ -27,6 +27,7 @@ import torch
 
 from .. import PagedAttention
 from ..kernels.fp8_cast import E4M3_MAX
+from ..ops.dispatch import DECODE_KERNELS
 from .host import round_order
 from .progress import progress
 
@@ -127,7 +128,8 @@ def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
         decode_kernel="cudnn",
     )
     # The other kernel than the one chosen, as a column of its own.
-    other = "cudnn" if _chosen_kernel(ours, t) == "triton" else "triton"
+    chosen = _chosen_kernel(ours, t)
+    other = next(name for name in DECODE_KERNELS if name != chosen)
     forced = PagedAttention(
         HQ,
         HKV,

@@ -6,8 +6,15 @@ with no reasons; each backend passed over is logged at debug with its reasons, a
 runs the problem one ``UnsupportedError`` lists every backend's reasons (xformers'
 ``_run_priority_list``, TransformerEngine's ``get_attention_backend``).
 
-This is the only place backend names are told apart: other layers hold a ``Backend`` and read
-its attributes (``tunable``, ``stores_plans``), or pass a name along.
+The same list chooses a paged decode step's kernel (``select_decode``): cuDNN's paged calls or
+the Triton decode and MLA kernels. ``ops/`` may not import ``kernels/``, so serving hands in
+the kernels' support facts as data (``decode_step.DecodeStep``) rather than registering
+callbacks: the candidates stay named here, in one table beside the others, and the choice is a
+pure function of values that a test states without a GPU.
+
+This is the only place backend names are told apart: other layers hold a ``Backend`` (or a
+``DecodeKernel``) and read its attributes (``tunable``, ``stores_plans``, ``one_kernel``), or
+pass a name along.
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ from .. import log
 from ..core.mask import default_scale
 from ..core.problem import AttentionProblem
 from ..errors import UnsupportedError
+from . import decode_step
 from .base import Backend
+from .decode_step import DecodeStep
 from .reference.backend import ReferenceBackend
 from .torch import cudnn_op, kernel, reasons
 from .torch.call import Call
@@ -184,3 +193,63 @@ def select_call(call: Call, requested: str, torch_op: bool = True) -> CallChoice
         math = not call.on_gpu or reasons.NON_POSITIVE_SCALE in passed
     run = kernel.TorchKernel(why, call.dropout_p, call.causal, call.scale, call.enable_gqa, math)
     return CallChoice(None, run, as_graph=stands_in)
+
+
+@dataclass(frozen=True)
+class DecodeKernel:
+    """What runs a paged decode step, as serving reads it: ``name`` (``decode_kernel=``,
+    ``Schedule.kernel``) and ``one_kernel``: one kernel packs, splits and masks the whole step
+    itself (ours, in ``kernels/``), where cuDNN's paged calls run each part apart, merged after."""
+
+    name: str
+    one_kernel: bool
+
+
+# cuDNN's paged calls go through ``runtime.prepare``, so ``select`` above picks their backend
+# (the reference on the CPU). Prefill always takes them.
+PAGED_CALLS = DecodeKernel("cudnn", one_kernel=False)
+DECODE_KERNELS = {kernel.name: kernel for kernel in (PAGED_CALLS, DecodeKernel("triton", one_kernel=True))}
+
+# The kernels tried for a decode step, by ``decode_kernel=`` ("auto" for None) and device. Ours
+# first where it serves: measured faster than cuDNN's calls at every shape of ``bench --serving``.
+# Asked for by name, the Triton kernel must run here, but a step it cannot lay out runs cuDNN's.
+DECODE_PRIORITY: dict[str, dict[str, tuple[str, ...]]] = {
+    "auto": {"cuda": ("triton", "cudnn"), "cpu": ("cudnn",)},
+    "cudnn": dict.fromkeys(("cuda", "cpu"), ("cudnn",)),
+    "triton": dict.fromkeys(("cuda", "cpu"), ("triton", "cudnn")),
+}
+
+
+def select_decode(step: DecodeStep, requested: str = "auto") -> DecodeKernel:
+    """The kernel for ``step`` under ``decode_kernel=requested``: the first of
+    ``DECODE_PRIORITY[requested]`` for its device that lays it out. ``UnsupportedError`` where the
+    kernel asked for by name cannot run here at all (or, a list changed, none runs the step)."""
+    asked = requested != "auto"
+    where = step.describe
+    if asked:  # a kernel asked for that cannot run here at all is an error, never a fallback
+        cannot_run = {"cudnn": lambda: [], "triton": lambda: decode_step.cannot_run(step, asked)}
+        _run_priority_list(
+            (requested,),
+            lambda name: cannot_run[name](),
+            where=where,
+            context=lambda _: "PagedAttention",
+            alternatives=lambda: [
+                "decode_kernel=None or " + " or ".join(repr(n) for n in DECODE_KERNELS if n != requested)
+            ],
+        )
+    reasons_of = {
+        "cudnn": lambda: [],
+        "triton": lambda: [
+            *decode_step.cannot_run(step, asked),
+            *decode_step.cannot_lay_out(step),
+            *([] if asked else decode_step.prefers_not(step)),
+        ],
+    }
+    chosen, _ = _run_priority_list(
+        DECODE_PRIORITY[requested][device_kind(step.device)],
+        lambda name: reasons_of[name](),
+        where=where,
+        context=lambda names: f"{names} decode kernel, PagedAttention",
+        alternatives=lambda: [],
+    )
+    return DECODE_KERNELS[chosen]

@@ -44,9 +44,9 @@ from ..errors import UnsupportedError, ValidationError
 from ..kernels import mla_decode, paged_decode
 from ..kernels.lse_merge import merge_partials
 from ..log import logger as log
+from ..ops.dispatch import DECODE_KERNELS
 from ..runtime.keyed import KeyedCache
 from ..runtime.prepared import PreparedRun, prepare
-from . import schedule as paged_schedule
 from . import warming
 from .fp8_cache import UNIT_SCALES, check_scales, compact_table, dequantised, dequantised_pages, is_fp8
 from .paged_checks import check_plan, check_run, unread_slots_zeroed
@@ -160,8 +160,9 @@ class PagedAttention:
         for name, limit in (("max_batch", max_batch), ("max_pages_per_seq", max_pages_per_seq), ("splits", splits)):
             if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
                 problems.append(f"{name}: {limit!r}; must be None or an int >= 1")
-        if decode_kernel is not None and decode_kernel not in paged_schedule.KERNELS:
-            problems.append(f"decode_kernel: {decode_kernel!r}; allowed None, 'cudnn' or 'triton'")
+        if decode_kernel is not None and decode_kernel not in DECODE_KERNELS:
+            allowed = " or ".join(repr(name) for name in DECODE_KERNELS)
+            problems.append(f"decode_kernel: {decode_kernel!r}; allowed None, {allowed}")
         if cuda_graph and (max_batch is None or max_pages_per_seq is None):
             problems.append("cuda_graph: True needs max_batch and max_pages_per_seq (the buffers' fixed sizes)")
         if problems:
@@ -346,7 +347,7 @@ class PagedAttention:
         result = out if out is not None and q.shape[0] == rows and out.is_contiguous() else None
         if result is None:
             result = torch.empty(rows, *q.shape[1:-1], self.head_dim_v, dtype=q.dtype, device=q.device)
-        if schedule.kernel == "triton":
+        if schedule.decode_kernel.one_kernel:
             self._run_triton(q_full, k_cache, v_cache, derived, schedule, result, sink, scales)
             return self._returned(result, q, out)
         if fp8:  # cuDNN's paged calls read 16-bit caches

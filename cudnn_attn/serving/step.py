@@ -17,12 +17,15 @@ from typing import Any
 import torch
 
 from ..core.bounds import packed_lengths
-from ..errors import UnsupportedError
 from ..kernels import launch, mla_decode, mla_decode_hopper, paged_decode
+from ..ops.decode_step import DecodeStep
+from ..ops.dispatch import select_decode
+from ..runtime.keyed import KeyedCache
 from . import schedule as paged_schedule
 from .schedule import Schedule
 
 SMALLEST_PREFILL_BUCKET = 16  # a prefill plan is built per power of two of the longest chunk
+MAX_SCHEDULES = 1024  # decode layouts by step geometry: eager steps of many sizes make many
 
 
 class StepBuffers(Mapping[str, torch.Tensor]):
@@ -86,7 +89,8 @@ class StepTables:
     """The planned step's table and lengths, and each layer geometry's tables and lengths derived
     from them, in ``buffers``. A geometry (its key): decode ``("decode", s_q, num_pages)`` or
     prefill ``("prefill", tokens, longest, num_pages)``. ``splits``, ``pack``, ``kernel``: the
-    layout forced (None: ``paged_schedule.choose`` picks it per geometry)."""
+    layout forced (None: ``ops/dispatch.select_decode`` picks the kernel, ``paged_schedule.choose``
+    the layout, once per step geometry)."""
 
     def __init__(
         self,
@@ -112,6 +116,8 @@ class StepTables:
         self.buffers, self.cuda_graph = buffers, buffers.cuda_graph
         self.splits, self.pack, self.kernel = splits, pack, kernel
         self.fp8_caches = fp8_caches  # only the Triton kernel reads them: eager steps take it too
+        self.mla = num_kv_heads == 1 and self.head_dim_v != head_dim  # MLA's latent: one K/V head, V narrower
+        self._schedules = KeyedCache(MAX_SCHEDULES, release_at_exit=False)  # by (rows, width, s_q, device)
         self.step: Step | None = None  # the planned step
         self._derived: dict[tuple, dict[str, Any]] = {}  # per geometry: the step's derived inputs
 
@@ -182,33 +188,14 @@ class StepTables:
             "q_lengths": self.buffers.store(f"prefill_q_lengths{name}", q_lengths),
         }
 
-    def _derive(self, key: tuple, step: Step) -> dict[str, Any]:
-        """This step's tables and lengths for each part of one layer geometry (``key``), from the
-        planned table and lengths."""
-        if key[0] == "prefill":
-            return self._derive_prefill(key, step)
-        _, s_q, num_pages = key
-        rows, width, device = step.rows, step.width, step.device
-        mla = self.num_kv_heads == 1 and self.head_dim_v != self.head_dim
-        hopper = False
-        if mla:
-            triton = mla_decode.supported(device, self.page_size, self.head_dim, self.head_dim_v)
-            hopper = triton and mla_decode_hopper.serves(device, self.page_size, self.head_dim, self.head_dim_v)
-        else:
-            triton = paged_decode.supported(device, self.page_size, self.head_dim) and self.head_dim_v == self.head_dim
-        if self.kernel == "triton" and not triton:
-            raise UnsupportedError(
-                [
-                    "decode_kernel: 'triton' needs a CUDA device, Triton, a power-of-two page of "
-                    "16-256 tokens and one head dim for K and V, or MLA's latent (one K/V head, "
-                    f"powers of two for V and the rope part) (here {device}, page {self.page_size}, "
-                    f"head dims {self.head_dim}/{self.head_dim_v})"
-                ],
-                context="PagedAttention",
-                alternatives=["decode_kernel=None or 'cudnn'"],
-            )
-        # Eager, a Triton launch costs the host more than the kernel saves on the GPU (H200: 102
-        # against 52 us per run), so it is chosen for captured steps only, unless forced.
+    def _schedule(self, rows: int, width: int, s_q: int, device: torch.device) -> Schedule:
+        """The layout of ``rows`` sequences of ``width`` pages and ``s_q`` query tokens on
+        ``device``, on the kernel ``select_decode`` chooses from the kernels' facts. Made once per
+        geometry: every plan derives the geometries run before again."""
+        key = (rows, width, s_q, device)
+        schedule = self._schedules.get(key)
+        if schedule is not None:
+            return schedule
         schedule = paged_schedule.choose(
             rows,
             width,
@@ -216,17 +203,50 @@ class StepTables:
             self.num_q_heads,
             self.num_kv_heads,
             s_q,
+            kernel=select_decode(self._decode_step(rows, s_q, device), self.kernel or "auto"),
             sm_count=sm_count(device),
             splits=self.splits,
             pack=self.pack,
-            kernel=self.kernel,
-            triton=triton and (self.cuda_graph or mla or self.fp8_caches),
-            mla=mla,
-            hopper=hopper,
+            mla=self.mla,
             fp8=self.fp8_caches,
         )
+        return self._schedules.put(key, schedule)
+
+    def _decode_step(self, rows: int, s_q: int, device: torch.device) -> DecodeStep:
+        """The step as the dispatch reads it: its geometry, and what ``kernels/`` says of itself
+        (ops/ may not import kernels/)."""
+        if self.mla:
+            triton = mla_decode.supported(device, self.page_size, self.head_dim, self.head_dim_v)
+            hopper = triton and mla_decode_hopper.serves(device, self.page_size, self.head_dim, self.head_dim_v)
+        else:
+            triton = paged_decode.supported(device, self.page_size, self.head_dim) and self.head_dim_v == self.head_dim
+            hopper = False
+        return DecodeStep(
+            device=str(device),
+            batch=rows,
+            num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_kv_heads,
+            s_q=s_q,
+            page_size=self.page_size,
+            head_dim=self.head_dim,
+            head_dim_v=self.head_dim_v,
+            captured=self.cuda_graph,
+            fp8=self.fp8_caches,
+            triton_runs=triton,
+            hopper=hopper,
+            tile_rows=paged_decode.MAX_ROWS,
+        )
+
+    def _derive(self, key: tuple, step: Step) -> dict[str, Any]:
+        """This step's tables and lengths for each part of one layer geometry (``key``), from the
+        planned table and lengths."""
+        if key[0] == "prefill":
+            return self._derive_prefill(key, step)
+        _, s_q, num_pages = key
+        rows, width, device = step.rows, step.width, step.device
+        schedule = self._schedule(rows, width, s_q, device)
         page = self.page_size
-        if schedule.kernel == "triton":  # the kernel walks the clamped table itself
+        if schedule.decode_kernel.one_kernel:  # the kernel walks the clamped table itself
             table = self.buffers["table"].clamp(0, num_pages - 1)
             return {"schedule": schedule, "table": self.buffers.store(f"decode_table@{s_q},{num_pages}", table)}
 
