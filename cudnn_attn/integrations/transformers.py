@@ -51,7 +51,7 @@ from ..errors import UnsupportedError
 from ..functional import sdpa
 from ..functional.arguments import autocast_inputs
 from ..varlen import varlen_attention
-from .transformers_packing import CONTEXT, Packing, find_packing
+from .transformers_packing import CONTEXT, Packing, find_packing, packed_mask
 
 try:
     from transformers import AttentionInterface, masking_utils
@@ -173,6 +173,13 @@ def attention_forward(
     packing = None
     if not trains_sinks and (softcap is None or query.shape[2] == key.shape[2]):
         packing = find_packing(attention_mask, kwargs, query.shape[0], query.shape[2], key.shape[2], causal)
+    elif softcap is not None and attention_mask is None and kwargs.get("cu_seq_lens_q") is not None:
+        # Caller-packed sequences decoding from a cache (continuous batching): soft-capping runs
+        # densely (the packed path takes it top-left only), one mask over the packed row.
+        packed = find_packing(None, kwargs, query.shape[0], query.shape[2], key.shape[2], causal)
+        assert packed is not None
+        mask = packed_mask(packed, query.shape[2], key.shape[2], causal, window)
+        return sdpa(query, key, value, attn_mask=mask, **options).transpose(1, 2).contiguous(), None
     if trains_sinks or (softcap is not None and (packing is None or options["dropout_p"])):
         return _dense_terms(query, key, value, attention_mask, causal, window, options), None
     if packing is None:

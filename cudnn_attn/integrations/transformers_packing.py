@@ -144,3 +144,25 @@ def _from_positions(positions: torch.Tensor) -> Packing | None:
 
 def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
     return F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+
+
+def packed_mask(packing: Packing, q_len: int, k_len: int, causal: bool, window: int | None) -> torch.Tensor:
+    """A dense boolean ``[1, 1, Q, K]`` mask of one row of caller-packed sequences (``cu_seq_lens``
+    keywords, as transformers' continuous batching passes them): query i sees the keys of its own
+    sequence, causal aligned bottom-right (a sequence's queries are the last of its keys), within
+    ``window`` keys before it. Rows past the last sequence see every key (their output is unused)."""
+    device = packing.cu_q.device
+    cu_q, cu_k = packing.cu_q.to(torch.int64), packing.cu_k.to(torch.int64).to(device)
+    rows, cols = torch.arange(q_len, device=device), torch.arange(k_len, device=device)
+    seq_q = torch.searchsorted(cu_q[1:], rows, right=True).clamp(max=cu_q.numel() - 2)
+    seq_k = torch.searchsorted(cu_k[1:], cols, right=True).clamp(max=cu_k.numel() - 2)
+    pos_k = cols - cu_k[seq_k]
+    lengths_q, lengths_k = cu_q.diff(), cu_k.diff()
+    last = (lengths_k - lengths_q)[seq_q] + rows - cu_q[seq_q]  # each query's position among its keys
+    allowed = (seq_q[:, None] == seq_k[None, :]) & (rows < cu_q[-1])[:, None] & (cols < cu_k[-1])[None, :]
+    if causal:
+        allowed &= pos_k[None, :] <= last[:, None]
+    if window is not None:  # window = sliding_window - 1, as the layers pass it
+        allowed &= pos_k[None, :] > last[:, None] - (window + 1)
+    allowed |= ~allowed.any(-1, keepdim=True)
+    return allowed[None, None]

@@ -1,0 +1,92 @@
+"""transformers' continuous batching on cudnn_attn (``integrations/transformers_batching.py``):
+greedy tokens of ``generate_batch`` equal transformers' own attention on the same weights, for a
+plain GQA model, gpt-oss's sinks over sliding and full layers, and Gemma-2's soft-capping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers.GenerationMixin, "generate_batch"):
+    pytest.skip("this transformers has no continuous batching", allow_module_level=True)
+
+from transformers import GenerationConfig  # noqa: E402
+
+from cudnn_attn.integrations.transformers_batching import BATCHING_NAME, for_continuous_batching  # noqa: E402
+from cudnn_attn.integrations.transformers_packing import Packing, packed_mask  # noqa: E402
+
+LENGTHS = (5, 9, 3, 17, 1, 12)
+
+
+def _tiny(kind: str):
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval(), "sdpa"
+    if kind == "gpt-oss":
+        config = transformers.GptOssConfig(
+            **common,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+        model = transformers.GptOssForCausalLM(config).eval()
+        with torch.no_grad():
+            for layer in model.model.layers:  # sinks that weigh: a zero sink would hide a dropped one
+                layer.self_attn.sinks.normal_(0, 2)
+        return model, "eager"
+    config = transformers.Gemma2Config(
+        **common, head_dim=16, sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=None
+    )
+    return transformers.Gemma2ForCausalLM(config).eval(), "eager"
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt-oss", "gemma-2"])
+def test_generate_batch_gives_transformers_greedy_tokens(kind):
+    model, reference = _tiny(kind)
+    prompts = [torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in LENGTHS]
+    generation = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    model.set_attn_implementation(reference)
+    want = model.generate_batch(prompts, generation_config=generation)
+    assert for_continuous_batching(model) == BATCHING_NAME == model.config._attn_implementation
+    got = model.generate_batch(prompts, generation_config=generation)
+    assert {k: r.generated_tokens for k, r in got.items()} == {k: r.generated_tokens for k, r in want.items()}
+    model.set_attn_implementation(reference)  # and back
+    assert model.config._attn_implementation == reference
+
+
+def test_the_plain_name_is_refused_by_transformers_continuous_batching():
+    """Why the batching name exists: transformers admits 'sdpa', 'paged|eager' and FlashAttention
+    names only; this test fails when it admits others (then the plain name could serve)."""
+    import cudnn_attn.integrations.transformers as cudnn_hf
+
+    model, _ = _tiny("llama")
+    model.set_attn_implementation(cudnn_hf.register())
+    generation = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    with pytest.raises(ValueError, match="not supported for continuous batching"):
+        model.generate_batch([[1, 2, 3]], generation_config=generation)
+
+
+def test_packed_mask_is_per_sequence_bottom_right_and_windowed():
+    cu_q, cu_k = torch.tensor([0, 2, 3], dtype=torch.int32), torch.tensor([0, 4, 7], dtype=torch.int32)
+    mask = packed_mask(Packing(cu_q, cu_k, 2, 4, 7, None), 4, 7, causal=True, window=1)[0, 0]
+    expected = torch.tensor(
+        [
+            [0, 1, 1, 0, 0, 0, 0],  # sequence 0's query at position 2: keys 1-2 (a window of 2)
+            [0, 0, 1, 1, 0, 0, 0],  # position 3: keys 2-3
+            [0, 0, 0, 0, 0, 1, 1],  # sequence 1's query at position 2: keys 1-2 of its own
+            [1, 1, 1, 1, 1, 1, 1],  # a row past the last sequence: any (its output is unused)
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(mask, expected)
