@@ -435,8 +435,8 @@ def test_unsupported_features_are_refused():
 def test_gpt_oss_sinks_match_eager_logits_and_gradients(padding, window):
     """gpt-oss's learned attention sinks (``s_aux``) through the registration, against the model's
     own eager attention (the reference implementation transformers gives it): windows shorter than
-    the sequence run densely with ``window_size``, padded batches through varlen (a dense mask
-    when the sinks train: cuDNN's ragged backward takes sinks only from 9.26)."""
+    the sequence run densely with ``window_size``, padded batches through varlen, training the
+    sinks too (their backward folds them in on every cuDNN)."""
     check_against_eager(*gpt_oss_models(window), padding, ("sinks", "q_proj.weight"))
 
 

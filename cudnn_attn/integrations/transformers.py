@@ -169,9 +169,8 @@ def attention_forward(
             context=CONTEXT,
             alternatives=_ALTERNATIVES,
         )
-    trains_sinks = attention_mask is not None and _trains_sinks(query, key, value, options)
     packing = None
-    if not trains_sinks and (softcap is None or query.shape[2] == key.shape[2]):
+    if softcap is None or query.shape[2] == key.shape[2]:
         packing = find_packing(attention_mask, kwargs, query.shape[0], query.shape[2], key.shape[2], causal)
     elif softcap is not None and attention_mask is None and kwargs.get("cu_seq_lens_q") is not None:
         # Caller-packed sequences decoding from a cache (continuous batching): soft-capping runs
@@ -180,7 +179,7 @@ def attention_forward(
         assert packed is not None
         mask = packed_mask(packed, query.shape[2], key.shape[2], causal, window)
         return sdpa(query, key, value, attn_mask=mask, **options).transpose(1, 2).contiguous(), None
-    if trains_sinks or (softcap is not None and (packing is None or options["dropout_p"])):
+    if softcap is not None and (packing is None or options["dropout_p"]):
         return _dense_terms(query, key, value, attention_mask, causal, window, options), None
     if packing is None:
         return _unpadded(query, key, value, causal, window, options), None
@@ -253,8 +252,7 @@ def _window(sliding_window: int | None, key_length: int) -> int | None:
 def _dense_window(causal: bool, window: int | None, q_len: int, k_len: int, options: dict) -> bool:
     """Whether a windowed layer runs as one dense call with ``window_size``: a whole causal
     sequence (its windows measure from the top-left diagonal). With dropout it stays on the
-    packed path, where the transformers GPU tests measured it. gpt-oss trains this way on any
-    cuDNN with sinks: the packed path's backward with sinks needs cuDNN >= 9.26."""
+    packed path, where the transformers GPU tests measured it."""
     return window is not None and causal and q_len == k_len and not options["dropout_p"]
 
 
@@ -272,23 +270,14 @@ def _unpadded(query, key, value, causal: bool, window: int | None, options: dict
     return _packed(query, key, value, uniform, causal, window, options)
 
 
-def _trains_sinks(query, key, value, options: dict) -> bool:
-    """Whether a layer with sinks needs their backward: over padded or packed tokens that runs
-    densely, as cuDNN takes sinks in a ragged (THD) backward only from 9.26."""
-    sinks = options.get("sinks")
-    leaves = (query, key, value, sinks)
-    return sinks is not None and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
-
-
 def _dense_terms(
     query, key, value, tokens: torch.Tensor | None, causal: bool, window: int | None, options: dict
 ) -> torch.Tensor:
-    """Soft-capped layers (Gemma-2) the packed path cannot take, and sinks being trained over
-    padding (gpt-oss): ``cudnn_attn.sdpa`` with ``softcap`` (whose causal mask lives in the score
-    modifier) or ``sinks``. Padding, packed runs and windows become a dense boolean
-    ``[B, 1, Q, K]`` mask: the packed path takes soft-capping only top-left (not while decoding
-    with a cache, where each sequence's diagonal sits elsewhere) and without dropout, and sinks in
-    its backward only from cuDNN 9.26. The queries are the last ``Q`` keys."""
+    """Soft-capped layers (Gemma-2) the packed path cannot take: ``cudnn_attn.sdpa`` with
+    ``softcap`` (whose causal mask lives in the score modifier). Padding, packed runs and windows
+    become a dense boolean ``[B, 1, Q, K]`` mask: the packed path takes soft-capping only
+    top-left (not while decoding with a cache, where each sequence's diagonal sits elsewhere) and
+    without dropout. The queries are the last ``Q`` keys."""
     batch, _, q_len, _ = query.shape
     k_len = key.shape[2]
     if tokens is None and window is None and (not causal or q_len in (1, k_len)):
@@ -297,7 +286,7 @@ def _dense_terms(
         out = sdpa(query, key, value, is_causal=True, window_size=(window, 0), **options)
         return out.transpose(1, 2).contiguous()
     _log.debug(
-        "softcap or trained sinks with padding, packed runs or a window: a dense [B, 1, Q, K] mask (%d x %d)",
+        "softcap with padding, packed runs or a window: a dense [B, 1, Q, K] mask (%d x %d)",
         q_len,
         k_len,
     )
