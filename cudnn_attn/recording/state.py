@@ -161,9 +161,10 @@ class Recording:
                 self.new_output(node, output.role)
             if given is not None:
                 self.caller_output(node, output.role, given)
-        if isinstance(arguments, dict):  # the method's locals(): its graph would keep itself alive
-            arguments.pop("self", None)
-        self.calls.append((spec, node, arguments))
+        # Kept without the method's ``self`` (a graph holding itself until built); a copy, as a
+        # debugger's tracer may write ``locals()``'s dict back into the caller's frame.
+        kept = {name: value for name, value in arguments.items() if name != "self"}
+        self.calls.append((spec, node, kept))
         return node
 
     def new_output(self, node: Node, role: str, name: str | None = None) -> OutputHandle:
