@@ -141,3 +141,34 @@ def test_dropout_with_score_terms_matches_the_reference_given_cudnns_mask(terms)
     get_backend("reference").build(back)(back_inputs, want, dropout_keep=keep)
     for role in got:
         assert rel_err(got[role], want[role]) < 3e-2, role
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_causal_softcap_split_matches_the_reference_backend(layout, compiled):
+    from cudnn_attn.core.mask import Causal, ScoreOptions
+    from cudnn_attn.functional import softcap_split
+
+    s = 4 * softcap_split.MIN_BLOCK  # two levels: two rectangles and a diagonal of four blocks
+    g = torch.Generator().manual_seed(21)
+    shapes = ((2, 8, s, 64), (2, 2, s, 64), (2, 2, s, 64), (2, 8, s, 64))
+    q, k, v, d_out = (torch.randn(*shape, generator=g) * (2 if i < 2 else 1) for i, shape in enumerate(shapes))
+
+    def laid_out(t):
+        return t.transpose(1, 2).contiguous().transpose(1, 2) if layout == "bshd" else t.contiguous()
+
+    def call(*tensors):
+        return cudnn_attn.sdpa(*tensors, is_causal=True, enable_gqa=True, softcap=30.0)
+
+    results = []
+    for device, dtype in (("cuda", torch.bfloat16), ("cpu", torch.float32)):
+        leaves = [laid_out(t.to(device, dtype)).requires_grad_() for t in (q, k, v)]
+        if device == "cuda":
+            options = ScoreOptions(attn_scale=64**-0.5, causal=Causal.TOP_LEFT)
+            assert softcap_split.causal_split(30.0, options, *leaves[:2], None, None) is not None
+        run = torch.compile(call, fullgraph=True) if compiled and device == "cuda" else call
+        out = run(*leaves)
+        out.backward(d_out.to(device, dtype))
+        results.append((out, *(t.grad for t in leaves)))
+    for name, a, e in zip(("O", "dQ", "dK", "dV"), *results):
+        assert rel_err(a.float().cpu(), e) < (BF16 if name == "O" else 3e-2), name

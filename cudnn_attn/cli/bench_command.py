@@ -21,7 +21,7 @@ from ..bench.shapes import STANDARD_GRID, Shape, parse
 from . import parser
 from .failures import environment, needs_gpu, usage
 
-ALONE = ("serving", "mla", "models", "frontend_rebuild", "varlen")  # each runs by itself when given
+ALONE = ("serving", "mla", "models", "score_terms", "frontend_rebuild", "varlen")  # each runs by itself when given
 TARGETS = ("stack", "paged_decode", "naive")
 
 
@@ -144,6 +144,12 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         models = model_shapes.model_rows()
         print(model_shapes.format_models(models))
         return {**_device(), "models": models}
+    if args.score_terms:
+        from ..bench import score_terms
+
+        terms = score_terms.score_term_rows()
+        print(score_terms.format_score_terms(terms))
+        return {**_device(), "score_terms": terms}
     if args.frontend_rebuild:
         from ..bench import frontend_rebuild
 

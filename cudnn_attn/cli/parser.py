@@ -185,6 +185,13 @@ def bench() -> argparse.ArgumentParser:
         "frontend, with peak memory",
     )
     sections.add_argument(
+        "--score-terms",
+        action="store_true",
+        help="soft-capping (causal, cap 50: B2 H16/8 S4k d128, B1 H32/16 S8k d256, Gemma-2 9B through the transformers "
+        "registration) and gpt-oss's sinks (B2 H64/8 S8k d64, windows 128 / 1024 / none), fwd and fwd+bwd, each against "
+        "the same call without its term",
+    )
+    sections.add_argument(
         "--mla",
         action="store_true",
         help="MLA decode per layer in a CUDA-graph replay (DeepSeek-V3 latent d576/512, page 64; 16 and 128 heads, "

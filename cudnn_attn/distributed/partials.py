@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..kernels.row_combine import combine_rows
+from ..kernels.row_combine import combine_rows, where_of
 from .packed_schedule import SegmentCall
 
 
@@ -53,13 +53,7 @@ def _layout(calls: tuple[SegmentCall, ...], tokens: int, device: str) -> PartsLa
     counts = tuple(call.row_count for call in calls)
     starts = tuple(int(s) for s in torch.tensor([0, *counts[:-1]], dtype=torch.int64).cumsum(0))
     rows = torch.cat([call.row_index() for call in calls]) if calls else torch.zeros(0, dtype=torch.int64)
-    per_row = torch.bincount(rows, minlength=tokens)
-    depth = max(1, int(per_row.max())) if rows.numel() else 1
-    order = torch.sort(rows, stable=True).indices
-    first = per_row.cumsum(0) - per_row
-    slot = torch.arange(rows.numel()) - first[rows[order]]
-    where = torch.full((tokens, depth), -1, dtype=torch.int32)
-    where[rows[order], slot] = order.to(torch.int32)
+    where = where_of(rows, tokens)
     return PartsLayout(starts, counts, rows.numel(), where.to(device))
 
 

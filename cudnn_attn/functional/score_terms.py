@@ -24,20 +24,15 @@ from typing import Any
 
 import torch
 
-from ..core.constructors import backward_problem, forward_problem
 from ..core.mask import Causal, ScoreOptions, window_band
-from ..core.problem import TensorSpec, strides_like
+from ..core.problem import strides_like
 from ..core.score_inputs import check_sinks, sink_token
 from ..core.softcap import softcap_modifier
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
-from ..runtime import backend_choice
-from ..runtime.interop import in_layout_of
-from ..runtime.keyed import KeyedCache
-from ..runtime.prepared import PreparedRun, prepare
 from ..runtime.training import differentiable
+from . import score_terms_runs as runs
 from .arguments import ARGUMENT_NAMES, batched, causal_kind, check_arguments
-
-MAX_RUNS = 256
+from .softcap_split import CausalSplit, SplitCall, causal_split
 
 
 def sdpa_with_score_terms(
@@ -81,125 +76,20 @@ def score_terms_sdpa(
     )
     modifier = None
     if softcap is not None:
-        modifier, options = softcap_modifier(softcap, options, q.shape[2], k.shape[2])
+        modifier, plain = softcap_modifier(softcap, options, q.shape[2], k.shape[2])
+        split = causal_split(float(softcap), options, q, k, bias, sinks)
+        if split is not None:  # unmasked rectangles and a masked diagonal: no masked tile computed
+            return differentiable(SplitCall(split), q, k, v)
+        options = plain
     # A fresh dropout seed from torch's default generator (torch.manual_seed repeats it); the
     # backward reuses the forward's mask through the same seed and offset.
     rng = (torch.randint(0, 2**62, (1,), dtype=torch.int64), torch.zeros(1, dtype=torch.int64)) if dropout_p else None
     return differentiable(_ScoreTermsCall(options, modifier, rng, sinks), q, k, v, bias, sinks)
 
 
-def _sink_spec(q: torch.Tensor) -> TensorSpec:
-    return TensorSpec.contiguous((1, q.shape[1], 1, 1), torch.float32, TensorSpec.of(q).device)
-
-
-def _geometry(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-
-
-# Prepared runs by the call's tensor geometry, in front of ``prepare``'s table: a step's layers
-# repeat one geometry, and building and hashing its problem costs several times the tuple.
-_forward_runs = KeyedCache(MAX_RUNS)
-_backward_runs = KeyedCache(MAX_RUNS)
-
-
 def clear() -> None:
-    _forward_runs.clear()
-    _backward_runs.clear()
-
-
-def _rng_specs(rng: tuple | None) -> tuple[TensorSpec | None, TensorSpec | None]:
-    return (None, None) if rng is None else (TensorSpec.of(rng[0]), TensorSpec.of(rng[1]))
-
-
-def _forward_run(q, k, v, bias, sink, options: ScoreOptions, modifier, rng) -> PreparedRun:
-    fast = (
-        _geometry(q),
-        _geometry(k),
-        _geometry(v),
-        _geometry(bias),
-        sink is not None,
-        options,
-        modifier,
-        backend_choice.chosen(),
-    )
-    run = _forward_runs.get(fast)
-    if run is None:
-        problem = forward_problem(
-            TensorSpec.of(q),
-            TensorSpec.of(k),
-            TensorSpec.of(v),
-            options,
-            stats=True,
-            bias=None if bias is None else TensorSpec.of(bias),
-            sink_token=None if sink is None else _sink_spec(q),
-            score_mod=modifier,
-            dropout_seed=_rng_specs(rng)[0],
-            dropout_offset=_rng_specs(rng)[1],
-        )
-        run = _forward_runs.put(fast, prepare(problem, context="sdpa"))
-    return run
-
-
-def _backward_run(
-    options: ScoreOptions, modifier, grad_bias: bool, q, k, v, bias, sink, out, d_out, stats, rng
-) -> PreparedRun:
-    grad_bias = bias is not None and grad_bias
-    fast = (
-        *(_geometry(t) for t in (q, k, v, out, d_out, stats, bias)),
-        grad_bias,
-        sink is not None,
-        options,
-        modifier,
-        backend_choice.chosen(),
-    )
-    run = _backward_runs.get(fast)
-    if run is None:
-        spec = TensorSpec.of
-        problem = backward_problem(
-            spec(q),
-            spec(k),
-            spec(v),
-            spec(out),
-            spec(d_out),
-            spec(stats),
-            options,
-            bias=None if bias is None else spec(bias),
-            grad_bias=grad_bias,
-            sink_token=None if sink is None else _sink_spec(q),
-            score_mod=modifier,
-            dropout_seed=_rng_specs(rng)[0],
-            dropout_offset=_rng_specs(rng)[1],
-        )
-        run = _backward_runs.put(fast, prepare(problem, context="sdpa backward"))
-    return run
-
-
-def _forward(q, k, v, bias, sink, options: ScoreOptions, modifier, rng) -> tuple[torch.Tensor, torch.Tensor]:
-    """O and stats of one call (``sink``: the ``[1, H, 1, 1]`` float32 logits, or None)."""
-    run = _forward_run(q, k, v, bias, sink, options, modifier, rng)
-    inputs = {"q": q, "k": k, "v": v, **({"bias": bias} if bias is not None else {})}
-    if sink is not None:
-        inputs["sink_token"] = sink
-    if rng is not None:
-        inputs["dropout_seed"], inputs["dropout_offset"] = rng
-    outputs = run.run(inputs)
-    return outputs["o"], outputs["stats"]
-
-
-def _backward(
-    options: ScoreOptions, modifier, grad_bias: bool, q, k, v, bias, sink, out, d_out, stats, rng
-) -> dict[str, torch.Tensor]:
-    """dQ, dK, dV (and dBias where ``grad_bias``, dSink where there is a sink) of one call."""
-    d_out = in_layout_of(d_out, out)
-    run = _backward_run(options, modifier, grad_bias, q, k, v, bias, sink, out, d_out, stats, rng)
-    inputs = {"q": q, "k": k, "v": v, "o": out, "grad_o": d_out, "stats": stats}
-    if rng is not None:
-        inputs["dropout_seed"], inputs["dropout_offset"] = rng
-    if bias is not None:
-        inputs["bias"] = bias
-    if sink is not None:
-        inputs["sink_token"] = sink
-    return run.run(inputs)
+    """Forget every prepared run kept by call geometry."""
+    runs.clear()
 
 
 class _ScoreTermsCall:
@@ -215,12 +105,14 @@ class _ScoreTermsCall:
     def forward(self, inputs: tuple) -> tuple[tuple[torch.Tensor], tuple, None]:
         q, k, v, bias, sinks = inputs
         sink = sink_token(sinks)
-        out, stats = _forward(q, k, v, bias, sink, self.options, self.modifier, self.rng)
+        out, stats = runs.forward(q, k, v, bias, sink, self.options, self.modifier, self.rng)
         return (out,), (q, k, v, bias, sink, out, stats), None
 
     def backward(self, saved: tuple, state: None, grads: tuple, needs: tuple[bool, ...]) -> tuple:
         q, k, v, bias, sink, out, stats = saved
-        found = _backward(self.options, self.modifier, needs[3], q, k, v, bias, sink, out, grads[0], stats, self.rng)
+        found = runs.backward(
+            self.options, self.modifier, needs[3], q, k, v, bias, sink, out, grads[0], stats, self.rng
+        )
         d_sink = None
         if self.sink_meta is not None:
             shape, dtype = self.sink_meta
@@ -259,15 +151,17 @@ def compiled_score_terms_sdpa(
     return out
 
 
-def _op_options(q, k, scale, causal, dropout_p, window, right_bound, softcap) -> tuple[ScoreOptions, Any]:
-    """The custom ops' scalars as the run's options and score modifier."""
+def _op_options(
+    q, k, bias, sink, scale, causal, dropout_p, window, right_bound, softcap
+) -> tuple[ScoreOptions, Any, CausalSplit | None]:
+    """The custom ops' scalars as the run's options and score modifier, or the call's split."""
     options = ScoreOptions(
         attn_scale=scale, causal=Causal(causal), sliding_window=window, right_bound=right_bound, dropout_p=dropout_p
     )
     if softcap is None:
-        return options, None
-    modifier, options = softcap_modifier(softcap, options, q.shape[2], k.shape[2])
-    return options, modifier
+        return options, None, None
+    modifier, plain = softcap_modifier(softcap, options, q.shape[2], k.shape[2])
+    return plain, modifier, causal_split(softcap, options, q, k, bias, sink)
 
 
 def _op_rng(seed, offset) -> tuple | None:
@@ -290,8 +184,10 @@ def sdpa_terms_forward(
     seed: torch.Tensor | None,
     offset: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    options, modifier = _op_options(q, k, scale, causal, dropout_p, window, right_bound, softcap)
-    return _forward(q, k, v, bias, sink, options, modifier, _op_rng(seed, offset))
+    options, modifier, split = _op_options(q, k, bias, sink, scale, causal, dropout_p, window, right_bound, softcap)
+    if split is not None:
+        return split.forward(q, k, v)
+    return runs.forward(q, k, v, bias, sink, options, modifier, _op_rng(seed, offset))
 
 
 @sdpa_terms_forward.register_fake
@@ -321,8 +217,11 @@ def sdpa_terms_backward(
     offset: torch.Tensor | None,
     bias_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    options, modifier = _op_options(q, k, scale, causal, dropout_p, window, right_bound, softcap)
-    grads = _backward(options, modifier, bias_grad, q, k, v, bias, sink, out, d_out, stats, _op_rng(seed, offset))
+    options, modifier, split = _op_options(q, k, bias, sink, scale, causal, dropout_p, window, right_bound, softcap)
+    if split is not None:
+        d_q, d_k, d_v = split.backward(q, k, v, out, d_out, stats)
+        return d_q, d_k, d_v, q.new_empty(0), q.new_empty(0)
+    grads = runs.backward(options, modifier, bias_grad, q, k, v, bias, sink, out, d_out, stats, _op_rng(seed, offset))
     d_bias = grads["grad_bias"] if bias_grad else q.new_empty(0)
     d_sink = grads["grad_sink"].reshape(sink.shape).to(torch.float32) if sink is not None else q.new_empty(0)
     return grads["grad_q"], grads["grad_k"], grads["grad_v"], d_bias, d_sink

@@ -87,6 +87,25 @@ def combine_rows(
     )
 
 
+def where_of(rows: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``combine_rows``' ``where`` (int32 ``[tokens, K]``, on ``rows``' device) for a parts buffer
+    whose row ``p`` is a partial of result row ``rows[p]`` (int64 ``[P]``): each result row's part
+    rows in the order they sit in the buffer, -1 past its last.
+
+    Example, parts rows 0-3 partials of result rows 0, 1, 1, 0::
+
+        where_of(torch.tensor([0, 1, 1, 0]), 2)  # [[0, 3], [1, 2]]
+    """
+    per_row = torch.bincount(rows, minlength=tokens)
+    depth = max(1, int(per_row.max())) if rows.numel() else 1
+    order = torch.sort(rows, stable=True).indices
+    first = per_row.cumsum(0) - per_row
+    slot = torch.arange(rows.numel(), device=rows.device) - first[rows[order]]
+    where = torch.full((tokens, depth), -1, dtype=torch.int32, device=rows.device)
+    where[rows[order], slot] = order.to(torch.int32)
+    return where
+
+
 def _kernels_for(out: torch.Tensor, parts: torch.Tensor) -> Any:
     if not out.is_cuda or out.shape[-1] > MAX_D or out.stride(-1) != 1 or parts.stride(-1) != 1:
         return None
