@@ -145,9 +145,11 @@ def test_dropout_with_score_terms_matches_the_reference_given_cudnns_mask(terms)
 
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_causal_softcap_split_matches_the_reference_backend(layout, compiled):
+def test_causal_softcap_split_matches_the_reference_backend(layout, compiled, monkeypatch):
     from cudnn_attn.core.mask import Causal, ScoreOptions
     from cudnn_attn.functional import softcap_split
+
+    monkeypatch.setattr(softcap_split, "MIN_WORK", 0)  # split this small shape too
 
     s = 4 * softcap_split.MIN_BLOCK  # two levels: two rectangles and a diagonal of four blocks
     g = torch.Generator().manual_seed(21)

@@ -31,6 +31,9 @@ from . import score_terms_runs as runs
 
 MIN_BLOCK = 512  # the diagonal's rows per block: below it, a call costs more than the masked tiles it skips
 MAX_LEVELS = 4
+# B x H_q x S^2 x D below which the split's merges and extra calls cost what its skipped tiles save
+# (measured on an H200: B2 H16 S4k d128, 0.7e11, no faster split; B1 H16 S8k d256, 2.7e11, 1.4x)
+MIN_WORK = 1.5e11
 
 
 @dataclass(frozen=True)
@@ -128,9 +131,12 @@ def causal_split(
     cap: float, options: ScoreOptions, q: torch.Tensor, k: torch.Tensor, bias: Any, sinks: Any
 ) -> CausalSplit | None:
     """The split of a causal soft-capped call on CUDA tensors (on the CPU the reference backend
-    skips no tile either way), or None where ``splits`` says it does not apply."""
+    skips no tile either way) large enough to gain (``MIN_WORK``), or None where ``splits`` says
+    it does not apply."""
     seq = q.shape[2]
     if not q.is_cuda or not splits(options, seq, k.shape[2], bias is not None or sinks is not None):
+        return None
+    if q.shape[0] * q.shape[1] * seq * seq * q.shape[3] < MIN_WORK:
         return None
     return split_of(cap, options.attn_scale, seq, levels_for(seq))
 
@@ -250,7 +256,7 @@ def _stats_blocks(stats: torch.Tensor, piece: Piece) -> torch.Tensor:
     rows = stats.as_strided(
         (b, h, piece.count, piece.rows), (h * s, s, piece.step, 1), stats.storage_offset() + piece.q_start
     )
-    return rows.transpose(1, 2).reshape(b * piece.count, h, piece.rows, 1)
+    return rows.transpose(1, 2).reshape(b * piece.count, h, piece.rows, 1).contiguous()  # cuDNN < 9.26: packed
 
 
 def _laid_out_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
