@@ -8,7 +8,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-if not hasattr(transformers.GenerationMixin, "generate_batch"):
+if not hasattr(transformers, "ContinuousBatchingConfig"):
     pytest.skip("this transformers has no continuous batching", allow_module_level=True)
 
 from transformers import GenerationConfig  # noqa: E402
@@ -17,6 +17,11 @@ from cudnn_attn.integrations.transformers_batching import BATCHING_NAME, for_con
 from cudnn_attn.integrations.transformers_packing import Packing, packed_mask  # noqa: E402
 
 LENGTHS = (5, 9, 3, 17, 1, 12)
+# A cache of its own size, synchronous: left to itself, transformers sizes the cache by a GPU's
+# memory and steps on CUDA streams when the host has a GPU, though the model is on the CPU.
+BATCHING = transformers.ContinuousBatchingConfig(
+    block_size=16, num_blocks=64, max_batch_tokens=128, use_async_batching=False
+)
 
 
 def _tiny(kind: str):
@@ -57,10 +62,10 @@ def test_generate_batch_gives_transformers_greedy_tokens(kind):
     prompts = [torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in LENGTHS]
     generation = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)
     model.set_attn_implementation(reference)
-    want = model.generate_batch(prompts, generation_config=generation)
+    want = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=BATCHING)
     name = for_continuous_batching(model)
     assert name.removeprefix("paged|") == BATCHING_NAME and name == model.config._attn_implementation
-    got = model.generate_batch(prompts, generation_config=generation)
+    got = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=BATCHING)
     assert {k: r.generated_tokens for k, r in got.items()} == {k: r.generated_tokens for k, r in want.items()}
     model.set_attn_implementation(reference)  # and back
     assert model.config._attn_implementation == reference
@@ -75,7 +80,7 @@ def test_the_plain_name_is_refused_by_transformers_continuous_batching():
     model.set_attn_implementation(cudnn_hf.register())
     generation = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=-1, pad_token_id=0)
     with pytest.raises(ValueError, match="not supported for continuous batching|paged.cudnn_attn.* is not supported"):
-        model.generate_batch([[1, 2, 3]], generation_config=generation)
+        model.generate_batch([[1, 2, 3]], generation_config=generation, continuous_batching_config=BATCHING)
 
 
 def test_packed_mask_is_per_sequence_bottom_right_and_windowed():
