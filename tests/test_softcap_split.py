@@ -91,3 +91,15 @@ def test_a_call_on_the_cpu_runs_whole():
     q = torch.empty(1, 1, s, 8)
     causal = ScoreOptions(attn_scale=1.0, causal=Causal.TOP_LEFT)
     assert softcap_split.causal_split(CAP, causal, q, q, None, None) is None
+
+
+def test_each_pieces_stats_are_packed_as_cudnn_before_9_26_reads_them():
+    """cuDNN < 9.26 takes a backward's stats only as a packed [B, H, S, 1] tensor; a level of one
+    block per batch entry once handed it a strided view of the whole call's stats."""
+    for batch in (1, 2):
+        stats = torch.randn(batch, 4, 64, 1)
+        for piece in softcap_split.split_of(CAP, 1.0, 64, 3).pieces:
+            rows = softcap_split._stats_blocks(stats, piece)
+            assert rows.is_contiguous() and rows.shape == (batch * piece.count, 4, piece.rows, 1)
+            first = stats[0, :, piece.q_start : piece.q_start + piece.rows]
+            assert torch.equal(rows[0], first)
