@@ -183,6 +183,19 @@ def _models(r: dict[str, Any]) -> list[Panel]:
     return panels
 
 
+def _score_terms(r: dict[str, Any]) -> list[Panel]:
+    rows = r["score_terms"]
+    groups = [f"{row['case']} {row['shape']}" for row in rows]
+    panels: list[Panel] = []
+    for part in ("fwd", "fwd+bwd"):
+        series = {
+            label: [_spread(row["columns"][name][part], "ms") for row in rows]
+            for name, label in (("term", "with the term"), ("plain", "without"))
+        }
+        panels.append((f"--score-terms: {part}", _grouped(groups, series, "ms per call", log=True)))
+    return panels
+
+
 def _mla(r: dict[str, Any]) -> list[Panel]:
     rows = r["rows"]
     groups = [f"H{x['heads']} B{x['batch']} KV{_k(x['kv'])}" for x in rows]
@@ -241,6 +254,7 @@ SECTIONS = (
     Section("serving", ("serving", "prefill"), _serving),
     Section("varlen", ("memory", "mixed", "plans", "llama"), _varlen),  # memory: a table, no panel
     Section("models", ("models",), _models),
+    Section("score_terms", ("score_terms",), _score_terms),
     Section("mla", ("rows", "peaks_tbps"), _mla, when=lambda r: "peaks_tbps" in r),
     Section("frontend_rebuild", ("cudnn", "cudnn_attn", "identical", "speedup", "shape"), _frontend_rebuild),
     Section("context_parallel", ("cells", *_CONTEXT_PARALLEL_META), _context_parallel),

@@ -21,7 +21,15 @@ from ..bench.shapes import STANDARD_GRID, Shape, parse
 from . import parser
 from .failures import environment, needs_gpu, usage
 
-ALONE = ("serving", "mla", "models", "score_terms", "frontend_rebuild", "varlen")  # each runs by itself when given
+ALONE = (
+    "serving",
+    "mla",
+    "models",
+    "score_terms",
+    "batching",
+    "frontend_rebuild",
+    "varlen",
+)  # each runs by itself when given
 TARGETS = ("stack", "paged_decode", "naive")
 
 
@@ -144,6 +152,12 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         models = model_shapes.model_rows()
         print(model_shapes.format_models(models))
         return {**_device(), "models": models}
+    if args.batching:
+        from ..bench import batching
+
+        served = batching.measure()
+        print(batching.format_batching(served))
+        return {**_device(), "batching": served}
     if args.score_terms:
         from ..bench import score_terms
 

@@ -185,6 +185,13 @@ def bench() -> argparse.ArgumentParser:
         "frontend, with peak memory",
     )
     sections.add_argument(
+        "--batching",
+        action="store_true",
+        help="transformers' continuous batching (generate_batch, 64 requests of 32-1024 prompt tokens, 64 new each, a "
+        "Llama-shaped model with random weights, CUDA graphs on) on cudnn_attn against its own sdpa: tokens per second "
+        "and how many greedy tokens agree",
+    )
+    sections.add_argument(
         "--score-terms",
         action="store_true",
         help="soft-capping (causal, cap 50: B2 H16/8 S4k d128, B1 H32/16 S8k d256, Gemma-2 9B through the transformers "

@@ -163,7 +163,8 @@ class Recording:
                 self.caller_output(node, output.role, given)
         # Kept without the method's ``self`` (a graph holding itself until built); a copy, as a
         # debugger's tracer may write ``locals()``'s dict back into the caller's frame.
-        kept = {name: value for name, value in arguments.items() if name != "self"}
+        kept = dict(arguments)
+        kept.pop("self", None)
         self.calls.append((spec, node, kept))
         return node
 
