@@ -25,6 +25,11 @@ from dataclasses import dataclass
 MLA_HEADS_PER_PROGRAM = 64
 
 
+def is_mla(num_kv_heads: int, head_dim: int, head_dim_v: int) -> bool:
+    """MLA's latent cache: one K/V head, V narrower than K."""
+    return num_kv_heads == 1 and head_dim_v != head_dim
+
+
 @dataclass(frozen=True)
 class DecodeStep:
     """One decode geometry of a ``PagedAttention``: ``batch`` rows of ``s_q`` query tokens
@@ -49,8 +54,7 @@ class DecodeStep:
 
     @property
     def mla(self) -> bool:
-        """MLA's latent: one K/V head, V narrower than K."""
-        return self.num_kv_heads == 1 and self.head_dim_v != self.head_dim
+        return is_mla(self.num_kv_heads, self.head_dim, self.head_dim_v)
 
     def describe(self) -> str:
         heads = f"{self.num_q_heads}/{self.num_kv_heads} heads"

@@ -18,7 +18,7 @@ import torch
 
 from ..core.bounds import packed_lengths
 from ..kernels import launch, mla_decode, mla_decode_hopper, paged_decode
-from ..ops.decode_step import DecodeStep
+from ..ops.decode_step import DecodeStep, is_mla
 from ..ops.dispatch import select_decode
 from ..runtime.keyed import KeyedCache
 from . import schedule as paged_schedule
@@ -116,7 +116,7 @@ class StepTables:
         self.buffers, self.cuda_graph = buffers, buffers.cuda_graph
         self.splits, self.pack, self.kernel = splits, pack, kernel
         self.fp8_caches = fp8_caches  # only the Triton kernel reads them: eager steps take it too
-        self.mla = num_kv_heads == 1 and self.head_dim_v != head_dim  # MLA's latent: one K/V head, V narrower
+        self.mla = is_mla(num_kv_heads, head_dim, self.head_dim_v)
         self._schedules = KeyedCache(MAX_SCHEDULES, release_at_exit=False)  # by (rows, width, s_q, device)
         self.step: Step | None = None  # the planned step
         self._derived: dict[tuple, dict[str, Any]] = {}  # per geometry: the step's derived inputs
