@@ -241,6 +241,12 @@ def test_plot_without_matplotlib_exits_1_naming_the_extra(monkeypatch, tmp_path,
     assert not (tmp_path / "x.png").exists()
 
 
+def test_batching_without_transformers_batching_exits_1_naming_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # checked before the GPU: CI has none
+    assert commands.main(["bench", "--batching"]) == 1
+    assert "--batching needs transformers with continuous batching" in capsys.readouterr().err
+
+
 # ---- bench: every section reaches --json and --plot ------------------------------------------------------
 
 

@@ -47,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
                 "(--json keeps every figure)"
             )
         _needs_matplotlib()
+    if "batching" in sections:
+        _needs_continuous_batching()
     needs_gpu("bench")
     out = sys.stdout  # the JSON's stream: with --json -, every table goes to stderr instead
     with contextlib.redirect_stdout(sys.stderr) if args.json == STDOUT else contextlib.nullcontext():
@@ -118,6 +120,22 @@ def _redraw(args: argparse.Namespace) -> int:
 def _needs_matplotlib() -> None:
     if importlib.util.find_spec("matplotlib") is None:
         raise environment('cudnn-attn bench: --plot needs matplotlib: pip install "cudnn-attn[plot]"')
+
+
+def _needs_continuous_batching() -> None:
+    """--batching serves through transformers' continuous batching, configured by its
+    ``ContinuousBatchingConfig`` (transformers 5)."""
+    try:
+        import transformers
+
+        ready = hasattr(transformers, "ContinuousBatchingConfig")
+    except ImportError:
+        ready = False
+    if not ready:
+        raise environment(
+            "cudnn-attn bench: --batching needs transformers with continuous batching (5.x, "
+            "ContinuousBatchingConfig): pip install 'transformers>=5'"
+        )
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
