@@ -51,10 +51,8 @@ class Piece:
 
 @dataclass(frozen=True)
 class CausalSplit:
-    """A causal soft-capped call over ``seq`` queries and keys, as its ``pieces`` and each
-    piece's options and score modifier."""
+    """A causal soft-capped call as its ``pieces`` and each piece's options and score modifier."""
 
-    seq: int
     pieces: tuple[Piece, ...]
     calls: tuple[tuple[ScoreOptions, Any], ...]
 
@@ -180,7 +178,7 @@ def split_of(cap: float, scale: float, seq: int, levels: int) -> CausalSplit:
     for piece in pieces:
         options = ScoreOptions(attn_scale=scale, causal=Causal.TOP_LEFT if piece.causal else Causal.NONE)
         calls.append(softcap_modifier(cap, options, piece.rows, piece.rows)[::-1])
-    return CausalSplit(seq, tuple(pieces), tuple(calls))
+    return CausalSplit(tuple(pieces), tuple(calls))
 
 
 class SplitCall:
