@@ -274,3 +274,52 @@ def test_a_folded_sink_runs_on_the_handles_stream():
         g.execute({tq: q, tk: k, tv: v, ts: sink, o: out}, ws, handle=handle)
         torch.cuda.synchronize()
         assert rel_err(out, want) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "batch 1", "packed", "strided d"])
+def test_the_sink_gradients_row_dot_matches_float64_in_every_layout(layout):
+    """dSink's reduction (``core.sink_fold.weighted_row_dot``): one batched matrix-vector product
+    per head where the rows merge without a copy, torch's reduction where they do not; each
+    against float64 on fresh random inputs, at bf16's tolerance."""
+    from cudnn_attn.core.sink_fold import weighted_row_dot
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    b, h, s, d = (1 if layout == "batch 1" else 3), 4, 300, 64
+    shapes = {"bshd": (b, s, h, d), "batch 1": (b, s, h, d), "packed": (1, s, h, d)}
+    made = [torch.randn(*shapes.get(layout, (b, h, s, 2 * d)), device="cuda", generator=gen) for _ in range(2)]
+    if layout in shapes:
+        d_o, o = (t.bfloat16().transpose(1, 2) for t in made)
+    elif layout == "bhsd":
+        d_o, o = (t[..., :d].contiguous().bfloat16() for t in made)
+    else:  # every other element of D: no [rows, D] matrix without a copy
+        d_o, o = (t.bfloat16()[..., ::2] for t in made)
+    weight = torch.rand(d_o.shape[:3], device="cuda", generator=gen)
+    want = ((d_o.double() * o.double()).sum(-1) * weight.double()).sum((0, 2))
+    got = weighted_row_dot(d_o, o, weight)
+    assert got.dtype == torch.float32 and got.shape == (h,)
+    assert rel_err(got, want) < TOLERANCE[torch.bfloat16] / 2
+
+
+def test_a_sink_gradient_beside_the_backward_waits_for_a_busy_stream():
+    """dSink runs on a side stream beside cuDNN's sink-less backward (``ops/cudnn/plan.py``): it must
+    start after O, dO and the stats are written on the run's stream and finish before the run's
+    stream reads dSink. Here the run's stream is kept busy first and dO written last on it; the
+    gradients must still equal the reference backend's."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    q, k, v = (
+        torch.randn(B, 256, h, D, device="cuda", generator=gen).bfloat16().transpose(1, 2) for h in (H, H_KV, H_KV)
+    )
+    sinks = torch.randn(H, device="cuda", generator=gen)
+    d_o = torch.randn(B, H, 256, D, device="cuda", generator=gen).bfloat16()
+    grads = {}
+    for backend in ("reference", "cudnn"):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+        with cudnn_attn.backend(backend):
+            out = cudnn_attn.sdpa(*leaves[:3], is_causal=True, enable_gqa=True, sinks=leaves[3])
+            late = torch.zeros_like(d_o)
+            torch.cuda._sleep(20_000_000)  # the run's stream is busy for a while
+            late.copy_(d_o)  # dO is written last, on the run's stream
+            grads[backend] = torch.autograd.grad(out, leaves, late)
+        torch.cuda.synchronize()
+    for want, got in zip(grads["reference"], grads["cudnn"]):
+        assert rel_err(got, want) < TOLERANCE[torch.bfloat16]

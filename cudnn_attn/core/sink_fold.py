@@ -50,13 +50,34 @@ def sink_gradient(
     gradient is ``P_sink * (0 - D)``, ``D = rowsum(dO * O) * descale`` (FP8: descale_dO * descale_O;
     dropout is already inside O). Needs only the forward's O and stats: a backward run without
     the sink, given the stats that include it, makes dQ, dK, dV, and this makes the rest."""
-    delta = _row_dot(d_o, o, stats.dtype).unsqueeze(-1)
-    if not (isinstance(descale, float) and descale == 1.0):
-        delta = delta * descale
     # exp(sink - L) <= 1 where L holds the sink; a row with no key and no sink (L = -inf) gives
     # +inf, set to 0: few launches, as this runs once per backward of every sink layer.
     p_sink = torch.exp(sink.to(stats.dtype) - stats).nan_to_num_(nan=float("nan"), posinf=0.0)
-    return torch.sum(p_sink * delta, dim=(0, 2, 3), keepdim=True).neg_().view(1, -1, 1, 1)
+    if not (isinstance(descale, float) and descale == 1.0):
+        p_sink = p_sink * descale.reshape(())
+    return weighted_row_dot(d_o, o, p_sink[..., 0]).neg_().view(1, -1, 1, 1)
+
+
+def weighted_row_dot(d_o: torch.Tensor, o: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``sum over batch and rows of weight * rowsum(dO * O)`` per head, ``[H]`` in ``weight``'s
+    dtype; ``d_o``, ``o``: ``[B, H, S, D]`` (any strides), ``weight``: ``[B, H, S]``.
+
+    bf16 on the GPU: the product in bf16 (each element rounded once, no float32 copies), then one
+    batched matrix-vector product per head with the weights, accumulated in float32 by the
+    tensor cores. Summing the product over D with torch's reduction instead reads at a tenth of
+    the memory's speed (64-element rows): 0.30 ms against 0.04 at gpt-oss's B2 H64 S8k d64."""
+    if d_o.dtype == o.dtype == torch.bfloat16 and d_o.is_cuda and weight.dtype == torch.float32:
+        product = torch.mul(d_o, o)
+        b, h, s, d = product.shape
+        if product.stride(3) == 1 and (b == 1 or product.stride(0) == s * product.stride(2)):
+            rows, w = product.transpose(0, 1).reshape(h, b * s, d), weight.transpose(0, 1).reshape(h, 1, b * s)
+        elif product.stride(3) == 1 and product.stride(0) == h * product.stride(1):
+            rows, w = product.view(b * h, s, d), weight.reshape(b * h, 1, s)
+        else:  # no batch of [rows, D] matrices without a copy
+            return (product.sum(-1, dtype=weight.dtype) * weight).sum((0, 2))
+        per_column = torch.bmm(w.to(torch.bfloat16), rows, out_dtype=torch.float32)
+        return per_column.view(-1, h, d).sum((0, 2))
+    return (_row_dot(d_o, o, weight.dtype) * weight).sum((0, 2))
 
 
 def packed_sink_gradient(
@@ -77,10 +98,13 @@ def packed_sink_gradient(
     inside = row < starts[-1]  # rows past the last sequence belong to none
     lse = stats[sequence, :, position, 0]  # [T, H]
     lse = torch.where(inside[:, None], lse, float("-inf"))
-    delta = _row_dot(d_o, o, stats.dtype) * descale  # [T, H]
     safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     p_sink = torch.where(torch.isneginf(lse), torch.zeros_like(lse), torch.exp(sink.to(stats.dtype).view(1, -1) - safe))
-    return -(p_sink * delta).sum(0).view(1, -1, 1, 1)
+    if not (isinstance(descale, float) and descale == 1.0):
+        p_sink = p_sink * descale.reshape(())
+    # [T, H, D] as one batch of T rows per head ([1, H, T, D])
+    rows = (t.transpose(0, 1).unsqueeze(0) for t in (d_o, o))
+    return weighted_row_dot(*rows, p_sink.transpose(0, 1).unsqueeze(0)).neg_().view(1, -1, 1, 1)
 
 
 def _row_dot(d_o: torch.Tensor, o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

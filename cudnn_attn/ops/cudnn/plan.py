@@ -112,10 +112,11 @@ class CudnnPlan:
                 outputs["o"].zero_()
             if "stats" in outputs and "stats" not in self.problem.offset_tensors:
                 outputs["stats"].fill_(float("-inf"))
+        inputs_ready = None if d_sink is None else torch.cuda.current_stream(self.device).record_event()
         pack = self.variant_pack(inputs, outputs, rng_dump)
         self.execute_ordered(tuple(pack.values()), tuple(pack), stream, workspace, handle)
-        if d_sink is not None:
-            d_sink.copy_(self._sink_gradient(inputs, sink))
+        if inputs_ready is not None:
+            self._sink_gradient_beside(inputs, sink, d_sink, inputs_ready)  # type: ignore[arg-type]
         elif sink is not None and self.problem.is_forward:
             if self.problem.is_fp8:
                 add_sink_fp8(outputs, inputs["scale_o"], sink)  # type: ignore[arg-type]
@@ -124,15 +125,26 @@ class CudnnPlan:
         if self._empty_fix is not None:
             self._empty_fix(inputs, outputs)
 
-    def _sink_gradient(self, inputs: RunInputs, sink: Any) -> torch.Tensor:
-        """dSink of a backward run without the sink (``folded_sink``), from O, dO and the stats."""
+    def _sink_gradient_beside(
+        self, inputs: RunInputs, sink: Any, d_sink: torch.Tensor, inputs_ready: torch.cuda.Event
+    ) -> None:
+        """Write dSink (``folded_sink``) on a side stream beside the sink-less backward just
+        launched: it reads only O, dO and the stats, which the backward only reads too. Launched
+        after the backward and at high priority, its blocks take SMs as the backward's free up,
+        so this memory-bound reduction overlaps the compute-bound kernel instead of running
+        before or after it. The run's stream waits for it."""
         descale = inputs["descale_o"] * inputs["descale_grad_o"] if self.problem.is_fp8 else 1.0  # type: ignore[operator]
         o, d_o, stats = inputs["o"], inputs["grad_o"], inputs["stats"]
-        if self.problem.is_thd:  # packed rows; the stats [B, H, max_q, 1] by sequence and position
-            lengths = inputs["seq_len_q"]
-            starts = derived(lengths, sequence_starts)  # type: ignore[arg-type]
-            return packed_sink_gradient(o, d_o, stats, sink, starts, descale)  # type: ignore[arg-type]
-        return sink_gradient(o, d_o, stats, sink, descale)  # type: ignore[arg-type]
+        starts = derived(inputs["seq_len_q"], sequence_starts) if self.problem.is_thd else None  # type: ignore[arg-type]
+        run_stream = torch.cuda.current_stream(self.device)
+        side = sink_stream(self.device_index)
+        side.wait_event(inputs_ready)
+        with torch.cuda.stream(side):
+            if starts is not None:  # packed rows; the stats [B, H, max_q, 1] by sequence and position
+                d_sink.copy_(packed_sink_gradient(o, d_o, stats, sink, starts, descale))  # type: ignore[arg-type]
+            else:
+                d_sink.copy_(sink_gradient(o, d_o, stats, sink, descale))  # type: ignore[arg-type]
+        run_stream.wait_stream(side)
 
     def direct_uids(self, input_roles: tuple[str, ...], output_roles: tuple[str, ...]) -> tuple[int, ...] | None:
         """The uids of these roles when the caller's tensors are all the plan binds (no ragged
@@ -283,6 +295,18 @@ class CudnnPlan:
                 assert isinstance(lengths, torch.Tensor)
                 start = starts[lengths_role] = derived(lengths, sequence_starts)
             pack[uid] = derived(start, element_offsets, token_stride)
+
+
+_SINK_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def sink_stream(device_index: int) -> torch.cuda.Stream:
+    """The device's side stream for sink gradients, of high priority: its few small kernels are
+    scheduled as soon as an SM frees up, not after every block of the backward beside them."""
+    stream = _SINK_STREAMS.get(device_index)
+    if stream is None:
+        stream = _SINK_STREAMS[device_index] = torch.cuda.Stream(device_index, priority=-1)
+    return stream
 
 
 def sequence_starts(lengths: torch.Tensor) -> torch.Tensor:
