@@ -29,6 +29,7 @@ import torch
 
 from ..ops.cudnn import autotune
 from .host import round_order
+from .paused_timing import paused_kernel_ms
 from .progress import progress
 
 SEQS = (4096, 8192, 16384, 32768)
@@ -228,6 +229,11 @@ def model_row(m: Model, s: int) -> dict[str, Any]:
             }
         for part in ("fwd", "bwd"):
             row[f"{part}_ratio"] = row["columns"]["frontend"][part]["ms"] / row["columns"]["cudnn_attn"][part]["ms"]
+            paused = paused_kernel_ms({n: runners[n][0 if part == "fwd" else 1] for n in ("cudnn_attn", "frontend")})
+            row[f"{part}_paused"] = {
+                name: {**cell, "tflops": m.flops(s, part == "bwd") / (cell["ms"] * 1e-3) / 1e12}
+                for name, cell in paused.items()
+            }
     del t, runners
     gc.collect()
     torch.cuda.empty_cache()
@@ -258,6 +264,11 @@ def format_row(row: dict[str, Any]) -> str:
     if "fwd_ratio" in row:
         worst = max(row["rel_err_vs_frontend"].values())
         ratio = f" | ours/frontend fwd {row['fwd_ratio']:.3f}x bwd {row['bwd_ratio']:.3f}x, max rel err {worst:.1e}"
+        paused = [
+            f"{part} {row[f'{part}_paused']['cudnn_attn']['tflops']:.0f} vs {row[f'{part}_paused']['frontend']['tflops']:.0f}"
+            for part in ("fwd", "bwd")
+        ]
+        ratio += f" | after a pause (the frontend's timing), ours vs frontend TF/s: {', '.join(paused)}"
     return f"{row['model']:<14} s{row['seq']:<6} " + "; ".join(cells) + ratio
 
 
