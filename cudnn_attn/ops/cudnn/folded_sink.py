@@ -7,7 +7,8 @@ B2 H64 d64 S8k on an H200: the whole training step 2.4x slower), a packed one ne
 dSink scaled by (1 - p). A sink enters only the softmax's denominator, so given the forward's
 stats (which hold it) the sink-less backward's dQ, dK and dV are exactly the sink's, and dSink
 is one small reduction of O, dO and the stats (``sink_fold.sink_gradient``, per token for
-packed rows). Forward cases, measured with cuDNN 9.19 on an H100:
+packed rows), run on a side stream beside the backward (``plan.py``). Forward cases, measured
+with cuDNN 9.19 on an H100:
 
 - S_q = 1 (decode): no forward graph builds with a ``sink_token`` and one query token ("decode
   only mode ... not supported with sink_token"). Dense and paged tensors (4-D); a packed (THD)
