@@ -51,8 +51,9 @@ def models():
 
 prompts = [torch.randint(0, 256, (int(n),)).tolist() for n in torch.randint(1, 48, (16,))]
 generation = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=-1, pad_token_id=0)
-# A cache of its own size, stepped synchronously (transformers otherwise sizes it by a GPU's memory)
-batching = transformers.ContinuousBatchingConfig(num_blocks=16, use_async_batching=False)
+# A cache of its own size, stepped synchronously, no CUDA graphs: the model is on the CPU, and
+# transformers otherwise sizes the cache by a GPU's memory and captures graphs when the host has one
+batching = transformers.ContinuousBatchingConfig(num_blocks=16, use_async_batching=False, use_cuda_graph=False)
 ok = True
 for label, model, reference in models():
     model.eval()

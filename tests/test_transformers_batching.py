@@ -17,10 +17,13 @@ from cudnn_attn.integrations.transformers_batching import BATCHING_NAME, for_con
 from cudnn_attn.integrations.transformers_packing import Packing, packed_mask  # noqa: E402
 
 LENGTHS = (5, 9, 3, 17, 1, 12)
-# A cache of its own size, synchronous: left to itself, transformers sizes the cache by a GPU's
-# memory and steps on CUDA streams when the host has a GPU, though the model is on the CPU.
+# A cache of its own size, synchronous, no CUDA graphs: left to itself, transformers sizes the cache
+# by a GPU's memory, steps on CUDA streams and captures CUDA graphs when the host has a GPU, though
+# the model is on the CPU (a graph's replay then runs none of the CPU's work: the tokens after the
+# first come out 0). It decides graphs by the implementation's name: on for a FlashAttention name
+# such as cudnn_attn's, off for "sdpa".
 BATCHING = transformers.ContinuousBatchingConfig(
-    block_size=16, num_blocks=64, max_batch_tokens=128, use_async_batching=False
+    block_size=16, num_blocks=64, max_batch_tokens=128, use_async_batching=False, use_cuda_graph=False
 )
 
 

@@ -369,6 +369,13 @@ def _refuse_unsupported(query: torch.Tensor, mask: Any, softcap: float | None, k
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() in (2, 4)):
         shape = list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         reasons.append(f"attention_mask: {shape}; expected None, a [B, keys] token mask or a [B, 1, Q, K] dense mask")
+    if query.device.type == "cpu" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        # transformers' continuous batching captures CUDA graphs for a FlashAttention name whenever
+        # the host has a GPU, the model's device aside; a replay would run none of this CPU work
+        reasons.append(
+            "query: on the CPU while a CUDA graph is being captured (its replays would skip the CPU's work); "
+            "pass ContinuousBatchingConfig(use_cuda_graph=False) for a model on the CPU, or move it to the GPU"
+        )
     if reasons:
         raise UnsupportedError(reasons, context=CONTEXT, alternatives=_ALTERNATIVES)
 
