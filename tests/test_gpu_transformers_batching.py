@@ -1,0 +1,73 @@
+"""transformers' continuous batching on a GPU (``integrations/transformers_batching.py``): every
+attention call inside ``generate_batch`` equals the reference backend's on the same inputs, and
+the CUDA graphs transformers captures for cudnn_attn's name replay the eager steps exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TOLERANCE, rel_err
+
+import cudnn_attn
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "ContinuousBatchingConfig"):
+    pytest.skip("this transformers has no continuous batching", allow_module_level=True)
+
+from transformers import GenerationConfig  # noqa: E402
+
+import cudnn_attn.integrations.transformers_batching as batching  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _model_and_prompts():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    )
+    model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(1, 200, (12,), generator=gen)
+    return model, [torch.randint(0, 512, (int(n),), generator=gen).tolist() for n in lengths]
+
+
+def _generate(model, prompts, graphs: bool):
+    generation = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    config = transformers.ContinuousBatchingConfig(num_blocks=128, max_batch_tokens=2048, use_cuda_graph=graphs)
+    results = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=config)
+    return {key: r.generated_tokens for key, r in results.items()}
+
+
+def test_every_attention_call_of_generate_batch_matches_the_reference(monkeypatch):
+    import cudnn_attn.integrations.transformers as layers
+
+    model, prompts = _model_and_prompts()
+    errors = []
+    layer = layers.attention_forward
+
+    def checked(module, query, key, value, attention_mask, **kwargs):
+        out, weights = layer(module, query, key, value, attention_mask, **kwargs)
+        with cudnn_attn.backend("reference"):
+            want, _ = layer(module, query, key, value, attention_mask, **kwargs)
+        errors.append(rel_err(out, want))
+        return out, weights
+
+    # Registered as transformers' layer (5.2x), and called by the paged form (5.17)
+    monkeypatch.setattr(layers, "attention_forward", checked)
+    monkeypatch.setattr(batching, "attention_forward", checked)
+    batching.for_continuous_batching(model)
+    tokens = _generate(model, prompts, graphs=False)
+    assert all(len(t) == 8 for t in tokens.values())
+    assert errors and max(errors) < TOLERANCE[torch.bfloat16], max(errors)
+
+
+def test_captured_steps_replay_the_eager_ones_exactly():
+    model, prompts = _model_and_prompts()
+    batching.for_continuous_batching(model)
+    assert _generate(model, prompts, graphs=True) == _generate(model, prompts, graphs=False)
