@@ -264,6 +264,7 @@ def format_row(row: dict[str, Any]) -> str:
     if "fwd_ratio" in row:
         worst = max(row["rel_err_vs_frontend"].values())
         ratio = f" | ours/frontend fwd {row['fwd_ratio']:.3f}x bwd {row['bwd_ratio']:.3f}x, max rel err {worst:.1e}"
+    if "bwd_paused" in row:  # reports saved before this column have none
         paused = [
             f"{part} {row[f'{part}_paused']['cudnn_attn']['tflops']:.0f} vs {row[f'{part}_paused']['frontend']['tflops']:.0f}"
             for part in ("fwd", "bwd")
