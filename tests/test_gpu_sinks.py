@@ -323,3 +323,30 @@ def test_a_sink_gradient_beside_the_backward_waits_for_a_busy_stream():
         torch.cuda.synchronize()
     for want, got in zip(grads["reference"], grads["cudnn"]):
         assert rel_err(got, want) < TOLERANCE[torch.bfloat16]
+
+
+def test_a_packed_sink_gradient_reads_sequence_starts_made_on_a_busy_stream():
+    """The packed dSink reads the sequences' starts, derived from fresh lengths on the run's
+    stream: they must be written before the side stream reads them. The run's stream is kept busy
+    before each backward, and each step's lengths are a new tensor (nothing cached); every
+    step's dSink must equal the reference backend's."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    tokens = 4096
+    for step, lengths in enumerate(([1024] * 4, [100, 2900, 1000, 96], [4000, 32, 32, 32])):
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        longest = max(lengths)
+        q = torch.randn(tokens, H, D, device="cuda", generator=gen).bfloat16()
+        k, v = (torch.randn(tokens, H_KV, D, device="cuda", generator=gen).bfloat16() for _ in range(2))
+        sinks = torch.randn(H, device="cuda", generator=gen)
+        d_out = torch.randn(tokens, H, D, device="cuda", generator=gen).bfloat16()
+        got = {}
+        for backend in ("reference", "cudnn"):
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+            with cudnn_attn.backend(backend):
+                out = cudnn_attn.varlen_sdpa(
+                    *leaves[:3], cu, cu, longest, longest, is_causal=True, enable_gqa=True, sinks=leaves[3]
+                )
+                torch.cuda._sleep(20_000_000)  # the run's stream is busy when the backward is queued
+                got[backend] = torch.autograd.grad(out, leaves[3], d_out)[0]
+            torch.cuda.synchronize()
+        assert rel_err(got["cudnn"], got["reference"]) < TOLERANCE[torch.bfloat16], step

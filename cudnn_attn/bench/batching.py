@@ -9,12 +9,13 @@ time; the columns' greedy tokens are compared (a random model's logits nearly ti
 rounding then picks another token, after which a request's tokens differ: a sanity check, not
 an exactness test, which ``tests/test_gpu_transformers_batching.py`` is).
 
-Each column runs as transformers sets it up for its name (a FlashAttention name gets CUDA graphs
-and asynchronous batching on a GPU, ``"sdpa"`` neither), with a batch of at most
-``BATCH_TOKENS`` tokens, transformers' own default. Given the cache's size alone, transformers
-5.17 sizes the batch by the GPU's free memory instead, and its asynchronous batching then walks
-a Python list of that many tokens every step (``infer_carry_over_ids``): 49.5 s against 5.2 s
-for 8 short requests on an H200, whatever the attention.
+Each column runs as transformers sets it up for its name: on a GPU, CUDA graphs and asynchronous
+batching for a FlashAttention name such as cudnn_attn's, neither for ``"sdpa"`` (a model on the
+CPU: neither, for both). The batch holds at most ``BATCH_TOKENS`` tokens, transformers' own
+default: given the cache's size alone, transformers 5.17 sizes the batch by the GPU's free
+memory, and its asynchronous batching then walks a Python list of that many tokens every step
+(``infer_carry_over_ids``): 49.5 s against 5.2 s for 8 short requests on an H200, whatever the
+attention.
 """
 
 from __future__ import annotations
@@ -79,13 +80,16 @@ def measure(w: Workload = Workload(), device: str = "cuda", rounds: int = ROUNDS
         max_new_tokens=w.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
     )
     blocks = -(-sum(len(p) + w.new_tokens for p in prompts) // 256) + w.requests  # every request at once
+
     on_gpu = device == "cuda"  # a CPU model steps synchronously, whatever GPU the host has
-    batching = transformers.ContinuousBatchingConfig(
-        num_blocks=blocks,
-        max_batch_tokens=BATCH_TOKENS,
-        use_cuda_graph=None if on_gpu else False,
-        use_async_batching=None if on_gpu else False,
-    )
+
+    def batching() -> Any:  # afresh for every run, as a caller would pass it
+        return transformers.ContinuousBatchingConfig(
+            num_blocks=blocks,
+            max_batch_tokens=BATCH_TOKENS,
+            use_cuda_graph=None if on_gpu else False,
+            use_async_batching=None if on_gpu else False,
+        )
 
     def use(column: str) -> None:
         if column == "sdpa":
@@ -98,7 +102,7 @@ def measure(w: Workload = Workload(), device: str = "cuda", rounds: int = ROUNDS
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        results = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=batching)
+        results = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=batching())
         if device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start

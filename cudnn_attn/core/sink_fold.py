@@ -54,7 +54,7 @@ def sink_gradient(
     # +inf, set to 0: few launches, as this runs once per backward of every sink layer.
     p_sink = torch.exp(sink.to(stats.dtype) - stats).nan_to_num_(nan=float("nan"), posinf=0.0)
     if not (isinstance(descale, float) and descale == 1.0):
-        p_sink = p_sink * descale.reshape(())
+        p_sink = p_sink * (descale.reshape(()) if isinstance(descale, torch.Tensor) else descale)
     return weighted_row_dot(d_o, o, p_sink[..., 0]).neg_().view(1, -1, 1, 1)
 
 
@@ -106,7 +106,7 @@ def packed_sink_gradient(
     safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     p_sink = torch.where(torch.isneginf(lse), torch.zeros_like(lse), torch.exp(sink.to(stats.dtype).view(1, -1) - safe))
     if not (isinstance(descale, float) and descale == 1.0):
-        p_sink = p_sink * descale.reshape(())
+        p_sink = p_sink * (descale.reshape(()) if isinstance(descale, torch.Tensor) else descale)
     # [T, H, D] as one batch of T rows per head ([1, H, T, D])
     rows = (t.transpose(0, 1).unsqueeze(0) for t in (d_o, o))
     return weighted_row_dot(*rows, p_sink.transpose(0, 1).unsqueeze(0)).neg_().view(1, -1, 1, 1)

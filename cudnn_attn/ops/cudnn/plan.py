@@ -5,7 +5,7 @@ inside the tensors."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -112,11 +112,11 @@ class CudnnPlan:
                 outputs["o"].zero_()
             if "stats" in outputs and "stats" not in self.problem.offset_tensors:
                 outputs["stats"].fill_(float("-inf"))
-        inputs_ready = None if d_sink is None else torch.cuda.current_stream(self.device).record_event()
+        sink_gradient_beside = None if d_sink is None else self._sink_gradient_beside(inputs, sink, d_sink)
         pack = self.variant_pack(inputs, outputs, rng_dump)
         self.execute_ordered(tuple(pack.values()), tuple(pack), stream, workspace, handle)
-        if inputs_ready is not None:
-            self._sink_gradient_beside(inputs, sink, d_sink, inputs_ready)  # type: ignore[arg-type]
+        if sink_gradient_beside is not None:
+            sink_gradient_beside()
         elif sink is not None and self.problem.is_forward:
             if self.problem.is_fp8:
                 add_sink_fp8(outputs, inputs["scale_o"], sink)  # type: ignore[arg-type]
@@ -125,26 +125,33 @@ class CudnnPlan:
         if self._empty_fix is not None:
             self._empty_fix(inputs, outputs)
 
-    def _sink_gradient_beside(
-        self, inputs: RunInputs, sink: Any, d_sink: torch.Tensor, inputs_ready: torch.cuda.Event
-    ) -> None:
-        """Write dSink (``folded_sink``) on a side stream beside the sink-less backward just
-        launched: it reads only O, dO and the stats, which the backward only reads too. Launched
-        after the backward and at high priority, its blocks take SMs as the backward's free up,
-        so this memory-bound reduction overlaps the compute-bound kernel instead of running
-        before or after it. The run's stream waits for it."""
+    def _sink_gradient_beside(self, inputs: RunInputs, sink: Any, d_sink: torch.Tensor) -> Callable[[], None]:
+        """dSink (``folded_sink``) beside the sink-less backward: call the result once cuDNN's
+        backward is launched. It reads only O, dO and the stats, which the backward only reads
+        too; launched after the backward, at high priority, its blocks take SMs as the
+        backward's free up, so the memory-bound reduction overlaps the compute-bound kernel
+        instead of running before or after it, and the run's stream waits for it. What it reads
+        besides (the FP8 descale, a packed problem's sequence starts) is made here, on the run's
+        stream, before the event the side stream waits for."""
         descale = inputs["descale_o"] * inputs["descale_grad_o"] if self.problem.is_fp8 else 1.0  # type: ignore[operator]
         o, d_o, stats = inputs["o"], inputs["grad_o"], inputs["stats"]
         starts = derived(inputs["seq_len_q"], sequence_starts) if self.problem.is_thd else None  # type: ignore[arg-type]
         run_stream = torch.cuda.current_stream(self.device)
-        side = sink_stream(self.device_index)
-        side.wait_event(inputs_ready)
-        with torch.cuda.stream(side):
-            if starts is not None:  # packed rows; the stats [B, H, max_q, 1] by sequence and position
-                d_sink.copy_(packed_sink_gradient(o, d_o, stats, sink, starts, descale))  # type: ignore[arg-type]
-            else:
-                d_sink.copy_(sink_gradient(o, d_o, stats, sink, descale))  # type: ignore[arg-type]
-        run_stream.wait_stream(side)
+        ready = run_stream.record_event()
+
+        def launch() -> None:
+            side = sink_stream(self.device_index)
+            side.wait_event(ready)
+            try:
+                with torch.cuda.stream(side):
+                    if starts is not None:  # packed rows; the stats [B, H, max_q, 1] by sequence and position
+                        d_sink.copy_(packed_sink_gradient(o, d_o, stats, sink, starts, descale))  # type: ignore[arg-type]
+                    else:
+                        d_sink.copy_(sink_gradient(o, d_o, stats, sink, descale))  # type: ignore[arg-type]
+            finally:  # joined even on an error: a capture never ends with a stream left forked
+                run_stream.wait_stream(side)
+
+        return launch
 
     def direct_uids(self, input_roles: tuple[str, ...], output_roles: tuple[str, ...]) -> tuple[int, ...] | None:
         """The uids of these roles when the caller's tensors are all the plan binds (no ragged
