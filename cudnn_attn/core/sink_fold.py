@@ -108,8 +108,8 @@ def packed_sink_gradient(
     if not (isinstance(descale, float) and descale == 1.0):
         p_sink = p_sink * (descale.reshape(()) if isinstance(descale, torch.Tensor) else descale)
     # [T, H, D] as one batch of T rows per head ([1, H, T, D])
-    rows = (t.transpose(0, 1).unsqueeze(0) for t in (d_o, o))
-    return weighted_row_dot(*rows, p_sink.transpose(0, 1).unsqueeze(0)).neg_().view(1, -1, 1, 1)
+    d_o_rows, o_rows = d_o.transpose(0, 1).unsqueeze(0), o.transpose(0, 1).unsqueeze(0)
+    return weighted_row_dot(d_o_rows, o_rows, p_sink.transpose(0, 1).unsqueeze(0)).neg_().view(1, -1, 1, 1)
 
 
 def _row_dot(d_o: torch.Tensor, o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
