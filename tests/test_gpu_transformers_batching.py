@@ -81,3 +81,20 @@ def test_captured_steps_replay_the_eager_ones():
     assert all(captured[key][0] == eager[key][0] for key in eager)
     same = sum(a == b for key in eager for a, b in zip(captured[key], eager[key]))
     assert same >= 0.9 * sum(map(len, eager.values()))
+
+
+def test_a_cpu_layer_refuses_a_cuda_graph_capture_naming_the_setting():
+    """transformers captures CUDA graphs for cudnn_attn's name whenever a GPU is present, even for a
+    model on the CPU, whose work a replay would skip: refused, naming the setting that avoids it."""
+    from cudnn_attn.errors import UnsupportedError
+    from cudnn_attn.integrations.transformers import attention_forward
+
+    layer = torch.nn.Module()
+    layer.is_causal = True
+    q, k, v = (torch.randn(1, 4, 8, 16) for _ in range(3))
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(UnsupportedError, match="use_cuda_graph=False"):
+        with torch.cuda.graph(graph):
+            attention_forward(layer, q, k, v, None)
+    out, _ = attention_forward(layer, q, k, v, None)  # outside a capture: runs
+    assert out.shape == (1, 8, 4, 16)
