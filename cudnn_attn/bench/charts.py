@@ -196,6 +196,14 @@ def _score_terms(r: dict[str, Any]) -> list[Panel]:
     return panels
 
 
+def _batching(r: dict[str, Any]) -> list[Panel]:
+    served = r["batching"]
+    bars = {n: ranged(c["tokens_per_s"], c["low"], c["high"]) for n, c in served["columns"].items()}
+    w = served["workload"]
+    title = f"--batching: {w['requests']} requests, {w['shortest']}-{w['longest']} prompt tokens, {w['new_tokens']} new"
+    return [(title, _horizontal(bars, "tokens per second"))]
+
+
 def _mla(r: dict[str, Any]) -> list[Panel]:
     rows = r["rows"]
     groups = [f"H{x['heads']} B{x['batch']} KV{_k(x['kv'])}" for x in rows]
@@ -255,6 +263,7 @@ SECTIONS = (
     Section("varlen", ("memory", "mixed", "plans", "llama"), _varlen),  # memory: a table, no panel
     Section("models", ("models",), _models),
     Section("score_terms", ("score_terms",), _score_terms),
+    Section("batching", ("batching",), _batching),
     Section("mla", ("rows", "peaks_tbps"), _mla, when=lambda r: "peaks_tbps" in r),
     Section("frontend_rebuild", ("cudnn", "cudnn_attn", "identical", "speedup", "shape"), _frontend_rebuild),
     Section("context_parallel", ("cells", *_CONTEXT_PARALLEL_META), _context_parallel),
