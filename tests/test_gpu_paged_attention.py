@@ -81,13 +81,13 @@ CASES = {
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_cudnn_matches_the_reference(case):
     spec = dict(CASES[case])
-    step = _step(spec.pop("lengths"), spec.pop("pages"), s_q=spec.pop("s_q", 1), seed=len(case),
-                 layout=spec.get("layout", "NHPD"))  # fmt: skip
+    lengths, pages, s_q = spec.pop("lengths"), spec.pop("pages"), spec.pop("s_q", 1)
+    step = _step(lengths, pages, s_q=s_q, seed=len(case), layout=spec.get("layout", "NHPD"))
     layout = spec.pop("layout", "NHPD")
     forced = spec.pop("decode_kernel", None)
     sinks = torch.randn(HQ, generator=torch.Generator().manual_seed(9)) * 2 if spec.pop("sinks", False) else None
-    (got, schedule), (want, _) = _both(step, sinks, kv_layout=layout, **spec,
-                                       **({"decode_kernel": forced} if forced else {}))  # fmt: skip
+    kernel = {"decode_kernel": forced} if forced else {}
+    (got, schedule), (want, _) = _both(step, sinks, kv_layout=layout, **spec, **kernel)
     assert forced is None or schedule.kernel == forced
     assert torch.isfinite(got).all()
     assert rel_err(got, want) < 1.5e-2, schedule
@@ -132,6 +132,34 @@ def test_a_captured_step_replays_after_new_plans(kernel, sinks, s_q):
         reference.plan(step[3], step[4])
         want = reference.run(step[0], *(c.cpu() for c in caches[-1]), **{k: v.cpu() for k, v in extra.items()})
         assert rel_err(outs[-1], want) < 1.5e-2
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(decode_kernel="cudnn"), dict(decode_kernel="cudnn", splits=4), dict(decode_kernel="cudnn", splits=2)],
+    ids=["plain", "split", "split-multi-token"],
+)
+def test_an_eager_step_binds_its_tables_again_after_each_plan(options):
+    """Eager layers bind the step's tables once (``PreparedRun.bind``): every later plan, with
+    other tables and lengths (empty sequences among them), is read afresh, layer after layer,
+    into outputs poisoned first."""
+    s_q = 4 if options.get("splits") == 2 else 1
+    pages = 32
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", **options)
+    reference = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cpu")
+    for seed, lengths in enumerate(([100, 2048, 5], [0, 1999, 64], [2048, 0, 700]), start=3):
+        q, k_cache, v_cache, table, seq_lens = _step(lengths, pages, s_q=s_q, seed=seed)
+        attn.plan(table.cuda(), seq_lens.cuda())
+        reference.plan(table, seq_lens)
+        for layer in range(3):
+            k, v = k_cache.roll(layer, 0), v_cache * (layer + 1)
+            out = torch.full((*q.shape[:-1], D), float("nan"), dtype=q.dtype, device="cuda")
+            got = attn.run(q.cuda(), k.cuda(), v.cuda(), out=out)
+            want = reference.run(q, k, v)
+            assert torch.isfinite(got).all()
+            assert rel_err(got, want) < 1.5e-2, (seed, layer, attn.schedule)
+            empty = torch.tensor(lengths) == 0
+            assert (got[empty.cuda()] == 0).all()
 
 
 def test_plan_and_run_make_no_host_sync():

@@ -14,7 +14,7 @@ context parallelism's blocks) are bounded by entries instead, and keep their run
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -77,6 +77,30 @@ class PreparedRun:
         else:
             self.plan(dict(zip(self.input_roles, tensors)), dict(zip(self.output_roles, outputs)))
         return outputs
+
+    def bind(
+        self,
+        fixed: Mapping[str, torch.Tensor],
+        varying: tuple[str, ...],
+        *,
+        whole_sequences: bool = False,
+    ) -> Callable[..., None]:
+        """A run over ``fixed`` tensors by role (a serving step's tables and lengths, read as they
+        are now: bind again after writing them), called with the ``varying`` roles' tensors in
+        order, then every output in ``output_roles`` order. ``whole_sequences``: each
+        ``seq_len_q`` is 0 or the problem's ``S_q``. A cuDNN plan binds once what a plain run
+        does per call (``ops/cudnn/bound_run.py``); other plans run as ``run`` does."""
+        bind = getattr(self.plan, "bind", None)
+        bound = bind(fixed, varying, self.output_roles, whole_sequences=whole_sequences) if bind else None
+        if bound is not None:
+            return bound
+        count = len(varying)
+
+        def run(*tensors: torch.Tensor) -> None:
+            inputs = {**fixed, **dict(zip(varying, tensors[:count]))}
+            self.run(inputs, dict(zip(self.output_roles, tensors[count:])))
+
+        return run
 
     @property
     def nbytes(self) -> int:

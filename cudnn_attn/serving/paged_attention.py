@@ -543,8 +543,23 @@ class PagedAttention:
         stats: bool,
         out: torch.Tensor | None = None,
     ) -> Any:
+        o = out if out is not None else torch.empty(*q.shape[:-1], self.head_dim_v, dtype=q.dtype, device=q.device)
+        outputs = {"o": o}
+        if stats:
+            outputs["stats"] = torch.empty(*q.shape[:3], 1, dtype=torch.float32, device=q.device)
+        bound = self._bound(part, q, k_cache, v_cache, outputs, derived) if not self.cuda_graph else None
+        if bound is not None:
+            bound(q, k_cache, v_cache, *outputs.values())
+        else:
+            self._paged_sdpa(self._part_inputs(part, q, k_cache, v_cache, derived), outputs, causal=part == "tail")
+        return (o, outputs["stats"]) if stats else o
+
+    @staticmethod
+    def _part_inputs(
+        part: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, derived: dict[str, Any]
+    ) -> dict[str, torch.Tensor]:
         table = derived[f"{part}_table"]
-        inputs = {
+        return {
             "q": q,
             "k": k_cache,
             "v": v_cache,
@@ -553,12 +568,38 @@ class PagedAttention:
             "seq_len_q": derived[f"{part}_q_lengths"],
             "seq_len_kv": derived[f"{part}_lengths"],
         }
-        o = out if out is not None else torch.empty(*q.shape[:-1], self.head_dim_v, dtype=q.dtype, device=q.device)
-        outputs = {"o": o}
-        if stats:
-            outputs["stats"] = torch.empty(*q.shape[:3], 1, dtype=torch.float32, device=q.device)
-        self._paged_sdpa(inputs, outputs, causal=part == "tail")
-        return (o, outputs["stats"]) if stats else o
+
+    def _bound(
+        self,
+        part: str,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        outputs: dict[str, torch.Tensor],
+        derived: dict[str, Any],
+    ) -> Any:
+        """An eager step's run of one part, bound to the step's tables once (``PreparedRun.bind``):
+        each layer then binds only its q, caches and outputs. Kept in the step's ``derived``, which
+        every plan makes anew; None while a CUDA graph is captured (a replay must read the tables
+        as they are then, not as bound now)."""
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        bindings = derived.setdefault("bound", {})
+        key: tuple = (part, q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride())
+        key += tuple(t.stride() for t in outputs.values())
+        bound = bindings.get(key)
+        if bound is None:
+            inputs = self._part_inputs(part, q, k_cache, v_cache, derived)
+            causal = part == "tail"
+            fast = (causal, None, *geometry(inputs), *geometry(outputs))
+            run = self._fast.get(fast)
+            if run is None:
+                run = self._fast.put(fast, self._prepared_run(inputs, outputs, causal, None))
+            fixed = {role: inputs[role] for role in ("page_table_k", "page_table_v", "seq_len_q", "seq_len_kv")}
+            assert tuple(outputs) == run.output_roles  # the order a bound run takes them in
+            # Every sequence's query rows are whole: a decode part's seq_len_q is its S_q.
+            bound = bindings[key] = run.bind(fixed, ("q", "k", "v"), whole_sequences=True)
+        return bound
 
     def _paged_sdpa(
         self,

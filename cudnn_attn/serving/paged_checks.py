@@ -81,7 +81,28 @@ def unread_slots_zeroed(page_table: torch.Tensor, seq_lens_kv: torch.Tensor, pag
 
 
 def check_run(attn: Any, q: Any, k_cache: Any, v_cache: Any, out: Any, step: Step) -> None:
-    """``PagedAttention.run``'s tensors checked by name against the instance and its planned step."""
+    """``PagedAttention.run``'s tensors checked by name against the instance and its planned step.
+    A step's layers repeat one geometry: what passed once passes again unchecked."""
+    key = geometry_of(q, k_cache, v_cache, out)
+    if key is not None and key in step.checked:
+        return
+    _check_run(attn, q, k_cache, v_cache, out, step)
+    if key is not None:
+        step.checked.add(key)
+
+
+def geometry_of(q: Any, k_cache: Any, v_cache: Any, out: Any) -> tuple | None:
+    """What ``check_run`` reads of plain tensors (None for anything else: checked every time)."""
+    tensor = torch.Tensor
+    if type(q) is not tensor or type(k_cache) is not tensor or type(v_cache) is not tensor:
+        return None
+    if out is not None and type(out) is not tensor:
+        return None
+    given = (q, k_cache, v_cache) if out is None else (q, k_cache, v_cache, out)
+    return tuple((t.shape, t.dtype, t.device, t.stride(-1)) for t in given)
+
+
+def _check_run(attn: Any, q: Any, k_cache: Any, v_cache: Any, out: Any, step: Step) -> None:
     problems = []
     q_rank = 3 if step.prefill else 4
     for name, t, rank in (("q", q, q_rank), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):

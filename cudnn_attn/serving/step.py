@@ -11,7 +11,7 @@ a captured step reads them in place, and each plan rewrites them.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -83,6 +83,7 @@ class Step:
     largest_page: tuple[int, int, int] | None
     longest_q: int | None = None
     tokens: int | None = None
+    checked: set[tuple] = field(default_factory=set)  # run geometries check_run passed
 
 
 class StepTables:

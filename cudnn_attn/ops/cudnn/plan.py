@@ -20,6 +20,7 @@ from ..base import RunInputs
 from . import autotune as autotune_
 from . import folded_sink
 from . import workspace as workspaces
+from .bound_run import BoundRun
 from .frontend_internals import native_executor
 from .lowering import Lowered
 from .platform import cudnn_handle, current_stream, stream_pointer
@@ -152,6 +153,46 @@ class CudnnPlan:
                 run_stream.wait_stream(side)
 
         return launch
+
+    # ---- bound runs: fixed tensors bound once (a serving step's tables), the rest per call ---------
+
+    @property
+    def bounds(self) -> Mapping[str, int]:
+        """The largest valid value of each integer input that addresses memory, by role."""
+        return self._bounds
+
+    @property
+    def constants(self) -> Mapping[int, torch.Tensor]:
+        """Inputs the plan binds itself (constant lengths), by uid."""
+        return self._constants
+
+    @property
+    def fills_outputs(self) -> bool:
+        """Whether a run fills O and the stats first (rows cuDNN leaves unwritten)."""
+        return self._prefill and not {"o", "stats"} & set(self.problem.offset_tensors)
+
+    @property
+    def empty_fix(self) -> Callable[[RunInputs, Mapping[str, torch.Tensor]], None] | None:
+        """What a run sets right after cuDNN for empty sequences (``empty_sequence_fix``)."""
+        return self._empty_fix
+
+    def bind(
+        self,
+        fixed: Mapping[str, torch.Tensor],
+        varying: tuple[str, ...],
+        output_roles: tuple[str, ...],
+        *,
+        whole_sequences: bool = False,
+    ) -> BoundRun | None:
+        """This plan bound to ``fixed`` tensors by role (``bound_run.py``), or None where a run
+        has per-call work a binding cannot hold: packed (THD) or ragged tensors, dropout, a sink
+        added after cuDNN, a bounded input among the ``varying`` ones."""
+        p = self.problem
+        if self.lowered.ragged or p.is_thd or p.offset_tensors or p.has_dropout or self._sink_after:
+            return None
+        if any(role not in fixed for role in self._bounds):
+            return None
+        return BoundRun(self, fixed, varying, output_roles, whole_sequences=whole_sequences)
 
     def direct_uids(self, input_roles: tuple[str, ...], output_roles: tuple[str, ...]) -> tuple[int, ...] | None:
         """The uids of these roles when the caller's tensors are all the plan binds (no ragged
