@@ -4,6 +4,7 @@ specialisation, and a new specialisation compiles rather than reusing a kernel m
 import pytest
 import torch
 
+from cudnn_attn.kernels import launch as launch_module
 from cudnn_attn.kernels.launch import Launcher, _kind
 
 gpu = pytest.mark.gpu
@@ -64,7 +65,24 @@ def test_direct_launches_match_torch_across_specialisations():
             launch((-(-n // 256),), x, y, out, n, stride, a, BLOCK=256, NEGATE=negate)
             want = a * x[: n * stride : stride] + y[: n * stride : stride]
             torch.testing.assert_close(out[: n * stride : stride], -want if negate else want)
-    assert len(launch._compiled) == len({(o % 4 == 0, n == 1, stride, negate) for o, n, stride, _, negate in cases})
+    # A kind per tensor alignment, integer value and constexpr (floats are one kind).
+    assert len(launch._compiled) == len({(o % 4 == 0, n, stride, negate) for o, n, stride, _, negate in cases})
+
+
+@gpu
+@needs_gpu
+def test_integers_of_every_value_launch_right_and_the_kinds_kept_stay_bounded(monkeypatch):
+    """Integers key by value: sizes that change call after call each launch right, and the
+    table of kinds starts afresh at its bound instead of growing."""
+    monkeypatch.setattr(launch_module, "MAX_KINDS", 4)
+    launch = _axpy()
+    x, y = torch.randn(4096, device="cuda"), torch.randn(4096, device="cuda")
+    for n in (4096, 17, 1, 1000, 3001, 16, 4096, 2048, 99):
+        out = torch.full_like(x, float("nan"))
+        launch((-(-n // 256),), x, y, out, n, 1, 0.5, BLOCK=256, NEGATE=False)
+        torch.testing.assert_close(out[:n], 0.5 * x[:n] + y[:n])
+        assert out[n:].isnan().all()
+        assert len(launch._compiled) <= 4
 
 
 @gpu

@@ -4,11 +4,12 @@
 call, and a Gluon kernel's TMA descriptors are validated objects built per call. On an H100 host
 that cost 35 us for the split-KV decode kernel, 78 us for the merge and 340 us for an MLA decode
 step with its four descriptors and merge: an eager decode step pays it per layer. ``Launcher``
-pays it once per specialisation. The first call of a kind goes through Triton (compiling if need
-be) and keeps the compiled kernel; later calls whose arguments specialise the same way (each
-tensor's dtype and 16-byte alignment, each integer's ``== 1``, ``% 16 == 0`` and width, each
-descriptor's dtype and block) call its launcher directly, on the current stream of the first
-tensor argument's device.
+pays it once per kind of call. The first call of a kind goes through Triton (compiling if need
+be) and keeps the compiled kernel; later calls of the same kind (each tensor's dtype and 16-byte
+alignment, each integer's value, each descriptor's dtype and block) call its launcher directly,
+on the current stream of the first tensor argument's device. Integers key by value, finer than
+Triton specialises them (``== 1``, ``% 16 == 0``, width) and cheaper to read: a kernel's
+integers are its geometry's strides and sizes, which repeat call after call.
 
 The direct call relies on Triton's compiled-kernel launcher (``CompiledKernel.run``, Triton 3.x);
 where a compiled kernel lacks it, or a launch hook is set (a profiler), every call goes through
@@ -23,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 _I32 = range(-(2**31), 2**31)
+MAX_KINDS = 1024  # kinds of call one kernel keeps its compiled launcher for
 
 
 class Tma(NamedTuple):
@@ -79,15 +81,12 @@ class Launcher:
         if device != torch.cuda.current_device():  # Triton launches on the current device
             with torch.cuda.device(device):
                 return self(grid, *args, **constexprs)
-        # _kind of each argument, its two common cases inline: this runs on every launch.
+        # _kind of each tensor inline; an int as its value, which specialises at least as finely as
+        # Triton does (== 1, % 16, width) and costs half as much to key on: this runs on every launch.
         key = (
             device,
             *[
-                (a.dtype, a.data_ptr() % 16 == 0)
-                if type(a) is torch.Tensor
-                else (a == 1, a % 16 == 0, -(2**31) <= a < 2**31, a >= 2**63)
-                if type(a) is int
-                else _kind(a)
+                a if type(a) is int else (a.dtype, a.data_ptr() % 16 == 0) if type(a) is torch.Tensor else _kind(a)
                 for a in args
             ],
             *constexprs.items(),
@@ -114,6 +113,8 @@ class Launcher:
         given = [_gluon_descriptor(a) if isinstance(a, Tma) else a for a in args]
         compiled = self.kernel[grid](*given, **constexprs)
         if all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata")):
+            if len(self._compiled) >= MAX_KINDS:  # ints that change call after call: start afresh
+                self._compiled.clear()
             names = self.kernel.arg_names[len(args) :]  # the constexprs, in the kernel's order
             self._compiled[key] = (compiled, tuple(constexprs[name] for name in names))
         return None
