@@ -13,15 +13,28 @@ import torch
 import cudnn_attn
 from cudnn_attn.errors import UnsupportedError, ValidationError
 from cudnn_attn.ops import dispatch
-from cudnn_attn.ops.decode_step import DecodeStep
+from cudnn_attn.ops.decode_step import EAGER_MLA_CUDNN_BYTES, DecodeStep
 from cudnn_attn.serving import step as serving_step
 
 TILE = 64
 
 
-def decode(batch=4, heads=32, kv_heads=8, s_q=1, *, device="cuda:0", captured=True, fp8=False, runs=True,
-           hopper=False, dims=(128, 128), page=64):  # fmt: skip
-    return DecodeStep(device, batch, heads, kv_heads, s_q, page, *dims, captured, fp8, runs, hopper, TILE)
+def decode(
+    batch=4,
+    heads=32,
+    kv_heads=8,
+    s_q=1,
+    *,
+    device="cuda:0",
+    captured=True,
+    fp8=False,
+    runs=True,
+    hopper=False,
+    dims=(128, 128),
+    page=64,
+    pages=512,
+):
+    return DecodeStep(device, batch, heads, kv_heads, s_q, page, *dims, captured, fp8, runs, hopper, TILE, pages)
 
 
 def choice_before_the_dispatch(step: DecodeStep, requested: str) -> str:
@@ -35,8 +48,13 @@ def choice_before_the_dispatch(step: DecodeStep, requested: str) -> str:
     if mla:
         if step.s_q > 1:
             return "cudnn"
+        small_eager = not step.captured and step.cudnn_bytes <= EAGER_MLA_CUDNN_BYTES
         if kernel is None:
-            return "triton" if triton and (step.batch > 1 or step.num_q_heads >= 64 or step.hopper) else "cudnn"
+            return (
+                "triton"
+                if triton and not small_eager and (step.batch > 1 or step.num_q_heads >= 64 or step.hopper)
+                else "cudnn"
+            )
         return kernel
     packs = step.num_q_heads // step.num_kv_heads * step.s_q <= TILE
     if kernel is None:
@@ -115,6 +133,22 @@ def test_mla_reasons_name_the_query_tokens_and_the_small_single_sequence(caplog)
     said = " | ".join(r.getMessage() for r in caplog.records)
     assert "one sequence of 16 heads (under 64) and no Hopper kernel" in said
     assert "MLA's kernels take one query token (2 here)" in said
+
+
+def test_an_eager_mla_step_small_enough_for_the_host_to_bound_it_takes_cudnns_call(caplog):
+    """Eager, our MLA kernels' launches cost the host more than cuDNN's reads cost the GPU at one
+    sequence over 2k tokens (71 MiB); at 32k (1.1 GiB) or captured, our kernel."""
+    small = decode(1, 16, 1, 1, dims=(576, 512), captured=False, hopper=True, pages=32)
+    with caplog.at_level(logging.DEBUG, logger="cudnn_attn"):
+        assert dispatch.select_decode(small).name == "cudnn"
+    assert "an eager MLA step whose reads on cuDNN's paged call (68 MiB)" in caplog.text
+    for step in (
+        decode(1, 16, 1, 1, dims=(576, 512), captured=False, hopper=True, pages=512),
+        decode(1, 16, 1, 1, dims=(576, 512), captured=True, hopper=True, pages=32),
+        decode(64, 128, 1, 1, dims=(576, 512), captured=False, hopper=True, pages=64),
+    ):
+        assert dispatch.select_decode(step).name == "triton", step
+    assert dispatch.select_decode(small, "triton").name == "triton"  # asked for by name: it runs
 
 
 def test_asked_for_by_name_the_kernel_must_run_here():

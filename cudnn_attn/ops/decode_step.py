@@ -23,6 +23,12 @@ from dataclasses import dataclass
 
 # The widest MLA program: 64 query heads over one latent head.
 MLA_HEADS_PER_PROGRAM = 64
+# An eager MLA layer on our kernels costs the host about 100 us (the Hopper kernel's four TMA
+# descriptors, then the split merge: 102 us against torch's SDPA call at 24, H200 host), cuDNN's
+# paged call bound to the step's tables about 40. Where cuDNN's reads (the latent once per query
+# head) take the GPU less than this many bytes (about 60 us at an H200's rate), the host bounds an
+# eager step: it takes cuDNN's call.
+EAGER_MLA_CUDNN_BYTES = 256 * 2**20
 
 
 def is_mla(num_kv_heads: int, head_dim: int, head_dim_v: int) -> bool:
@@ -36,7 +42,13 @@ class DecodeStep:
     (``captured``: CUDA-graph buffers; ``fp8``: FP8 caches), and the kernels' facts for it:
     ``triton_runs`` (``paged_decode.supported`` with one head dim for K and V, or
     ``mla_decode.supported``), ``hopper`` (``mla_decode_hopper.serves``), ``tile_rows``
-    (``paged_decode.MAX_ROWS``)."""
+    (``paged_decode.MAX_ROWS``); ``pages_per_seq``: the most pages a sequence holds."""
+
+    @property
+    def cudnn_bytes(self) -> int:
+        """What cuDNN's paged decode reads at most: each query head's K and V rows."""
+        tokens = self.batch * self.pages_per_seq * self.page_size
+        return tokens * self.num_q_heads * (self.head_dim + self.head_dim_v) * 2
 
     device: str
     batch: int
@@ -51,6 +63,7 @@ class DecodeStep:
     triton_runs: bool
     hopper: bool
     tile_rows: int
+    pages_per_seq: int = 0
 
     @property
     def mla(self) -> bool:
@@ -90,6 +103,11 @@ def cannot_lay_out(step: DecodeStep) -> list[str]:
 def prefers_not(step: DecodeStep) -> list[str]:
     """Where the kernel runs but was measured slower than cuDNN's calls."""
     if step.mla:
+        if not step.captured and step.cudnn_bytes <= EAGER_MLA_CUDNN_BYTES:
+            return [
+                f"an eager MLA step whose reads on cuDNN's paged call ({step.cudnn_bytes / 2**20:.0f} MiB) take the "
+                "GPU less time than our kernels' launches take the host"
+            ]
         # H100, d 576/512, page 64, CUDA-graph replay: 2.5-14x cuDNN's paged decode (which reads
         # the latent once per head) from 16 heads at B16 to 128 at B64; at B1 KV 32k with 16 heads
         # the Triton kernel ran 15% behind, the Hopper kernel ahead (24.6 against 62.7 us a layer).

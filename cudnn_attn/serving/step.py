@@ -204,7 +204,7 @@ class StepTables:
             self.num_q_heads,
             self.num_kv_heads,
             s_q,
-            kernel=select_decode(self._decode_step(rows, s_q, device), self.kernel or "auto"),
+            kernel=select_decode(self._decode_step(rows, width, s_q, device), self.kernel or "auto"),
             sm_count=sm_count(device),
             splits=self.splits,
             pack=self.pack,
@@ -213,7 +213,7 @@ class StepTables:
         )
         return self._schedules.put(key, schedule)
 
-    def _decode_step(self, rows: int, s_q: int, device: torch.device) -> DecodeStep:
+    def _decode_step(self, rows: int, width: int, s_q: int, device: torch.device) -> DecodeStep:
         """The step as the dispatch reads it: its geometry, and what ``kernels/`` says of itself
         (ops/ may not import kernels/)."""
         if self.mla:
@@ -236,6 +236,7 @@ class StepTables:
             triton_runs=triton,
             hopper=hopper,
             tile_rows=paged_decode.MAX_ROWS,
+            pages_per_seq=width,
         )
 
     def _derive(self, key: tuple, step: Step) -> dict[str, Any]:
