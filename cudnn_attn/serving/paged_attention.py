@@ -590,11 +590,7 @@ class PagedAttention:
         bound = bindings.get(key)
         if bound is None:
             inputs = self._part_inputs(part, q, k_cache, v_cache, derived)
-            causal = part == "tail"
-            fast = (causal, None, *geometry(inputs), *geometry(outputs))
-            run = self._fast.get(fast)
-            if run is None:
-                run = self._fast.put(fast, self._prepared_run(inputs, outputs, causal, None))
+            run = self._prepared_run(inputs, outputs, part == "tail", None)
             fixed = {role: inputs[role] for role in ("page_table_k", "page_table_v", "seq_len_q", "seq_len_kv")}
             assert tuple(outputs) == run.output_roles  # the order a bound run takes them in
             # Every sequence's query rows are whole: a decode part's seq_len_q is its S_q.
@@ -613,18 +609,24 @@ class PagedAttention:
         Its problem is these tensors' geometry, the outputs' own strides included; the run
         prepared for it serves every call of that problem (a packed q's token count aside: the
         plan reads it at run time, ``AttentionProblem.for_plan``), trusting the caller's geometry."""
-        # The tensors' geometry leads straight to the run: a step's layers repeat it (the problem's nine
-        # specs, built and hashed, cost several times the tuple).
-        fast = (causal, max_seq_len_q, *geometry(inputs), *geometry(outputs))
-        run = self._fast.get(fast)
-        if run is None:
-            run = self._fast.put(fast, self._prepared_run(inputs, outputs, causal, max_seq_len_q))
-        run.run(inputs, outputs)
+        self._prepared_run(inputs, outputs, causal, max_seq_len_q).run(inputs, outputs)
 
     def _prepared_run(
         self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor], causal: bool, max_seq_len_q: int | None
     ) -> PreparedRun:
         """The run of these tensors' problem (one per plan: a packed q's token count aside)."""
+        # The tensors' geometry leads straight to the run: a step's layers repeat it (the problem's nine
+        # specs, built and hashed, cost several times the tuple).
+        fast = (causal, max_seq_len_q, *geometry(inputs), *geometry(outputs))
+        run = self._fast.get(fast)
+        if run is None:
+            run = self._fast.put(fast, self._problem_run(inputs, outputs, causal, max_seq_len_q))
+        return run
+
+    def _problem_run(
+        self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor], causal: bool, max_seq_len_q: int | None
+    ) -> PreparedRun:
+        """The run prepared for these tensors' problem, built (or found) by the planner."""
         spec = TensorSpec.of
         options = ScoreOptions(
             attn_scale=self.scale, causal=Causal.BOTTOM_RIGHT if causal else Causal.NONE, padding=True
