@@ -35,9 +35,7 @@ from typing import Any
 
 import torch
 
-from ..core.constructors import forward_problem
-from ..core.mask import Causal, ScoreOptions, default_scale
-from ..core.problem import KVCacheLayout, TensorSpec
+from ..core.mask import default_scale
 from ..core.score_inputs import check_sinks, sink_token
 from ..core.sink_fold import add_sink
 from ..errors import UnsupportedError, ValidationError
@@ -45,16 +43,14 @@ from ..kernels import mla_decode, paged_decode
 from ..kernels.lse_merge import merge_partials
 from ..log import logger as log
 from ..ops.dispatch import DECODE_KERNELS
-from ..runtime.keyed import KeyedCache
-from ..runtime.prepared import PreparedRun, prepare
 from . import warming
 from .fp8_cache import UNIT_SCALES, check_scales, compact_table, dequantised, dequantised_pages, is_fp8
+from .paged_calls import PagedCalls
 from .paged_checks import check_plan, check_run, unread_slots_zeroed
 from .schedule import Schedule
-from .step import Step, StepBuffers, StepTables, canonical_device, geometry
+from .step import Step, StepBuffers, StepTables, canonical_device
 
 LAYOUTS = ("NHPD", "NPHD")
-MAX_RUNS = 256  # the prepared runs one instance keeps: a few per layer geometry
 
 
 class PagedAttention:
@@ -190,10 +186,7 @@ class PagedAttention:
         self.head_dim_v = head_dim_v
         self.scale = float(scale) if scale is not None else default_scale(head_dim)
         self._autotune = bool(autotune)
-        # Prepared runs by the problem their plan was built for, held as long as this instance (a
-        # captured step replays their plans), not dropped with the plan cache's entries.
-        self._runs = KeyedCache(MAX_RUNS)  # by the problem a plan was built for
-        self._fast = KeyedCache(4 * MAX_RUNS)  # by the call's tensor geometry, in front
+        self._calls = PagedCalls(self.scale, page_size, kv_layout, self._autotune)
         self._buffers = StepBuffers(cuda_graph)
         self._tables = StepTables(
             num_q_heads,
@@ -277,7 +270,7 @@ class PagedAttention:
         warming.check(self, num_pages, s_q, prefill_tokens)
         warming.run_steps(self, num_pages, s_q, prefill_tokens)
         self._tables.step = None
-        return [getattr(run.plan, "source", "reference") for run in self._runs.values()]
+        return [getattr(run.plan, "source", "reference") for run in self._calls.runs.values()]
 
     # ---- run: per layer -----------------------------------------------------------------------
 
@@ -501,7 +494,7 @@ class PagedAttention:
         if sink is not None:  # cuDNN takes sinks with packed queries, from two query tokens up
             inputs["sink_token"] = sink
             longest = max(longest, 2)
-        self._paged_sdpa(inputs, {"o": result}, causal=True, max_seq_len_q=longest)
+        self._calls.run(inputs, {"o": result}, causal=True, max_seq_len_q=longest)
         if out is not None and result is not out:
             return out.copy_(result)
         return result
@@ -547,112 +540,5 @@ class PagedAttention:
         outputs = {"o": o}
         if stats:
             outputs["stats"] = torch.empty(*q.shape[:3], 1, dtype=torch.float32, device=q.device)
-        bound = self._bound(part, q, k_cache, v_cache, outputs, derived) if not self.cuda_graph else None
-        if bound is not None:
-            bound(q, k_cache, v_cache, *outputs.values())
-        else:
-            self._paged_sdpa(self._part_inputs(part, q, k_cache, v_cache, derived), outputs, causal=part == "tail")
+        self._calls.run_part(part, q, k_cache, v_cache, derived, outputs, eager=not self.cuda_graph)
         return (o, outputs["stats"]) if stats else o
-
-    @staticmethod
-    def _part_inputs(
-        part: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, derived: dict[str, Any]
-    ) -> dict[str, torch.Tensor]:
-        table = derived[f"{part}_table"]
-        return {
-            "q": q,
-            "k": k_cache,
-            "v": v_cache,
-            "page_table_k": table,
-            "page_table_v": table,
-            "seq_len_q": derived[f"{part}_q_lengths"],
-            "seq_len_kv": derived[f"{part}_lengths"],
-        }
-
-    def _bound(
-        self,
-        part: str,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        outputs: dict[str, torch.Tensor],
-        derived: dict[str, Any],
-    ) -> Any:
-        """An eager step's run of one part, bound to the step's tables once (``PreparedRun.bind``):
-        each layer then binds only its q, caches and outputs. Kept in the step's ``derived``, which
-        every plan makes anew; None while a CUDA graph is captured (a replay must read the tables
-        as they are then, not as bound now)."""
-        if q.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        bindings = derived.setdefault("bound", {})
-        key: tuple = (part, q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride())
-        key += tuple(t.stride() for t in outputs.values())
-        bound = bindings.get(key)
-        if bound is None:
-            inputs = self._part_inputs(part, q, k_cache, v_cache, derived)
-            run = self._prepared_run(inputs, outputs, part == "tail", None)
-            fixed = {role: inputs[role] for role in ("page_table_k", "page_table_v", "seq_len_q", "seq_len_kv")}
-            assert tuple(outputs) == run.output_roles  # the order a bound run takes them in
-            # Every sequence's query rows are whole: a decode part's seq_len_q is its S_q.
-            bound = bindings[key] = run.bind(fixed, ("q", "k", "v"), whole_sequences=True)
-        return bound
-
-    def _paged_sdpa(
-        self,
-        inputs: dict[str, torch.Tensor],
-        outputs: dict[str, torch.Tensor],
-        *,
-        causal: bool,
-        max_seq_len_q: int | None = None,
-    ) -> None:
-        """One paged forward: ``inputs`` and ``outputs`` by role, bottom-right ``causal`` or not.
-        Its problem is these tensors' geometry, the outputs' own strides included; the run
-        prepared for it serves every call of that problem (a packed q's token count aside: the
-        plan reads it at run time, ``AttentionProblem.for_plan``), trusting the caller's geometry."""
-        self._prepared_run(inputs, outputs, causal, max_seq_len_q).run(inputs, outputs)
-
-    def _prepared_run(
-        self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor], causal: bool, max_seq_len_q: int | None
-    ) -> PreparedRun:
-        """The run of these tensors' problem (one per plan: a packed q's token count aside)."""
-        # The tensors' geometry leads straight to the run: a step's layers repeat it (the problem's nine
-        # specs, built and hashed, cost several times the tuple).
-        fast = (causal, max_seq_len_q, *geometry(inputs), *geometry(outputs))
-        run = self._fast.get(fast)
-        if run is None:
-            run = self._fast.put(fast, self._problem_run(inputs, outputs, causal, max_seq_len_q))
-        return run
-
-    def _problem_run(
-        self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor], causal: bool, max_seq_len_q: int | None
-    ) -> PreparedRun:
-        """The run prepared for these tensors' problem, built (or found) by the planner."""
-        spec = TensorSpec.of
-        options = ScoreOptions(
-            attn_scale=self.scale, causal=Causal.BOTTOM_RIGHT if causal else Causal.NONE, padding=True
-        )
-        problem = forward_problem(
-            spec(inputs["q"]),
-            spec(inputs["k"]),
-            spec(inputs["v"]),
-            options,
-            stats="stats" in outputs,
-            seq_len_q=spec(inputs["seq_len_q"]),
-            seq_len_kv=spec(inputs["seq_len_kv"]),
-            max_seq_len_q=max_seq_len_q,
-            max_seq_len_kv=inputs["page_table_k"].shape[1] * self.page_size,
-            page_table_k=spec(inputs["page_table_k"]),
-            page_table_v=spec(inputs["page_table_v"]),
-            kv_cache_layout=KVCacheLayout(self.kv_layout),
-            sink_token=spec(inputs["sink_token"]) if "sink_token" in inputs else None,
-        )
-        o, stats = spec(outputs["o"]), spec(outputs["stats"]) if "stats" in outputs else None
-        if problem.o != o or problem.stats != stats:  # the outputs given are laid out otherwise
-            problem = problem.replace(o=o, stats=stats)
-        key = problem.for_plan()
-        run = self._runs.get(key)
-        if run is None:  # values checked once, as a plan's first build does
-            run = self._runs.put(
-                key, prepare(problem, autotune=self._autotune, values=inputs, context="PagedAttention")
-            )
-        return run
