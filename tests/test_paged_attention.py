@@ -87,6 +87,25 @@ def test_one_plan_serves_every_layer_and_out_is_written_in_place():
     assert attn.plans == 1
 
 
+@pytest.mark.parametrize("s_q,splits", [(1, 1), (1, 2), (2, 2)], ids=["plain", "split", "split-and-tail"])
+def test_eager_steps_read_each_plans_tables_afresh(s_q, splits):
+    """Eager steps of one instance, each a new plan of the same shapes with other pages and
+    lengths (an empty sequence among them), layer after layer into poisoned outputs. Here the
+    reference reads the step's buffers as they are; that cuDNN's bound runs (which hold clamped
+    copies) are bound again after each plan is ``test_gpu_paged_attention``'s to show."""
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, splits=splits)
+    for seed, lengths in enumerate(([37, 64, 5], [0, 50, 64], [64, 2, 0]), start=11):
+        q, k_cache, v_cache, table, seq_lens = make_step(lengths, pages_per_seq=4, s_q=s_q, seed=seed)
+        attn.plan(table, seq_lens)
+        for layer in range(2):
+            k_layer, v_layer = k_cache.roll(layer, 0), v_cache * (layer + 1)
+            out = attn.run(q, k_layer, v_layer, out=torch.full_like(q, float("nan")))
+            live = seq_lens > 0
+            want = expected(q[live], k_layer, v_layer, table[live], seq_lens[live])
+            assert rel_err(out[live], want) < 1e-2, (seed, layer)
+            assert (out[~live] == 0).all()
+
+
 def test_cuda_graph_mode_pads_the_batch_and_follows_new_plans():
     """Fixed buffers of max_batch rows: smaller batches run as empty sequences; each plan
     rewrites the buffers in place (what a captured step reads)."""
