@@ -358,7 +358,7 @@ def decode_schedule(batch, pages, heads, kv_heads, s_q, *, runs=True, requested=
     """The layout of a captured step, page 64, on the kernel ``ops/dispatch`` chooses: ``runs``
     whether the Triton kernel runs here, ``hopper`` whether MLA's Hopper kernel serves."""
     dims = (576, 512) if mla else (64, 64)
-    step = DecodeStep("cuda:0", batch, heads, kv_heads, s_q, 64, *dims, True, False, runs, hopper, 64)
+    step = DecodeStep("cuda:0", batch, heads, kv_heads, s_q, 64, *dims, True, False, runs, hopper, 64, pages)
     kernel = dispatch.select_decode(step, requested)
     return paged_schedule.choose(batch, pages, 64, heads, kv_heads, s_q, kernel=kernel, mla=mla)
 

@@ -44,12 +44,6 @@ class DecodeStep:
     ``mla_decode.supported``), ``hopper`` (``mla_decode_hopper.serves``), ``tile_rows``
     (``paged_decode.MAX_ROWS``); ``pages_per_seq``: the most pages a sequence holds."""
 
-    @property
-    def cudnn_bytes(self) -> int:
-        """What cuDNN's paged decode reads at most: each query head's K and V rows."""
-        tokens = self.batch * self.pages_per_seq * self.page_size
-        return tokens * self.num_q_heads * (self.head_dim + self.head_dim_v) * 2
-
     device: str
     batch: int
     num_q_heads: int
@@ -63,11 +57,17 @@ class DecodeStep:
     triton_runs: bool
     hopper: bool
     tile_rows: int
-    pages_per_seq: int = 0
+    pages_per_seq: int
 
     @property
     def mla(self) -> bool:
         return is_mla(self.num_kv_heads, self.head_dim, self.head_dim_v)
+
+    @property
+    def cudnn_bytes(self) -> int:
+        """What cuDNN's paged decode reads at most: each query head's K and V rows."""
+        tokens = self.batch * self.pages_per_seq * self.page_size
+        return tokens * self.num_q_heads * (self.head_dim + self.head_dim_v) * 2
 
     def describe(self) -> str:
         heads = f"{self.num_q_heads}/{self.num_kv_heads} heads"

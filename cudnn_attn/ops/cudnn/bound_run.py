@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...core.bounds import clamp_into, clamp_lengths
+from ...core.bounds import clamped
 from ...core.roles import UID
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ class BoundRun:
         whole_sequences: bool,
     ):
         problem = plan.problem
-        fixed = _within_bounds(fixed, plan.bounds)
+        fixed = clamped(problem, fixed, plan.bounds)  # as every plain call clamps them, once
         self._plan = plan
         self._uids = tuple(UID[role] for role in (*varying, *output_roles, *fixed)) + tuple(plan.constants)
         self._fixed = (*fixed.values(), *plan.constants.values())
@@ -71,17 +71,3 @@ class BoundRun:
                 tensor.masked_fill_(self._empty, float("-inf") if role == "stats" else 0.0)
         elif self._fix_after is not None:
             self._fix_after(dict(zip(self._output_roles, outputs)))
-
-
-def _within_bounds(fixed: Mapping[str, torch.Tensor], bounds: Mapping[str, int]) -> dict[str, torch.Tensor]:
-    """The fixed tensors clamped into the plan's ranges once, as every plain call clamps them (K's
-    and V's page tables, often one tensor, clamped once)."""
-    done: dict[tuple, torch.Tensor] = {}
-    safe = {}
-    for role, tensor in fixed.items():
-        high, lengths = bounds.get(role), role.startswith("seq_len")
-        key = (id(tensor), high, lengths)
-        if key not in done:
-            done[key] = tensor if high is None else (clamp_lengths if lengths else clamp_into)(tensor, high)
-        safe[role] = done[key]
-    return safe
