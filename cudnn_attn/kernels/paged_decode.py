@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ..core.dtypes import FP8
+from . import paged_decode_hopper
 from .launch import Launcher, sm_count
 from .lse_merge import merge_checked, split_targets
 
@@ -89,6 +90,7 @@ def paged_decode(
     tuning: dict[str, int] | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    hopper: bool = False,
 ) -> torch.Tensor:
     """Decode attention of ``q`` ``[B, H_q, S_q, D]`` into ``out`` (same shape, any strides),
     bottom-right causal over each sequence's ``lengths[b]`` keys.
@@ -101,8 +103,26 @@ def paged_decode(
     (``pages_per_step``, ``num_warps``, ``num_stages``) where not the defaults. FP8 caches
     (``float8_e4m3fn``/``float8_e5m2``) are read as they are, widened to ``q``'s dtype in
     registers, and their real values are ``k_scale`` / ``v_scale`` times the stored ones: K's
-    folds into the softmax scale, V's multiplies the output.
+    folds into the softmax scale, V's multiplies the output. ``hopper``: run
+    ``paged_decode_hopper``'s warp-specialised kernel instead where it takes these tensors
+    (16-bit caches TMA can address, on Hopper; ``tuning`` is then not read).
     """
+    if hopper and k_cache.dtype not in FP8 and paged_decode_hopper.usable(q, k_cache, v_cache, kv_layout):
+        return paged_decode_hopper.paged_decode_hopper(
+            q,
+            k_cache,
+            v_cache,
+            table,
+            lengths,
+            out,
+            scale=scale,
+            kv_layout=kv_layout,
+            splits=splits,
+            chunk_pages=chunk_pages,
+            partial_o=partial_o,
+            partial_lse=partial_lse,
+            sink=sink,
+        )
     tuning = tuning or {}
     kernels = _kernels()
     assert kernels is not None, "paged_decode needs Triton (see supported())"

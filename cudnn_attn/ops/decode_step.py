@@ -41,7 +41,8 @@ class DecodeStep:
     """One decode geometry of a ``PagedAttention``: ``batch`` rows of ``s_q`` query tokens
     (``captured``: CUDA-graph buffers; ``fp8``: FP8 caches), and the kernels' facts for it:
     ``triton_runs`` (``paged_decode.supported`` with one head dim for K and V, or
-    ``mla_decode.supported``), ``hopper`` (``mla_decode_hopper.serves``), ``tile_rows``
+    ``mla_decode.supported``), ``hopper`` (``mla_decode_hopper.serves``, or for GQA
+    ``paged_decode_hopper.serves`` with the step's rows), ``tile_rows``
     (``paged_decode.MAX_ROWS``); ``pages_per_seq``: the most pages a sequence holds."""
 
     device: str

@@ -454,6 +454,7 @@ class PagedAttention:
             sink=None if sink is None else sink.view(-1),
             k_scale=scales[0],
             v_scale=scales[1],
+            hopper=schedule.hopper,
         )
 
     def _run_prefill(

@@ -49,6 +49,7 @@ class Schedule:
     packed: bool  # query heads (and tokens) packed into rows of one K/V head
     tail: bool  # the causal tail runs apart (multi-token decode)
     decode_kernel: DecodeKernel = PAGED_CALLS  # as ``ops/dispatch.select_decode`` chose it
+    hopper: bool = False  # our kernel runs as its warp-specialised Hopper form (16-bit GQA caches)
 
     @property
     def kernel(self) -> str:
@@ -75,18 +76,30 @@ def choose(
     sm_count: int = 132,
     mla: bool = False,
     fp8: bool = False,
+    hopper: bool = False,
 ) -> Schedule:
     """The layout for a step of ``batch`` sequences of up to ``pages_per_seq`` pages and ``s_q``
     query tokens each, on ``kernel`` (``select_decode``'s choice). ``splits``/``pack``: forced
     values (None: chosen here); ``mla``: one latent K/V head, V of another head dim; ``fp8``:
     FP8 caches, whose half-size chunks want twice the splits with one query token (measured on
-    an H100: B1 KV 32k 41.4 against 45.6 us a layer, B64 KV 4k 256 against 306)."""
+    an H100: B1 KV 32k 41.4 against 45.6 us a layer, B64 KV 4k 256 against 306); ``hopper``:
+    the GQA decode kernel's Hopper form serves this geometry (``paged_decode_hopper.serves``).
+
+    The Hopper form takes the steps whose K/V heads fit one wave of the GPU's SMs, split into
+    one wave of programs: on an H200 (``cudnn-attn bench --serving`` geometry, CUDA-graph
+    replay) one wave beat two by 3-26% at every such shape, and at batch 8 over 32k it beat the
+    Triton kernel's two waves (100.7% of the memory's peak against 98.3%); with more heads than
+    SMs (batch 64 over 4k: 512 programs) the Triton kernel's small tiles ran ahead (100.6%
+    against 98.9%)."""
     if kernel.one_kernel:  # one kernel packs the group and tokens, splits the keys and masks itself
+        hopper = hopper and not mla and not fp8 and batch * num_kv_heads <= sm_count
+        if splits is None and hopper:
+            splits = _splits(batch * num_kv_heads, pages_per_seq, page_size, sm_count, TRITON_MIN_CHUNK_TOKENS, 1)
         if splits is None:
             splits = _one_kernel_splits(batch, pages_per_seq, page_size, num_q_heads, num_kv_heads, sm_count, mla)
             if fp8 and s_q == 1 and not mla:
                 splits = min(MAX_SPLITS, 2 * splits)
-        return _laid_out(batch, s_q, pages_per_seq, splits, packed=True, tail=False, kernel=kernel)
+        return _laid_out(batch, s_q, pages_per_seq, splits, packed=True, tail=False, kernel=kernel, hopper=hopper)
     if mla:  # several query tokens, or cuDNN's calls asked for: unpacked, split only where forced
         return _laid_out(batch, s_q, pages_per_seq, 1 if splits is None else splits, False, s_q > 1, kernel)
     # Measured on an H200 (``cudnn-attn bench --serving``, CUDA-graph replay): with one query
@@ -114,7 +127,14 @@ def _one_kernel_splits(
 
 
 def _laid_out(
-    batch: int, s_q: int, pages_per_seq: int, splits: int, packed: bool, tail: bool, kernel: DecodeKernel
+    batch: int,
+    s_q: int,
+    pages_per_seq: int,
+    splits: int,
+    packed: bool,
+    tail: bool,
+    kernel: DecodeKernel,
+    hopper: bool = False,
 ) -> Schedule:
     """The schedule of ``splits`` chunks (at most one a page, no empty trailing chunk)."""
     splits = max(1, min(int(splits), pages_per_seq))
@@ -127,16 +147,22 @@ def _laid_out(
         packed=packed,
         tail=tail,
         decode_kernel=kernel,
+        hopper=hopper,
     )
 
 
 def _splits(
-    blocks: int, pages_per_seq: int, page_size: int, sm_count: int, min_chunk_tokens: int = MIN_CHUNK_TOKENS
+    blocks: int,
+    pages_per_seq: int,
+    page_size: int,
+    sm_count: int,
+    min_chunk_tokens: int = MIN_CHUNK_TOKENS,
+    waves: float = TARGET_BLOCKS / 132,
 ) -> int:
-    """Chunks per sequence: a power of two bringing ``blocks`` near ``TARGET_BLOCKS`` (scaled to
-    this GPU's SMs), no chunk under ``min_chunk_tokens``."""
+    """Chunks per sequence: a power of two bringing ``blocks`` near ``waves`` programs per SM
+    (two: ``TARGET_BLOCKS`` on 132 SMs), no chunk under ``min_chunk_tokens``."""
     longest_split = max(1, pages_per_seq * page_size // min_chunk_tokens)
-    wanted = max(1, int(TARGET_BLOCKS * sm_count / 132) // max(1, blocks))
+    wanted = max(1, int(waves * sm_count) // max(1, blocks))
     return min(MAX_SPLITS, longest_split, 1 << (wanted.bit_length() - 1))  # a power of two, at most wanted
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..core.bounds import packed_lengths
-from ..kernels import launch, mla_decode, mla_decode_hopper, paged_decode
+from ..kernels import launch, mla_decode, mla_decode_hopper, paged_decode, paged_decode_hopper
 from ..ops.decode_step import DecodeStep, is_mla
 from ..ops.dispatch import select_decode
 from ..runtime.keyed import KeyedCache
@@ -197,6 +197,7 @@ class StepTables:
         schedule = self._schedules.get(key)
         if schedule is not None:
             return schedule
+        decode_step = self._decode_step(rows, width, s_q, device)
         schedule = paged_schedule.choose(
             rows,
             width,
@@ -204,12 +205,13 @@ class StepTables:
             self.num_q_heads,
             self.num_kv_heads,
             s_q,
-            kernel=select_decode(self._decode_step(rows, width, s_q, device), self.kernel or "auto"),
+            kernel=select_decode(decode_step, self.kernel or "auto"),
             sm_count=sm_count(device),
             splits=self.splits,
             pack=self.pack,
             mla=self.mla,
             fp8=self.fp8_caches,
+            hopper=decode_step.hopper,
         )
         return self._schedules.put(key, schedule)
 
@@ -221,7 +223,8 @@ class StepTables:
             hopper = triton and mla_decode_hopper.serves(device, self.page_size, self.head_dim, self.head_dim_v)
         else:
             triton = paged_decode.supported(device, self.page_size, self.head_dim) and self.head_dim_v == self.head_dim
-            hopper = False
+            rows_per_tile = self.num_q_heads // self.num_kv_heads * s_q
+            hopper = triton and paged_decode_hopper.serves(device, self.page_size, self.head_dim, rows_per_tile)
         return DecodeStep(
             device=str(device),
             batch=rows,

@@ -1,0 +1,188 @@
+"""Decode over paged 16-bit caches on Hopper: a warp-specialised Gluon kernel (TMA loads, wgmma).
+
+The same work as ``paged_decode``'s Triton kernel -- one sequence, one K/V head and one chunk
+of its pages per program, the group's query heads by the step's query tokens as the rows of
+one tile, bottom-right causal per row, sinks folded into the first chunk -- written the way the
+Hopper MLA kernel is:
+
+- a loader warp streams each step's K and V (64 tokens, a page or part of one) into a ring of
+  shared-memory stages with TMA, the next page index read a step ahead;
+- one warp group multiplies Q (in shared memory, loaded once) by each step's keys, runs the
+  online softmax, and accumulates ``P @ V`` with P held in registers.
+
+The copies run ahead of the math by the ring's depth, issued by one thread each, so a program
+keeps ``STAGES`` steps of K and V in flight while it computes. Pages of 64, 128 or 256 tokens,
+head dims 64, 128 or 256, fp16/bf16 caches (FP8 caches stay on the Triton kernel, which widens
+them in registers), token rows TMA can address; ``usable`` says which.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from . import paged_decode_hopper_kernel
+from .launch import Tma
+from .lse_merge import merge_checked, split_targets
+from .paged_decode_hopper_kernel import BLOCK_N, BLOCK_R, LOG2_E
+
+HEAD_DIMS = (64, 128, 256)
+PAGES = (64, 128, 256)
+RING_BYTES = 160 * 1024  # shared memory for the K/V ring: 3 steps of d 128, 2 of d 256
+MAX_STAGES = 3
+
+
+def serves(device: torch.device, page_size: int, head_dim: int, rows: int) -> bool:
+    """Whether calls of this geometry come here (given tensors ``usable`` accepts): an sm_90 GPU
+    with Gluon, pages of 64-256 tokens, a head dim of 64, 128 or 256, at most ``BLOCK_R`` query
+    rows (the group's heads by the step's tokens)."""
+    return (
+        device.type == "cuda"
+        and page_size in PAGES
+        and head_dim in HEAD_DIMS
+        and rows <= BLOCK_R
+        and _hopper(device.index if device.index is not None else torch.cuda.current_device())
+        and paged_decode_hopper_kernel.kernel() is not None
+    )
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+class Rows(NamedTuple):
+    """A cache as TMA reads it: ``view``, its token rows ``[rows, width]``; a page's first row is
+    ``page * row_page``, a head's ``row_head`` rows and ``col_head`` columns further."""
+
+    view: torch.Tensor
+    row_page: int
+    row_head: int
+    col_head: int
+
+
+def token_rows(cache: torch.Tensor, kv_layout: str) -> Rows | None:
+    """``cache`` (``[N, P, H_kv, D]`` NPHD or ``[N, H_kv, P, D]`` NHPD) as 2-D token rows, or
+    None where one TMA descriptor cannot address it (a row stride TMA cannot take, pages or
+    heads not whole rows apart)."""
+    if kv_layout == "NHPD":
+        (pages, kv_heads, page, dim), (s_page, s_head, s_token, s_dim) = cache.shape, cache.stride()
+    else:
+        (pages, page, kv_heads, dim), (s_page, s_token, s_head, s_dim) = cache.shape, cache.stride()
+    size = cache.element_size()
+    if s_dim != 1 or (s_token * size) % 16 or cache.data_ptr() % 16 or s_page % s_token:
+        return None
+    if s_head % s_token == 0 and s_head // s_token >= page:  # heads whole rows apart: NHPD-like
+        row_head, col_head, width = s_head // s_token, 0, dim
+    elif (kv_heads - 1) * s_head + dim <= s_token and (s_head * size) % 16 == 0:  # heads side by side in a row
+        row_head, col_head, width = 0, s_head, (kv_heads - 1) * s_head + dim
+    else:
+        return None
+    row_page = s_page // s_token
+    rows = (pages - 1) * row_page + (kv_heads - 1) * row_head + page
+    if row_page < page or rows >= 2**31:
+        return None
+    return Rows(torch.as_strided(cache, (rows, width), (s_token, 1)), row_page, row_head, col_head)
+
+
+def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_layout: str) -> bool:
+    """Whether this kernel serves the call: ``serves`` its geometry, fp16/bf16 query and caches of
+    one dtype and one layout, and token rows TMA can address."""
+    page = k_cache.shape[2 if kv_layout == "NHPD" else 1]
+    kv_heads = k_cache.shape[1 if kv_layout == "NHPD" else 2]
+    rows = q.shape[1] // kv_heads * q.shape[2]
+    return (
+        serves(q.device, page, q.shape[-1], rows)
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and k_cache.dtype == q.dtype == v_cache.dtype
+        and v_cache.shape == k_cache.shape
+        and v_cache.stride() == k_cache.stride()
+        and q.stride(-1) == 1
+        and token_rows(k_cache, kv_layout) is not None
+    )
+
+
+def default_stages(head_dim: int) -> int:
+    """Steps of K and V in flight per program: three where the ring's shared memory holds them.
+    Measured on an H200 (d 128, graph replay): three ran 1-3% ahead of four and of two at every
+    shape of ``bench --serving``."""
+    return min(MAX_STAGES, RING_BYTES // (2 * BLOCK_N * head_dim * 2))
+
+
+def paged_decode_hopper(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    scale: float,
+    kv_layout: str,
+    splits: int,
+    chunk_pages: int,
+    partial_o: torch.Tensor | None = None,
+    partial_lse: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
+    stages: int | None = None,
+) -> torch.Tensor:
+    """``paged_decode`` for calls ``usable`` accepts (same arguments; ``stages``: the ring's depth
+    where not ``default_stages``)."""
+    kernel = paged_decode_hopper_kernel.kernel()
+    batch, heads, s_q, dim = q.shape
+    k_rows, v_rows = token_rows(k_cache, kv_layout), token_rows(v_cache, kv_layout)
+    assert k_rows is not None and v_rows is not None, "paged_decode_hopper needs caches usable() accepts"
+    kv_heads = k_cache.shape[1 if kv_layout == "NHPD" else 2]
+    page = k_cache.shape[2 if kv_layout == "NHPD" else 1]
+    o, (o_sb, o_ss, o_sh), lse, (l_sb, l_ss, l_sh) = split_targets(
+        out, splits, heads * s_q, dim, partial_o, partial_lse
+    )
+    kernel(
+        (splits, kv_heads, batch),
+        Tma.of(k_rows.view, (BLOCK_N, dim)),
+        Tma.of(v_rows.view, (BLOCK_N, dim)),
+        q,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        table,
+        table.stride(0),
+        lengths,
+        out,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        o,
+        o_sb,
+        o_ss,
+        o_sh,
+        lse,
+        l_sb,
+        l_ss,
+        l_sh,
+        sink if sink is not None else lengths,
+        scale * LOG2_E,
+        chunk_pages * (page // BLOCK_N),
+        k_rows.row_page,
+        k_rows.row_head,
+        k_rows.col_head,
+        GROUP=heads // kv_heads,
+        S_Q=s_q,
+        HEAD_DIM=dim,
+        PAGE=page,
+        BLOCK_N=BLOCK_N,
+        BLOCK_R=BLOCK_R,
+        STAGES=stages or default_stages(dim),
+        SPLIT=splits > 1,
+        HAS_SINK=sink is not None,
+        num_warps=4,
+    )
+    if splits > 1:
+        parts = o.unflatten(2, (heads, s_q)), lse.unflatten(2, (heads, s_q))
+        merge_checked([parts], out)
+    return out
+
+
+__all__ = ["paged_decode_hopper", "serves", "token_rows", "usable"]

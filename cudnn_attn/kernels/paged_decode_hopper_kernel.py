@@ -1,0 +1,329 @@
+"""The Gluon kernel of ``paged_decode_hopper``: its tile sizes and the warp-specialised program.
+
+``paged_decode_hopper`` says what the kernel computes and launches it; this module holds the
+kernel itself (defined on first use, where Triton has Gluon for Hopper) and the constants both
+read.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from .launch import Launcher
+
+LOG2_E = 1.4426950408889634
+BLOCK_N = 64  # tokens per TMA box and per step: a page of 64, or a part of a larger one
+BLOCK_R = 64  # query rows (the group's heads by the step's tokens): one wgmma row block
+
+
+@functools.cache
+def kernel() -> Any:
+    """The Gluon kernel, defined on first use; None where this Triton has no Gluon for Hopper."""
+    try:
+        from triton.experimental import gluon
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.hopper import (
+            fence_async_shared,
+            mbarrier,
+            tma,
+            warpgroup_mma,
+            warpgroup_mma_wait,
+        )
+    except ImportError:
+        return None
+    if not hasattr(gl, "warp_specialize"):
+        return None
+
+    @gluon.jit
+    def loader(
+        k_desc,
+        v_desc,
+        k_smem,
+        v_smem,
+        k_ready,
+        v_ready,
+        empty,
+        table_ptr,
+        t_sb,
+        b,
+        first_block,
+        steps,
+        row_page,
+        row_head,
+        col,
+        PAGE: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
+        """Streams each step's K and V boxes into the ring, the next page index loaded a step
+        ahead so the table's latency is not paid before each copy."""
+        per_page: gl.constexpr = PAGE // BLOCK_N
+        page = gl.load(table_ptr + b * t_sb + first_block // per_page, mask=steps > 0, other=0)
+        for i in range(steps):
+            block = first_block + i
+            after = gl.load(table_ptr + b * t_sb + (block + 1) // per_page, mask=i + 1 < steps, other=0)
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            row = page * row_page + row_head + (block % per_page) * BLOCK_N
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(s), k_smem.index(s))
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(s), v_smem.index(s))
+            page = after
+
+    @gluon.jit
+    def attend(
+        q_smem,
+        k_smem,
+        v_smem,
+        k_ready,
+        v_ready,
+        empty,
+        out_ptr,
+        out_sb,
+        out_sh,
+        out_st,
+        o_ptr,
+        o_sb,
+        o_ss,
+        o_sh,
+        lse_ptr,
+        l_sb,
+        l_ss,
+        l_sh,
+        sink_ptr,
+        split,
+        kv_head,
+        b,
+        length,
+        start,
+        end,
+        steps,
+        scale_log2,
+        GROUP: gl.constexpr,
+        S_Q: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        BLOCK_R: gl.constexpr,
+        STAGES: gl.constexpr,
+        SPLIT: gl.constexpr,
+        HAS_SINK: gl.constexpr,
+    ):
+        """Scores, the online softmax (log2 units) and ``P @ V``, P kept in registers."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        r = gl.arange(0, BLOCK_R, s_rows)  # row r: query head kv_head * GROUP + r // S_Q, token r % S_Q
+        live = r < GROUP * S_Q
+        limit = length - S_Q + 1 + r % S_Q  # the keys row r sees: bottom-right causal
+        m = gl.full([BLOCK_R], float("-inf"), gl.float32, s_rows)
+        total = gl.zeros([BLOCK_R], gl.float32, s_rows)
+        if HAS_SINK:  # the first chunk's softmax starts from the sink: exp2(sink - m) = 1 at m = sink
+            m = gl.load(sink_ptr + kv_head * GROUP + r // S_Q, mask=live & (split == 0), other=float("-inf"))
+            m = m * 1.4426950408889634
+            total = gl.where(m > float("-inf"), 1.0, 0.0)
+        o = gl.zeros([BLOCK_R, HEAD_DIM], gl.float32, o_layout)
+        no_scores = gl.zeros([BLOCK_R, BLOCK_N], gl.float32, s_layout)
+        n = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+        for i in range(steps):
+            s = i % STAGES
+            phase = (i // STAGES) & 1
+            mbarrier.wait(k_ready.index(s), phase)
+            sc = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), no_scores, use_acc=False, is_async=True)
+            sc = warpgroup_mma_wait(0, deps=(sc,))
+            first = start + i * BLOCK_N
+            token = first + n
+            if S_Q == 1:  # every step holds a visible key: the max is finite
+                sc = gl.where((token < end)[None, :], sc * scale_log2, float("-inf"))
+                m_new = gl.maximum(m, gl.max(sc, 1))
+                m_use = m_new
+            else:  # a row may see none of this step's keys: its max stays -inf, used as 0
+                seen = (token < end)[None, :] & (token[None, :] < limit[:, None])
+                sc = gl.where(seen, sc * scale_log2, float("-inf"))
+                m_new = gl.maximum(m, gl.max(sc, 1))
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m - m_use)
+            p = gl.exp2(sc - m_use[:, None])
+            total = total * alpha + gl.sum(p, 1)
+            m = m_new
+            mbarrier.wait(v_ready.index(s), phase)
+            if first + BLOCK_N > end:  # rows past the end may hold anything (NaN): V must be 0 there
+                zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+                keep = ((first + gl.arange(0, BLOCK_N, gl.SliceLayout(1, zl))) < end)[:, None]
+                tail = v_smem.index(s)
+                tail.store(gl.where(keep, tail.load(zl), 0.0))
+                fence_async_shared()
+                gl.thread_barrier()
+            o = o * gl.convert_layout(alpha, o_rows)[:, None]
+            p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+            o = warpgroup_mma(p_op, v_smem.index(s), o, is_async=True)
+            o = warpgroup_mma_wait(0, deps=(o,))
+            mbarrier.arrive(empty.index(s), count=1)
+        inv = gl.where(total > 0, 1.0 / gl.where(total > 0, total, 1.0), 0.0)  # no key: zeros
+        o = o * gl.convert_layout(inv, o_rows)[:, None]
+        rows = gl.arange(0, BLOCK_R, o_rows)
+        cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
+        kept = (rows < GROUP * S_Q)[:, None]
+        if SPLIT:  # float32 partials [B, splits, H_q * S_q, D] and their natural-log LSE
+            flat = kv_head * (GROUP * S_Q) + rows  # the row's index in [H_q * S_q]: head-major
+            gl.store(o_ptr + b * o_sb + split * o_ss + flat[:, None].to(gl.int64) * o_sh + cols[None, :], o, mask=kept)
+            lse = gl.where(
+                total > 0, (m + gl.log2(gl.where(total > 0, total, 1.0))) * 0.6931471805599453, float("-inf")
+            )
+            gl.store(lse_ptr + b * l_sb + split * l_ss + (kv_head * (GROUP * S_Q) + r) * l_sh, lse, mask=live)
+        else:
+            heads = (kv_head * GROUP + rows // S_Q).to(gl.int64)
+            at = out_ptr + b * out_sb + (heads * out_sh + (rows % S_Q) * out_st)[:, None] + cols[None, :]
+            gl.store(at, o.to(out_ptr.dtype.element_ty), mask=kept)
+
+    @gluon.jit
+    def decode(
+        k_desc,
+        v_desc,
+        q_ptr,
+        q_sb,
+        q_sh,
+        q_st,
+        table_ptr,
+        t_sb,
+        len_ptr,
+        out_ptr,
+        out_sb,
+        out_sh,
+        out_st,
+        o_ptr,
+        o_sb,
+        o_ss,
+        o_sh,
+        lse_ptr,
+        l_sb,
+        l_ss,
+        l_sh,
+        sink_ptr,
+        scale_log2,
+        chunk_blocks,
+        row_page,
+        row_head,
+        col_head,
+        GROUP: gl.constexpr,
+        S_Q: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        PAGE: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        BLOCK_R: gl.constexpr,
+        STAGES: gl.constexpr,
+        SPLIT: gl.constexpr,
+        HAS_SINK: gl.constexpr,
+    ):
+        split = gl.program_id(0)
+        kv_head = gl.program_id(1)
+        b = gl.program_id(2).to(gl.int64)
+        length = gl.load(len_ptr + b)
+        start = split * chunk_blocks * BLOCK_N
+        end = gl.minimum(length, start + chunk_blocks * BLOCK_N)
+        steps = (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N
+        # The group's query rows, loaded once into shared memory (zeros past the group).
+        ql: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        r = gl.arange(0, BLOCK_R, gl.SliceLayout(1, ql))
+        d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, ql))
+        heads = (kv_head * GROUP + r // S_Q).to(gl.int64)
+        q = gl.load(
+            q_ptr + b * q_sb + (heads * q_sh + (r % S_Q) * q_st)[:, None] + d[None, :],
+            mask=(r < GROUP * S_Q)[:, None],
+            other=0.0,
+        )
+        q_smem = gl.allocate_shared_memory(
+            k_desc.dtype,
+            [BLOCK_R, HEAD_DIM],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_R, HEAD_DIM], k_desc.dtype),
+            q,
+        )
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(s), count=1)
+            mbarrier.init(v_ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        fence_async_shared()
+        gl.thread_barrier()  # Q written by every warp before the first wgmma reads it
+        gl.warp_specialize(
+            [
+                (
+                    attend,
+                    (
+                        q_smem,
+                        k_smem,
+                        v_smem,
+                        k_ready,
+                        v_ready,
+                        empty,
+                        out_ptr,
+                        out_sb,
+                        out_sh,
+                        out_st,
+                        o_ptr,
+                        o_sb,
+                        o_ss,
+                        o_sh,
+                        lse_ptr,
+                        l_sb,
+                        l_ss,
+                        l_sh,
+                        sink_ptr,
+                        split,
+                        kv_head,
+                        b,
+                        length,
+                        start,
+                        end,
+                        steps,
+                        scale_log2,
+                        GROUP,
+                        S_Q,
+                        HEAD_DIM,
+                        BLOCK_N,
+                        BLOCK_R,
+                        STAGES,
+                        SPLIT,
+                        HAS_SINK,
+                    ),
+                ),
+                (
+                    loader,
+                    (
+                        k_desc,
+                        v_desc,
+                        k_smem,
+                        v_smem,
+                        k_ready,
+                        v_ready,
+                        empty,
+                        table_ptr,
+                        t_sb,
+                        b,
+                        split * chunk_blocks,
+                        steps,
+                        row_page,
+                        kv_head * row_head,
+                        kv_head * col_head,
+                        PAGE,
+                        BLOCK_N,
+                        STAGES,
+                    ),
+                ),
+            ],
+            [1],
+            [40],
+        )
+
+    return Launcher(decode)

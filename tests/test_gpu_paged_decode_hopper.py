@@ -1,0 +1,134 @@
+"""The GQA decode kernel's Hopper form (``kernels/paged_decode_hopper.py``) and its Triton form
+against float64 attention over the pages: every head dim, page size and layout it serves, sinks,
+several query tokens, empty sequences, an engine's combined K/V tensor; caches whose rows past
+each sequence's end hold NaN, outputs poisoned with NaN."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import rel_err
+
+import cudnn_attn
+from cudnn_attn.kernels.paged_decode import paged_decode, supported
+from cudnn_attn.kernels.paged_decode_hopper import paged_decode_hopper, usable
+
+pytestmark = pytest.mark.gpu
+
+CASES = {  # q heads, kv heads, d, page, layout, lengths, s_q, splits, sink, dtype, stages
+    "gqa4-one-split": (32, 8, 128, 64, "NHPD", [1000, 64, 4096], 1, 1, False, torch.bfloat16, None),
+    "gqa4-splits-empty": (32, 8, 128, 64, "NHPD", [3000, 1, 0, 65], 1, 4, False, torch.bfloat16, None),
+    "gqa4-nphd-sink": (32, 8, 128, 64, "NPHD", [2000, 777], 7, 1, True, torch.bfloat16, None),
+    "two-stages": (32, 8, 128, 64, "NHPD", [4095, 130, 64], 1, 5, True, torch.bfloat16, 2),
+    "mtp4-causal": (32, 8, 128, 64, "NHPD", [4000, 130, 4], 4, 3, False, torch.bfloat16, None),
+    "mtp8-64-rows": (64, 8, 128, 128, "NPHD", [2500, 8], 8, 2, True, torch.bfloat16, None),
+    "d64-page256": (8, 8, 64, 256, "NPHD", [3000, 300], 1, 2, False, torch.bfloat16, None),
+    "d256-page128": (16, 2, 256, 128, "NHPD", [1500, 129], 2, 3, True, torch.bfloat16, None),
+    "mqa-many-splits": (8, 1, 128, 64, "NHPD", [8192], 1, 40, True, torch.bfloat16, None),
+    "fp16": (32, 8, 128, 64, "NHPD", [2048, 1500], 1, 4, False, torch.float16, None),
+}
+
+
+def _pages(cache, layout, page_ids, kv_heads, dim):
+    """A sequence's pages as ``[tokens, H_kv, D]``."""
+    pages = cache[page_ids]
+    return (pages.permute(0, 2, 1, 3) if layout == "NHPD" else pages).reshape(-1, kv_heads, dim)
+
+
+def _reference(q, k_cache, v_cache, table, lengths, layout, scale, sink):
+    """float64 attention of each query token over its visible keys (bottom-right causal)."""
+    batch, heads, s_q, dim = q.shape
+    kv_heads = k_cache.shape[1 if layout == "NHPD" else 2]
+    out = torch.zeros(batch, heads, s_q, dim, dtype=torch.float64)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        k = _pages(k_cache, layout, table[b].long(), kv_heads, dim)[:n].double()
+        v = _pages(v_cache, layout, table[b].long(), kv_heads, dim)[:n].double()
+        for h in range(heads):
+            s = q[b, h].double() @ k[:, h * kv_heads // heads].T * scale
+            hidden = torch.arange(n)[None, :] >= n - s_q + 1 + torch.arange(s_q)[:, None]
+            s = s.masked_fill(hidden, float("-inf"))
+            if sink is not None:
+                s = torch.cat([s, sink[h].double().expand(s_q, 1)], 1)
+            out[b, h] = torch.softmax(s, -1)[:, :n] @ v[:, h * kv_heads // heads]
+    return out
+
+
+def _case(name, combined=False):
+    heads, kv_heads, dim, page, layout, lengths, s_q, splits, with_sink, dtype, _ = CASES[name]
+    gen = torch.Generator().manual_seed(len(name) + splits)
+    pages = max(math.ceil(max(lengths) / page), splits)
+    num_pages = len(lengths) * pages + 3
+    shape = (num_pages, kv_heads, page, dim) if layout == "NHPD" else (num_pages, page, kv_heads, dim)
+    kv = torch.randn(2, *shape, generator=gen).to(dtype)  # an engine's [K/V, pages, ...] tensor
+    table = torch.randperm(num_pages, generator=gen)[: len(lengths) * pages].view(-1, pages).int()
+    for cache in kv:  # every row past the end of a sequence: NaN
+        for b, n in enumerate(lengths):
+            rows = _pages(cache, layout, table[b].long(), kv_heads, dim)
+            rows[n:] = float("nan")
+            view = rows.view(pages, page, kv_heads, dim)
+            cache[table[b].long()] = view.permute(0, 2, 1, 3) if layout == "NHPD" else view
+    q = torch.randn(len(lengths), heads, s_q, dim, generator=gen).to(dtype)
+    sink = torch.randn(heads, generator=gen) * 2 if with_sink else None
+    scale = dim**-0.5
+    want = _reference(q, kv[0], kv[1], table, lengths, layout, scale, sink)
+    k_cache, v_cache = (kv.cuda()[0], kv.cuda()[1]) if combined else (kv[0].cuda(), kv[1].cuda())
+    return q.cuda(), k_cache, v_cache, table.cuda(), lengths, scale, sink, want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+@pytest.mark.parametrize("form", ["triton", "hopper"])
+def test_paged_decode_matches_float64(case, form):
+    q, k_cache, v_cache, table, lengths, scale, sink, want = _case(case)
+    layout, splits, stages = CASES[case][4], CASES[case][7], CASES[case][10]
+    if not supported(q.device, k_cache.shape[2 if layout == "NHPD" else 1], q.shape[-1]):
+        pytest.skip("the decode kernel needs Triton")
+    if form == "hopper" and not usable(q, k_cache, v_cache, layout):
+        pytest.skip("the Hopper form needs an sm_90 GPU and Gluon")
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+    chunk = math.ceil(table.shape[1] / splits)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    sink_gpu = None if sink is None else sink.cuda()
+    options = dict(scale=scale, kv_layout=layout, splits=math.ceil(table.shape[1] / chunk), chunk_pages=chunk)
+    if form == "hopper":
+        paged_decode_hopper(q, k_cache, v_cache, table, lens, out, sink=sink_gpu, stages=stages, **options)
+    else:
+        paged_decode(q, k_cache, v_cache, table, lens, out, sink=sink_gpu, **options)
+    got = out.cpu().double()
+    assert torch.isfinite(got).all(), f"{int((~torch.isfinite(got)).sum())} non-finite values"
+    assert rel_err(got, want) < 1e-2
+    assert got.abs().sum() > 0  # not the zeros of a launch that never ran
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_engines_combined_kv_tensor_is_read_in_place():
+    q, k_cache, v_cache, table, lengths, scale, sink, want = _case("gqa4-nphd-sink", combined=True)
+    if not usable(q, k_cache, v_cache, "NPHD"):
+        pytest.skip("the Hopper form needs an sm_90 GPU and Gluon")
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    chunk = math.ceil(table.shape[1] / 3)
+    options = dict(scale=scale, kv_layout="NPHD", splits=3, chunk_pages=chunk, sink=sink.cuda(), hopper=True)
+    paged_decode(q, k_cache, v_cache, table, lens, out, **options)
+    assert rel_err(out.cpu().double(), want) < 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("captured", [False, True], ids=["eager-forced", "captured"])
+def test_a_serving_step_on_hopper_takes_the_hopper_form_and_matches_the_reference(captured):
+    """``PagedAttention`` over 16-bit caches on an sm_90 GPU: its schedule says the Hopper form,
+    and the step equals the reference backend's."""
+    q, k_cache, v_cache, table, lengths, scale, sink, want = _case("gqa4-splits-empty")
+    if not usable(q, k_cache, v_cache, "NHPD"):
+        pytest.skip("the Hopper form needs an sm_90 GPU and Gluon")
+    fixed = {"max_batch": len(lengths), "max_pages_per_seq": table.shape[1]}
+    options = {"cuda_graph": True, **fixed} if captured else {"decode_kernel": "triton"}
+    attn = cudnn_attn.PagedAttention(32, 8, 128, 64, dtype=torch.bfloat16, device="cuda", **options)
+    attn.plan(table, torch.tensor(lengths, dtype=torch.int32, device="cuda"))
+    got = attn.run(q, k_cache, v_cache)
+    assert attn.schedule.hopper and attn.schedule.kernel == "triton"
+    assert rel_err(got.cpu().double(), want) < 1e-2

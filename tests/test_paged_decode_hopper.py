@@ -1,0 +1,81 @@
+"""Which calls the warp-specialised GQA decode kernel takes: the caches' token rows as one TMA
+descriptor addresses them, in either layout and in an engine's combined K/V tensor; which steps
+the schedule gives it, and their split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cudnn_attn.kernels.paged_decode_hopper import default_stages, token_rows, usable
+from cudnn_attn.ops.dispatch import DECODE_KERNELS
+from cudnn_attn.serving import schedule as paged_schedule
+
+TRITON = DECODE_KERNELS["triton"]
+
+
+def _row_of(rows, page, head, token):
+    """The elements ``token_rows`` says hold (page, head, token)."""
+    r = page * rows.row_page + head * rows.row_head + token
+    return rows.view[r, head * rows.col_head : head * rows.col_head + 128]
+
+
+def test_nhpd_pages_are_heads_of_whole_rows():
+    cache = torch.randn(3, 8, 64, 128).bfloat16()
+    rows = token_rows(cache, "NHPD")
+    assert (rows.row_page, rows.row_head, rows.col_head) == (8 * 64, 64, 0)
+    assert rows.view.data_ptr() == cache.data_ptr()
+    assert torch.equal(_row_of(rows, 2, 5, 17), cache[2, 5, 17])
+
+
+def test_nphd_heads_sit_side_by_side_in_a_token_row():
+    cache = torch.randn(3, 64, 8, 128).bfloat16()
+    rows = token_rows(cache, "NPHD")
+    assert (rows.row_page, rows.row_head, rows.col_head) == (64, 0, 128)
+    assert torch.equal(_row_of(rows, 1, 7, 63), cache[1, 63, 7])
+
+
+def test_an_engines_combined_kv_tensor_is_read_in_place():
+    kv = torch.randn(2, 5, 64, 4, 128).bfloat16()  # [K/V, blocks, block size, heads, dim], NPHD halves
+    k_rows, v_rows = token_rows(kv[0], "NPHD"), token_rows(kv[1], "NPHD")
+    assert k_rows.view.data_ptr() == kv[0].data_ptr() and v_rows.view.data_ptr() == kv[1].data_ptr()
+    assert torch.equal(_row_of(v_rows, 4, 3, 10), kv[1, 4, 10, 3])
+
+
+def test_caches_tma_cannot_address_are_left_to_the_triton_kernel():
+    odd_rows = torch.zeros(3, 8, 64, 132).bfloat16()[..., :128]  # 264-byte rows: TMA needs 16-byte multiples
+    assert token_rows(odd_rows, "NHPD") is None
+    strided_dim = torch.zeros(3, 8, 64, 256).bfloat16()[..., ::2]
+    assert token_rows(strided_dim, "NHPD") is None
+    page_padded = torch.zeros(3, 64 * 1024 + 8).bfloat16()[:, : 64 * 1024].view(3, 64, 8, 128)  # pages 8 elements apart
+    assert token_rows(page_padded, "NPHD") is None
+
+
+def test_cpu_tensors_are_not_served():
+    q = torch.zeros(1, 32, 1, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 8, 64, 128, dtype=torch.bfloat16)
+    assert not usable(q, cache, cache, "NHPD")
+
+
+def test_the_ring_holds_as_many_steps_as_its_shared_memory_allows():
+    assert default_stages(64) == 3 and default_stages(128) == 3 and default_stages(256) == 2
+
+
+@pytest.mark.parametrize(
+    "batch,pages,expected_splits",
+    [(1, 32, 16), (1, 512, 16), (4, 128, 4), (8, 512, 2), (16, 64, 1)],
+)
+def test_the_hopper_form_splits_into_one_wave_where_the_heads_fit_the_sms(batch, pages, expected_splits):
+    """Page 64, 32 query / 8 K/V heads, 132 SMs: one program per SM at most (a power of two of
+    chunks, none under 128 tokens)."""
+    schedule = paged_schedule.choose(batch, pages, 64, 32, 8, 1, kernel=TRITON, hopper=True)
+    assert schedule.hopper and schedule.splits == expected_splits
+    assert batch * 8 * schedule.splits <= 132
+
+
+def test_more_heads_than_sms_fp8_caches_and_mla_keep_the_triton_form():
+    assert not paged_schedule.choose(64, 64, 64, 32, 8, 1, kernel=TRITON, hopper=True).hopper  # 512 heads
+    assert not paged_schedule.choose(1, 512, 64, 32, 8, 1, kernel=TRITON, hopper=True, fp8=True).hopper
+    assert not paged_schedule.choose(1, 512, 64, 16, 1, 1, kernel=TRITON, hopper=True, mla=True).hopper
+    assert not paged_schedule.choose(1, 512, 64, 32, 8, 1, kernel=TRITON).hopper
+    assert not paged_schedule.choose(1, 512, 64, 32, 8, 1, hopper=True).hopper  # cuDNN's calls
