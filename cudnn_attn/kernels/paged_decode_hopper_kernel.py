@@ -56,13 +56,14 @@ def kernel() -> Any:
         BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr,
     ):
-        """Streams each step's K and V boxes into the ring, the next page index loaded a step
-        ahead so the table's latency is not paid before each copy."""
+        """Streams each step's K and V boxes into the ring, each page index loaded two steps
+        ahead: the first three copies wait for one read of the table, not three in a row."""
         per_page: gl.constexpr = PAGE // BLOCK_N
         page = gl.load(table_ptr + b * t_sb + first_block // per_page, mask=steps > 0, other=0)
+        then = gl.load(table_ptr + b * t_sb + (first_block + 1) // per_page, mask=steps > 1, other=0)
         for i in range(steps):
             block = first_block + i
-            after = gl.load(table_ptr + b * t_sb + (block + 1) // per_page, mask=i + 1 < steps, other=0)
+            after = gl.load(table_ptr + b * t_sb + (block + 2) // per_page, mask=i + 2 < steps, other=0)
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             row = page * row_page + row_head + (block % per_page) * BLOCK_N
@@ -70,10 +71,15 @@ def kernel() -> Any:
             tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(s), k_smem.index(s))
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(s), v_smem.index(s))
-            page = after
+            page = then
+            then = after
 
     @gluon.jit
     def attend(
+        q_ptr,
+        q_sb,
+        q_sh,
+        q_st,
         q_smem,
         k_smem,
         v_smem,
@@ -110,7 +116,21 @@ def kernel() -> Any:
         SPLIT: gl.constexpr,
         HAS_SINK: gl.constexpr,
     ):
-        """Scores, the online softmax (log2 units) and ``P @ V``, P kept in registers."""
+        """The group's query rows into shared memory (zeros past the group), then for each step
+        the scores, the online softmax (log2 units) and ``P @ V``, P kept in registers. Q is
+        loaded here, after the fork, so that the loader's first page reads do not wait for it."""
+        ql: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        qr = gl.arange(0, BLOCK_R, gl.SliceLayout(1, ql))
+        qd = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, ql))
+        q_heads = (kv_head * GROUP + qr // S_Q).to(gl.int64)
+        q = gl.load(
+            q_ptr + b * q_sb + (q_heads * q_sh + (qr % S_Q) * q_st)[:, None] + qd[None, :],
+            mask=(qr < GROUP * S_Q)[:, None],
+            other=0.0,
+        )
+        q_smem.store(q)
+        fence_async_shared()
+        gl.thread_barrier()  # Q written by every warp before the first wgmma reads it
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -229,21 +249,8 @@ def kernel() -> Any:
         start = split * chunk_blocks * BLOCK_N
         end = gl.minimum(length, start + chunk_blocks * BLOCK_N)
         steps = (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N
-        # The group's query rows, loaded once into shared memory (zeros past the group).
-        ql: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        r = gl.arange(0, BLOCK_R, gl.SliceLayout(1, ql))
-        d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, ql))
-        heads = (kv_head * GROUP + r // S_Q).to(gl.int64)
-        q = gl.load(
-            q_ptr + b * q_sb + (heads * q_sh + (r % S_Q) * q_st)[:, None] + d[None, :],
-            mask=(r < GROUP * S_Q)[:, None],
-            other=0.0,
-        )
         q_smem = gl.allocate_shared_memory(
-            k_desc.dtype,
-            [BLOCK_R, HEAD_DIM],
-            gl.NVMMASharedLayout.get_default_for([BLOCK_R, HEAD_DIM], k_desc.dtype),
-            q,
+            k_desc.dtype, [BLOCK_R, HEAD_DIM], gl.NVMMASharedLayout.get_default_for([BLOCK_R, HEAD_DIM], k_desc.dtype)
         )
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -255,12 +262,15 @@ def kernel() -> Any:
             mbarrier.init(v_ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=1)
         fence_async_shared()
-        gl.thread_barrier()  # Q written by every warp before the first wgmma reads it
         gl.warp_specialize(
             [
                 (
                     attend,
                     (
+                        q_ptr,
+                        q_sb,
+                        q_sh,
+                        q_st,
                         q_smem,
                         k_smem,
                         v_smem,
