@@ -12,6 +12,7 @@ import torch
 from conftest import rel_err
 
 import cudnn_attn
+from cudnn_attn.kernels import paged_decode_hopper as hopper_form
 from cudnn_attn.kernels.paged_decode import paged_decode, supported
 from cudnn_attn.kernels.paged_decode_hopper import paged_decode_hopper, usable
 
@@ -104,8 +105,22 @@ def test_paged_decode_matches_float64(case, form):
     assert got.abs().sum() > 0  # not the zeros of a launch that never ran
 
 
+def _counted(monkeypatch):
+    """Calls of the Hopper form from here on, counted (a fallback to the Triton form gives the
+    same values: only the count tells them apart)."""
+    calls = []
+    launch = hopper_form.paged_decode_hopper
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(hopper_form, "paged_decode_hopper", counted)
+    return calls
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_an_engines_combined_kv_tensor_is_read_in_place():
+def test_an_engines_combined_kv_tensor_is_read_in_place(monkeypatch):
     q, k_cache, v_cache, table, lengths, scale, sink, want = _case("gqa4-nphd-sink", combined=True)
     if not usable(q, k_cache, v_cache, "NPHD"):
         pytest.skip("the Hopper form needs an sm_90 GPU and Gluon")
@@ -113,13 +128,14 @@ def test_an_engines_combined_kv_tensor_is_read_in_place():
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     chunk = math.ceil(table.shape[1] / 3)
     options = dict(scale=scale, kv_layout="NPHD", splits=3, chunk_pages=chunk, sink=sink.cuda(), hopper=True)
+    calls = _counted(monkeypatch)
     paged_decode(q, k_cache, v_cache, table, lens, out, **options)
-    assert rel_err(out.cpu().double(), want) < 1e-2
+    assert calls and rel_err(out.cpu().double(), want) < 1e-2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("captured", [False, True], ids=["eager-forced", "captured"])
-def test_a_serving_step_on_hopper_takes_the_hopper_form_and_matches_the_reference(captured):
+def test_a_serving_step_on_hopper_takes_the_hopper_form_and_matches_the_reference(captured, monkeypatch):
     """``PagedAttention`` over 16-bit caches on an sm_90 GPU: its schedule says the Hopper form,
     and the step equals the reference backend's."""
     q, k_cache, v_cache, table, lengths, scale, sink, want = _case("gqa4-splits-empty")
@@ -129,6 +145,7 @@ def test_a_serving_step_on_hopper_takes_the_hopper_form_and_matches_the_referenc
     options = {"cuda_graph": True, **fixed} if captured else {"decode_kernel": "triton"}
     attn = cudnn_attn.PagedAttention(32, 8, 128, 64, dtype=torch.bfloat16, device="cuda", **options)
     attn.plan(table, torch.tensor(lengths, dtype=torch.int32, device="cuda"))
+    calls = _counted(monkeypatch)
     got = attn.run(q, k_cache, v_cache)
-    assert attn.schedule.hopper and attn.schedule.kernel == "triton"
+    assert attn.schedule.hopper and attn.schedule.kernel == "triton" and calls
     assert rel_err(got.cpu().double(), want) < 1e-2

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cudnn_attn.kernels.paged_decode_hopper import default_stages, token_rows, usable
+from cudnn_attn.kernels.paged_decode_hopper import default_stages, tensors_fit, token_rows, usable
 from cudnn_attn.ops.dispatch import DECODE_KERNELS
 from cudnn_attn.serving import schedule as paged_schedule
 
@@ -49,6 +49,44 @@ def test_caches_tma_cannot_address_are_left_to_the_triton_kernel():
     assert token_rows(strided_dim, "NHPD") is None
     page_padded = torch.zeros(3, 64 * 1024 + 8).bfloat16()[:, : 64 * 1024].view(3, 64, 8, 128)  # pages 8 elements apart
     assert token_rows(page_padded, "NPHD") is None
+
+
+def _tensors(heads=32, kv_heads=8, s_q=1, dim=128, page=64, dtype=torch.bfloat16, kv_dtype=None):
+    q = torch.zeros(2, heads, s_q, dim, dtype=dtype)
+    cache = torch.zeros(2, 5, kv_heads, page, dim, dtype=kv_dtype or dtype)  # K and V, NHPD
+    return q, cache[0], cache[1]
+
+
+def test_the_tensors_the_kernel_takes():
+    assert tensors_fit(*_tensors(), "NHPD")
+    assert tensors_fit(*_tensors(dtype=torch.float16, dim=64, page=256), "NHPD")
+    assert tensors_fit(*_tensors(heads=64, s_q=8), "NHPD")  # 64 rows: one tile
+
+
+@pytest.mark.parametrize(
+    "why,tensors",
+    [
+        ("FP8 caches", _tensors(kv_dtype=torch.float8_e4m3fn)),
+        ("float32", _tensors(dtype=torch.float32)),
+        ("65 rows", _tensors(heads=40, kv_heads=8, s_q=13)),
+        ("page 32", _tensors(page=32)),
+        ("head dim 96", _tensors(dim=96)),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_tensors_the_kernel_cannot_take_go_to_the_triton_form(why, tensors):
+    assert not tensors_fit(*tensors, "NHPD"), why
+
+
+def test_caches_of_other_shapes_strides_or_alignment_are_refused():
+    q, k, v = _tensors()
+    assert not tensors_fit(q, k, v[:, :, :32], "NHPD")  # V not K's shape
+    assert not tensors_fit(q, k, v.transpose(1, 2).contiguous().transpose(1, 2), "NHPD")  # V's strides
+    assert not tensors_fit(torch.zeros(2, 32, 1, 256, dtype=q.dtype)[..., ::2], k, v, "NHPD")  # q's dim strided
+    assert not tensors_fit(q, k[..., :64], v[..., :64], "NHPD")  # K's head dim not q's
+    shifted = torch.zeros(5 * 8 * 64 * 128 + 1, dtype=torch.bfloat16)[1:].view(5, 8, 64, 128)
+    assert not tensors_fit(q, k, shifted, "NHPD")  # V's base not 16-byte aligned
+    assert token_rows(k.expand(5, 8, 64, 128).as_strided((5, 8, 64, 128), (0, 0, 0, 1)), "NHPD") is None
 
 
 def test_cpu_tensors_are_not_served():

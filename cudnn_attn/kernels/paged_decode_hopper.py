@@ -6,7 +6,7 @@ one tile, bottom-right causal per row, sinks folded into the first chunk -- writ
 Hopper MLA kernel is:
 
 - a loader warp streams each step's K and V (64 tokens, a page or part of one) into a ring of
-  shared-memory stages with TMA, the next page index read a step ahead;
+  shared-memory stages with TMA, each page index read two steps ahead;
 - one warp group multiplies Q (in shared memory, loaded once) by each step's keys, runs the
   online softmax, and accumulates ``P @ V`` with P held in registers.
 
@@ -35,17 +35,19 @@ MAX_STAGES = 3
 
 
 def serves(device: torch.device, page_size: int, head_dim: int, rows: int) -> bool:
-    """Whether calls of this geometry come here (given tensors ``usable`` accepts): an sm_90 GPU
-    with Gluon, pages of 64-256 tokens, a head dim of 64, 128 or 256, at most ``BLOCK_R`` query
-    rows (the group's heads by the step's tokens)."""
+    """Whether calls of this geometry come here (given tensors ``tensors_fit`` accepts): an sm_90
+    GPU with Gluon, pages of 64-256 tokens, a head dim of 64, 128 or 256, at most ``BLOCK_R``
+    query rows (the group's heads by the step's tokens)."""
     return (
         device.type == "cuda"
-        and page_size in PAGES
-        and head_dim in HEAD_DIMS
-        and rows <= BLOCK_R
+        and _geometry_fits(page_size, head_dim, rows)
         and _hopper(device.index if device.index is not None else torch.cuda.current_device())
         and paged_decode_hopper_kernel.kernel() is not None
     )
+
+
+def _geometry_fits(page_size: int, head_dim: int, rows: int) -> bool:
+    return page_size in PAGES and head_dim in HEAD_DIMS and rows <= BLOCK_R
 
 
 @functools.cache
@@ -72,7 +74,7 @@ def token_rows(cache: torch.Tensor, kv_layout: str) -> Rows | None:
     else:
         (pages, page, kv_heads, dim), (s_page, s_token, s_head, s_dim) = cache.shape, cache.stride()
     size = cache.element_size()
-    if s_dim != 1 or (s_token * size) % 16 or cache.data_ptr() % 16 or s_page % s_token:
+    if s_dim != 1 or s_token <= 0 or (s_token * size) % 16 or cache.data_ptr() % 16 or s_page % s_token:
         return None
     if s_head % s_token == 0 and s_head // s_token >= page:  # heads whole rows apart: NHPD-like
         row_head, col_head, width = s_head // s_token, 0, dim
@@ -88,19 +90,31 @@ def token_rows(cache: torch.Tensor, kv_layout: str) -> Rows | None:
 
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_layout: str) -> bool:
-    """Whether this kernel serves the call: ``serves`` its geometry, fp16/bf16 query and caches of
-    one dtype and one layout, and token rows TMA can address."""
+    """Whether this kernel serves the call: ``tensors_fit`` and ``serves`` this GPU."""
     page = k_cache.shape[2 if kv_layout == "NHPD" else 1]
     kv_heads = k_cache.shape[1 if kv_layout == "NHPD" else 2]
-    rows = q.shape[1] // kv_heads * q.shape[2]
+    return tensors_fit(q, k_cache, v_cache, kv_layout) and serves(
+        q.device, page, q.shape[-1], q.shape[1] // kv_heads * q.shape[2]
+    )
+
+
+def tensors_fit(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_layout: str) -> bool:
+    """Whether the kernel takes these tensors, wherever they are: fp16/bf16 query and caches of
+    one dtype, shape and layout, K's head dim the query's, the query's head dim contiguous, a
+    geometry the kernel tiles, and token rows one TMA descriptor addresses in both caches."""
+    page = k_cache.shape[2 if kv_layout == "NHPD" else 1]
+    kv_heads = k_cache.shape[1 if kv_layout == "NHPD" else 2]
     return (
-        serves(q.device, page, q.shape[-1], rows)
-        and q.dtype in (torch.float16, torch.bfloat16)
+        q.dtype in (torch.float16, torch.bfloat16)
         and k_cache.dtype == q.dtype == v_cache.dtype
         and v_cache.shape == k_cache.shape
         and v_cache.stride() == k_cache.stride()
+        and k_cache.shape[-1] == q.shape[-1]
         and q.stride(-1) == 1
+        and q.shape[1] % kv_heads == 0
+        and _geometry_fits(page, q.shape[-1], q.shape[1] // kv_heads * q.shape[2])
         and token_rows(k_cache, kv_layout) is not None
+        and token_rows(v_cache, kv_layout) is not None
     )
 
 
@@ -185,4 +199,4 @@ def paged_decode_hopper(
     return out
 
 
-__all__ = ["paged_decode_hopper", "serves", "token_rows", "usable"]
+__all__ = ["paged_decode_hopper", "serves", "tensors_fit", "token_rows", "usable"]

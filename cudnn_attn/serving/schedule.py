@@ -49,7 +49,7 @@ class Schedule:
     packed: bool  # query heads (and tokens) packed into rows of one K/V head
     tail: bool  # the causal tail runs apart (multi-token decode)
     decode_kernel: DecodeKernel = PAGED_CALLS  # as ``ops/dispatch.select_decode`` chose it
-    hopper: bool = False  # our kernel runs as its warp-specialised Hopper form (16-bit GQA caches)
+    hopper: bool = False  # laid out for our kernel's Hopper form (16-bit GQA caches TMA can address run it)
 
     @property
     def kernel(self) -> str:
