@@ -10,6 +10,7 @@ import torch
 from cudnn_attn.kernels.paged_decode_hopper import default_stages, tensors_fit, token_rows, usable
 from cudnn_attn.ops.dispatch import DECODE_KERNELS
 from cudnn_attn.serving import schedule as paged_schedule
+from cudnn_attn.serving import step
 
 TRITON = DECODE_KERNELS["triton"]
 
@@ -117,3 +118,21 @@ def test_more_heads_than_sms_fp8_caches_and_mla_keep_the_triton_form():
     assert not paged_schedule.choose(1, 512, 64, 16, 1, 1, kernel=TRITON, hopper=True, mla=True).hopper
     assert not paged_schedule.choose(1, 512, 64, 32, 8, 1, kernel=TRITON).hopper
     assert not paged_schedule.choose(1, 512, 64, 32, 8, 1, hopper=True).hopper  # cuDNN's calls
+
+
+def _tables(monkeypatch, **options):
+    """A captured step's tables with the kernels' facts of an sm_90 GPU with Triton and Gluon."""
+    monkeypatch.setattr(step.paged_decode, "supported", lambda device, page, dim: True)
+    monkeypatch.setattr(step.paged_decode_hopper, "serves", lambda device, page, dim, rows: rows <= 64)
+    monkeypatch.setattr(step, "sm_count", lambda device: 132)
+    heads = options.pop("heads", (32, 8, 128))
+    return step.StepTables(*heads, 64, buffers=step.StepBuffers(True), splits=None, pack=None, kernel=None, **options)
+
+
+def test_a_steps_hopper_fact_reaches_its_schedule(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    schedule = _tables(monkeypatch)._schedule(1, 512, 1, cuda)
+    assert schedule.kernel == "triton" and schedule.hopper and schedule.splits == 16
+    assert _tables(monkeypatch)._schedule(2, 64, 16, cuda).hopper  # 4 heads by 16 tokens: 64 rows
+    assert not _tables(monkeypatch, fp8_caches=True)._schedule(1, 512, 1, cuda).hopper
+    assert not _tables(monkeypatch, heads=(16, 1, 576), head_dim_v=512)._schedule(1, 512, 1, cuda).hopper  # MLA
