@@ -107,7 +107,7 @@ def paged_decode(
     ``paged_decode_hopper``'s warp-specialised kernel instead where it takes these tensors
     (16-bit caches TMA can address, on Hopper; ``tuning`` is then not read).
     """
-    if hopper and k_cache.dtype not in FP8 and paged_decode_hopper.usable(q, k_cache, v_cache, kv_layout):
+    if hopper and paged_decode_hopper.usable(q, k_cache, v_cache, kv_layout):  # refuses FP8 caches
         return paged_decode_hopper.paged_decode_hopper(
             q,
             k_cache,
