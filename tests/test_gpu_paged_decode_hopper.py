@@ -29,6 +29,11 @@ CASES = {  # q heads, kv heads, d, page, layout, lengths, s_q, splits, sink, dty
     "d256-page128": (16, 2, 256, 128, "NHPD", [1500, 129], 2, 3, True, torch.bfloat16, None),
     "mqa-many-splits": (8, 1, 128, 64, "NHPD", [8192], 1, 40, True, torch.bfloat16, None),
     "fp16": (32, 8, 128, 64, "NHPD", [2048, 1500], 1, 4, False, torch.float16, None),
+    # pages of 16 and 32 tokens: 4 or 2 pages a step, chunks that end inside a step
+    "page16-odd-chunks": (32, 8, 128, 16, "NPHD", [3000, 17, 0, 130], 1, 7, True, torch.bfloat16, None),
+    "page16-mtp4": (32, 8, 128, 16, "NHPD", [1000, 4], 4, 3, False, torch.bfloat16, None),
+    "page32-d64": (16, 4, 64, 32, "NHPD", [2100, 33], 1, 5, False, torch.bfloat16, 2),
+    "page32-one-split": (32, 8, 128, 32, "NPHD", [700, 64], 2, 1, True, torch.float16, None),
 }
 
 

@@ -62,6 +62,7 @@ def test_the_tensors_the_kernel_takes():
     assert tensors_fit(*_tensors(), "NHPD")
     assert tensors_fit(*_tensors(dtype=torch.float16, dim=64, page=256), "NHPD")
     assert tensors_fit(*_tensors(heads=64, s_q=8), "NHPD")  # 64 rows: one tile
+    assert tensors_fit(*_tensors(page=16), "NHPD") and tensors_fit(*_tensors(page=32), "NHPD")
 
 
 @pytest.mark.parametrize(
@@ -70,7 +71,7 @@ def test_the_tensors_the_kernel_takes():
         ("FP8 caches", _tensors(kv_dtype=torch.float8_e4m3fn)),
         ("float32", _tensors(dtype=torch.float32)),
         ("65 rows", _tensors(heads=40, kv_heads=8, s_q=13)),
-        ("page 32", _tensors(page=32)),
+        ("page 8", _tensors(page=8)),
         ("head dim 96", _tensors(dim=96)),
     ],
     ids=lambda x: x if isinstance(x, str) else "",
