@@ -34,6 +34,7 @@ CASES = {  # q heads, kv heads, d, page, layout, lengths, s_q, splits, sink, dty
     "page16-mtp4": (32, 8, 128, 16, "NHPD", [1000, 4], 4, 3, False, torch.bfloat16, None),
     "page32-d64": (16, 4, 64, 32, "NHPD", [2100, 33], 1, 5, False, torch.bfloat16, 2),
     "page32-one-split": (32, 8, 128, 32, "NPHD", [700, 64], 2, 1, True, torch.float16, None),
+    "d256-page16": (16, 2, 256, 16, "NHPD", [900, 40], 1, 3, True, torch.bfloat16, None),
 }
 
 
