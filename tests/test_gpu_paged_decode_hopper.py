@@ -18,6 +18,8 @@ from cudnn_attn.kernels.paged_decode_hopper import paged_decode_hopper, usable
 
 pytestmark = pytest.mark.gpu
 
+TWENTY = [0] + [37 * i + 5 for i in range(1, 20)]  # 160 programs over 132 SMs
+
 CASES = {  # q heads, kv heads, d, page, layout, lengths, s_q, splits, sink, dtype, stages
     "gqa4-one-split": (32, 8, 128, 64, "NHPD", [1000, 64, 4096], 1, 1, False, torch.bfloat16, None),
     "gqa4-splits-empty": (32, 8, 128, 64, "NHPD", [3000, 1, 0, 65], 1, 4, False, torch.bfloat16, None),
@@ -29,6 +31,14 @@ CASES = {  # q heads, kv heads, d, page, layout, lengths, s_q, splits, sink, dty
     "d256-page128": (16, 2, 256, 128, "NHPD", [1500, 129], 2, 3, True, torch.bfloat16, None),
     "mqa-many-splits": (8, 1, 128, 64, "NHPD", [8192], 1, 40, True, torch.bfloat16, None),
     "fp16": (32, 8, 128, 64, "NHPD", [2048, 1500], 1, 4, False, torch.float16, None),
+    # pages of 16 and 32 tokens: 4 or 2 pages a step, chunks that end inside a step
+    "page16-odd-chunks": (32, 8, 128, 16, "NPHD", [3000, 17, 0, 130], 1, 7, True, torch.bfloat16, None),
+    "page16-mtp4": (32, 8, 128, 16, "NHPD", [1000, 4], 4, 3, False, torch.bfloat16, None),
+    "page32-d64": (16, 4, 64, 32, "NHPD", [2100, 33], 1, 5, False, torch.bfloat16, 2),
+    "page32-one-split": (32, 8, 128, 32, "NPHD", [700, 64], 2, 1, True, torch.float16, None),
+    "d256-page16": (16, 2, 256, 16, "NHPD", [900, 40], 1, 3, True, torch.bfloat16, None),
+    # more programs than SMs, as small pages take the Hopper form at any batch
+    "page16-several-waves": (32, 8, 128, 16, "NPHD", TWENTY, 1, 1, False, torch.bfloat16, None),
 }
 
 

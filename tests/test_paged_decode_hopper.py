@@ -62,6 +62,7 @@ def test_the_tensors_the_kernel_takes():
     assert tensors_fit(*_tensors(), "NHPD")
     assert tensors_fit(*_tensors(dtype=torch.float16, dim=64, page=256), "NHPD")
     assert tensors_fit(*_tensors(heads=64, s_q=8), "NHPD")  # 64 rows: one tile
+    assert tensors_fit(*_tensors(page=16), "NHPD") and tensors_fit(*_tensors(page=32), "NHPD")
 
 
 @pytest.mark.parametrize(
@@ -70,7 +71,7 @@ def test_the_tensors_the_kernel_takes():
         ("FP8 caches", _tensors(kv_dtype=torch.float8_e4m3fn)),
         ("float32", _tensors(dtype=torch.float32)),
         ("65 rows", _tensors(heads=40, kv_heads=8, s_q=13)),
-        ("page 32", _tensors(page=32)),
+        ("page 8", _tensors(page=8)),
         ("head dim 96", _tensors(dim=96)),
     ],
     ids=lambda x: x if isinstance(x, str) else "",
@@ -110,6 +111,16 @@ def test_the_hopper_form_splits_into_one_wave_where_the_heads_fit_the_sms(batch,
     schedule = paged_schedule.choose(batch, pages, 64, 32, 8, 1, kernel=TRITON, hopper=True)
     assert schedule.hopper and schedule.splits == expected_splits
     assert batch * 8 * schedule.splits <= 132
+
+
+@pytest.mark.parametrize("page", [16, 32])
+def test_small_pages_take_the_hopper_form_in_several_waves(page):
+    """Batch 64 over 4k tokens, 512 heads: over pages shorter than the Hopper form's 64-token
+    step the Triton kernel loads a page a step, so the Hopper form takes the step anyway, one
+    chunk a sequence."""
+    schedule = paged_schedule.choose(64, 4096 // page, page, 32, 8, 1, kernel=TRITON, hopper=True)
+    assert schedule.hopper and schedule.splits == 1
+    assert not paged_schedule.choose(64, 4096 // page, page, 32, 8, 1, kernel=TRITON, hopper=True, fp8=True).hopper
 
 
 def test_more_heads_than_sms_fp8_caches_and_mla_keep_the_triton_form():

@@ -5,13 +5,14 @@ of its pages per program, the group's query heads by the step's query tokens as 
 one tile, bottom-right causal per row, sinks folded into the first chunk -- written the way the
 Hopper MLA kernel is:
 
-- a loader warp streams each step's K and V (64 tokens, a page or part of one) into a ring of
-  shared-memory stages with TMA, each page index read two steps ahead;
+- a loader warp streams each step's K and V (64 tokens: a page, part of one, or 2-4 pages of
+  16-32 tokens, a TMA box each) into a ring of shared-memory stages with TMA, the page indices
+  read ahead;
 - one warp group multiplies Q (in shared memory, loaded once) by each step's keys, runs the
   online softmax, and accumulates ``P @ V`` with P held in registers.
 
 The copies run ahead of the math by the ring's depth, issued by one thread each, so a program
-keeps ``STAGES`` steps of K and V in flight while it computes. Pages of 64, 128 or 256 tokens,
+keeps ``STAGES`` steps of K and V in flight while it computes. Pages of 16-256 tokens,
 head dims 64, 128 or 256, fp16/bf16 caches (FP8 caches stay on the Triton kernel, which widens
 them in registers), token rows TMA can address; ``usable`` says which.
 """
@@ -29,14 +30,14 @@ from .lse_merge import merge_checked, split_targets
 from .paged_decode_hopper_kernel import BLOCK_N, BLOCK_R, LOG2_E
 
 HEAD_DIMS = (64, 128, 256)
-PAGES = (64, 128, 256)
+PAGES = (16, 32, 64, 128, 256)
 RING_BYTES = 160 * 1024  # shared memory for the K/V ring: 3 steps of d 128, 2 of d 256
 MAX_STAGES = 3
 
 
 def serves(device: torch.device, page_size: int, head_dim: int, rows: int) -> bool:
     """Whether calls of this geometry come here (given tensors ``tensors_fit`` accepts): an sm_90
-    GPU with Gluon, pages of 64-256 tokens, a head dim of 64, 128 or 256, at most ``BLOCK_R``
+    GPU with Gluon, pages of 16-256 tokens, a head dim of 64, 128 or 256, at most ``BLOCK_R``
     query rows (the group's heads by the step's tokens)."""
     return (
         device.type == "cuda"
@@ -155,8 +156,8 @@ def paged_decode_hopper(
     )
     kernel(
         (splits, kv_heads, batch),
-        Tma.of(k_rows.view, (BLOCK_N, dim)),
-        Tma.of(v_rows.view, (BLOCK_N, dim)),
+        Tma.of(k_rows.view, (min(page, BLOCK_N), dim)),
+        Tma.of(v_rows.view, (min(page, BLOCK_N), dim)),
         q,
         q.stride(0),
         q.stride(1),
@@ -178,7 +179,7 @@ def paged_decode_hopper(
         l_sh,
         sink if sink is not None else lengths,
         scale * LOG2_E,
-        chunk_pages * (page // BLOCK_N),
+        chunk_pages * page,
         k_rows.row_page,
         k_rows.row_head,
         k_rows.col_head,

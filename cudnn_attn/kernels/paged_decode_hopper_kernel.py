@@ -13,7 +13,7 @@ from typing import Any
 from .launch import Launcher
 
 LOG2_E = 1.4426950408889634
-BLOCK_N = 64  # tokens per TMA box and per step: a page of 64, or a part of a larger one
+BLOCK_N = 64  # tokens per step: a page of 64, a part of a larger one, or 2-4 smaller pages
 BLOCK_R = 64  # query rows (the group's heads by the step's tokens): one wgmma row block
 
 
@@ -47,7 +47,8 @@ def kernel() -> Any:
         table_ptr,
         t_sb,
         b,
-        first_block,
+        start,
+        end,
         steps,
         row_page,
         row_head,
@@ -56,23 +57,51 @@ def kernel() -> Any:
         BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr,
     ):
-        """Streams each step's K and V boxes into the ring, each page index loaded two steps
-        ahead: the first three copies wait for one read of the table, not three in a row."""
-        per_page: gl.constexpr = PAGE // BLOCK_N
-        page = gl.load(table_ptr + b * t_sb + first_block // per_page, mask=steps > 0, other=0)
-        then = gl.load(table_ptr + b * t_sb + (first_block + 1) // per_page, mask=steps > 1, other=0)
-        for i in range(steps):
-            block = first_block + i
-            after = gl.load(table_ptr + b * t_sb + (block + 2) // per_page, mask=i + 2 < steps, other=0)
-            s = i % STAGES
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-            row = page * row_page + row_head + (block % per_page) * BLOCK_N
-            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(s), k_smem.index(s))
-            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(s), v_smem.index(s))
-            page = then
-            then = after
+        """Streams each step's K and V into the ring. Pages of 64 tokens or more: a step is one
+        box of a page, each page index loaded two steps ahead (the first three copies wait for
+        one read of the table, not three in a row). Pages of 16 or 32: a step is 4 or 2 pages,
+        a box each, their indices read as one vector a step ahead; a page past the chunk's last
+        key is read from row -PAGE, all out of bounds, so TMA fills it with zeros and the
+        stage's byte count holds."""
+        if PAGE >= BLOCK_N:
+            per_page: gl.constexpr = PAGE // BLOCK_N
+            first_block = start // BLOCK_N
+            page = gl.load(table_ptr + b * t_sb + first_block // per_page, mask=steps > 0, other=0)
+            then = gl.load(table_ptr + b * t_sb + (first_block + 1) // per_page, mask=steps > 1, other=0)
+            for i in range(steps):
+                block = first_block + i
+                after = gl.load(table_ptr + b * t_sb + (block + 2) // per_page, mask=i + 2 < steps, other=0)
+                s = i % STAGES
+                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+                row = page * row_page + row_head + (block % per_page) * BLOCK_N
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(s), k_smem.index(s))
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(s), v_smem.index(s))
+                page = then
+                then = after
+        else:
+            boxes: gl.constexpr = BLOCK_N // PAGE
+            j = gl.arange(0, boxes, gl.BlockedLayout([1], [32], [1], [0]))
+            first = start + j * PAGE  # each box's first token in step 0
+            pages = gl.load(table_ptr + b * t_sb + first // PAGE, mask=first < end, other=0)
+            for i in range(steps):
+                tokens = first + (i + 1) * BLOCK_N
+                after = gl.load(table_ptr + b * t_sb + tokens // PAGE, mask=tokens < end, other=0)
+                rows = gl.where(first + i * BLOCK_N < end, pages * row_page + row_head, -PAGE)
+                s = i % STAGES
+                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+                mbarrier.expect(k_ready.index(s), boxes * k_desc.block_type.nbytes)
+                for box in gl.static_range(boxes):
+                    row = gl.sum(gl.where(j == box, rows, 0), 0)
+                    part = k_smem.index(s).slice(box * PAGE, PAGE)
+                    tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(s), part)
+                mbarrier.expect(v_ready.index(s), boxes * v_desc.block_type.nbytes)
+                for box in gl.static_range(boxes):
+                    row = gl.sum(gl.where(j == box, rows, 0), 0)
+                    part = v_smem.index(s).slice(box * PAGE, PAGE)
+                    tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(s), part)
+                pages = after
 
     @gluon.jit
     def attend(
@@ -228,7 +257,7 @@ def kernel() -> Any:
         l_sh,
         sink_ptr,
         scale_log2,
-        chunk_blocks,
+        chunk_tokens,
         row_page,
         row_head,
         col_head,
@@ -246,8 +275,8 @@ def kernel() -> Any:
         kv_head = gl.program_id(1)
         b = gl.program_id(2).to(gl.int64)
         length = gl.load(len_ptr + b)
-        start = split * chunk_blocks * BLOCK_N
-        end = gl.minimum(length, start + chunk_blocks * BLOCK_N)
+        start = split * chunk_tokens
+        end = gl.minimum(length, start + chunk_tokens)
         steps = (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N
         q_smem = gl.allocate_shared_memory(
             k_desc.dtype, [BLOCK_R, HEAD_DIM], gl.NVMMASharedLayout.get_default_for([BLOCK_R, HEAD_DIM], k_desc.dtype)
@@ -321,7 +350,8 @@ def kernel() -> Any:
                         table_ptr,
                         t_sb,
                         b,
-                        split * chunk_blocks,
+                        start,
+                        end,
                         steps,
                         row_page,
                         kv_head * row_head,
