@@ -210,6 +210,7 @@ def test_usage_errors_exit_2(capsys, tmp_path):
         (["cache", "warm"], "give shapes or --file"),
         (["bench", "--packed"], "go with --context-parallel"),
         (["bench", "--cp-mode", "all_gather"], "go with --context-parallel"),
+        (["bench", "--page", "16"], "--page goes with --serving"),
     ]
     for argv, message in cases:
         assert commands.main(argv) == 2, argv
@@ -268,7 +269,7 @@ def _fake_sections(monkeypatch) -> dict[str, dict]:
     for name in ("fp8_rows", "crossover", "accuracy"):
         monkeypatch.setattr(fp8, name, lambda name=name: fp8_h100[name.removesuffix("_rows")])
     serving_h100 = committed("serving_h100.json")
-    monkeypatch.setattr(serving, "serving_rows", lambda: serving_h100["serving"])
+    monkeypatch.setattr(serving, "serving_rows", lambda page: serving_h100["serving"])
     monkeypatch.setattr(prefill, "prefill_row", lambda: serving_h100["prefill"])
     # One eager chunked-prefill step's memory on an H200 (docs/benchmarks.md), standing in for it.
     prefill_memory = {"io_bytes": 1128333312, "peak_extra": 61440, "planner_bytes": 61440, "held_after": 27136}
@@ -340,6 +341,18 @@ def test_bench_json_file_holds_what_stdout_would(gpu_machine, monkeypatch, tmp_p
     assert commands.main(["bench", "--serving", "--json", str(path)]) == 0
     assert "PagedAttention" in capsys.readouterr().out  # the tables stay on stdout
     assert json.loads(path.read_text())["serving"] == committed("serving_h100.json")["serving"]
+
+
+def test_serving_measures_the_page_size_asked_for(gpu_machine, monkeypatch, capsys):
+    from cudnn_attn.bench import serving
+
+    _fake_sections(monkeypatch)
+    asked = []
+    monkeypatch.setattr(serving, "serving_rows", lambda page: asked.append(page) or [])
+    assert commands.main(["bench", "--serving"]) == 0
+    assert commands.main(["bench", "--serving", "--page", "16"]) == 0
+    assert asked == [64, 16]
+    capsys.readouterr()
 
 
 def test_a_section_without_a_chart_is_a_usage_error_before_anything_runs(gpu_machine, monkeypatch, tmp_path, capsys):

@@ -1,6 +1,6 @@
 """``cudnn-attn bench --serving``: decode attention per layer inside a CUDA-graph replay.
 
-Per shape (Hq32 Hkv8 d128 bf16, pages of 64 handed out in a random order): ``PagedAttention``
+Per shape (Hq32 Hkv8 d128 bf16, pages of 64 tokens, or ``page``, handed out in a random order): ``PagedAttention``
 with its chosen layout (split-KV, query packing, the causal tail), the same with neither
 (one paged cuDNN call per layer, as a plain paged graph runs), and torch's SDPA on the same K/V
 laid out contiguously. Each column is a step of ``LAYERS`` layers captured in a CUDA graph
@@ -44,14 +44,14 @@ def layers_for(layer_bytes: int) -> int:
     return max(LAYERS, math.ceil(3 * l2 / layer_bytes))
 
 
-def _step(batch: int, kv: int, s_q: int, seed: int = 0) -> dict[str, Any]:
+def _step(batch: int, kv: int, s_q: int, seed: int = 0, page: int = PAGE) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(seed)
-    pages = kv // PAGE
+    pages = kv // page
     num_pages = batch * pages
     table = torch.randperm(num_pages, generator=gen).view(batch, pages).int().cuda()
-    layers = layers_for(2 * num_pages * HKV * PAGE * D * 2)
+    layers = layers_for(2 * num_pages * HKV * page * D * 2)
     caches = [
-        [torch.randn(num_pages, HKV, PAGE, D, generator=gen).to("cuda", torch.bfloat16) for _ in range(2)]
+        [torch.randn(num_pages, HKV, page, D, generator=gen).to("cuda", torch.bfloat16) for _ in range(2)]
         for _ in range(layers)
     ]
     q = torch.randn(batch, HQ, s_q, D, generator=gen).to("cuda", torch.bfloat16)
@@ -98,30 +98,30 @@ def _time(paths: dict[str, Callable[[], Any]], rounds: int = 10, replays: int = 
     return {n: {"us": statistics.median(v), "low": min(v), "high": max(v)} for n, v in samples.items()}
 
 
-def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
-    t = _step(batch, kv, s_q)
+def serving_row(batch: int, kv: int, s_q: int, page: int = PAGE) -> dict[str, Any]:
+    t = _step(batch, kv, s_q, page=page)
     q = t["q"]
     layers = len(t["caches"])
     ours = PagedAttention(
         HQ,
         HKV,
         D,
-        PAGE,
+        page,
         dtype=torch.bfloat16,
         device="cuda",
         max_batch=batch,
-        max_pages_per_seq=kv // PAGE,
+        max_pages_per_seq=kv // page,
         cuda_graph=True,
     )
     plain = PagedAttention(
         HQ,
         HKV,
         D,
-        PAGE,
+        page,
         dtype=torch.bfloat16,
         device="cuda",
         max_batch=batch,
-        max_pages_per_seq=kv // PAGE,
+        max_pages_per_seq=kv // page,
         cuda_graph=True,
         splits=1,
         pack=False,
@@ -134,11 +134,11 @@ def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
         HQ,
         HKV,
         D,
-        PAGE,
+        page,
         dtype=torch.bfloat16,
         device="cuda",
         max_batch=batch,
-        max_pages_per_seq=kv // PAGE,
+        max_pages_per_seq=kv // page,
         cuda_graph=True,
         decode_kernel=other,
     )
@@ -147,12 +147,12 @@ def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
         HQ,
         HKV,
         D,
-        PAGE,
+        page,
         dtype=torch.bfloat16,
         kv_dtype=torch.float8_e4m3fn,
         device="cuda",
         max_batch=batch,
-        max_pages_per_seq=kv // PAGE,
+        max_pages_per_seq=kv // page,
         cuda_graph=True,
     )
     scales = [[float(c.abs().max()) / E4M3_MAX for c in layer] for layer in t["caches"]]
@@ -224,6 +224,7 @@ def serving_row(batch: int, kv: int, s_q: int) -> dict[str, Any]:
         "batch": batch,
         "kv": kv,
         "s_q": s_q,
+        "page": page,
         "layers": layers,
         "schedule": str(ours.schedule),
         "copy_tbps": copy_rate / 1e12,
@@ -264,17 +265,19 @@ def _chosen_kernel(attn: PagedAttention, t: dict[str, Any]) -> str:
     return attn.schedule.kernel
 
 
-def serving_rows(shapes: tuple[tuple[int, int, int], ...] = SHAPES) -> list[dict[str, Any]]:
+def serving_rows(shapes: tuple[tuple[int, int, int], ...] = SHAPES, page: int = PAGE) -> list[dict[str, Any]]:
     rows = []
     for shape in progress(shapes, "serving", unit="shape"):
-        rows.append(serving_row(*shape))
+        rows.append(serving_row(*shape, page=page))
         torch.cuda.empty_cache()
     return rows
 
 
 def format_serving(rows: list[dict[str, Any]]) -> str:
+    pages = sorted({row.get("page", PAGE) for row in rows})  # reports before the page was recorded: 64
     lines = [
-        f"Decode attention per layer inside a CUDA-graph replay (Hq{HQ} Hkv{HKV} d{D} bf16, page {PAGE}); "
+        f"Decode attention per layer inside a CUDA-graph replay (Hq{HQ} Hkv{HKV} d{D} bf16, page "
+        f"{', '.join(map(str, pages))}); "
         "% of the memory's peak (the better of a 1 GiB copy and a 4 GiB read, same rounds), and of the "
         "rate of a transfer of the layer's own size:"
     ]

@@ -38,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
         return _redraw(args)
     if (args.cp_mode is not None or args.packed) and args.context_parallel is None:
         raise usage("cudnn-attn bench: --cp-mode and --packed go with --context-parallel GPUS")
+    if args.page is not None and not args.serving:
+        raise usage("cudnn-attn bench: --page goes with --serving")
     sections = requested(args)
     if args.plot:
         missing = [name for name in sections if name not in charts.CHARTED]
@@ -155,7 +157,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.serving:
         from ..bench import prefill, serving
 
-        rows = serving.serving_rows()
+        rows = serving.serving_rows(page=args.page or serving.PAGE)
         print(serving.format_serving(rows))
         prefill_row = {**prefill.prefill_row(), "memory": prefill.prefill_memory()}
         print(prefill.format_prefill(prefill_row))

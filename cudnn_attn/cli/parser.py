@@ -178,6 +178,12 @@ def bench() -> argparse.ArgumentParser:
         "chunked prefill (chunks 1-512 over caches up to 16k) in effective TFLOP/s",
     )
     sections.add_argument(
+        "--page",
+        type=int,
+        choices=(16, 32, 64, 128, 256),
+        help="--serving's page size in tokens (default 64; vLLM's default block is 16)",
+    )
+    sections.add_argument(
         "--models",
         action="store_true",
         help="training shapes of the frontend's own benchmark, fwd and bwd from 4k to 32k (DeepSeek-V3 B1 H128 "
