@@ -267,8 +267,8 @@ def _chosen_kernel(attn: PagedAttention, t: dict[str, Any]) -> str:
 
 def serving_rows(shapes: tuple[tuple[int, int, int], ...] = SHAPES, page: int = PAGE) -> list[dict[str, Any]]:
     rows = []
-    for shape in progress(shapes, "serving", unit="shape"):
-        rows.append(serving_row(*shape, page=page))
+    for batch, kv, s_q in progress(shapes, "serving", unit="shape"):
+        rows.append(serving_row(batch, kv, s_q, page=page))
         torch.cuda.empty_cache()
     return rows
 
