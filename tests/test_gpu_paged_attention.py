@@ -16,12 +16,12 @@ pytestmark = pytest.mark.gpu
 HQ, HKV, D, PAGE = 32, 8, 128, 64
 
 
-def _step(lengths, pages_per_seq, s_q=1, seed=0, layout="NHPD"):
+def _step(lengths, pages_per_seq, s_q=1, seed=0, layout="NHPD", page=PAGE):
     gen = torch.Generator().manual_seed(seed)
     batch = len(lengths)
     num_pages = batch * pages_per_seq + 5
     table = torch.randperm(num_pages, generator=gen)[: batch * pages_per_seq].view(batch, pages_per_seq).int()
-    shape = (num_pages, HKV, PAGE, D) if layout == "NHPD" else (num_pages, PAGE, HKV, D)
+    shape = (num_pages, HKV, page, D) if layout == "NHPD" else (num_pages, page, HKV, D)
     k_cache, v_cache = (torch.randn(*shape, generator=gen).to(torch.bfloat16) for _ in range(2))
     q = torch.randn(batch, HQ, s_q, D, generator=gen).to(torch.bfloat16)
     return q, k_cache, v_cache, table, torch.tensor(lengths, dtype=torch.int32)

@@ -23,10 +23,11 @@ def _fp8(step, kv_dtype):
     return (q, k8, v8, table, lengths), scales
 
 
-def _run(device, step, scales, kv_dtype, q_lens=None, sinks=None, **options):
+def _run(device, step, scales, kv_dtype, q_lens=None, sinks=None, page=PAGE, **options):
     q, k8, v8, table, lengths = step
-    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, kv_dtype=kv_dtype, device=device,
-                                     **options)  # fmt: skip
+    attn = cudnn_attn.PagedAttention(
+        HQ, HKV, D, page, dtype=torch.bfloat16, kv_dtype=kv_dtype, device=device, **options
+    )
     attn.plan(table.to(device), lengths.to(device), q_lens=q_lens)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=device)
     extra = {"sinks": sinks.to(device)} if sinks is not None else {}
@@ -41,6 +42,10 @@ DECODES = {
     "e4m3-nphd-one-chunk": dict(lengths=[700, 4000], pages=64, layout="NPHD", splits=1),
     "e4m3-mtp-4": dict(lengths=[4000, 130, 64, 4], pages=64, s_q=4),
     "e4m3-mtp-8-sinks": dict(lengths=[8192, 1000, 9], pages=128, s_q=8, sinks=True),
+    # pages of 16 and 32: 64 tokens a step over 4 or 2 pages, chunks that end inside a step
+    "e4m3-page16-odd-split": dict(lengths=[3000, 17, 0, 130], pages=200, page=16, splits=7),
+    "e5m2-page32-nphd": dict(lengths=[2100, 33], pages=70, page=32, layout="NPHD", kv_dtype=torch.float8_e5m2),
+    "e4m3-page16-mtp-4": dict(lengths=[1000, 4], pages=64, page=16, s_q=4, sinks=True),
 }
 
 
@@ -49,8 +54,11 @@ def test_fp8_decode_on_the_gpu_matches_the_reference(case):
     spec = dict(DECODES[case])
     kv_dtype = spec.pop("kv_dtype", torch.float8_e4m3fn)
     layout = spec.pop("layout", "NHPD")
-    step, scales = _fp8(_step(spec.pop("lengths"), spec.pop("pages"), s_q=spec.pop("s_q", 1), seed=len(case),
-                              layout=layout), kv_dtype)  # fmt: skip
+    page = spec.get("page", PAGE)
+    step, scales = _fp8(
+        _step(spec.pop("lengths"), spec.pop("pages"), s_q=spec.pop("s_q", 1), seed=len(case), layout=layout, page=page),
+        kv_dtype,
+    )
     sinks = torch.randn(HQ, generator=torch.Generator().manual_seed(3)) * 2 if spec.pop("sinks", False) else None
     got, schedule = _run("cuda", step, scales, kv_dtype, sinks=sinks, kv_layout=layout, **spec)
     want, _ = _run("cpu", step, scales, kv_dtype, sinks=sinks, kv_layout=layout, **spec)
@@ -72,9 +80,18 @@ def test_fp8_chunked_prefill_on_the_gpu_matches_the_reference():
 
 def test_a_captured_fp8_step_replays_after_new_plans():
     max_batch, pages = 4, 32
-    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn,
-                                     device="cuda", max_batch=max_batch, max_pages_per_seq=pages,
-                                     cuda_graph=True)  # fmt: skip
+    attn = cudnn_attn.PagedAttention(
+        HQ,
+        HKV,
+        D,
+        PAGE,
+        dtype=torch.bfloat16,
+        kv_dtype=torch.float8_e4m3fn,
+        device="cuda",
+        max_batch=max_batch,
+        max_pages_per_seq=pages,
+        cuda_graph=True,
+    )
     first, scales = _fp8(_step([100] * max_batch, pages, seed=1), torch.float8_e4m3fn)
     q, k8, v8 = (t.cuda() for t in first[:3])
     out = torch.empty_like(q)

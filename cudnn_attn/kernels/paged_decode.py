@@ -63,13 +63,18 @@ def packs(group: int, s_q: int) -> bool:
     return group * s_q <= MAX_ROWS
 
 
+# Tokens a program loads per step. 64 where the grid is two programs or more per SM (smaller
+# tiles, more programs resident: at batch 64 over 4k tokens, pages of 64, 100% of the memory's
+# rate against 93% with 128; H100), else 128. In tokens, not pages: over pages of 16, one page a
+# step ran batch 64 over 4k at 375 us a layer against 242 with four (H200, CUDA-graph replay).
+SMALL_STEP_TOKENS, STEP_TOKENS = 64, 128
+
+
 def default_pages_per_step(programs: int, page: int, device: torch.device) -> int:
-    """Pages a program loads per step: one where the grid is two programs or more per SM (smaller
-    tiles, more programs resident: at batch 64 over 4k tokens 100% of the memory's rate against
-    93% with two pages), else 128 tokens' worth (measured on an H100, CUDA-graph replay)."""
-    if programs >= 2 * sm_count(device):
-        return 1
-    return max(1, 128 // page)
+    """Pages a program loads per step: ``SMALL_STEP_TOKENS``' worth where the grid is two
+    programs or more per SM, else ``STEP_TOKENS``' worth (at least one page)."""
+    tokens = SMALL_STEP_TOKENS if programs >= 2 * sm_count(device) else STEP_TOKENS
+    return max(1, tokens // page)
 
 
 def paged_decode(
@@ -138,12 +143,16 @@ def paged_decode(
     rows = group * s_q
     block_d = max(16, 1 << (dim - 1).bit_length())
     kv_fp8 = k_cache.dtype in FP8
-    # FP8 tiles are widened in registers before their dots: with one query token, one page a
-    # step and two stages ran 9-16% faster than the 16-bit settings at every shape tried; with
-    # 4-8 tokens 15-20% slower (H100, CUDA-graph replay).
+    # FP8 tiles are widened in registers before their dots: with one query token, 64 tokens a
+    # step and two stages ran 9-16% faster than the 16-bit settings at every shape tried (pages
+    # of 64; H100), with 4-8 tokens 15-20% slower; over pages of 16, 64 tokens a step ran 1.6-1.7x
+    # as fast as one page (H200, CUDA-graph replay).
     lean = kv_fp8 and s_q == 1
     pages_per_step = tuning.get(
-        "pages_per_step", 1 if lean else default_pages_per_step(batch * kv_heads * splits, page, q.device)
+        "pages_per_step",
+        max(1, SMALL_STEP_TOKENS // page)
+        if lean
+        else default_pages_per_step(batch * kv_heads * splits, page, q.device),
     )
     # One split: normalised straight into out, the partial targets placeholders never written.
     o, (o_sb, o_ss, o_sh), lse, (l_sb, l_ss, l_sh) = split_targets(
