@@ -146,7 +146,8 @@ def _serving(r: dict[str, Any]) -> list[Panel]:
         groups = [f"B{x['batch']} KV{_k(x['kv'])} Sq{x['s_q']}" for x in rows]
         cols = [x["columns"] for x in rows]
         series = {n: [_spread(c.get(n), "us_per_layer") for c in cols] for n in _union(cols)}
-        title = "--serving: paged decode per layer (CUDA-graph replay)"
+        pages = sorted({x.get("page", 64) for x in rows})  # reports before the page was recorded: 64
+        title = f"--serving: paged decode per layer (CUDA-graph replay, page {', '.join(map(str, pages))})"
         panels.append((title, _grouped(groups, series, "us per layer", log=True)))
     if r.get("prefill"):
         cells = r["prefill"]["columns"]
