@@ -34,10 +34,10 @@ CASES = {  # q heads, kv heads, d, page, layout, lengths, s_q, splits, sink, dty
     # pages of 16 and 32 tokens: 4 or 2 pages a step, chunks that end inside a step
     "page16-odd-chunks": (32, 8, 128, 16, "NPHD", [3000, 17, 0, 130], 1, 7, True, torch.bfloat16, None),
     "page16-mtp4": (32, 8, 128, 16, "NHPD", [1000, 4], 4, 3, False, torch.bfloat16, None),
-    "page32-d64": (16, 4, 64, 32, "NHPD", [2100, 33], 1, 5, False, torch.bfloat16, 2),
+    "page32-d64": (16, 4, 64, 32, "NHPD", [2100, 33], 1, 4, False, torch.bfloat16, 2),  # 17-page chunks
     "page32-one-split": (32, 8, 128, 32, "NPHD", [700, 64], 2, 1, True, torch.float16, None),
     "d256-page16": (16, 2, 256, 16, "NHPD", [900, 40], 1, 3, True, torch.bfloat16, None),
-    # more programs than SMs, as small pages take the Hopper form at any batch
+    # more programs than SMs
     "page16-several-waves": (32, 8, 128, 16, "NPHD", TWENTY, 1, 1, False, torch.bfloat16, None),
 }
 

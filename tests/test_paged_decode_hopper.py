@@ -114,13 +114,11 @@ def test_the_hopper_form_splits_into_one_wave_where_the_heads_fit_the_sms(batch,
 
 
 @pytest.mark.parametrize("page", [16, 32])
-def test_small_pages_take_the_hopper_form_in_several_waves(page):
-    """Batch 64 over 4k tokens, 512 heads: over pages shorter than the Hopper form's 64-token
-    step the Triton kernel loads a page a step, so the Hopper form takes the step anyway, one
-    chunk a sequence."""
-    schedule = paged_schedule.choose(64, 4096 // page, page, 32, 8, 1, kernel=TRITON, hopper=True)
-    assert schedule.hopper and schedule.splits == 1
-    assert not paged_schedule.choose(64, 4096 // page, page, 32, 8, 1, kernel=TRITON, hopper=True, fp8=True).hopper
+def test_small_pages_follow_the_one_wave_rule(page):
+    """Over pages of 16 or 32 the Hopper form takes the steps whose heads fit one wave, as over
+    pages of 64; batch 64 over 4k (512 heads) keeps the Triton form, whose steps span pages."""
+    assert paged_schedule.choose(4, 8192 // page, page, 32, 8, 1, kernel=TRITON, hopper=True).hopper
+    assert not paged_schedule.choose(64, 4096 // page, page, 32, 8, 1, kernel=TRITON, hopper=True).hopper
 
 
 def test_more_heads_than_sms_fp8_caches_and_mla_keep_the_triton_form():

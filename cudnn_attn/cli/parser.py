@@ -173,7 +173,7 @@ def bench() -> argparse.ArgumentParser:
     sections.add_argument(
         "--serving",
         action="store_true",
-        help="paged decode per layer inside a CUDA-graph replay (Hq32/Hkv8 d128, page 64; B 1-32, KV 2k-32k, "
+        help="paged decode per layer inside a CUDA-graph replay (Hq32/Hkv8 d128, page 64 or --page; B 1-64, KV 2k-32k, "
         "S_q 1/4/8): PagedAttention vs one paged call vs torch on contiguous K/V, as a share of the memory's rate; "
         "chunked prefill (chunks 1-512 over caches up to 16k) in effective TFLOP/s",
     )
@@ -181,7 +181,8 @@ def bench() -> argparse.ArgumentParser:
         "--page",
         type=int,
         choices=(16, 32, 64, 128, 256),
-        help="--serving's page size in tokens (default 64; vLLM's default block is 16)",
+        help="--serving's decode table over pages of N tokens (default 64; vLLM's default block is 16; "
+        "the chunked-prefill row keeps pages of 64)",
     )
     sections.add_argument(
         "--models",

@@ -33,7 +33,7 @@ from .launch import Launcher
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 KERNEL_PARTS = 2  # the kernel's part slots: a body and a tail
 MAX_BLOCK_D = 256  # wider heads take several programs per row, one per block of D
-TILE = 4096  # values a program loads at once: ROWS rows x CHUNKS chunks x BLOCK_D
+TILE = 4096  # bounds BLOCK_D x CHUNKS: the block of D a program loads for every chunk at once
 # Rows a program takes: as many as fit this many values. Fewer than TILE's, so that a small
 # merge still spreads over the SMs: on an H200 (graph replay, merge alone) decode's merges of
 # 2-4 chunks ran 0.6-1.2 us faster (GQA batch 4 over 8k: 2.90 -> 1.91 us; MLA batch 64:

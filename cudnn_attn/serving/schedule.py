@@ -36,8 +36,6 @@ MIN_CHUNK_TOKENS = 256
 # tokens ran 8.7 us a layer against 9.8 for 8 of 256 (H100, CUDA-graph replay).
 TRITON_MIN_CHUNK_TOKENS = 128
 MAX_SPLITS = 64
-# The Hopper form's step: pages shorter than it are read several to a step.
-HOPPER_STEP_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -92,12 +90,11 @@ def choose(
     replay) one wave beat two by 3-26% at every such shape, and at batch 8 over 32k it beat the
     Triton kernel's two waves (100.7% of the memory's peak against 98.3%); with more heads than
     SMs (batch 64 over 4k: 512 programs) the Triton kernel's small tiles ran ahead (100.6%
-    against 98.9%). Over pages of 16 or 32 tokens the Hopper form takes every step: the Triton
-    kernel loads a page a step there, and at batch 64 over 4k it ran 381 us a layer against the
-    Hopper form's 252 over pages of 16, 268 against 248 over pages of 32 (H200)."""
+    against 98.9%). Pages of 16 or 32 tokens follow the same rule: with the Triton kernel's
+    steps counted in tokens, batch 64 over 4k ran 242 us a layer on it against the Hopper form's
+    245-252 over pages of 16, 239 against 248 over pages of 32 (H200)."""
     if kernel.one_kernel:  # one kernel packs the group and tokens, splits the keys and masks itself
-        one_wave = batch * num_kv_heads <= sm_count
-        hopper = hopper and not mla and not fp8 and (one_wave or page_size < HOPPER_STEP_TOKENS)
+        hopper = hopper and not mla and not fp8 and batch * num_kv_heads <= sm_count
         if splits is None and hopper:
             splits = _splits(batch * num_kv_heads, pages_per_seq, page_size, sm_count, TRITON_MIN_CHUNK_TOKENS, 1)
         if splits is None:
