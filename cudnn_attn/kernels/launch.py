@@ -130,6 +130,16 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def is_hopper(device: torch.device) -> bool:
+    """Whether the CUDA device is sm_90 (read once per device): what our Gluon kernels target."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
+
+
 def _launch_hooked() -> bool:
     """Whether a launch hook is set (a profiler's): Triton 3.6 keeps an always-present chain of
     hooks, earlier versions None or a function."""

@@ -21,12 +21,10 @@ their arguments through shared memory it may reuse for a buffer a partition allo
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import mla_decode_hopper_kernel
-from .launch import Tma
+from .launch import Tma, is_hopper
 from .lse_merge import merge_checked, split_targets
 from .mla_decode_hopper_kernel import BLOCK_H, D_ROPE, D_V, LOG2_E, PAGE, SECOND, STAGES
 
@@ -37,14 +35,9 @@ def serves(device: torch.device, page_size: int, head_dim: int, head_dim_v: int)
     return (
         device.type == "cuda"
         and (page_size, head_dim, head_dim_v) == (PAGE, D_V + D_ROPE, D_V)
-        and _hopper(device.index if device.index is not None else torch.cuda.current_device())
+        and is_hopper(device)
         and mla_decode_hopper_kernel.kernel() is not None
     )
-
-
-@functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def usable(q: torch.Tensor, cache: torch.Tensor, v_cache: torch.Tensor, kv_layout: str) -> bool:

@@ -19,13 +19,12 @@ them in registers), token rows TMA can address; ``usable`` says which.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 
 from . import paged_decode_hopper_kernel
-from .launch import Tma
+from .launch import Tma, is_hopper
 from .lse_merge import merge_checked, split_targets
 from .paged_decode_hopper_kernel import BLOCK_N, BLOCK_R, LOG2_E
 
@@ -42,18 +41,13 @@ def serves(device: torch.device, page_size: int, head_dim: int, rows: int) -> bo
     return (
         device.type == "cuda"
         and _geometry_fits(page_size, head_dim, rows)
-        and _hopper(device.index if device.index is not None else torch.cuda.current_device())
+        and is_hopper(device)
         and paged_decode_hopper_kernel.kernel() is not None
     )
 
 
 def _geometry_fits(page_size: int, head_dim: int, rows: int) -> bool:
     return page_size in PAGES and head_dim in HEAD_DIMS and rows <= BLOCK_R
-
-
-@functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 class Rows(NamedTuple):
