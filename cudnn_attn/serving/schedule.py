@@ -92,7 +92,8 @@ def choose(
     SMs (batch 64 over 4k: 512 programs) the Triton kernel's small tiles ran ahead (100.6%
     against 98.9%). Pages of 16 or 32 tokens follow the same rule: with the Triton kernel's
     steps counted in tokens, batch 64 over 4k ran 242 us a layer on it against the Hopper form's
-    245-252 over pages of 16, 239 against 248 over pages of 32 (H200)."""
+    245-252 over pages of 16, 239 against 248 over pages of 32 (H200; separate runs, not yet
+    interleaved)."""
     if kernel.one_kernel:  # one kernel packs the group and tokens, splits the keys and masks itself
         hopper = hopper and not mla and not fp8 and batch * num_kv_heads <= sm_count
         if splits is None and hopper:
