@@ -134,22 +134,27 @@ def test_a_captured_step_replays_after_new_plans(kernel, sinks, s_q):
         assert rel_err(outs[-1], want) < 1.5e-2
 
 
+@pytest.mark.parametrize("planned_from", ["gpu", "host"])
 @pytest.mark.parametrize(
     "options",
     [dict(decode_kernel="cudnn"), dict(decode_kernel="cudnn", splits=4), dict(decode_kernel="cudnn", splits=2)],
     ids=["plain", "split", "split-multi-token"],
 )
-def test_an_eager_step_binds_its_tables_again_after_each_plan(options):
+def test_an_eager_step_binds_its_tables_again_after_each_plan(options, planned_from):
     """Eager layers bind the step's tables once (``PreparedRun.bind``): every later plan, with
-    other tables and lengths (empty sequences among them), is read afresh, layer after layer,
-    into outputs poisoned first."""
+    other tables and lengths (empty sequences and empty chunks among them), is read afresh,
+    layer after layer, into outputs poisoned first. Planned from host lengths, a step whose
+    every part has keys skips the fill of empty rows (and is still exact); one with an empty
+    sequence or chunk keeps it."""
     s_q = 4 if options.get("splits") == 2 else 1
     pages = 32
     attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", **options)
     reference = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cpu")
-    for seed, lengths in enumerate(([100, 2048, 5], [0, 1999, 64], [2048, 0, 700]), start=3):
+    steps = ([100, 2048, 5], [0, 1999, 64], [2048, 1999, 1700], [2048, 0, 700])
+    for seed, lengths in enumerate(steps, start=3):
         q, k_cache, v_cache, table, seq_lens = _step(lengths, pages, s_q=s_q, seed=seed)
-        attn.plan(table.cuda(), seq_lens.cuda())
+        on = "cuda" if planned_from == "gpu" else "cpu"
+        attn.plan(table.to(on), seq_lens.to(on))
         reference.plan(table, seq_lens)
         for layer in range(3):
             k, v = k_cache.roll(layer, 0), v_cache * (layer + 1)
@@ -160,6 +165,21 @@ def test_an_eager_step_binds_its_tables_again_after_each_plan(options):
             assert rel_err(got, want) < 1.5e-2, (seed, layer, attn.schedule)
             empty = torch.tensor(lengths) == 0
             assert (got[empty.cuda()] == 0).all()
+        # Which bound parts fill empty rows: every one planned from the GPU; from the host, a part
+        # with a row without keys (an empty sequence, or a body chunk past the shortest's keys).
+        sched = attn.schedule
+        shortest = min(lengths)
+        body_end = (shortest - s_q + 1) // PAGE * PAGE if sched.tail else shortest
+        body_keyed = body_end > (sched.splits - 1) * sched.chunk_pages * PAGE
+        fills = {
+            key[0]: b._empty is not None or b._fix_after is not None
+            for d in attn._tables._derived.values()
+            for key, b in d.get("bound", {}).items()
+        }
+        want_fills = {
+            part: planned_from == "gpu" or shortest == 0 or (part == "body" and not body_keyed) for part in fills
+        }
+        assert "body" in fills and fills == want_fills, (lengths, sched)
 
 
 def test_plan_and_run_make_no_host_sync():

@@ -13,6 +13,7 @@ from cudnn_attn.errors import ValidationError
 from cudnn_attn.ops import dispatch
 from cudnn_attn.ops.decode_step import DecodeStep
 from cudnn_attn.serving import schedule as paged_schedule
+from cudnn_attn.serving.step import keyed_parts
 
 HQ, HKV, D, PAGE = 8, 2, 32, 16
 
@@ -483,3 +484,34 @@ def test_mla_caches_are_checked_by_their_own_head_dims():
         attn.run(q, latent, latent)
     with pytest.raises(ValidationError, match=r"out: expected a torch.bfloat16 tensor of shape \[1, 4, 1, 64\]"):
         attn.run(q, latent, latent[..., :64], out=torch.zeros_like(q))
+
+
+@pytest.mark.parametrize(
+    "lengths, s_q, splits, chunk_pages, parts",
+    [
+        ([100, 2048, 5], 1, 1, 32, {"body"}),
+        ([0, 2048], 1, 1, 32, set()),
+        ([2048, 5], 1, 4, 8, set()),  # the shortest sequence's last three chunks have no keys
+        ([2048, 1537], 1, 4, 8, {"body"}),  # 1537 keys reach the fourth chunk of 512
+        ([2048, 1536], 1, 4, 8, set()),
+        ([1700, 2048], 4, 2, 16, {"body", "tail"}),  # the body ends at 1664, past one chunk of 1024
+        ([1089, 2048], 4, 2, 16, {"tail"}),  # body ends at 1024: its second chunk is empty
+        ([5, 2048], 4, 1, 32, {"tail"}),  # every key of the shortest in its tail
+    ],
+)
+def test_a_host_planned_step_knows_which_decode_parts_have_keys_in_every_row(lengths, s_q, splits, chunk_pages, parts):
+    """From host lengths ``plan`` knows the shortest sequence without a sync, and eager cuDNN
+    layers skip the fill of empty rows in the parts where no row is empty (``keyed_parts``);
+    lengths on the device, or a batch padded to ``max_batch``, leave it unknown."""
+    page = 64
+    schedule = paged_schedule.Schedule(2, s_q, splits, chunk_pages, packed=True, tail=s_q > 1)
+    assert keyed_parts(min(lengths), schedule, page) == parts
+    assert keyed_parts(None, schedule, page) == frozenset()
+    attn = cudnn_attn.PagedAttention(8, 2, 64, page, dtype=torch.bfloat16, device="cpu")
+    table = torch.arange(2 * 32, dtype=torch.int32).view(2, 32)
+    attn.plan(table, torch.tensor(lengths[:2], dtype=torch.int32))
+    assert attn._tables.step.shortest == min(lengths[:2])
+    padded = cudnn_attn.PagedAttention(8, 2, 64, page, dtype=torch.bfloat16, device="cpu", max_batch=4,
+                                       max_pages_per_seq=32, cuda_graph=True)  # fmt: skip
+    padded.plan(table, torch.tensor(lengths[:2], dtype=torch.int32))
+    assert padded._tables.step.shortest is None

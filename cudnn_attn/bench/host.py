@@ -82,22 +82,25 @@ def _frontend_runs(graph: Graph, t: dict) -> dict[str, Callable[[], object]]:
 
 def _decode_runs() -> dict[str, Callable[[], object]]:
     """Eager decode layers of one sequence at 2k (bf16, page 64): a GQA model's (32/8 heads, d128)
-    and an MLA model's (16 heads, the 576/512 latent); the GPU's work is a few microseconds."""
+    and an MLA model's (16 heads, the 576/512 latent); the GPU's work is a few microseconds. Each
+    planned from lengths on the GPU and from host lengths, as a server's scheduler holds them
+    (then no sequence is known empty without a sync, and eager layers skip the empty rows' fill)."""
     from ..serving.paged_attention import PagedAttention
 
     pages = 32
-    table = torch.arange(pages, dtype=torch.int32, device="cuda").view(1, pages)
-    lengths = torch.tensor([pages * 64], dtype=torch.int32, device="cuda")
+    table = torch.arange(pages, dtype=torch.int32).view(1, pages)
+    lengths = torch.tensor([pages * 64], dtype=torch.int32)
     runs: dict[str, Callable[[], object]] = {}
     for name, (hq, hkv, d, dv) in {"GQA": (32, 8, 128, 128), "MLA": (16, 1, 576, 512)}.items():
-        attn = PagedAttention(hq, hkv, d, 64, head_dim_v=dv, dtype=torch.bfloat16, device="cuda")
-        attn.plan(table, lengths)
         cache = torch.randn(pages, hkv, 64, d, device="cuda", dtype=torch.bfloat16)
         v_cache = cache[..., :dv] if dv != d else torch.randn_like(cache)
         q = torch.randn(1, hq, 1, d, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(1, hq, 1, dv, device="cuda", dtype=torch.bfloat16)
-        attn.run(q, cache, v_cache, out)
-        runs[f"PagedAttention.run, {name} decode"] = functools.partial(attn.run, q, cache, v_cache, out)
+        for planned, device in (("", "cuda"), (", host lengths", "cpu")):
+            attn = PagedAttention(hq, hkv, d, 64, head_dim_v=dv, dtype=torch.bfloat16, device="cuda")
+            attn.plan(table.to(device), lengths.to(device))
+            attn.run(q, cache, v_cache, out)
+            runs[f"PagedAttention.run, {name} decode{planned}"] = functools.partial(attn.run, q, cache, v_cache, out)
     return runs
 
 
@@ -181,7 +184,7 @@ def layer_steps(batch: int, seq: int) -> dict[str, dict]:
 
 
 def format_host(results: dict[str, dict], title: str) -> str:
-    lines = [title, f"  {'path':<34}{'median us':>11}{'spread us':>20}"]
+    lines = [title, f"  {'path':<46}{'median us':>11}{'spread us':>20}"]
     for name, r in results.items():
-        lines.append(f"  {name:<34}{r['median_us']:>11.1f}{r['low_us']:>10.1f} - {r['high_us']:<8.1f}")
+        lines.append(f"  {name:<46}{r['median_us']:>11.1f}{r['low_us']:>10.1f} - {r['high_us']:<8.1f}")
     return "\n".join(lines)

@@ -84,14 +84,26 @@ class PreparedRun:
         varying: tuple[str, ...],
         *,
         whole_sequences: bool = False,
+        no_empty_sequences: bool = False,
     ) -> Callable[..., None]:
         """A run over ``fixed`` tensors by role (a serving step's tables and lengths, read as they
         are now: bind again after writing them), called with the ``varying`` roles' tensors in
         order, then every output in ``output_roles`` order. ``whole_sequences``: each
-        ``seq_len_q`` is 0 or the problem's ``S_q``. A cuDNN plan binds once what a plain run
+        ``seq_len_q`` is 0 or the problem's ``S_q``; ``no_empty_sequences``: and every length in
+        ``fixed`` is positive (known on the host), so every output row is written. A cuDNN plan binds once what a plain run
         does per call (``ops/cudnn/bound_run.py``); other plans run as ``run`` does."""
         bind = getattr(self.plan, "bind", None)
-        bound = bind(fixed, varying, self.output_roles, whole_sequences=whole_sequences) if bind else None
+        bound = (
+            bind(
+                fixed,
+                varying,
+                self.output_roles,
+                whole_sequences=whole_sequences,
+                no_empty_sequences=no_empty_sequences,
+            )
+            if bind
+            else None
+        )
         if bound is not None:
             return bound
         count = len(varying)

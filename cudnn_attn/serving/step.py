@@ -73,7 +73,9 @@ class StepBuffers(Mapping[str, torch.Tensor]):
 class Step:
     """What ``plan`` prepared: ``batch`` sequences in buffers of ``rows`` by ``width`` pages.
     ``largest_page``: a host page table's largest page, where it first is (``largest_page``);
-    ``longest_q``/``tokens``: a host ``q_lens``' longest chunk and sum (None otherwise)."""
+    ``longest_q``/``tokens``: a host ``q_lens``' longest chunk and sum (None otherwise);
+    ``shortest``: the shortest (clamped) length of host ``seq_lens_kv`` where every row of the
+    buffers holds a sequence (None otherwise: lengths on the GPU, rows padded past the batch)."""
 
     batch: int
     rows: int
@@ -83,6 +85,7 @@ class Step:
     largest_page: tuple[int, int, int] | None
     longest_q: int | None = None
     tokens: int | None = None
+    shortest: int | None = None
     checked: set[tuple] = field(default_factory=set)  # run geometries check_run passed
 
 
@@ -141,6 +144,8 @@ class StepTables:
         lengths.zero_()  # sequences past the batch are empty
         torch.clamp(seq_lens_kv.to(device, non_blocking=True), 0, pages * self.page_size, out=lengths[:batch])
         step = self.step = Step(batch, rows, width, device, q_lens is not None, largest_page(page_table))
+        if not seq_lens_kv.is_cuda and rows == batch:  # known without a sync: eager layers skip empty rows' fill
+            step.shortest = int(seq_lens_kv.clamp(0, pages * self.page_size).min())
         if q_lens is not None:
             query_lengths = self.buffers.buffer("q_lens", (rows,), torch.int32, device)
             query_lengths.zero_()
@@ -285,7 +290,23 @@ class StepTables:
         derived["body_q_lengths"] = store(
             "body_q_lengths", torch.full((rows * splits,), body_rows, dtype=torch.int32, device=device)
         )
+        derived["keyed_parts"] = keyed_parts(step.shortest, schedule, page)
         return derived
+
+
+def keyed_parts(shortest: int | None, schedule: Schedule, page: int) -> frozenset[str]:
+    """The parts of a cuDNN decode layer whose every row has keys, given the step's shortest
+    length (None: unknown): the body's last chunk ends at the body's end (the first key some
+    query token does not see, rounded down to a page, with a tail), the tail holds the rest."""
+    if shortest is None or shortest <= 0:
+        return frozenset()
+    parts = {"tail"} if schedule.tail else set()
+    body_end = shortest
+    if schedule.tail:
+        body_end = max(shortest - schedule.s_q + 1, 0) // page * page
+    if body_end > (schedule.splits - 1) * schedule.chunk_pages * page:
+        parts.add("body")
+    return frozenset(parts)
 
 
 def largest_page(page_table: torch.Tensor) -> tuple[int, int, int] | None:

@@ -30,7 +30,9 @@ class BoundRun:
     order, then the outputs' in ``output_roles`` order. ``whole_sequences``: each sequence's
     ``seq_len_q`` is 0 or the plan's ``S_q`` (a decode body's), so cuDNN leaves unwritten only
     the rows of sequences with no keys or queries, and one masked fill after the run stands in
-    for the fill before it."""
+    for the fill before it. ``no_empty_sequences``: and the binder knows (from host values) that
+    every fixed length is positive, so cuDNN writes every row and nothing is filled: the
+    masked fill is a third of a bound decode call's host time (H200 host: 7.4 of 24 us)."""
 
     def __init__(
         self,
@@ -40,6 +42,7 @@ class BoundRun:
         output_roles: Sequence[str],
         *,
         whole_sequences: bool,
+        no_empty_sequences: bool = False,
     ):
         problem = plan.problem
         fixed = clamped(problem, fixed, plan.bounds)  # as every plain call clamps them, once
@@ -50,7 +53,9 @@ class BoundRun:
         self._fill_before = plan.fills_outputs and not whole_sequences
         self._fix_after: Callable[[Mapping[str, torch.Tensor]], None] | None = None
         self._empty: torch.Tensor | None = None
-        if plan.fills_outputs and whole_sequences:
+        if no_empty_sequences:  # cuDNN writes every row: nothing to fill or fix
+            pass
+        elif plan.fills_outputs and whole_sequences:
             empty = torch.zeros(problem.batch, dtype=torch.bool, device=plan.device)
             for role in ("seq_len_q", "seq_len_kv"):
                 if role in fixed:

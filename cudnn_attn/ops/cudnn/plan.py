@@ -183,6 +183,7 @@ class CudnnPlan:
         output_roles: tuple[str, ...],
         *,
         whole_sequences: bool = False,
+        no_empty_sequences: bool = False,
     ) -> BoundRun | None:
         """This plan bound to ``fixed`` tensors by role (``bound_run.py``), or None where a run
         has per-call work a binding cannot hold: packed (THD) or ragged tensors, dropout, a sink
@@ -192,7 +193,14 @@ class CudnnPlan:
             return None
         if any(role not in fixed for role in self._bounds):
             return None
-        return BoundRun(self, fixed, varying, output_roles, whole_sequences=whole_sequences)
+        return BoundRun(
+            self,
+            fixed,
+            varying,
+            output_roles,
+            whole_sequences=whole_sequences,
+            no_empty_sequences=no_empty_sequences,
+        )
 
     def direct_uids(self, input_roles: tuple[str, ...], output_roles: tuple[str, ...]) -> tuple[int, ...] | None:
         """The uids of these roles when the caller's tensors are all the plan binds (no ragged
