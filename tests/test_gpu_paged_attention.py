@@ -10,6 +10,7 @@ from conftest import rel_err
 
 import cudnn_attn
 from cudnn_attn.kernels import mla_decode_hopper
+from cudnn_attn.serving.late_value import LateValue
 
 pytestmark = pytest.mark.gpu
 
@@ -134,7 +135,7 @@ def test_a_captured_step_replays_after_new_plans(kernel, sinks, s_q):
         assert rel_err(outs[-1], want) < 1.5e-2
 
 
-@pytest.mark.parametrize("planned_from", ["gpu", "host"])
+@pytest.mark.parametrize("planned_from", ["gpu", "gpu-busy", "host"])
 @pytest.mark.parametrize(
     "options",
     [dict(decode_kernel="cudnn"), dict(decode_kernel="cudnn", splits=4), dict(decode_kernel="cudnn", splits=2)],
@@ -143,9 +144,11 @@ def test_a_captured_step_replays_after_new_plans(kernel, sinks, s_q):
 def test_an_eager_step_binds_its_tables_again_after_each_plan(options, planned_from):
     """Eager layers bind the step's tables once (``PreparedRun.bind``): every later plan, with
     other tables and lengths (empty sequences and empty chunks among them), is read afresh,
-    layer after layer, into outputs poisoned first. Planned from host lengths, a step whose
-    every part has keys skips the fill of empty rows (and is still exact); one with an empty
-    sequence or chunk keeps it."""
+    layer after layer, into outputs poisoned first. A step whose every part has keys skips the
+    fill of empty rows (and is still exact) where the host knows its shortest length at the
+    first layer: planned from host lengths, or from GPU lengths whose copy to the host has
+    landed; a GPU still busy when the first layer binds keeps the fill, as does a step with an
+    empty sequence or chunk."""
     s_q = 4 if options.get("splits") == 2 else 1
     pages = 32
     attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", **options)
@@ -153,8 +156,14 @@ def test_an_eager_step_binds_its_tables_again_after_each_plan(options, planned_f
     steps = ([100, 2048, 5], [0, 1999, 64], [2048, 1999, 1700], [2048, 0, 700])
     for seed, lengths in enumerate(steps, start=3):
         q, k_cache, v_cache, table, seq_lens = _step(lengths, pages, s_q=s_q, seed=seed)
-        on = "cuda" if planned_from == "gpu" else "cpu"
-        attn.plan(table.to(on), seq_lens.to(on))
+        on = "cpu" if planned_from == "host" else "cuda"
+        table_on, lengths_on = table.to(on), seq_lens.to(on)
+        torch.cuda.synchronize()
+        if planned_from == "gpu-busy":
+            torch.cuda._sleep(200_000_000)  # the shortest length's copy lands after the first layer binds
+        attn.plan(table_on, lengths_on)
+        if planned_from == "gpu":
+            torch.cuda.synchronize()
         reference.plan(table, seq_lens)
         for layer in range(3):
             k, v = k_cache.roll(layer, 0), v_cache * (layer + 1)
@@ -165,8 +174,8 @@ def test_an_eager_step_binds_its_tables_again_after_each_plan(options, planned_f
             assert rel_err(got, want) < 1.5e-2, (seed, layer, attn.schedule)
             empty = torch.tensor(lengths) == 0
             assert (got[empty.cuda()] == 0).all()
-        # Which bound parts fill empty rows: every one planned from the GPU; from the host, a part
-        # with a row without keys (an empty sequence, or a body chunk past the shortest's keys).
+        # Which bound parts fill empty rows: every one while the GPU was busy; else a part with a
+        # row without keys (an empty sequence, or a body chunk past the shortest's keys).
         sched = attn.schedule
         shortest = min(lengths)
         body_end = (shortest - s_q + 1) // PAGE * PAGE if sched.tail else shortest
@@ -177,7 +186,7 @@ def test_an_eager_step_binds_its_tables_again_after_each_plan(options, planned_f
             for key, b in d.get("bound", {}).items()
         }
         want_fills = {
-            part: planned_from == "gpu" or shortest == 0 or (part == "body" and not body_keyed) for part in fills
+            part: planned_from == "gpu-busy" or shortest == 0 or (part == "body" and not body_keyed) for part in fills
         }
         assert "body" in fills and fills == want_fills, (lengths, sched)
 
@@ -195,6 +204,27 @@ def test_plan_and_run_make_no_host_sync():
         attn.run(q, k_cache, v_cache)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_late_value_is_read_once_landed_and_never_waited_for():
+    """``LateValue``: None before its copy lands (the GPU busy), the value after, None while a
+    graph is captured; reading never syncs."""
+    late = LateValue()
+    assert late.read() is None
+    value = torch.tensor(41, dtype=torch.int32, device="cuda")
+    torch.cuda._sleep(200_000_000)
+    late.start(value + 1)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        assert late.read() is None
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert late.read() == 42
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        late.start(value * 2)
+    assert late.read() is None
 
 
 def _prefill_step(q_lens, kv_lens, pages_per_seq, seed=0, spare_tokens=0):

@@ -13,7 +13,7 @@ from cudnn_attn.errors import ValidationError
 from cudnn_attn.ops import dispatch
 from cudnn_attn.ops.decode_step import DecodeStep
 from cudnn_attn.serving import schedule as paged_schedule
-from cudnn_attn.serving.step import keyed_parts
+from cudnn_attn.serving.step import Step, keyed_parts
 
 HQ, HKV, D, PAGE = 8, 2, 32, 16
 
@@ -501,17 +501,18 @@ def test_mla_caches_are_checked_by_their_own_head_dims():
 )
 def test_a_host_planned_step_knows_which_decode_parts_have_keys_in_every_row(lengths, s_q, splits, chunk_pages, parts):
     """From host lengths ``plan`` knows the shortest sequence without a sync, and eager cuDNN
-    layers skip the fill of empty rows in the parts where no row is empty (``keyed_parts``);
-    lengths on the device, or a batch padded to ``max_batch``, leave it unknown."""
+    layers skip the fill of empty rows in the parts where no row is empty (``keyed_parts``); a
+    batch padded to ``max_batch`` leaves it unknown (its padding rows are empty)."""
     page = 64
     schedule = paged_schedule.Schedule(2, s_q, splits, chunk_pages, packed=True, tail=s_q > 1)
-    assert keyed_parts(min(lengths), schedule, page) == parts
-    assert keyed_parts(None, schedule, page) == frozenset()
+    known = Step(2, 2, 32, torch.device("cpu"), False, None, host_shortest=min(lengths))
+    assert keyed_parts(known, schedule, page) == parts
+    assert keyed_parts(Step(2, 2, 32, torch.device("cpu"), False, None), schedule, page) == frozenset()
     attn = cudnn_attn.PagedAttention(8, 2, 64, page, dtype=torch.bfloat16, device="cpu")
     table = torch.arange(2 * 32, dtype=torch.int32).view(2, 32)
     attn.plan(table, torch.tensor(lengths[:2], dtype=torch.int32))
-    assert attn._tables.step.shortest == min(lengths[:2])
+    assert attn._tables.step.shortest() == min(lengths[:2])
     padded = cudnn_attn.PagedAttention(8, 2, 64, page, dtype=torch.bfloat16, device="cpu", max_batch=4,
                                        max_pages_per_seq=32, cuda_graph=True)  # fmt: skip
     padded.plan(table, torch.tensor(lengths[:2], dtype=torch.int32))
-    assert padded._tables.step.shortest is None
+    assert padded._tables.step.shortest() is None

@@ -103,7 +103,7 @@ class PagedCalls:
             assert tuple(outputs) == run.output_roles  # the order a bound run takes them in
             # Every sequence's query rows are whole: a decode part's seq_len_q is its S_q.
             fixed = {role: inputs[role] for role in FIXED_ROLES}
-            every_row = part in derived.get("keyed_parts", ())  # host lengths: no empty rows to fill
+            every_row = part in derived["keyed_parts"]()  # known now: no empty rows to fill
             bound = bindings[key] = run.bind(fixed, ("q", "k", "v"), whole_sequences=True, no_empty_sequences=every_row)
         return bound
 

@@ -10,6 +10,7 @@ a captured step reads them in place, and each plan rewrites them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ from ..ops.decode_step import DecodeStep, is_mla
 from ..ops.dispatch import select_decode
 from ..runtime.keyed import KeyedCache
 from . import schedule as paged_schedule
+from .late_value import LateValue
 from .schedule import Schedule
 
 SMALLEST_PREFILL_BUCKET = 16  # a prefill plan is built per power of two of the longest chunk
@@ -74,8 +76,9 @@ class Step:
     """What ``plan`` prepared: ``batch`` sequences in buffers of ``rows`` by ``width`` pages.
     ``largest_page``: a host page table's largest page, where it first is (``largest_page``);
     ``longest_q``/``tokens``: a host ``q_lens``' longest chunk and sum (None otherwise);
-    ``shortest``: the shortest (clamped) length of host ``seq_lens_kv`` where every row of the
-    buffers holds a sequence (None otherwise: lengths on the GPU, rows padded past the batch)."""
+    ``host_shortest``: the shortest (clamped) length of host ``seq_lens_kv`` where every row of
+    the buffers holds a sequence; ``device_shortest``: otherwise, the buffers' shortest length on
+    its way to the host (``shortest`` reads whichever is known, without a sync)."""
 
     batch: int
     rows: int
@@ -85,8 +88,15 @@ class Step:
     largest_page: tuple[int, int, int] | None
     longest_q: int | None = None
     tokens: int | None = None
-    shortest: int | None = None
+    host_shortest: int | None = None
+    device_shortest: LateValue | None = None
     checked: set[tuple] = field(default_factory=set)  # run geometries check_run passed
+
+    def shortest(self) -> int | None:
+        """The step's shortest length where the host knows it now (None: not yet, or never)."""
+        if self.host_shortest is not None:
+            return self.host_shortest
+        return None if self.device_shortest is None else self.device_shortest.read()
 
 
 class StepTables:
@@ -124,6 +134,7 @@ class StepTables:
         self._schedules = KeyedCache(MAX_SCHEDULES, release_at_exit=False)  # by (rows, width, s_q, device)
         self.step: Step | None = None  # the planned step
         self._derived: dict[tuple, dict[str, Any]] = {}  # per geometry: the step's derived inputs
+        self._shortest = LateValue()  # a GPU-planned step's shortest length, for eager layers
 
     def plan(
         self,
@@ -144,8 +155,12 @@ class StepTables:
         lengths.zero_()  # sequences past the batch are empty
         torch.clamp(seq_lens_kv.to(device, non_blocking=True), 0, pages * self.page_size, out=lengths[:batch])
         step = self.step = Step(batch, rows, width, device, q_lens is not None, largest_page(page_table))
-        if not seq_lens_kv.is_cuda and rows == batch:  # known without a sync: eager layers skip empty rows' fill
-            step.shortest = int(seq_lens_kv.clamp(0, pages * self.page_size).min())
+        # Known without a sync, eager layers skip the fill of empty rows (``keyed_parts``).
+        if not seq_lens_kv.is_cuda and rows == batch:
+            step.host_shortest = int(seq_lens_kv.clamp(0, pages * self.page_size).min())
+        elif lengths.is_cuda and not self.cuda_graph:
+            self._shortest.start(lengths.min())
+            step.device_shortest = self._shortest
         if q_lens is not None:
             query_lengths = self.buffers.buffer("q_lens", (rows,), torch.int32, device)
             query_lengths.zero_()
@@ -290,14 +305,16 @@ class StepTables:
         derived["body_q_lengths"] = store(
             "body_q_lengths", torch.full((rows * splits,), body_rows, dtype=torch.int32, device=device)
         )
-        derived["keyed_parts"] = keyed_parts(step.shortest, schedule, page)
+        derived["keyed_parts"] = functools.partial(keyed_parts, step, schedule, page)  # read at bind
         return derived
 
 
-def keyed_parts(shortest: int | None, schedule: Schedule, page: int) -> frozenset[str]:
-    """The parts of a cuDNN decode layer whose every row has keys, given the step's shortest
-    length (None: unknown): the body's last chunk ends at the body's end (the first key some
-    query token does not see, rounded down to a page, with a tail), the tail holds the rest."""
+def keyed_parts(step: Step, schedule: Schedule, page: int) -> frozenset[str]:
+    """The parts of a cuDNN decode layer whose every row has keys, from the step's shortest
+    length where the host knows it now: the body's last chunk ends at the body's end (the first
+    key some query token does not see, rounded down to a page, with a tail), the tail holds the
+    rest."""
+    shortest = step.shortest()
     if shortest is None or shortest <= 0:
         return frozenset()
     parts = {"tail"} if schedule.tail else set()
