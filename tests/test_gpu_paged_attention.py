@@ -154,26 +154,30 @@ def test_an_eager_step_binds_its_tables_again_after_each_plan(options, planned_f
     attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", **options)
     reference = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cpu")
     steps = ([100, 2048, 5], [0, 1999, 64], [2048, 1999, 1700], [2048, 0, 700])
+    q, k_cache, v_cache, table, seq_lens = (t.cuda() for t in _step(steps[0], pages, s_q=s_q))
+    attn.plan(table, seq_lens)
+    attn.run(q, k_cache, v_cache)  # the plans' first build (which reads values) before the steps
     for seed, lengths in enumerate(steps, start=3):
         q, k_cache, v_cache, table, seq_lens = _step(lengths, pages, s_q=s_q, seed=seed)
         on = "cpu" if planned_from == "host" else "cuda"
         table_on, lengths_on = table.to(on), seq_lens.to(on)
+        layers = [(k_cache.roll(layer, 0), v_cache * (layer + 1)) for layer in range(3)]
+        on_gpu = [(q.cuda(), k.cuda(), v.cuda()) for k, v in layers]  # copied before: a pageable copy waits
+        outs = [torch.full((*q.shape[:-1], D), float("nan"), dtype=q.dtype, device="cuda") for _ in layers]
         torch.cuda.synchronize()
         if planned_from == "gpu-busy":
             torch.cuda._sleep(200_000_000)  # the shortest length's copy lands after the first layer binds
         attn.plan(table_on, lengths_on)
         if planned_from == "gpu":
             torch.cuda.synchronize()
+        got = [attn.run(*tensors, out=out) for tensors, out in zip(on_gpu, outs)]
         reference.plan(table, seq_lens)
-        for layer in range(3):
-            k, v = k_cache.roll(layer, 0), v_cache * (layer + 1)
-            out = torch.full((*q.shape[:-1], D), float("nan"), dtype=q.dtype, device="cuda")
-            got = attn.run(q.cuda(), k.cuda(), v.cuda(), out=out)
+        empty = (torch.tensor(lengths) == 0).cuda()
+        for layer, (k, v) in enumerate(layers):
             want = reference.run(q, k, v)
-            assert torch.isfinite(got).all()
-            assert rel_err(got, want) < 1.5e-2, (seed, layer, attn.schedule)
-            empty = torch.tensor(lengths) == 0
-            assert (got[empty.cuda()] == 0).all()
+            assert torch.isfinite(got[layer]).all()
+            assert rel_err(got[layer], want) < 1.5e-2, (seed, layer, attn.schedule)
+            assert (got[layer][empty] == 0).all()
         # Which bound parts fill empty rows: every one while the GPU was busy; else a part with a
         # row without keys (an empty sequence, or a body chunk past the shortest's keys).
         sched = attn.schedule
