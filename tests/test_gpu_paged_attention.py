@@ -10,7 +10,7 @@ from conftest import rel_err
 
 import cudnn_attn
 from cudnn_attn.kernels import mla_decode_hopper
-from cudnn_attn.serving.late_value import LateValue
+from cudnn_attn.runtime.late_value import LateValue, capturing
 
 pytestmark = pytest.mark.gpu
 
@@ -135,20 +135,35 @@ def test_a_captured_step_replays_after_new_plans(kernel, sinks, s_q):
         assert rel_err(outs[-1], want) < 1.5e-2
 
 
+def _poisoned_empty(monkeypatch):
+    """``torch.empty`` filling floating CUDA tensors with NaN for the rest of a test: a part's
+    partial outputs and statistics that cuDNN leaves unwritten (and nothing fills) reach the
+    merged output as NaN, never as the zeros a freed block held before."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        if t.is_cuda and t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
 @pytest.mark.parametrize("planned_from", ["gpu", "gpu-busy", "host"])
 @pytest.mark.parametrize(
     "options",
     [dict(decode_kernel="cudnn"), dict(decode_kernel="cudnn", splits=4), dict(decode_kernel="cudnn", splits=2)],
     ids=["plain", "split", "split-multi-token"],
 )
-def test_an_eager_step_binds_its_tables_again_after_each_plan(options, planned_from):
+def test_an_eager_step_binds_its_tables_again_after_each_plan(options, planned_from, monkeypatch):
     """Eager layers bind the step's tables once (``PreparedRun.bind``): every later plan, with
     other tables and lengths (empty sequences and empty chunks among them), is read afresh,
-    layer after layer, into outputs poisoned first. A step whose every part has keys skips the
-    fill of empty rows (and is still exact) where the host knows its shortest length at the
-    first layer: planned from host lengths, or from GPU lengths whose copy to the host has
-    landed; a GPU still busy when the first layer binds keeps the fill, as does a step with an
-    empty sequence or chunk."""
+    layer after layer, into outputs (and intermediates) poisoned first. A part whose every row
+    has keys skips the fill of empty rows (and is still exact) where the host knows the step's
+    shortest length at the first layer: planned from host lengths, or from GPU lengths whose
+    copy to the host has landed; a GPU still busy when the first layer binds keeps the fill, as
+    does a part with an empty sequence or chunk."""
     s_q = 4 if options.get("splits") == 2 else 1
     pages = 32
     attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", **options)
@@ -157,6 +172,7 @@ def test_an_eager_step_binds_its_tables_again_after_each_plan(options, planned_f
     q, k_cache, v_cache, table, seq_lens = (t.cuda() for t in _step(steps[0], pages, s_q=s_q))
     attn.plan(table, seq_lens)
     attn.run(q, k_cache, v_cache)  # the plans' first build (which reads values) before the steps
+    _poisoned_empty(monkeypatch)
     for seed, lengths in enumerate(steps, start=3):
         q, k_cache, v_cache, table, seq_lens = _step(lengths, pages, s_q=s_q, seed=seed)
         on = "cpu" if planned_from == "host" else "cuda"
@@ -178,21 +194,57 @@ def test_an_eager_step_binds_its_tables_again_after_each_plan(options, planned_f
             assert torch.isfinite(got[layer]).all()
             assert rel_err(got[layer], want) < 1.5e-2, (seed, layer, attn.schedule)
             assert (got[layer][empty] == 0).all()
-        # Which bound parts fill empty rows: every one while the GPU was busy; else a part with a
-        # row without keys (an empty sequence, or a body chunk past the shortest's keys).
-        sched = attn.schedule
-        shortest = min(lengths)
-        body_end = (shortest - s_q + 1) // PAGE * PAGE if sched.tail else shortest
-        body_keyed = body_end > (sched.splits - 1) * sched.chunk_pages * PAGE
-        fills = {
-            key[0]: b._empty is not None or b._fix_after is not None
-            for d in attn._tables._derived.values()
-            for key, b in d.get("bound", {}).items()
-        }
-        want_fills = {
-            part: planned_from == "gpu-busy" or shortest == 0 or (part == "body" and not body_keyed) for part in fills
-        }
-        assert "body" in fills and fills == want_fills, (lengths, sched)
+        # Which bound parts fill empty rows: every one while the GPU was busy; else each part
+        # with a row whose derived length (its chunk's, its tail's) is zero.
+        (derived,) = [d for d in attn._tables._derived.values() if d.get("bound")]
+        fills = {key[0]: b._empty is not None or b._fix_after is not None for key, b in derived["bound"].items()}
+        has_empty_row = {part: bool((derived[f"{part}_lengths"] <= 0).any()) for part in fills}
+        want_fills = {part: planned_from == "gpu-busy" or has_empty_row[part] for part in fills}
+        assert "body" in fills and fills == want_fills, (lengths, attn.schedule)
+
+
+def test_each_plan_reads_its_own_shortest_length_whatever_the_stream():
+    """A step planned on a busy stream, then one planned on an idle stream: the second step's
+    shortest length is its own once its copy lands, and stays its own after the first's lands."""
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", decode_kernel="cudnn")
+    busy, idle = torch.cuda.Stream(), torch.cuda.Stream()
+    first = [t.cuda() for t in _step([500, 900], 16)]
+    second = [t.cuda() for t in _step([300, 1000], 16)]
+    torch.cuda.synchronize()
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(200_000_000)
+        attn.plan(first[3], first[4])
+    with torch.cuda.stream(idle):
+        attn.plan(second[3], second[4])
+    step = attn._tables.step
+    idle.synchronize()
+    assert step.shortest() == 300
+    torch.cuda.synchronize()
+    assert step.shortest() == 300
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_step_on_another_gpu_than_the_current_one_reads_its_own_device():
+    """``PagedAttention(device="cuda:1")`` planned while cuda:0 is current and idle, cuda:1 busy:
+    the step's shortest length is not known until cuda:1's copy lands, and its first layer keeps
+    the fill (exact, empty rows zero)."""
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda:1", decode_kernel="cudnn")
+    q, k_cache, v_cache, table, lengths = (t.to("cuda:1") for t in _step([0, 700, 2000], 32, seed=4))
+    attn.plan(table, lengths)
+    attn.run(q, k_cache, v_cache)  # plans built
+    torch.cuda.synchronize("cuda:1")
+    with torch.cuda.device(1):
+        torch.cuda._sleep(200_000_000)
+    attn.plan(table, lengths)
+    assert attn._tables.step.shortest() is None
+    got = attn.run(q, k_cache, v_cache)
+    torch.cuda.synchronize("cuda:1")
+    assert attn._tables.step.shortest() == 0
+    reference = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cpu")
+    reference.plan(table.cpu(), lengths.cpu())
+    want = reference.run(q.cpu(), k_cache.cpu(), v_cache.cpu())
+    assert torch.isfinite(got).all() and (got[0] == 0).all()
+    assert rel_err(got, want) < 1.5e-2
 
 
 def test_plan_and_run_make_no_host_sync():
@@ -211,13 +263,11 @@ def test_plan_and_run_make_no_host_sync():
 
 
 def test_a_late_value_is_read_once_landed_and_never_waited_for():
-    """``LateValue``: None before its copy lands (the GPU busy), the value after, None while a
-    graph is captured; reading never syncs."""
-    late = LateValue()
-    assert late.read() is None
+    """``LateValue``: None before its copy lands (the GPU busy), the value after; reading never
+    syncs. ``capturing`` says when a device's current stream captures a graph."""
     value = torch.tensor(41, dtype=torch.int32, device="cuda")
     torch.cuda._sleep(200_000_000)
-    late.start(value + 1)
+    late = LateValue(value + 1)
     torch.cuda.set_sync_debug_mode("error")
     try:
         assert late.read() is None
@@ -225,10 +275,11 @@ def test_a_late_value_is_read_once_landed_and_never_waited_for():
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert late.read() == 42
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        late.start(value * 2)
-    assert late.read() is None
+    graph, seen = torch.cuda.CUDAGraph(), []
+    with torch.cuda.graph(graph):
+        seen.append(capturing(value.device))
+        value.add_(1)
+    assert seen == [True] and not capturing(value.device)
 
 
 def _prefill_step(q_lens, kv_lens, pages_per_seq, seed=0, spare_tokens=0):

@@ -4,6 +4,8 @@ cache, bad steps refused at plan time, and the layout choice."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from conftest import rel_err
@@ -13,7 +15,7 @@ from cudnn_attn.errors import ValidationError
 from cudnn_attn.ops import dispatch
 from cudnn_attn.ops.decode_step import DecodeStep
 from cudnn_attn.serving import schedule as paged_schedule
-from cudnn_attn.serving.step import Step, keyed_parts
+from cudnn_attn.serving.step import keyed_parts
 
 HQ, HKV, D, PAGE = 8, 2, 32, 16
 
@@ -487,32 +489,54 @@ def test_mla_caches_are_checked_by_their_own_head_dims():
 
 
 @pytest.mark.parametrize(
-    "lengths, s_q, splits, chunk_pages, parts",
+    "shortest, s_q, splits, chunk_pages, parts",
     [
-        ([100, 2048, 5], 1, 1, 32, {"body"}),
-        ([0, 2048], 1, 1, 32, set()),
-        ([2048, 5], 1, 4, 8, set()),  # the shortest sequence's last three chunks have no keys
-        ([2048, 1537], 1, 4, 8, {"body"}),  # 1537 keys reach the fourth chunk of 512
-        ([2048, 1536], 1, 4, 8, set()),
-        ([1700, 2048], 4, 2, 16, {"body", "tail"}),  # the body ends at 1664, past one chunk of 1024
-        ([1089, 2048], 4, 2, 16, {"tail"}),  # body ends at 1024: its second chunk is empty
-        ([5, 2048], 4, 1, 32, {"tail"}),  # every key of the shortest in its tail
+        (5, 1, 1, 32, {"body"}),
+        (0, 1, 1, 32, set()),
+        (5, 1, 4, 8, set()),  # the shortest sequence's last three chunks have no keys
+        (1537, 1, 4, 8, {"body"}),  # 1537 keys reach the fourth chunk of 512
+        (1536, 1, 4, 8, set()),
+        (1700, 4, 2, 16, {"body", "tail"}),  # the body ends at 1664, past one chunk of 1024
+        (1089, 4, 2, 16, {"tail"}),  # the body ends at 1024: its second chunk is empty
+        (5, 4, 1, 32, {"tail"}),  # every key of the shortest in its tail
+        (None, 1, 1, 32, set()),  # not known now
     ],
 )
-def test_a_host_planned_step_knows_which_decode_parts_have_keys_in_every_row(lengths, s_q, splits, chunk_pages, parts):
-    """From host lengths ``plan`` knows the shortest sequence without a sync, and eager cuDNN
-    layers skip the fill of empty rows in the parts where no row is empty (``keyed_parts``); a
-    batch padded to ``max_batch`` leaves it unknown (its padding rows are empty)."""
-    page = 64
+def test_the_decode_parts_with_keys_in_every_row_follow_from_the_shortest_length(
+    shortest, s_q, splits, chunk_pages, parts
+):
+    """``keyed_parts``: which parts of an eager cuDNN decode layer skip the fill of empty rows."""
     schedule = paged_schedule.Schedule(2, s_q, splits, chunk_pages, packed=True, tail=s_q > 1)
-    known = Step(2, 2, 32, torch.device("cpu"), False, None, host_shortest=min(lengths))
-    assert keyed_parts(known, schedule, page) == parts
-    assert keyed_parts(Step(2, 2, 32, torch.device("cpu"), False, None), schedule, page) == frozenset()
-    attn = cudnn_attn.PagedAttention(8, 2, 64, page, dtype=torch.bfloat16, device="cpu")
-    table = torch.arange(2 * 32, dtype=torch.int32).view(2, 32)
-    attn.plan(table, torch.tensor(lengths[:2], dtype=torch.int32))
-    assert attn._tables.step.shortest() == min(lengths[:2])
-    padded = cudnn_attn.PagedAttention(8, 2, 64, page, dtype=torch.bfloat16, device="cpu", max_batch=4,
-                                       max_pages_per_seq=32, cuda_graph=True)  # fmt: skip
-    padded.plan(table, torch.tensor(lengths[:2], dtype=torch.int32))
+    assert keyed_parts(shortest, schedule, 64) == parts
+
+
+def test_keyed_parts_agree_with_the_lengths_each_part_runs_on():
+    """For random decode steps (page 16 or 64, 1-4 sequences, 1-16 query tokens, splits chosen
+    or forced, GQA and MLA, lengths at the edges), a part is keyed exactly where every length
+    the step derives for it (each chunk's, the tail's) is positive; ``plan`` from host lengths
+    knows the shortest, and a batch padded to ``max_batch`` for capture does not record it."""
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(300):
+        page, pages, batch = rng.choice([16, 64]), rng.randint(1, 12), rng.randint(1, 4)
+        s_q, splits = rng.choice([1, 2, 4, 8, 16]), rng.choice([None, 1, 2, 3, 4, 8])
+        heads = (4, 1, 32, 16) if rng.random() < 0.3 else (8, 2, 32, 32)  # MLA's latent, or GQA
+        attn = cudnn_attn.PagedAttention(*heads[:3], page, head_dim_v=heads[3], dtype=torch.bfloat16, device="cpu",
+                                         splits=splits, decode_kernel="cudnn")  # fmt: skip
+        edges = [0, 1, s_q - 1, s_q, page, 2 * page, page + s_q - 1, pages * page]
+        lengths = [min(rng.choice(edges + [rng.randint(0, pages * page)]), pages * page) for _ in range(batch)]
+        lengths = [max(0, n) for n in lengths]
+        attn.plan(torch.arange(batch * pages, dtype=torch.int32).view(batch, pages), torch.tensor(lengths).int())
+        step = attn._tables.step
+        assert step.shortest() == min(lengths)
+        derived = attn._tables.get(("decode", s_q, batch * pages), step)
+        schedule = derived["schedule"]
+        keyed = keyed_parts(step.shortest(), schedule, page)
+        for part in ["body"] + (["tail"] if schedule.tail else []):
+            assert (part in keyed) == bool((derived[f"{part}_lengths"] > 0).all()), (lengths, s_q, page, schedule)
+            checked += 1
+    assert checked > 300
+    padded = cudnn_attn.PagedAttention(8, 2, 64, 64, dtype=torch.bfloat16, device="cpu", max_batch=4,
+                                       max_pages_per_seq=4, cuda_graph=True)  # fmt: skip
+    padded.plan(torch.zeros(2, 4, dtype=torch.int32), torch.tensor([100, 200], dtype=torch.int32))
     assert padded._tables.step.shortest() is None

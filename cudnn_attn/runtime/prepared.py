@@ -90,8 +90,9 @@ class PreparedRun:
         are now: bind again after writing them), called with the ``varying`` roles' tensors in
         order, then every output in ``output_roles`` order. ``whole_sequences``: each
         ``seq_len_q`` is 0 or the problem's ``S_q``; ``no_empty_sequences``: and every length in
-        ``fixed`` is positive (known on the host), so every output row is written. A cuDNN plan binds once what a plain run
-        does per call (``ops/cudnn/bound_run.py``); other plans run as ``run`` does."""
+        ``fixed`` is positive (known on the host), so every output row is written. A cuDNN plan
+        binds once what a plain run does per call (``ops/cudnn/bound_run.py``); other plans run
+        as ``run`` does."""
         bind = getattr(self.plan, "bind", None)
         bound = (
             bind(

@@ -541,5 +541,6 @@ class PagedAttention:
         outputs = {"o": o}
         if stats:
             outputs["stats"] = torch.empty(*q.shape[:3], 1, dtype=torch.float32, device=q.device)
-        self._calls.run_part(part, q, k_cache, v_cache, derived, outputs, eager=not self.cuda_graph)
+        eager_step = None if self.cuda_graph else self._tables.step
+        self._calls.run_part(part, q, k_cache, v_cache, derived, outputs, eager_step=eager_step)
         return (o, outputs["stats"]) if stats else o

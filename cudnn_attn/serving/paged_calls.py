@@ -19,7 +19,7 @@ from ..core.mask import Causal, ScoreOptions
 from ..core.problem import KVCacheLayout, TensorSpec
 from ..runtime.keyed import KeyedCache
 from ..runtime.prepared import PreparedRun, prepare
-from .step import geometry
+from .step import Step, geometry, keyed_parts
 
 MAX_RUNS = 256  # the prepared runs one instance keeps: a few per layer geometry
 FIXED_ROLES = ("page_table_k", "page_table_v", "seq_len_q", "seq_len_kv")  # a step's, shared by its layers
@@ -59,11 +59,12 @@ class PagedCalls:
         derived: dict[str, Any],
         outputs: dict[str, torch.Tensor],
         *,
-        eager: bool,
+        eager_step: Step | None,
     ) -> None:
         """One part of a decode layer (``"body"`` or the causal ``"tail"``) over the step's
-        ``derived`` tables; ``eager``: not a step captured for replay, so bound runs serve it."""
-        bound = self._bound(part, q, k_cache, v_cache, outputs, derived) if eager else None
+        ``derived`` tables; ``eager_step``: the planned step, where it is not one captured for
+        replay, so bound runs serve it."""
+        bound = self._bound(part, q, k_cache, v_cache, outputs, derived, eager_step) if eager_step else None
         if bound is not None:
             bound(q, k_cache, v_cache, *outputs.values())
         else:
@@ -87,6 +88,7 @@ class PagedCalls:
         v_cache: torch.Tensor,
         outputs: dict[str, torch.Tensor],
         derived: dict[str, Any],
+        step: Step,
     ) -> Any:
         """An eager step's run of one part, bound to the step's tables once. Kept in the step's
         ``derived``, which every plan makes anew; None while a CUDA graph is captured (a replay
@@ -103,7 +105,8 @@ class PagedCalls:
             assert tuple(outputs) == run.output_roles  # the order a bound run takes them in
             # Every sequence's query rows are whole: a decode part's seq_len_q is its S_q.
             fixed = {role: inputs[role] for role in FIXED_ROLES}
-            every_row = part in derived["keyed_parts"]()  # known now: no empty rows to fill
+            # Where the host knows now that every row has keys, nothing is filled after cuDNN.
+            every_row = part in keyed_parts(step.shortest(), derived["schedule"], self.page_size)
             bound = bindings[key] = run.bind(fixed, ("q", "k", "v"), whole_sequences=True, no_empty_sequences=every_row)
         return bound
 

@@ -88,13 +88,12 @@ def choose(
     The Hopper form takes the steps whose K/V heads fit one wave of the GPU's SMs, split into
     one wave of programs: on an H200 (``cudnn-attn bench --serving`` geometry, CUDA-graph
     replay) one wave beat two by 3-26% at every such shape, and at batch 8 over 32k it beat the
-    Triton kernel's two waves (100.7% of the memory's peak against 98.3%); with more heads than
-    SMs (batch 64 over 4k: 512 programs) the Triton kernel's small tiles ran ahead (100.6%
-    against 98.9%). Pages of 16 or 32 tokens follow the same rule. Past one wave, both forms on
-    the Triton kernel's split, interleaved (H200, pages of 16 / 64, us a layer, Triton against
-    Hopper): batch 20 over 8k 210 / 226 (204 / 220), batch 24 over 4k 112 / 117 (109 / 115),
-    batch 128 over 2k 243 / 254 (241 / 249); the Hopper form ahead by 1-2% only at batches 32-64
-    over 4k."""
+    Triton kernel's two waves (100.7% of the memory's peak against 98.3%). Past one wave (more
+    K/V heads than SMs), both forms on the Triton kernel's split, interleaved (H200, us a layer
+    over pages of 64, Triton form against Hopper form): batch 20 over 8k 204 against 220, batch
+    24 over 4k 109 against 115, batch 128 over 2k 241 against 249; the Hopper form 1-2.4% ahead
+    only at batches 32 and 48 over 4k, within 1% either way at batch 64. Pages of 16 and 32
+    follow the same rule (``docs/benchmarks.md``)."""
     if kernel.one_kernel:  # one kernel packs the group and tokens, splits the keys and masks itself
         hopper = hopper and not mla and not fp8 and batch * num_kv_heads <= sm_count
         if splits is None and hopper:

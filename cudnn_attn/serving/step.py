@@ -10,7 +10,6 @@ a captured step reads them in place, and each plan rewrites them.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,8 +21,8 @@ from ..kernels import launch, mla_decode, mla_decode_hopper, paged_decode, paged
 from ..ops.decode_step import DecodeStep, is_mla
 from ..ops.dispatch import select_decode
 from ..runtime.keyed import KeyedCache
+from ..runtime.late_value import LateValue, capturing
 from . import schedule as paged_schedule
-from .late_value import LateValue
 from .schedule import Schedule
 
 SMALLEST_PREFILL_BUCKET = 16  # a prefill plan is built per power of two of the longest chunk
@@ -76,9 +75,9 @@ class Step:
     """What ``plan`` prepared: ``batch`` sequences in buffers of ``rows`` by ``width`` pages.
     ``largest_page``: a host page table's largest page, where it first is (``largest_page``);
     ``longest_q``/``tokens``: a host ``q_lens``' longest chunk and sum (None otherwise);
-    ``host_shortest``: the shortest (clamped) length of host ``seq_lens_kv`` where every row of
-    the buffers holds a sequence; ``device_shortest``: otherwise, the buffers' shortest length on
-    its way to the host (``shortest`` reads whichever is known, without a sync)."""
+    ``host_shortest``: an eager decode step's shortest (clamped) length, from host
+    ``seq_lens_kv``; ``device_shortest``: from GPU lengths, on its way to the host (``shortest``
+    reads whichever is known now, without a sync)."""
 
     batch: int
     rows: int
@@ -134,7 +133,6 @@ class StepTables:
         self._schedules = KeyedCache(MAX_SCHEDULES, release_at_exit=False)  # by (rows, width, s_q, device)
         self.step: Step | None = None  # the planned step
         self._derived: dict[tuple, dict[str, Any]] = {}  # per geometry: the step's derived inputs
-        self._shortest = LateValue()  # a GPU-planned step's shortest length, for eager layers
 
     def plan(
         self,
@@ -155,12 +153,14 @@ class StepTables:
         lengths.zero_()  # sequences past the batch are empty
         torch.clamp(seq_lens_kv.to(device, non_blocking=True), 0, pages * self.page_size, out=lengths[:batch])
         step = self.step = Step(batch, rows, width, device, q_lens is not None, largest_page(page_table))
-        # Known without a sync, eager layers skip the fill of empty rows (``keyed_parts``).
-        if not seq_lens_kv.is_cuda and rows == batch:
-            step.host_shortest = int(seq_lens_kv.clamp(0, pages * self.page_size).min())
-        elif lengths.is_cuda and not self.cuda_graph:
-            self._shortest.start(lengths.min())
-            step.device_shortest = self._shortest
+        # Eager decode layers skip the fill of empty rows where the host knows the shortest
+        # sequence (``keyed_parts``): at once from host lengths, from GPU ones once a copy lands.
+        # Captured steps (their batch padded with empty rows) and prefill steps never bind.
+        if not self.cuda_graph and q_lens is None:
+            if not seq_lens_kv.is_cuda:
+                step.host_shortest = int(seq_lens_kv.clamp(0, pages * self.page_size).min())
+            elif not capturing(lengths.device):  # min() would land in the caller's graph
+                step.device_shortest = LateValue(lengths.min())
         if q_lens is not None:
             query_lengths = self.buffers.buffer("q_lens", (rows,), torch.int32, device)
             query_lengths.zero_()
@@ -280,11 +280,9 @@ class StepTables:
 
         table = self.buffers["table"].clamp(0, num_pages - 1)  # pages past the cache's end never read
         lengths = self.buffers["lengths"]
-        body_end = lengths
+        body_end = body_end_of(lengths, s_q, page) if schedule.tail else lengths
         derived: dict[str, Any] = {"schedule": schedule}
-        if schedule.tail:  # keys every query token sees end at a page boundary; the rest is the tail
-            first_hidden = (lengths - s_q + 1).clamp(min=0)
-            body_end = torch.div(first_hidden, page, rounding_mode="floor") * page
+        if schedule.tail:
             span = paged_schedule.tail_pages(page, s_q)
             columns = (
                 torch.div(body_end, page, rounding_mode="floor").unsqueeze(1) + torch.arange(span, device=device)
@@ -305,22 +303,26 @@ class StepTables:
         derived["body_q_lengths"] = store(
             "body_q_lengths", torch.full((rows * splits,), body_rows, dtype=torch.int32, device=device)
         )
-        derived["keyed_parts"] = functools.partial(keyed_parts, step, schedule, page)  # read at bind
         return derived
 
 
-def keyed_parts(step: Step, schedule: Schedule, page: int) -> frozenset[str]:
+def body_end_of(lengths: Any, s_q: int, page: int) -> Any:
+    """Where a multi-token decode body ends (a tensor of lengths, or one length): the keys every
+    query token sees, rounded down to a page boundary; the causal tail holds the rest."""
+    first_hidden = lengths - s_q + 1
+    first_hidden = first_hidden.clamp(min=0) if isinstance(first_hidden, torch.Tensor) else max(first_hidden, 0)
+    return first_hidden // page * page
+
+
+def keyed_parts(shortest: int | None, schedule: Schedule, page: int) -> frozenset[str]:
     """The parts of a cuDNN decode layer whose every row has keys, from the step's shortest
-    length where the host knows it now: the body's last chunk ends at the body's end (the first
-    key some query token does not see, rounded down to a page, with a tail), the tail holds the
-    rest."""
-    shortest = step.shortest()
+    length (None: not known now): the body's last chunk starts ``splits - 1`` chunks in and
+    ends where the body does; the tail holds a sequence's last keys (all of them if the body
+    is empty)."""
     if shortest is None or shortest <= 0:
         return frozenset()
     parts = {"tail"} if schedule.tail else set()
-    body_end = shortest
-    if schedule.tail:
-        body_end = max(shortest - schedule.s_q + 1, 0) // page * page
+    body_end = body_end_of(shortest, schedule.s_q, page) if schedule.tail else shortest
     if body_end > (schedule.splits - 1) * schedule.chunk_pages * page:
         parts.add("body")
     return frozenset(parts)
