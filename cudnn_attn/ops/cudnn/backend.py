@@ -108,7 +108,7 @@ class CudnnBackend:
         return plan
 
     def _build(self, problem: AttentionProblem, lowered: Lowered, autotune: bool, device_index: int) -> CudnnPlan:
-        graph = _planned(lowered)
+        graph = _planned(lowered.graph)
         with torch.cuda.device(device_index):
             if autotune:
                 from ...core import synthetic  # tuning only: not imported on the way to a stored plan
@@ -123,7 +123,7 @@ class CudnnBackend:
                 # The tuned graph holds every candidate it built: run the winner from a fresh
                 # graph that builds it alone, as the heuristic path would.
                 lowered = lowering.lower(problem, rng_dump=lowered.rng_dump, handle=handle)
-                graph = _planned(lowered)
+                graph = _planned(lowered.graph)
                 graph.select_plan(choice.index)
                 graph.build_plans()
             else:
@@ -176,7 +176,6 @@ class CudnnBackend:
         if device_index is None:
             device_index = cudnn_platform.device_index(problem.device)
         lowered = lowering.lower(problem)
-        lowered.release_callbacks()  # its graph is not the one run: nothing will call them
         handle = cudnn_handle(device_index)
         graph = cudnn.pygraph(handle=handle)  # the frontend would otherwise make a default handle of its own
         graph.deserialize(handle, blob)
@@ -209,14 +208,12 @@ class CudnnBackend:
         store.save(key, header, blob)
 
 
-def _planned(lowered: Lowered) -> Any:
+def _planned(graph: Any) -> Any:
     """Validate a lowered graph and rank its candidate plans (nothing built yet)."""
     import cudnn
 
-    graph = lowered.graph
     graph.validate()
     graph.build_operation_graph()
-    lowered.release_callbacks()  # expanded: the score modifier's callbacks have run
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     graph.check_support()
     return graph

@@ -18,7 +18,6 @@ backward, ALiBi): ``capabilities`` refuses such problems before they get here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,8 +46,6 @@ class Lowered:
     # Sequence lengths the plan binds itself, as constants: role -> length of every batch.
     constant_lengths: dict[str, int] = field(default_factory=dict)
     rng_dump: bool = False
-    # Drops what the graph's score-modifier callbacks hold, once the graph is expanded (score_mod.py).
-    release_callbacks: Callable[[], None] = field(default=lambda: None)
 
 
 def dims_and_strides(role: str, spec: TensorSpec, p: AttentionProblem) -> tuple[list[int], list[int]]:
@@ -314,7 +311,7 @@ def _mask_options(p: AttentionProblem, graph: Any, tensor: Any, lowered: Lowered
             )
             for i, spec in enumerate(p.score_mod.inputs)
         ]
-        forward, backward, lowered.release_callbacks = callbacks(p.score_mod, inputs)
+        forward, backward = callbacks(p.score_mod, inputs)
         options["score_mod"] = forward
         if backward is not None and not p.is_forward:  # sdpa takes no bprop
             options["score_mod_bprop"] = backward

@@ -4,12 +4,6 @@
 The frontend calls ``score_mod`` with its own graph and the scaled scores, and (backward) later
 ``score_mod_bprop`` with dS; both replays share one table of built nodes, so a bprop that reads a
 forward node (soft-capping's value before its tanh) gets the very tensor the forward built.
-
-The graph keeps both callbacks for its life, and every graph tensor keeps its graph: a table
-of built tensors left in the callbacks would make a cycle through native objects that Python's
-collector cannot see (the frontend then reports its graphs as leaked at exit). Once the frontend
-has expanded the graph (``build_operation_graph``) the callbacks are done, and ``release``
-empties the table.
 """
 
 from __future__ import annotations
@@ -21,16 +15,10 @@ from ...core.score_mod import OPS, Expr, ScoreModifier
 from .dtypes import cudnn_dtype
 
 
-def callbacks(mod: ScoreModifier, inputs: Sequence[Any]) -> tuple[Callable, Callable | None, Callable[[], None]]:
-    """``(score_mod, score_mod_bprop, release)`` for the frontend; ``inputs``: the graph tensors
-    of the modifier's ``input`` leaves, in order. The bprop is None when the modifier has none;
-    ``release`` drops every graph tensor the callbacks hold (call it once the graph is expanded)."""
+def callbacks(mod: ScoreModifier, inputs: Sequence[Any]) -> tuple[Callable, Callable | None]:
+    """``(score_mod, score_mod_bprop)`` for the frontend; ``inputs``: the graph tensors of the
+    modifier's ``input`` leaves, in order. The bprop is None when the modifier has none."""
     built: dict[Expr, Any] = {}  # by value: a tree read back from JSON shares no objects
-    inputs = list(inputs)
-
-    def release() -> None:
-        built.clear()
-        inputs.clear()
 
     def replay(graph: Any, root: Expr, leaves: dict[str, Any]) -> Any:
         import cudnn
@@ -67,9 +55,9 @@ def callbacks(mod: ScoreModifier, inputs: Sequence[Any]) -> tuple[Callable, Call
 
     backward = mod.backward
     if backward is None:
-        return score_mod, None, release
+        return score_mod, None
 
     def score_mod_bprop(graph: Any, grad: Any) -> Any:
         return replay(graph, backward, {"grad": grad})
 
-    return score_mod, score_mod_bprop, release
+    return score_mod, score_mod_bprop
