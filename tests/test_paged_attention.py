@@ -521,8 +521,18 @@ def test_keyed_parts_agree_with_the_lengths_each_part_runs_on():
         page, pages, batch = rng.choice([16, 64]), rng.randint(1, 12), rng.randint(1, 4)
         s_q, splits = rng.choice([1, 2, 4, 8, 16]), rng.choice([None, 1, 2, 3, 4, 8])
         heads = (4, 1, 32, 16) if rng.random() < 0.3 else (8, 2, 32, 32)  # MLA's latent, or GQA
-        attn = cudnn_attn.PagedAttention(*heads[:3], page, head_dim_v=heads[3], dtype=torch.bfloat16, device="cpu",
-                                         splits=splits, decode_kernel="cudnn")  # fmt: skip
+        num_q_heads, num_kv_heads, head_dim, head_dim_v = heads
+        attn = cudnn_attn.PagedAttention(
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
+            page,
+            head_dim_v=head_dim_v,
+            dtype=torch.bfloat16,
+            device="cpu",
+            splits=splits,
+            decode_kernel="cudnn",
+        )
         edges = [0, 1, s_q - 1, s_q, page, 2 * page, page + s_q - 1, pages * page]
         lengths = [min(rng.choice(edges + [rng.randint(0, pages * page)]), pages * page) for _ in range(batch)]
         lengths = [max(0, n) for n in lengths]
@@ -536,7 +546,8 @@ def test_keyed_parts_agree_with_the_lengths_each_part_runs_on():
             assert (part in keyed) == bool((derived[f"{part}_lengths"] > 0).all()), (lengths, s_q, page, schedule)
             checked += 1
     assert checked > 300
-    padded = cudnn_attn.PagedAttention(8, 2, 64, 64, dtype=torch.bfloat16, device="cpu", max_batch=4,
-                                       max_pages_per_seq=4, cuda_graph=True)  # fmt: skip
+    padded = cudnn_attn.PagedAttention(
+        8, 2, 64, 64, dtype=torch.bfloat16, device="cpu", max_batch=4, max_pages_per_seq=4, cuda_graph=True
+    )
     padded.plan(torch.zeros(2, 4, dtype=torch.int32), torch.tensor([100, 200], dtype=torch.int32))
     assert padded._tables.step.shortest() is None
