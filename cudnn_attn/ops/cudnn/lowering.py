@@ -18,6 +18,7 @@ backward, ALiBi): ``capabilities`` refuses such problems before they get here.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -311,10 +312,11 @@ def _mask_options(p: AttentionProblem, graph: Any, tensor: Any, lowered: Lowered
             )
             for i, spec in enumerate(p.score_mod.inputs)
         ]
-        forward, backward = callbacks(p.score_mod, inputs)
-        options["score_mod"] = forward
-        if backward is not None and not p.is_forward:  # sdpa takes no bprop
-            options["score_mod_bprop"] = backward
+        modifier = callbacks(p.score_mod, inputs)
+        options["score_mod"] = modifier.forward
+        if modifier.bprop is not None and not p.is_forward:  # sdpa takes no bprop
+            options["score_mod_bprop"] = modifier.bprop
+        weakref.finalize(lowered, modifier.release)  # the graph is then freed with its plan
     if p.sink_token is not None and not folded_sink.applies(p):
         options["sink_token"] = tensor("sink_token", p.sink_token)
     if p.options.alibi:

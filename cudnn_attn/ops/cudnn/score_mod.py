@@ -4,25 +4,45 @@
 The frontend calls ``score_mod`` with its own graph and the scaled scores, and (backward) later
 ``score_mod_bprop`` with dS; both replays share one table of built nodes, so a bprop that reads a
 forward node (soft-capping's value before its tanh) gets the very tensor the forward built.
+
+The frontend (1.32) hands each callback its C++ graph behind a shim whose tensor-lowering
+function holds that graph, and the C++ graph holds the callback: a cycle through C++ that
+Python's collector cannot see, so every graph with a score modifier outlived its plan (and
+nanobind reported the leak at exit). ``release`` (run when the plan is dropped) empties that
+function's hold on the graph and our own tables, and the graph is freed with its plan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ...core.score_mod import OPS, Expr, ScoreModifier
 from .dtypes import cudnn_dtype
 
 
-def callbacks(mod: ScoreModifier, inputs: Sequence[Any]) -> tuple[Callable, Callable | None]:
-    """``(score_mod, score_mod_bprop)`` for the frontend; ``inputs``: the graph tensors of the
-    modifier's ``input`` leaves, in order. The bprop is None when the modifier has none."""
+class Callbacks(NamedTuple):
+    """What ``sdpa``/``sdpa_backward`` take (``bprop`` None when the modifier has none), and
+    ``release``: called once the graph is no longer used, it lets the graph be freed."""
+
+    forward: Callable
+    bprop: Callable | None
+    release: Callable[[], None]
+
+
+def callbacks(mod: ScoreModifier, graph_inputs: Sequence[Any]) -> Callbacks:
+    """The frontend's callbacks for ``mod``; ``graph_inputs``: the graph tensors of the
+    modifier's ``input`` leaves, in order."""
     built: dict[Expr, Any] = {}  # by value: a tree read back from JSON shares no objects
+    inputs = list(graph_inputs)
+    lowerings: list[Any] = []  # the frontend's tensor-lowering functions the callbacks were handed
 
     def replay(graph: Any, root: Expr, leaves: dict[str, Any]) -> Any:
         import cudnn
 
+        lower = getattr(graph, "_lower", None)  # the frontend's shim; absent on a bare C++ graph
+        if lower is not None and not any(lower is seen for seen in lowerings):
+            lowerings.append(lower)
         for node in root.nodes():
             if node in built:
                 continue
@@ -53,11 +73,30 @@ def callbacks(mod: ScoreModifier, inputs: Sequence[Any]) -> tuple[Callable, Call
     def score_mod(graph: Any, scores: Any) -> Any:
         return replay(graph, mod.forward, {"score": scores})
 
+    def release() -> None:
+        built.clear()
+        inputs.clear()
+        for lower in lowerings:
+            _forget_graph(lower)
+        lowerings.clear()
+
     backward = mod.backward
     if backward is None:
-        return score_mod, None
+        return Callbacks(score_mod, None, release)
 
     def score_mod_bprop(graph: Any, grad: Any) -> Any:
         return replay(graph, backward, {"grad": grad})
 
-    return score_mod, score_mod_bprop
+    return Callbacks(score_mod, score_mod_bprop, release)
+
+
+def _forget_graph(lower: Any) -> None:
+    """Empty the cell of the frontend's lowering function that holds its C++ graph (the link
+    that closes the cycle); a function of another shape is left as it is."""
+    for cell in getattr(lower, "__closure__", None) or ():
+        try:
+            contents = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if type(contents).__name__ == "backend_graph":
+            cell.cell_contents = None
