@@ -42,12 +42,9 @@ def kernel() -> Any:
     def loader(
         kn_desc,
         kr_desc,
-        kn_smem,
-        kr_smem,
-        k_ready,
-        k_empty,
-        table_ptr,
-        t_sb,
+        keys,
+        key_bars,
+        table,
         b,
         first_page,
         steps,
@@ -55,6 +52,9 @@ def kernel() -> Any:
         PAGE: gl.constexpr,
         STAGES: gl.constexpr,
     ):
+        kn_smem, kr_smem = keys
+        k_ready, k_empty = key_bars
+        table_ptr, t_sb = table
         for i in range(steps):
             s = i % STAGES
             mbarrier.wait(k_empty.index(s), ((i // STAGES) & 1) ^ 1)  # both groups are done with it
@@ -65,16 +65,11 @@ def kernel() -> Any:
 
     @gluon.jit
     def second_group(
-        o_ptr,
-        o_base,
-        o_sh,
+        out,
         kn_smem,
-        p_smem,
-        a_smem,
-        k_ready,
-        k_empty,
-        p_ready,
-        p_free,
+        p_pass,
+        key_bars,
+        p_bars,
         h,
         heads,
         steps,
@@ -83,6 +78,10 @@ def kernel() -> Any:
         SECOND: gl.constexpr,
     ):
         """``P @ V[:, :SECOND]`` for every page, rescaled by the first group's ``alpha``."""
+        o_ptr, o_base, o_sh = out
+        p_smem, a_smem = p_pass
+        k_ready, k_empty = key_bars
+        p_ready, p_free = p_bars
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SECOND, 16]
         )
@@ -109,30 +108,18 @@ def kernel() -> Any:
 
     @gluon.jit
     def first_group(
-        q_nope,
-        q_rope,
-        q_bar,
-        o_ptr,
-        o_base,
-        o_sh,
-        lse_ptr,
-        lse_base,
-        l_sh,
+        q,
+        out,
+        partial_lse,
         sink_ptr,
-        kn_smem,
-        kr_smem,
-        p_smem,
-        a_smem,
-        k_ready,
-        k_empty,
-        p_ready,
-        p_free,
+        keys,
+        p_pass,
+        key_bars,
+        p_bars,
         split,
         h,
         heads,
-        start,
-        end,
-        steps,
+        chunk,
         scale_log2,
         D_V: gl.constexpr,
         BLOCK_H: gl.constexpr,
@@ -143,6 +130,14 @@ def kernel() -> Any:
         HAS_SINK: gl.constexpr,
     ):
         """Scores, the online softmax (log2 units) and ``P @ V[:, SECOND:]``."""
+        q_nope, q_rope, q_bar = q
+        o_ptr, o_base, o_sh = out
+        lse_ptr, lse_base, l_sh = partial_lse
+        kn_smem, kr_smem = keys
+        p_smem, a_smem = p_pass  # P and its rows' alpha, handed to the second group
+        k_ready, k_empty = key_bars
+        p_ready, p_free = p_bars
+        start, end, steps = chunk
         first_width: gl.constexpr = D_V - SECOND
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, PAGE, 16]
@@ -273,36 +268,28 @@ def kernel() -> Any:
         q_row = (b * heads + h).to(gl.int32)  # rows past this sequence's heads are read, never stored
         tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, q_nope)
         tma.async_copy_global_to_shared(qr_desc, [q_row, D_V], q_bar, q_rope)
-        o_base = b * o_sb + split * o_ss
+        out = (o_ptr, b * o_sb + split * o_ss, o_sh)  # the chunk's rows of float32 partials (or the output)
+        keys = (kn_smem, kr_smem)
+        p_pass = (p_smem, a_smem)
+        key_bars = (k_ready, k_empty)
+        p_bars = (p_ready, p_free)
         gl.warp_specialize(
             [
                 (
                     first_group,
                     (
-                        q_nope,
-                        q_rope,
-                        q_bar,
-                        o_ptr,
-                        o_base,
-                        o_sh,
-                        lse_ptr,
-                        b * l_sb + split * l_ss,
-                        l_sh,
+                        (q_nope, q_rope, q_bar),
+                        out,
+                        (lse_ptr, b * l_sb + split * l_ss, l_sh),
                         sink_ptr,
-                        kn_smem,
-                        kr_smem,
-                        p_smem,
-                        a_smem,
-                        k_ready,
-                        k_empty,
-                        p_ready,
-                        p_free,
+                        keys,
+                        p_pass,
+                        key_bars,
+                        p_bars,
                         split,
                         h,
                         heads,
-                        start,
-                        end,
-                        steps,
+                        (start, end, steps),
                         scale_log2,
                         D_V,
                         BLOCK_H,
@@ -313,38 +300,15 @@ def kernel() -> Any:
                         HAS_SINK,
                     ),
                 ),
-                (
-                    second_group,
-                    (
-                        o_ptr,
-                        o_base,
-                        o_sh,
-                        kn_smem,
-                        p_smem,
-                        a_smem,
-                        k_ready,
-                        k_empty,
-                        p_ready,
-                        p_free,
-                        h,
-                        heads,
-                        steps,
-                        BLOCK_H,
-                        STAGES,
-                        SECOND,
-                    ),
-                ),
+                (second_group, (out, kn_smem, p_pass, key_bars, p_bars, h, heads, steps, BLOCK_H, STAGES, SECOND)),
                 (
                     loader,
                     (
                         kn_desc,
                         kr_desc,
-                        kn_smem,
-                        kr_smem,
-                        k_ready,
-                        k_empty,
-                        table_ptr,
-                        t_sb,
+                        keys,
+                        key_bars,
+                        (table_ptr, t_sb),
                         b,
                         split * chunk_pages,
                         steps,

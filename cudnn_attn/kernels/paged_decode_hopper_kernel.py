@@ -37,25 +37,7 @@ def kernel() -> Any:
 
     @gluon.jit
     def loader(
-        k_desc,
-        v_desc,
-        k_smem,
-        v_smem,
-        k_ready,
-        v_ready,
-        empty,
-        table_ptr,
-        t_sb,
-        b,
-        start,
-        end,
-        steps,
-        row_page,
-        row_head,
-        col,
-        PAGE: gl.constexpr,
-        BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr,
+        k_desc, v_desc, ring, table, chunk, addressing, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr
     ):
         """Streams each step's K and V into the ring. Pages of 64 tokens or more: a step is one
         box of a page, each page index loaded two steps ahead (the first three copies wait for
@@ -63,6 +45,10 @@ def kernel() -> Any:
         a box each, their indices read as one vector a step ahead; a page past the chunk's last
         key is read from row -PAGE, all out of bounds, so TMA fills it with zeros and the
         stage's byte count holds."""
+        k_smem, v_smem, k_ready, v_ready, empty = ring
+        table_ptr, t_sb = table
+        b, start, end, steps = chunk
+        row_page, row_head, col = addressing  # a page's first row, the K/V head's row and column in it
         if PAGE >= BLOCK_N:
             per_page: gl.constexpr = PAGE // BLOCK_N
             first_block = start // BLOCK_N
@@ -105,36 +91,17 @@ def kernel() -> Any:
 
     @gluon.jit
     def attend(
-        q_ptr,
-        q_sb,
-        q_sh,
-        q_st,
+        q,
         q_smem,
-        k_smem,
-        v_smem,
-        k_ready,
-        v_ready,
-        empty,
-        out_ptr,
-        out_sb,
-        out_sh,
-        out_st,
-        o_ptr,
-        o_sb,
-        o_ss,
-        o_sh,
-        lse_ptr,
-        l_sb,
-        l_ss,
-        l_sh,
+        ring,
+        out,
+        partial_o,
+        partial_lse,
         sink_ptr,
         split,
         kv_head,
-        b,
         length,
-        start,
-        end,
-        steps,
+        chunk,
         scale_log2,
         GROUP: gl.constexpr,
         S_Q: gl.constexpr,
@@ -148,6 +115,12 @@ def kernel() -> Any:
         """The group's query rows into shared memory (zeros past the group), then for each step
         the scores, the online softmax (log2 units) and ``P @ V``, P kept in registers. Q is
         loaded here, after the fork, so that the loader's first page reads do not wait for it."""
+        q_ptr, q_sb, q_sh, q_st = q
+        k_smem, v_smem, k_ready, v_ready, empty = ring
+        out_ptr, out_sb, out_sh, out_st = out
+        o_ptr, o_sb, o_ss, o_sh = partial_o  # float32 partials [B, splits, H_q * S_q, D]
+        lse_ptr, l_sb, l_ss, l_sh = partial_lse
+        b, start, end, steps = chunk
         ql: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         qr = gl.arange(0, BLOCK_R, gl.SliceLayout(1, ql))
         qd = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, ql))
@@ -291,41 +264,25 @@ def kernel() -> Any:
             mbarrier.init(v_ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=1)
         fence_async_shared()
+        ring = (k_smem, v_smem, k_ready, v_ready, empty)  # the stages and their barriers
+        chunk = (b, start, end, steps)  # the program's sequence and its keys [start, end)
+        addressing = (row_page, kv_head * row_head, kv_head * col_head)
         gl.warp_specialize(
             [
                 (
                     attend,
                     (
-                        q_ptr,
-                        q_sb,
-                        q_sh,
-                        q_st,
+                        (q_ptr, q_sb, q_sh, q_st),
                         q_smem,
-                        k_smem,
-                        v_smem,
-                        k_ready,
-                        v_ready,
-                        empty,
-                        out_ptr,
-                        out_sb,
-                        out_sh,
-                        out_st,
-                        o_ptr,
-                        o_sb,
-                        o_ss,
-                        o_sh,
-                        lse_ptr,
-                        l_sb,
-                        l_ss,
-                        l_sh,
+                        ring,
+                        (out_ptr, out_sb, out_sh, out_st),
+                        (o_ptr, o_sb, o_ss, o_sh),
+                        (lse_ptr, l_sb, l_ss, l_sh),
                         sink_ptr,
                         split,
                         kv_head,
-                        b,
                         length,
-                        start,
-                        end,
-                        steps,
+                        chunk,
                         scale_log2,
                         GROUP,
                         S_Q,
@@ -337,30 +294,7 @@ def kernel() -> Any:
                         HAS_SINK,
                     ),
                 ),
-                (
-                    loader,
-                    (
-                        k_desc,
-                        v_desc,
-                        k_smem,
-                        v_smem,
-                        k_ready,
-                        v_ready,
-                        empty,
-                        table_ptr,
-                        t_sb,
-                        b,
-                        start,
-                        end,
-                        steps,
-                        row_page,
-                        kv_head * row_head,
-                        kv_head * col_head,
-                        PAGE,
-                        BLOCK_N,
-                        STAGES,
-                    ),
-                ),
+                (loader, (k_desc, v_desc, ring, (table_ptr, t_sb), chunk, addressing, PAGE, BLOCK_N, STAGES)),
             ],
             [1],
             [40],
