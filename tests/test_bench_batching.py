@@ -1,5 +1,6 @@
 """``bench --batching``'s measure on a tiny workload on the CPU: both columns serve every request
-and, in float32, agree on every greedy token (the GPU's bf16 figures are the benchmark's)."""
+and, in float32, agree on every greedy token, as sdpa does with itself over other batches (the
+GPU's bf16 figures are the benchmark's)."""
 
 from __future__ import annotations
 
@@ -20,4 +21,6 @@ def test_both_columns_serve_every_request_with_the_same_greedy_tokens():
     assert set(result["columns"]) == {"sdpa", "cudnn_attn"}
     assert all(c["tokens_per_s"] > 0 for c in result["columns"].values())
     assert result["tokens_equal"] == 1.0 and result["requests_equal"] == 1.0
-    assert "cudnn_attn / sdpa" in batching.format_batching(result)
+    assert result["sdpa_self"]["tokens_equal"] == 1.0  # float32: other batches, the same tokens
+    text = batching.format_batching(result)
+    assert "cudnn_attn / sdpa" in text and "sdpa against itself over batches of 2048 tokens" in text

@@ -7,7 +7,9 @@ packed varlen layers over transformers' paged cache), in alternating rounds afte
 of each (plans, CUDA graphs). Tokens per second is the requests' new tokens over the call's wall
 time; the columns' greedy tokens are compared (a random model's logits nearly tie, and bf16
 rounding then picks another token, after which a request's tokens differ: a sanity check, not
-an exactness test, which ``tests/test_gpu_transformers_batching.py`` is).
+an exactness test, which ``tests/test_gpu_transformers_batching.py`` is), beside how often
+``"sdpa"`` agrees with itself when only its batches change (``OTHER_BATCH_TOKENS``): the
+agreement rounding alone leaves.
 
 Each column runs as transformers sets it up for its name: on a GPU, CUDA graphs and asynchronous
 batching for a FlashAttention name such as cudnn_attn's, neither for ``"sdpa"`` (a model on the
@@ -29,6 +31,7 @@ import torch
 
 ROUNDS = 3
 BATCH_TOKENS = 8192
+OTHER_BATCH_TOKENS = 2048  # sdpa's run against itself: other batches, other rounding
 
 
 @dataclass(frozen=True)
@@ -83,10 +86,10 @@ def measure(w: Workload = Workload(), device: str = "cuda", rounds: int = ROUNDS
 
     on_gpu = device == "cuda"  # a CPU model steps synchronously, whatever GPU the host has
 
-    def batching() -> Any:  # afresh for every run, as a caller would pass it
+    def batching(batch_tokens: int = BATCH_TOKENS) -> Any:  # afresh for every run, as a caller would pass it
         return transformers.ContinuousBatchingConfig(
             num_blocks=blocks,
-            max_batch_tokens=BATCH_TOKENS,
+            max_batch_tokens=batch_tokens,
             use_cuda_graph=None if on_gpu else False,
             use_async_batching=None if on_gpu else False,
         )
@@ -97,12 +100,13 @@ def measure(w: Workload = Workload(), device: str = "cuda", rounds: int = ROUNDS
         else:
             for_continuous_batching(model)
 
-    def run(column: str) -> tuple[float, dict[str, list[int]]]:
+    def run(column: str, batch_tokens: int = BATCH_TOKENS) -> tuple[float, dict[str, list[int]]]:
         use(column)
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        results = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=batching())
+        config = batching(batch_tokens)
+        results = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=config)
         if device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
@@ -115,15 +119,25 @@ def measure(w: Workload = Workload(), device: str = "cuda", rounds: int = ROUNDS
     for round_ in range(rounds):
         for column in columns if round_ % 2 == 0 else columns[::-1]:
             rates[column].append(run(column)[0])
+    other = run("sdpa", OTHER_BATCH_TOKENS)[1]
     model.set_attn_implementation("sdpa")
-    ours, theirs = outputs["cudnn_attn"], outputs["sdpa"]
-    same = sum(a == b for key in theirs for a, b in zip(ours[key], theirs[key]))
+    theirs = outputs["sdpa"]
+    tokens, requests = _agreement(outputs["cudnn_attn"], theirs)
+    self_tokens, self_requests = _agreement(other, theirs)
     return {
         "workload": vars(w),
         "columns": {c: {"tokens_per_s": statistics.median(v), "low": min(v), "high": max(v)} for c, v in rates.items()},
-        "tokens_equal": same / max(1, sum(map(len, theirs.values()))),
-        "requests_equal": sum(ours[key] == theirs[key] for key in theirs) / max(1, len(theirs)),
+        "tokens_equal": tokens,
+        "requests_equal": requests,
+        "sdpa_self": {"batch_tokens": OTHER_BATCH_TOKENS, "tokens_equal": self_tokens, "requests_equal": self_requests},
     }
+
+
+def _agreement(ours: dict[str, list[int]], theirs: dict[str, list[int]]) -> tuple[float, float]:
+    """The share of greedy tokens, and of requests whole, that ``ours`` shares with ``theirs``."""
+    same = sum(a == b for key in theirs for a, b in zip(ours[key], theirs[key]))
+    tokens = same / max(1, sum(map(len, theirs.values())))
+    return tokens, sum(ours[key] == theirs[key] for key in theirs) / max(1, len(theirs))
 
 
 def format_batching(r: dict[str, Any]) -> str:
@@ -141,4 +155,9 @@ def format_batching(r: dict[str, Any]) -> str:
         f"  cudnn_attn / sdpa {ratio:.2f}x; greedy tokens equal {100 * r['tokens_equal']:.1f}%, "
         f"requests equal {100 * r['requests_equal']:.0f}%"
     )
-    return "\n".join([head, *cells, tail])
+    own = r["sdpa_self"]
+    baseline = (
+        f"  sdpa against itself over batches of {own['batch_tokens']} tokens: greedy tokens equal "
+        f"{100 * own['tokens_equal']:.1f}%, requests equal {100 * own['requests_equal']:.0f}%"
+    )
+    return "\n".join([head, *cells, tail, baseline])
