@@ -13,7 +13,8 @@ if not hasattr(transformers, "ContinuousBatchingConfig"):
 from cudnn_attn.bench import batching  # noqa: E402
 
 
-def test_both_columns_serve_every_request_with_the_same_greedy_tokens():
+def test_both_columns_serve_every_request_with_the_same_greedy_tokens(monkeypatch):
+    monkeypatch.setattr(batching, "OTHER_BATCH_TOKENS", 4)  # sdpa's own second run in other batches
     tiny = batching.Workload(
         requests=3, shortest=2, longest=7, new_tokens=3, hidden=32, layers=1, heads=4, kv_heads=2, vocab=64
     )
@@ -22,5 +23,6 @@ def test_both_columns_serve_every_request_with_the_same_greedy_tokens():
     assert all(c["tokens_per_s"] > 0 for c in result["columns"].values())
     assert result["tokens_equal"] == 1.0 and result["requests_equal"] == 1.0
     assert result["sdpa_self"]["tokens_equal"] == 1.0  # float32: other batches, the same tokens
+    assert result["sdpa_self"]["batch_tokens"] == 4
     text = batching.format_batching(result)
-    assert "cudnn_attn / sdpa" in text and "sdpa against itself over batches of 2048 tokens" in text
+    assert "cudnn_attn / sdpa" in text and "sdpa against itself over batches of 4 tokens" in text

@@ -4,6 +4,7 @@ the reference backend on the same GPU inputs; Gemma-2 through the registration a
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -180,22 +181,43 @@ def test_causal_softcap_split_matches_the_reference_backend(layout, compiled, mo
 
 
 _SOFTCAP_AND_EXIT = """
+import gc
+import weakref
 import torch
 import cudnn_attn
+from cudnn_attn.ops.cudnn import lowering
+from cudnn_attn.runtime import lifecycle
+made = []
+built = lowering.callbacks
+def tracked(mod, inputs):  # the callbacks the C++ graphs hold: alive while a graph is
+    modifier = built(mod, inputs)
+    made.append(weakref.ref(modifier.forward))
+    return modifier
+lowering.callbacks = tracked
 q, k, v, d_o = (torch.randn(1, 8, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
 for _ in range(2):
     lq, lk, lv = (x.clone().requires_grad_() for x in (q, k, v))
     out = cudnn_attn.sdpa(lq, lk, lv, is_causal=True, softcap=30.0)
     torch.autograd.grad(out, [lq, lk, lv], d_o)
 torch.cuda.synchronize()
-print("ran")
+del out, lq, lk, lv
+lifecycle.release_plans()  # every plan dropped, as at exit
+gc.collect()
+print(len(made), sum(ref() is not None for ref in made))
 """
 
 
-def test_score_modifier_graphs_are_freed_by_exit():
+def test_score_modifier_graphs_are_freed_with_their_plans():
     """The frontend's callbacks close a cycle through C++ (graph -> callback -> the graph's
-    lowering function -> graph); the plan's release breaks it, so nothing is left for nanobind
-    to report as leaked at exit (it was: 40 instances after soft-capping forward and backward)."""
-    done = subprocess.run([sys.executable, "-c", _SOFTCAP_AND_EXIT], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "ran", done.stderr
+    lowering function -> graph); the frontend graph's end breaks it, so the C++ graphs (and the
+    callbacks they hold) go with their plans, and nothing is left for nanobind to report as
+    leaked at exit (it was: 40 instances after soft-capping forward and backward). No plan
+    store: a stored plan loads without calling the callbacks, so it would hide the cycle."""
+    env = {**os.environ, "CUDNN_ATTN_CACHE_DIR": ""}
+    done = subprocess.run(
+        [sys.executable, "-c", _SOFTCAP_AND_EXIT], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    made, alive = map(int, done.stdout.split())
+    assert made >= 2 and alive == 0, (made, alive)  # a forward and a backward graph, both freed
     assert "leaked" not in done.stderr, done.stderr

@@ -72,8 +72,9 @@ def _prompts(w: Workload) -> list[list[int]]:
 
 
 def measure(w: Workload = Workload(), device: str = "cuda", rounds: int = ROUNDS) -> dict[str, Any]:
-    """Tokens per second of each column (median of ``rounds``, and the spread) and how many
-    greedy tokens the columns share."""
+    """Tokens per second of each column (median of ``rounds``, and the spread), how many greedy
+    tokens the columns share, and (``sdpa_self``) how many ``"sdpa"`` shares with its own run
+    over batches of ``OTHER_BATCH_TOKENS``."""
     import transformers
 
     from ..integrations.transformers_batching import for_continuous_batching

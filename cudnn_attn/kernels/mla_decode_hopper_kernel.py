@@ -67,7 +67,7 @@ def kernel() -> Any:
     def second_group(
         out,
         kn_smem,
-        p_pass,
+        p_handoff,
         key_bars,
         p_bars,
         h,
@@ -79,7 +79,7 @@ def kernel() -> Any:
     ):
         """``P @ V[:, :SECOND]`` for every page, rescaled by the first group's ``alpha``."""
         o_ptr, o_base, o_sh = out
-        p_smem, a_smem = p_pass
+        p_smem, a_smem = p_handoff
         k_ready, k_empty = key_bars
         p_ready, p_free = p_bars
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -113,7 +113,7 @@ def kernel() -> Any:
         partial_lse,
         sink_ptr,
         keys,
-        p_pass,
+        p_handoff,
         key_bars,
         p_bars,
         split,
@@ -134,7 +134,7 @@ def kernel() -> Any:
         o_ptr, o_base, o_sh = out
         lse_ptr, lse_base, l_sh = partial_lse
         kn_smem, kr_smem = keys
-        p_smem, a_smem = p_pass  # P and its rows' alpha, handed to the second group
+        p_smem, a_smem = p_handoff  # P and its rows' alpha, handed to the second group
         k_ready, k_empty = key_bars
         p_ready, p_free = p_bars
         start, end, steps = chunk
@@ -270,7 +270,7 @@ def kernel() -> Any:
         tma.async_copy_global_to_shared(qr_desc, [q_row, D_V], q_bar, q_rope)
         out = (o_ptr, b * o_sb + split * o_ss, o_sh)  # the chunk's rows of float32 partials (or the output)
         keys = (kn_smem, kr_smem)
-        p_pass = (p_smem, a_smem)
+        p_handoff = (p_smem, a_smem)
         key_bars = (k_ready, k_empty)
         p_bars = (p_ready, p_free)
         gl.warp_specialize(
@@ -283,7 +283,7 @@ def kernel() -> Any:
                         (lse_ptr, b * l_sb + split * l_ss, l_sh),
                         sink_ptr,
                         keys,
-                        p_pass,
+                        p_handoff,
                         key_bars,
                         p_bars,
                         split,
@@ -300,7 +300,7 @@ def kernel() -> Any:
                         HAS_SINK,
                     ),
                 ),
-                (second_group, (out, kn_smem, p_pass, key_bars, p_bars, h, heads, steps, BLOCK_H, STAGES, SECOND)),
+                (second_group, (out, kn_smem, p_handoff, key_bars, p_bars, h, heads, steps, BLOCK_H, STAGES, SECOND)),
                 (
                     loader,
                     (

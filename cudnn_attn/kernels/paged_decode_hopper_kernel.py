@@ -91,7 +91,7 @@ def kernel() -> Any:
 
     @gluon.jit
     def attend(
-        q,
+        q_global,
         q_smem,
         ring,
         out,
@@ -115,7 +115,7 @@ def kernel() -> Any:
         """The group's query rows into shared memory (zeros past the group), then for each step
         the scores, the online softmax (log2 units) and ``P @ V``, P kept in registers. Q is
         loaded here, after the fork, so that the loader's first page reads do not wait for it."""
-        q_ptr, q_sb, q_sh, q_st = q
+        q_ptr, q_sb, q_sh, q_st = q_global  # the pointer and strides of the query rows
         k_smem, v_smem, k_ready, v_ready, empty = ring
         out_ptr, out_sb, out_sh, out_st = out
         o_ptr, o_sb, o_ss, o_sh = partial_o  # float32 partials [B, splits, H_q * S_q, D]

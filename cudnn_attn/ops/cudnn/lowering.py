@@ -316,7 +316,8 @@ def _mask_options(p: AttentionProblem, graph: Any, tensor: Any, lowered: Lowered
         options["score_mod"] = modifier.forward
         if modifier.bprop is not None and not p.is_forward:  # sdpa takes no bprop
             options["score_mod_bprop"] = modifier.bprop
-        weakref.finalize(lowered, modifier.release)  # the graph is then freed with its plan
+        # On the frontend graph, not on `lowered`: a caller may keep the graph alone (lower(p).graph).
+        weakref.finalize(graph, modifier.release)
     if p.sink_token is not None and not folded_sink.applies(p):
         options["sink_token"] = tensor("sink_token", p.sink_token)
     if p.options.alibi:

@@ -8,8 +8,8 @@ forward node (soft-capping's value before its tanh) gets the very tensor the for
 The frontend (1.32) hands each callback its C++ graph behind a shim whose tensor-lowering
 function holds that graph, and the C++ graph holds the callback: a cycle through C++ that
 Python's collector cannot see, so every graph with a score modifier outlived its plan (and
-nanobind reported the leak at exit). ``release`` (run when the plan is dropped) empties that
-function's hold on the graph and our own tables, and the graph is freed with its plan.
+nanobind reported the leak at exit). ``release``, run once the frontend graph is gone (with its
+plan), empties that function's hold on the C++ graph and our table, and the C++ graph is freed.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .dtypes import cudnn_dtype
 
 class Callbacks(NamedTuple):
     """What ``sdpa``/``sdpa_backward`` take (``bprop`` None when the modifier has none), and
-    ``release``: called once the graph is no longer used, it lets the graph be freed."""
+    ``release``: called once the frontend graph is gone, it lets the C++ graph be freed."""
 
     forward: Callable
     bprop: Callable | None
@@ -75,7 +75,6 @@ def callbacks(mod: ScoreModifier, graph_inputs: Sequence[Any]) -> Callbacks:
 
     def release() -> None:
         built.clear()
-        inputs.clear()
         for lower in lowerings:
             _forget_graph(lower)
         lowerings.clear()
