@@ -30,11 +30,10 @@ class Callbacks(NamedTuple):
     release: Callable[[], None]
 
 
-def callbacks(mod: ScoreModifier, graph_inputs: Sequence[Any]) -> Callbacks:
-    """The frontend's callbacks for ``mod``; ``graph_inputs``: the graph tensors of the
-    modifier's ``input`` leaves, in order."""
+def callbacks(mod: ScoreModifier, inputs: Sequence[Any]) -> Callbacks:
+    """The frontend's callbacks for ``mod``; ``inputs``: the graph tensors of the modifier's
+    ``input`` leaves, in order."""
     built: dict[Expr, Any] = {}  # by value: a tree read back from JSON shares no objects
-    inputs = list(graph_inputs)
     lowerings: list[Any] = []  # the frontend's tensor-lowering functions the callbacks were handed
 
     def replay(graph: Any, root: Expr, leaves: dict[str, Any]) -> Any:
