@@ -221,3 +221,39 @@ def test_score_modifier_graphs_are_freed_with_their_plans():
     made, alive = map(int, done.stdout.split())
     assert made >= 2 and alive == 0, (made, alive)  # a forward and a backward graph, both freed
     assert "leaked" not in done.stderr, done.stderr
+
+
+def test_one_modifier_lowered_into_two_graphs_builds_each_its_own_nodes():
+    """The callbacks keep a table of the nodes they built, so that a bprop reads the forward's;
+    a second lowering (here a second graph; the frontend also lowers a graph again after a
+    rejected lowering) must build its own, never reuse the nodes of another C++ graph."""
+    import cudnn
+
+    from cudnn_attn.core.score_mod import softcap
+    from cudnn_attn.ops.cudnn.score_mod import callbacks
+
+    modifier = callbacks(softcap(20.0), [])
+    for _ in range(2):
+        q, k, v = (torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        g = cudnn.pygraph(
+            io_data_type=cudnn.data_type.BFLOAT16,
+            intermediate_data_type=cudnn.data_type.FLOAT,
+            compute_data_type=cudnn.data_type.FLOAT,
+        )
+        tq, tk, tv = g.tensor_like(q), g.tensor_like(k), g.tensor_like(v)
+        to, _ = g.sdpa(q=tq, k=tk, v=tv, attn_scale=0.125, generate_stats=False, score_mod=modifier.forward)
+        to.set_output(True).set_dim(list(q.shape)).set_stride(list(q.stride()))
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+        out = torch.full_like(q, float("nan"))
+        workspace = torch.empty(g.get_workspace_size(), device="cuda", dtype=torch.uint8)
+        g.execute({tq: q, tk: k, tv: v, to: out}, workspace)
+        torch.cuda.synchronize()
+        s = (q.double() @ k.double().transpose(-1, -2)) * 0.125
+        expected = torch.softmax(20.0 * torch.tanh(s / 20.0), -1) @ v.double()
+        assert rel_err(out, expected) < BF16
+        del g, tq, tk, tv, to
+    modifier.release()  # the graphs' C++ side goes with them (no leak reported at exit)

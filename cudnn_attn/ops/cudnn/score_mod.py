@@ -2,8 +2,10 @@
 ``score_mod_bprop`` callbacks its ``sdpa`` and ``sdpa_backward`` call while lowering.
 
 The frontend calls ``score_mod`` with its own graph and the scaled scores, and (backward) later
-``score_mod_bprop`` with dS; both replays share one table of built nodes, so a bprop that reads a
-forward node (soft-capping's value before its tanh) gets the very tensor the forward built.
+``score_mod_bprop`` with dS; both replays of one lowering share one table of built nodes, so a
+bprop that reads a forward node (soft-capping's value before its tanh) gets the very tensor the
+forward built. A graph lowered again (after a rejected lowering) starts a table of its own: nodes
+of the C++ graph it dropped must not reach the new one.
 
 The frontend (1.32) hands each callback its C++ graph behind a shim whose tensor-lowering
 function holds that graph, and the C++ graph holds the callback: a cycle through C++ that
@@ -33,15 +35,22 @@ class Callbacks(NamedTuple):
 def callbacks(mod: ScoreModifier, inputs: Sequence[Any]) -> Callbacks:
     """The frontend's callbacks for ``mod``; ``inputs``: the graph tensors of the modifier's
     ``input`` leaves, in order."""
-    built: dict[Expr, Any] = {}  # by value: a tree read back from JSON shares no objects
-    lowerings: list[Any] = []  # the frontend's tensor-lowering functions the callbacks were handed
+    # One table of built nodes (by value: a tree read back from JSON shares no objects) per
+    # lowering, keyed by the frontend's tensor-lowering function (by the graph when bare).
+    tables: list[tuple[Any, dict[Expr, Any]]] = []
+
+    def table_of(graph: Any) -> dict[Expr, Any]:
+        lowering = getattr(graph, "_lower", graph)  # the frontend's shim holds its function
+        for seen, built in tables:
+            if seen is lowering:
+                return built
+        tables.append((lowering, {}))
+        return tables[-1][1]
 
     def replay(graph: Any, root: Expr, leaves: dict[str, Any]) -> Any:
         import cudnn
 
-        lower = getattr(graph, "_lower", None)  # the frontend's shim; absent on a bare C++ graph
-        if lower is not None and not any(lower is seen for seen in lowerings):
-            lowerings.append(lower)
+        built = table_of(graph)
         for node in root.nodes():
             if node in built:
                 continue
@@ -73,10 +82,9 @@ def callbacks(mod: ScoreModifier, inputs: Sequence[Any]) -> Callbacks:
         return replay(graph, mod.forward, {"score": scores})
 
     def release() -> None:
-        built.clear()
-        for lower in lowerings:
-            _forget_graph(lower)
-        lowerings.clear()
+        for lowering, _ in tables:
+            _forget_graph(lowering)
+        tables.clear()
 
     backward = mod.backward
     if backward is None:
