@@ -223,16 +223,13 @@ def test_score_modifier_graphs_are_freed_with_their_plans():
     assert "leaked" not in done.stderr, done.stderr
 
 
-def test_one_modifier_lowered_into_two_graphs_builds_each_its_own_nodes():
-    """The callbacks keep a table of the nodes they built, so that a bprop reads the forward's;
-    a second lowering (here a second graph; the frontend also lowers a graph again after a
-    rejected lowering) must build its own, never reuse the nodes of another C++ graph."""
-    import cudnn
+_ONE_MODIFIER_TWO_GRAPHS = """
+import cudnn, torch
+from cudnn_attn.core.score_mod import softcap
+from cudnn_attn.ops.cudnn.score_mod import callbacks
 
-    from cudnn_attn.core.score_mod import softcap
-    from cudnn_attn.ops.cudnn.score_mod import callbacks
-
-    modifier = callbacks(softcap(20.0), [])
+modifier = callbacks(softcap(20.0), [])
+try:
     for _ in range(2):
         q, k, v = (torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         g = cudnn.pygraph(
@@ -254,6 +251,21 @@ def test_one_modifier_lowered_into_two_graphs_builds_each_its_own_nodes():
         torch.cuda.synchronize()
         s = (q.double() @ k.double().transpose(-1, -2)) * 0.125
         expected = torch.softmax(20.0 * torch.tanh(s / 20.0), -1) @ v.double()
-        assert rel_err(out, expected) < BF16
+        print((out.double() - expected).norm().item() / expected.norm().item())
         del g, tq, tk, tv, to
-    modifier.release()  # the graphs' C++ side goes with them (no leak reported at exit)
+finally:
+    modifier.release()
+"""
+
+
+def test_one_modifier_lowered_into_two_graphs_builds_each_its_own_nodes():
+    """The callbacks keep a table of the nodes they built, so that a bprop reads the forward's;
+    a second lowering (here a second graph; the frontend also lowers a graph again after a
+    rejected lowering) must build its own, never reuse the nodes of another C++ graph (a
+    shared table crashed the second graph's build). In a process of its own: a crash must not
+    take the test run with it. Both graphs exact, nothing leaked at exit."""
+    done = subprocess.run([sys.executable, "-c", _ONE_MODIFIER_TWO_GRAPHS], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    errors = [float(line) for line in done.stdout.split()]
+    assert len(errors) == 2 and all(error < BF16 for error in errors), errors
+    assert "leaked" not in done.stderr, done.stderr

@@ -213,3 +213,18 @@ def test_dropout_with_sinks_softcap_and_a_window_matches_the_oracle():
     want = torch.autograd.grad(expected, leaves, d_out.double())
     for name, a, e in zip("qkvs", grads, want):
         assert rel_err(a, e) < 1e-5, name
+
+
+def test_the_frontend_hands_callbacks_the_lowering_function_they_key_on():
+    """The score modifier's callbacks keep their built nodes per lowering, keyed by the
+    function the frontend's callback shim carries (and release the C++ graph through it): a
+    frontend whose shim no longer carries it would fall back to one shared table."""
+    from cudnn._pygraph import _CallbackGraphShim
+
+    from cudnn_attn.ops.cudnn import frontend_internals
+
+    def lower(tensor):
+        return tensor
+
+    assert frontend_internals.callback_lowering(_CallbackGraphShim(object(), lower)) is lower
+    assert frontend_internals.callback_lowering(object()) is None

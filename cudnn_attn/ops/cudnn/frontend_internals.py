@@ -78,3 +78,23 @@ def native_executor(graph: Any) -> tuple | None:
     except (AttributeError, TypeError, IndexError) as error:
         log.debug("native executor unavailable (%s); using the public execute", error)
         return None
+
+
+def callback_lowering(graph: Any) -> Any | None:
+    """The tensor-lowering function of the lowering that handed ``graph`` to a callback (the
+    frontend 1.32's shim keeps it as ``_lower``; one per lowering, shared by every callback it
+    wraps), or None where the callback was handed something else."""
+    return getattr(graph, "_lower", None)
+
+
+def forget_lowered_graph(lowering: Any) -> None:
+    """Empty the cell of a tensor-lowering function that holds its C++ graph (the link that
+    closes the frontend's cycle: C++ graph -> callback -> lowering function -> C++ graph); a
+    function of another shape is left as it is."""
+    for cell in getattr(lowering, "__closure__", None) or ():
+        try:
+            contents = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if type(contents).__name__ == "backend_graph":
+            cell.cell_contents = None

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from ...core.score_mod import OPS, Expr, ScoreModifier
+from . import frontend_internals
 from .dtypes import cudnn_dtype
 
 
@@ -36,11 +37,12 @@ def callbacks(mod: ScoreModifier, inputs: Sequence[Any]) -> Callbacks:
     """The frontend's callbacks for ``mod``; ``inputs``: the graph tensors of the modifier's
     ``input`` leaves, in order."""
     # One table of built nodes (by value: a tree read back from JSON shares no objects) per
-    # lowering, keyed by the frontend's tensor-lowering function (by the graph when bare).
+    # lowering, keyed by the frontend's tensor-lowering function; callbacks handed no such
+    # function (another frontend) share one table, as every lowering did before.
     tables: list[tuple[Any, dict[Expr, Any]]] = []
 
     def table_of(graph: Any) -> dict[Expr, Any]:
-        lowering = getattr(graph, "_lower", graph)  # the frontend's shim holds its function
+        lowering = frontend_internals.callback_lowering(graph)
         for seen, built in tables:
             if seen is lowering:
                 return built
@@ -83,7 +85,8 @@ def callbacks(mod: ScoreModifier, inputs: Sequence[Any]) -> Callbacks:
 
     def release() -> None:
         for lowering, _ in tables:
-            _forget_graph(lowering)
+            if lowering is not None:
+                frontend_internals.forget_lowered_graph(lowering)
         tables.clear()
 
     backward = mod.backward
@@ -94,15 +97,3 @@ def callbacks(mod: ScoreModifier, inputs: Sequence[Any]) -> Callbacks:
         return replay(graph, backward, {"grad": grad})
 
     return Callbacks(score_mod, score_mod_bprop, release)
-
-
-def _forget_graph(lower: Any) -> None:
-    """Empty the cell of the frontend's lowering function that holds its C++ graph (the link
-    that closes the cycle); a function of another shape is left as it is."""
-    for cell in getattr(lower, "__closure__", None) or ():
-        try:
-            contents = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        if type(contents).__name__ == "backend_graph":
-            cell.cell_contents = None
