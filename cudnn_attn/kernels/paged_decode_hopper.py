@@ -158,6 +158,7 @@ def paged_decode_hopper(
         q.stride(2),
         table,
         table.stride(0),
+        table.shape[1],
         lengths,
         out,
         out.stride(0),

@@ -37,11 +37,21 @@ def kernel() -> Any:
 
     @gluon.jit
     def loader(
-        k_desc, v_desc, ring, table, chunk, addressing, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr
+        k_desc,
+        v_desc,
+        ring,
+        table,
+        chunk,
+        addressing,
+        first_pages,
+        PAGE: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
     ):
         """Streams each step's K and V into the ring. Pages of 64 tokens or more: a step is one
         box of a page, each page index loaded two steps ahead (the first three copies wait for
-        one read of the table, not three in a row). Pages of 16 or 32: a step is 4 or 2 pages,
+        one read of the table, not three in a row), the first two (``first_pages``) read by the
+        program's prologue beside the length. Pages of 16 or 32: a step is 4 or 2 pages,
         a box each, their indices read as one vector a step ahead; a page past the chunk's last
         key is read from row -PAGE, all out of bounds, so TMA fills it with zeros and the
         stage's byte count holds."""
@@ -52,8 +62,7 @@ def kernel() -> Any:
         if PAGE >= BLOCK_N:
             per_page: gl.constexpr = PAGE // BLOCK_N
             first_block = start // BLOCK_N
-            page = gl.load(table_ptr + b * t_sb + first_block // per_page, mask=steps > 0, other=0)
-            then = gl.load(table_ptr + b * t_sb + (first_block + 1) // per_page, mask=steps > 1, other=0)
+            page, then = first_pages
             for i in range(steps):
                 block = first_block + i
                 after = gl.load(table_ptr + b * t_sb + (block + 2) // per_page, mask=i + 2 < steps, other=0)
@@ -215,6 +224,7 @@ def kernel() -> Any:
         q_st,
         table_ptr,
         t_sb,
+        table_cols,
         len_ptr,
         out_ptr,
         out_sb,
@@ -251,6 +261,21 @@ def kernel() -> Any:
         start = split * chunk_tokens
         end = gl.minimum(length, start + chunk_tokens)
         steps = (gl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N
+        if PAGE >= BLOCK_N:
+            # The chunk's first two page indices, read beside the length rather than after it:
+            # the first copies wait for one read, not two in a row. Bounded by the table's
+            # width, not the length; the loader uses them only for steps the length leaves.
+            column = start // PAGE
+            first_pages = (
+                gl.load(table_ptr + b * t_sb + column, mask=column < table_cols, other=0),
+                gl.load(
+                    table_ptr + b * t_sb + (start + BLOCK_N) // PAGE,
+                    mask=(start + BLOCK_N) // PAGE < table_cols,
+                    other=0,
+                ),
+            )
+        else:
+            first_pages = (0, 0)  # the small-page form reads its own
         q_smem = gl.allocate_shared_memory(
             k_desc.dtype, [BLOCK_R, HEAD_DIM], gl.NVMMASharedLayout.get_default_for([BLOCK_R, HEAD_DIM], k_desc.dtype)
         )
@@ -294,7 +319,10 @@ def kernel() -> Any:
                         HAS_SINK,
                     ),
                 ),
-                (loader, (k_desc, v_desc, ring, (table_ptr, t_sb), chunk, addressing, PAGE, BLOCK_N, STAGES)),
+                (
+                    loader,
+                    (k_desc, v_desc, ring, (table_ptr, t_sb), chunk, addressing, first_pages, PAGE, BLOCK_N, STAGES),
+                ),
             ],
             [1],
             [40],
