@@ -88,6 +88,7 @@ def mla_decode_hopper(
         Tma.of(rows, (PAGE, D_ROPE)),
         table,
         table.stride(0),
+        table.shape[1],
         lengths,
         o,
         o_sb,

@@ -47,6 +47,7 @@ def kernel() -> Any:
         table,
         b,
         first_page,
+        page,
         steps,
         D_V: gl.constexpr,
         PAGE: gl.constexpr,
@@ -55,10 +56,12 @@ def kernel() -> Any:
         kn_smem, kr_smem = keys
         k_ready, k_empty = key_bars
         table_ptr, t_sb = table
-        for i in range(steps):
+        for i in range(steps):  # ``page``: step i's index, read a step ahead (the first by the prologue)
+            after = gl.load(table_ptr + b * t_sb + first_page + i + 1, mask=i + 1 < steps, other=0)
             s = i % STAGES
             mbarrier.wait(k_empty.index(s), ((i // STAGES) & 1) ^ 1)  # both groups are done with it
-            row = gl.load(table_ptr + b * t_sb + first_page + i).to(gl.int32) * PAGE
+            row = page.to(gl.int32) * PAGE
+            page = after
             mbarrier.expect(k_ready.index(s), kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(kn_desc, [row, 0], k_ready.index(s), kn_smem.index(s))
             tma.async_copy_global_to_shared(kr_desc, [row, D_V], k_ready.index(s), kr_smem.index(s))
@@ -217,6 +220,7 @@ def kernel() -> Any:
         kr_desc,
         table_ptr,
         t_sb,
+        table_cols,
         len_ptr,
         o_ptr,
         o_sb,
@@ -245,6 +249,10 @@ def kernel() -> Any:
         start = split * chunk_pages * PAGE
         end = gl.minimum(gl.load(len_ptr + b), start + chunk_pages * PAGE)
         steps = (gl.maximum(end - start, 0) + PAGE - 1) // PAGE
+        # The chunk's first page index, read beside the length rather than after it (bounded by
+        # the table's width, not the length; the loader uses it only if the chunk has a step).
+        first = split * chunk_pages
+        page = gl.load(table_ptr + b * t_sb + first, mask=first < table_cols, other=0)
         q_nope = gl.allocate_shared_memory(qn_desc.dtype, [BLOCK_H, D_V], qn_desc.layout)
         q_rope = gl.allocate_shared_memory(qr_desc.dtype, [BLOCK_H, D_ROPE], qr_desc.layout)
         kn_smem = gl.allocate_shared_memory(kn_desc.dtype, [STAGES, PAGE, D_V], kn_desc.layout)
@@ -310,7 +318,8 @@ def kernel() -> Any:
                         key_bars,
                         (table_ptr, t_sb),
                         b,
-                        split * chunk_pages,
+                        first,
+                        page,
                         steps,
                         D_V,
                         PAGE,
