@@ -54,9 +54,9 @@ class BoundRun:
         self._fill_before = plan.fills_outputs and not whole_sequences
         self._fix_after: Callable[[Mapping[str, torch.Tensor]], None] | None = None
         self._empty: torch.Tensor | None = None
-        if no_empty_sequences:  # cuDNN writes every row: nothing to fill or fix
-            pass
-        elif plan.fills_outputs and whole_sequences:
+        if no_empty_sequences:
+            return  # cuDNN writes every row: nothing to fill or fix
+        if plan.fills_outputs and whole_sequences:
             empty = torch.zeros(problem.batch, dtype=torch.bool, device=plan.device)
             for role in ("seq_len_q", "seq_len_kv"):
                 if role in fixed:
