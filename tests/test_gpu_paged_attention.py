@@ -247,6 +247,14 @@ def test_a_step_on_another_gpu_than_the_current_one_reads_its_own_device():
     assert rel_err(got, want) < 1.5e-2
 
 
+def test_a_cuda_device_past_this_hosts_last_is_refused_naming_it():
+    count = torch.cuda.device_count()
+    with pytest.raises(cudnn_attn.ValidationError, match=f"device: 'cuda:{count}'; this host has {count} CUDA"):
+        cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device=f"cuda:{count}")
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda")
+    assert attn.device == torch.device("cuda", torch.cuda.current_device())
+
+
 def test_plan_and_run_make_no_host_sync():
     q, k_cache, v_cache, table, lengths = (t.cuda() for t in _step([1000, 3000], 64, s_q=4, seed=9))
     attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda")

@@ -11,7 +11,7 @@ import torch
 from conftest import rel_err
 
 import cudnn_attn
-from cudnn_attn.errors import ValidationError
+from cudnn_attn.errors import UnsupportedError, ValidationError
 from cudnn_attn.ops import dispatch
 from cudnn_attn.ops.decode_step import DecodeStep
 from cudnn_attn.serving import schedule as paged_schedule
@@ -238,6 +238,18 @@ def test_bad_runs_and_constructions_are_refused():
         cudnn_attn.PagedAttention(8, 3, D, PAGE, dtype=torch.bfloat16)
     with pytest.raises(ValidationError, match="cuda_graph: True needs max_batch"):
         cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, cuda_graph=True)
+    with pytest.raises(ValidationError, match="device: 'nonsense' is not a torch device"):
+        cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="nonsense")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a host without a CUDA GPU")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", torch.device("cuda", 0)])
+def test_a_cuda_device_on_a_host_without_one_is_refused_naming_it(device):
+    """Not torch's bare ``AssertionError`` ("Torch not compiled with CUDA enabled") from the
+    constructor, as the class docstring's own ``device="cuda"`` example gave on a CPU host."""
+    with pytest.raises(UnsupportedError, match="device: .*cuda.*no CUDA GPU") as refused:
+        cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device=device)
+    assert "device='cpu'" in str(refused.value)
 
 
 @pytest.mark.parametrize(

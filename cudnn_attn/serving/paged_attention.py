@@ -46,9 +46,9 @@ from ..ops.dispatch import DECODE_KERNELS
 from . import warming
 from .fp8_cache import UNIT_SCALES, check_scales, compact_table, dequantised, dequantised_pages, is_fp8
 from .paged_calls import PagedCalls
-from .paged_checks import check_plan, check_run, unread_slots_zeroed
+from .paged_checks import check_device, check_plan, check_run, unread_slots_zeroed
 from .schedule import Schedule
-from .step import Step, StepBuffers, StepTables, canonical_device
+from .step import Step, StepBuffers, StepTables
 
 LAYOUTS = ("NHPD", "NPHD")
 
@@ -182,7 +182,7 @@ class PagedAttention:
         self.dtype, self.kv_layout, self.cuda_graph = dtype, kv_layout, cuda_graph
         self.kv_dtype, self._fp8 = kv_dtype, is_fp8(kv_dtype)
         self.max_batch, self.max_pages_per_seq = max_batch, max_pages_per_seq
-        self.device = canonical_device(device) if device is not None else None
+        self.device = check_device(device)
         self.head_dim_v = head_dim_v
         self.scale = float(scale) if scale is not None else default_scale(head_dim)
         self._autotune = bool(autotune)

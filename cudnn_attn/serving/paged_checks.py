@@ -7,10 +7,35 @@ from typing import Any
 
 import torch
 
-from ..errors import ValidationError
-from .step import Step
+from ..errors import UnsupportedError, ValidationError
+from .step import Step, canonical_device
 
 MAX_QUERY_TOKENS = 16
+
+
+def check_device(device: Any) -> torch.device | None:
+    """The constructor's ``device`` in one spelling; a device this host lacks is refused here,
+    naming it, rather than by torch at the first step."""
+    if device is None:
+        return None
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValidationError([f"device: {device!r} is not a torch device"], context="PagedAttention") from None
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count()  # 0 where torch has no CUDA build
+        if count == 0:
+            raise UnsupportedError(
+                [f"device: {device!r}, but torch sees no CUDA GPU on this host"],
+                context="PagedAttention",
+                alternatives=["device='cpu' (the reference backend)", "device=None (the tensors' device)"],
+            )
+        if resolved.index is not None and resolved.index >= count:
+            raise ValidationError(
+                [f"device: {device!r}; this host has {count} CUDA device{'s' if count > 1 else ''}"],
+                context="PagedAttention",
+            )
+    return canonical_device(resolved)
 
 
 def check_plan(attn: Any, page_table: Any, seq_lens_kv: Any, q_lens: Any) -> torch.device:
