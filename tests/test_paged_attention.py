@@ -461,7 +461,7 @@ def test_sinks_are_checked_by_name():
     q, k_cache, v_cache, table, lengths = make_step([20, 30], pages_per_seq=2)
     attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16)
     attn.plan(table, lengths)
-    with pytest.raises(ValidationError, match="sinks: shape"):
+    with pytest.raises(ValidationError, match="PagedAttention.run: sinks: shape"):
         attn.run(q, k_cache, v_cache, sinks=torch.zeros(HQ + 1))
 
 

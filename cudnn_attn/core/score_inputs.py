@@ -32,20 +32,24 @@ def score_input_problems(p: AttentionProblem) -> list[str]:
     return found
 
 
-def check_sinks(sinks: Any, heads: int, device: torch.device) -> None:
+def check_sinks(sinks: Any, heads: int, device: torch.device, context: str | None = None) -> None:
     """The torch forms' ``sinks``: a real tensor of one logit per query head, ``[H]`` (gpt-oss's and
-    FlashInfer's form) or ``[1, H, 1, 1]`` (the frontend's), beside q. ``ValidationError`` otherwise."""
+    FlashInfer's form) or ``[1, H, 1, 1]`` (the frontend's), beside q. ``ValidationError`` otherwise,
+    prefixed with ``context`` (what was called) where given."""
     if not isinstance(sinks, torch.Tensor):
-        raise ValidationError([f"sinks: {type(sinks).__name__}; expected a tensor of one logit per query head"])
+        raise ValidationError(
+            [f"sinks: {type(sinks).__name__}; expected a tensor of one logit per query head"], context=context
+        )
     if sinks.numel() != heads or sinks.dim() not in (1, 4) or not sinks.is_floating_point():
         raise ValidationError(
             [
                 f"sinks: shape {list(sinks.shape)} dtype {sinks.dtype}; expected a real tensor of "
                 f"[{heads}] or [1, {heads}, 1, 1] (one logit per query head)"
-            ]
+            ],
+            context=context,
         )
     if sinks.device != device:
-        raise ValidationError([f"sinks: on {sinks.device}; q is on {device}"])
+        raise ValidationError([f"sinks: on {sinks.device}; q is on {device}"], context=context)
 
 
 def sink_token(sinks: torch.Tensor | None) -> torch.Tensor | None:

@@ -322,7 +322,7 @@ class PagedAttention:
         unit = type(k_scale) is float and type(v_scale) is float and k_scale == 1.0 == v_scale
         scales = UNIT_SCALES if unit else check_scales(fp8, k_scale, v_scale)
         if sinks is not None:
-            check_sinks(sinks, self.num_q_heads, q.device)
+            check_sinks(sinks, self.num_q_heads, q.device, context="PagedAttention.run")
         sink = sink_token(sinks)
         if step.prefill:
             return self._run_prefill(q, k_cache, v_cache, out, step, sink, scales if fp8 else None)

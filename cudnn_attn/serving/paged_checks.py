@@ -46,7 +46,7 @@ def check_plan(attn: Any, page_table: Any, seq_lens_kv: Any, q_lens: Any) -> tor
         if not isinstance(t, torch.Tensor):
             problems.append(f"{name}: {type(t).__name__}; expected an int32 tensor")
         elif t.dtype != torch.int32 or t.dim() != rank:
-            problems.append(f"{name}: {t.dtype} of shape {list(t.shape)}; expected int32 with {rank} dims")
+            problems.append(f"{name}: {t.dtype} of shape {list(t.shape)}; expected a {rank}-D int32 tensor")
     if problems:
         raise ValidationError(problems, context="PagedAttention.plan")
     batch, pages = page_table.shape
