@@ -255,6 +255,25 @@ def test_a_cuda_device_past_this_hosts_last_is_refused_naming_it():
     assert attn.device == torch.device("cuda", torch.cuda.current_device())
 
 
+def test_caches_laid_out_unlike_each_other_run_on_cudnn_and_are_refused_by_the_decode_kernel():
+    """V stored token-major ([N, P, H, D] memory) beside a head-major K, one shape: cuDNN's calls
+    take each cache's strides; the decode kernel walks both with K's, so it refuses, naming v_cache
+    (not an ``AssertionError``, nor V read with K's strides)."""
+    q, k_cache, v_cache, table, lengths = (t.cuda() for t in _step([300, 1000], 16, seed=3))
+    v_other = v_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # same values and shape
+    assert v_other.stride() != k_cache.stride()
+    cudnn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", decode_kernel="cudnn")
+    cudnn.plan(table, lengths)
+    got = cudnn.run(q, k_cache, v_other)
+    reference = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cpu")
+    reference.plan(table.cpu(), lengths.cpu())
+    assert rel_err(got, reference.run(q.cpu(), k_cache.cpu(), v_cache.cpu())) < 1.5e-2
+    kernel = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", decode_kernel="triton")
+    kernel.plan(table, lengths)
+    with pytest.raises(cudnn_attn.UnsupportedError, match="v_cache: strides .* differ from k_cache's"):
+        kernel.run(q, k_cache, v_other)
+
+
 def test_plan_and_run_make_no_host_sync():
     q, k_cache, v_cache, table, lengths = (t.cuda() for t in _step([1000, 3000], 64, s_q=4, seed=9))
     attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda")

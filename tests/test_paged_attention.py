@@ -231,6 +231,9 @@ def test_bad_runs_and_constructions_are_refused():
         attn.run(q[:1], k_cache, v_cache)
     with pytest.raises(ValidationError, match="k_cache: shape"):
         attn.run(q, k_cache.transpose(1, 2), v_cache)
+    strided = torch.zeros(*k_cache.shape[:-1], 2 * D, dtype=k_cache.dtype)[..., ::2]
+    with pytest.raises(ValidationError, match="PagedAttention.run: v_cache: strides .*head dim must be contiguous"):
+        attn.run(q, k_cache, strided)
     with pytest.raises(ValidationError, match="q: expected a packed \\[T, H_q, D\\] tensor"):
         attn.plan(table, lengths, q_lens=torch.ones(2, dtype=torch.int32))
         attn.run(q, k_cache, v_cache)

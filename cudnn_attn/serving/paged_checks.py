@@ -173,6 +173,8 @@ def _check_run(attn: Any, q: Any, k_cache: Any, v_cache: Any, out: Any, step: St
                 f"{name}: shape {list(t.shape)}; expected [num_pages, {', '.join(map(str, expected[1:]))}] "
                 f"({attn.kv_layout})"
             )
+        elif t.stride(-1) != 1:  # every path reads rows of D (the decode kernels assume it)
+            problems.append(f"{name}: strides {list(t.stride())}; the head dim must be contiguous (stride 1)")
     if v_cache.shape[0] != k_cache.shape[0]:
         problems.append(f"v_cache: {v_cache.shape[0]} pages, k_cache has {k_cache.shape[0]}")
     largest = step.largest_page
