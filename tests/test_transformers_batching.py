@@ -69,9 +69,46 @@ def test_generate_batch_gives_transformers_greedy_tokens(kind):
     name = for_continuous_batching(model)
     assert name.removeprefix("paged|") == BATCHING_NAME and name == model.config._attn_implementation
     got = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=BATCHING)
+    _all_served(want, len(prompts), 6)  # generate_batch keeps a failed request's error to itself
     assert {k: r.generated_tokens for k, r in got.items()} == {k: r.generated_tokens for k, r in want.items()}
     model.set_attn_implementation(reference)  # and back
     assert model.config._attn_implementation == reference
+
+
+def _all_served(results, requests: int, tokens: int) -> None:
+    assert len(results) == requests and all(len(r.generated_tokens) == tokens for r in results.values())
+
+
+@pytest.mark.parametrize("kind", ["gpt-oss", "gemma-2"])
+def test_long_prompts_prefilled_in_chunks_over_a_crowded_cache_keep_the_tokens(kind):
+    """Prompts longer than the sliding window (8) and than a page (16), prefilled 8 tokens a step
+    over a cache of 12 pages: fewer than the requests need together, so they wait their turn."""
+    model, reference = _tiny(kind)
+    lengths = (70, 133, 1, 40, 95, 3)
+    prompts = [torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
+    crowded = transformers.ContinuousBatchingConfig(
+        block_size=16, num_blocks=12, max_batch_tokens=8, use_async_batching=False, use_cuda_graph=False
+    )
+    generation = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    model.set_attn_implementation(reference)
+    want = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=crowded)
+    name = for_continuous_batching(model)
+    ours = transformers.AttentionInterface._global_mapping[name]
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return ours(*args, **kwargs)
+
+    transformers.AttentionInterface.register(name, counted)
+    try:
+        got = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=crowded)
+    finally:
+        transformers.AttentionInterface.register(name, ours)
+    _all_served(want, len(prompts), 10)
+    assert {k: r.generated_tokens for k, r in got.items()} == {k: r.generated_tokens for k, r in want.items()}
+    layers = model.config.num_hidden_layers
+    assert len(calls) >= layers * -(-sum(lengths) // 8)  # every prompt token went through ours, 8 a step
 
 
 def test_the_plain_name_is_refused_by_transformers_continuous_batching():
