@@ -241,7 +241,7 @@ def test_bad_runs_and_constructions_are_refused():
         cudnn_attn.PagedAttention(8, 3, D, PAGE, dtype=torch.bfloat16)
     with pytest.raises(ValidationError, match="cuda_graph: True needs max_batch"):
         cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, cuda_graph=True)
-    with pytest.raises(ValidationError, match="device: 'nonsense' is not a torch device"):
+    with pytest.raises(ValidationError, match="device: 'nonsense': "):
         cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="nonsense")
 
 

@@ -93,8 +93,9 @@ class PagedAttention:
             ``float8_e5m2`` (half the bytes a decode step reads; see ``run``'s ``k_scale``).
 
     Raises:
-        ValidationError: a bad geometry, dtype, layout or limit (every problem listed).
-        UnsupportedError: FP8 caches with different K and V head dims.
+        ValidationError: a bad geometry, dtype, layout, limit or device (every problem listed).
+        UnsupportedError: FP8 caches with different K and V head dims; a CUDA ``device`` where
+            torch sees no CUDA GPU.
 
     Example:
         ```python
@@ -307,8 +308,10 @@ class PagedAttention:
 
         Raises:
             ValidationError: ``run`` before any ``plan``; tensors that do not match the plan or
-                the constructor's geometry; a CPU-planned page past ``k_cache``'s pages.
-            UnsupportedError: FP8 caches on a GPU step the Triton decode kernel cannot run.
+                the constructor's geometry (a cache's head dim not contiguous included); a
+                CPU-planned page past ``k_cache``'s pages.
+            UnsupportedError: FP8 caches on a GPU step the Triton decode kernel cannot run; a
+                ``v_cache`` whose strides differ from ``k_cache``'s on the decode kernel.
         """
         step = self._tables.step
         if step is None:
@@ -446,7 +449,8 @@ class PagedAttention:
                 ],
                 context="PagedAttention.run",
                 alternatives=[
-                    "k_cache and v_cache laid out alike (both contiguous, or both views of one [2, pages, ...] tensor)",
+                    "k_cache and v_cache with the same strides (both views of one [2, pages, ...] tensor, "
+                    "or both made by torch.empty of one shape)",
                     "decode_kernel='cudnn' (16-bit caches)",
                 ],
             )

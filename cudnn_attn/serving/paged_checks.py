@@ -20,13 +20,13 @@ def check_device(device: Any) -> torch.device | None:
         return None
     try:
         resolved = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValidationError([f"device: {device!r} is not a torch device"], context="PagedAttention") from None
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise ValidationError([f"device: {device!r}: {error}"], context="PagedAttention") from None
     if resolved.type == "cuda":
         count = torch.cuda.device_count()  # 0 where torch has no CUDA build
         if count == 0:
             raise UnsupportedError(
-                [f"device: {device!r}, but torch sees no CUDA GPU on this host"],
+                [f"device: {device!r}, but torch sees no CUDA GPU on this host (or CUDA_VISIBLE_DEVICES hides them)"],
                 context="PagedAttention",
                 alternatives=["device='cpu' (the reference backend)", "device=None (the tensors' device)"],
             )
@@ -173,7 +173,7 @@ def _check_run(attn: Any, q: Any, k_cache: Any, v_cache: Any, out: Any, step: St
                 f"{name}: shape {list(t.shape)}; expected [num_pages, {', '.join(map(str, expected[1:]))}] "
                 f"({attn.kv_layout})"
             )
-        elif t.stride(-1) != 1:  # every path reads rows of D (the decode kernels assume it)
+        elif t.stride(-1) != 1 and t.shape[-1] != 1:  # the kernels and cuDNN read rows of D
             problems.append(f"{name}: strides {list(t.stride())}; the head dim must be contiguous (stride 1)")
     if v_cache.shape[0] != k_cache.shape[0]:
         problems.append(f"v_cache: {v_cache.shape[0]} pages, k_cache has {k_cache.shape[0]}")
