@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ..core.dtypes import FP8
+from ..errors import UnsupportedError
 from . import paged_decode_hopper
 from .launch import Launcher, sm_count
 from .lse_merge import merge_checked, split_targets
@@ -138,7 +139,19 @@ def paged_decode(
     else:  # "NPHD": [N, P, H_kv, D]
         kv_heads, page = k_cache.shape[2], k_cache.shape[1]
         stride_page, stride_head, stride_token = k_cache.stride(0), k_cache.stride(2), k_cache.stride(1)
-    assert v_cache.stride() == k_cache.stride(), "k and v caches share one layout"
+    if v_cache.stride() != k_cache.stride():  # the kernel walks V with K's strides
+        raise UnsupportedError(
+            [
+                f"v_cache: strides {list(v_cache.stride())} differ from k_cache's {list(k_cache.stride())}; "
+                "the decode kernel reads K and V with one set of strides"
+            ],
+            context="the paged decode kernel",
+            alternatives=[
+                "k_cache and v_cache with the same strides (both views of one [2, pages, ...] tensor, "
+                "or both made by torch.empty of one shape)",
+                "cuDNN's paged attention (PagedAttention(decode_kernel='cudnn'), 16-bit caches)",
+            ],
+        )
     group = heads // kv_heads
     rows = group * s_q
     block_d = max(16, 1 << (dim - 1).bit_length())

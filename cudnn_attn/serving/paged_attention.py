@@ -441,19 +441,6 @@ class PagedAttention:
                 sink=None if sink is None else sink.view(-1),
             )
             return
-        if v_cache.stride() != k_cache.stride():  # the kernel walks V with K's strides
-            raise UnsupportedError(
-                [
-                    f"v_cache: strides {list(v_cache.stride())} differ from k_cache's {list(k_cache.stride())}; "
-                    "the decode kernel reads K and V with one set of strides"
-                ],
-                context="PagedAttention.run",
-                alternatives=[
-                    "k_cache and v_cache with the same strides (both views of one [2, pages, ...] tensor, "
-                    "or both made by torch.empty of one shape)",
-                    "decode_kernel='cudnn' (16-bit caches)",
-                ],
-            )
         paged_decode.paged_decode(
             q,
             k_cache,
