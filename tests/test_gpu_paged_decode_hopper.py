@@ -159,3 +159,38 @@ def test_a_serving_step_on_hopper_takes_the_hopper_form_and_matches_the_referenc
     got = attn.run(q, k_cache, v_cache)
     assert attn.schedule.hopper and attn.schedule.kernel == "triton" and calls
     assert rel_err(got.cpu().double(), want) < 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("form", ["triton", "hopper"])
+def test_one_kv_heads_caches_that_differ_only_in_the_head_stride_are_read(form, monkeypatch):
+    """One K/V head, NHPD: K from ``torch.empty`` (head stride P*D), V a token-major tensor's
+    transpose (head stride D). torch calls both contiguous and the kernels never step along that
+    dim, so both forms read them as they are (neither refused nor sent elsewhere)."""
+    q, k_cache, v_cache, table, lengths, scale, sink, want = _case("mqa-many-splits")
+    v_other = torch.empty_like(v_cache.transpose(1, 2), memory_format=torch.contiguous_format)
+    v_other = v_other.copy_(v_cache.transpose(1, 2)).transpose(1, 2)  # [N, P, 1, D] memory
+    assert v_other.stride(1) != k_cache.stride(1) and v_other.is_contiguous() and k_cache.is_contiguous()
+    if form == "hopper" and not usable(q, k_cache, v_other, "NHPD"):
+        pytest.skip("the Hopper form needs an sm_90 GPU and Gluon")
+    calls = _counted(monkeypatch)
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    splits = CASES["mqa-many-splits"][7]
+    chunk = math.ceil(table.shape[1] / splits)
+    paged_decode(
+        q,
+        k_cache,
+        v_other,
+        table,
+        lens,
+        out,
+        scale=scale,
+        kv_layout="NHPD",
+        splits=math.ceil(table.shape[1] / chunk),
+        chunk_pages=chunk,
+        sink=sink.cuda(),
+        hopper=form == "hopper",
+    )
+    assert bool(calls) == (form == "hopper")
+    assert rel_err(out.cpu().double(), want) < 1e-2

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cudnn_attn.kernels.paged_decode_hopper import default_stages, tensors_fit, token_rows, usable
+from cudnn_attn.kernels.strides import strides_alike
 from cudnn_attn.ops.dispatch import DECODE_KERNELS
 from cudnn_attn.serving import schedule as paged_schedule
 from cudnn_attn.serving import step
@@ -89,6 +90,18 @@ def test_caches_of_other_shapes_strides_or_alignment_are_refused():
     shifted = torch.zeros(5 * 8 * 64 * 128 + 1, dtype=torch.bfloat16)[1:].view(5, 8, 64, 128)
     assert not tensors_fit(q, k, shifted, "NHPD")  # V's base not 16-byte aligned
     assert token_rows(k.expand(5, 8, 64, 128).as_strided((5, 8, 64, 128), (0, 0, 0, 1)), "NHPD") is None
+
+
+def test_one_kv_heads_caches_may_differ_in_the_head_dims_stride():
+    """With one K/V head the head index is always 0: a V whose size-1 head dim has another stride
+    (a token-major tensor's transpose, which torch calls contiguous) is walked as K is."""
+    q, k, v = _tensors(heads=8, kv_heads=1)
+    v_token_major = torch.empty_like(v.transpose(1, 2), memory_format=torch.contiguous_format)
+    v_token_major = v_token_major.copy_(v.transpose(1, 2)).transpose(1, 2)
+    assert v_token_major.stride() != k.stride() and strides_alike(v_token_major, k)
+    assert tensors_fit(q, k, v_token_major, "NHPD")
+    wider_pages = torch.zeros(5, 1, 128, 128, dtype=k.dtype)[:, :, :64]  # K's shape, pages further apart
+    assert not strides_alike(wider_pages, k) and not tensors_fit(q, k, wider_pages, "NHPD")
 
 
 def test_cpu_tensors_are_not_served():

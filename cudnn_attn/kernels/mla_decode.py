@@ -36,6 +36,7 @@ import torch
 from .launch import Launcher
 from .lse_merge import merge_checked, split_targets
 from .mla_decode_hopper import mla_decode_hopper, usable
+from .strides import strides_alike
 
 LOG2_E = 1.4426950408889634
 
@@ -106,7 +107,7 @@ def mla_decode(
     batch, heads, _, dim = q.shape
     token = 2 if kv_layout == "NHPD" else 1  # the token dim of [N, 1, P, D] or [N, P, 1, D]
     page, c_st, v_st = cache.shape[token], cache.stride(token), v_cache.stride(token)
-    latent = v_cache.data_ptr() == cache.data_ptr() and v_cache.stride() == cache.stride()
+    latent = v_cache.data_ptr() == cache.data_ptr() and strides_alike(v_cache, cache)
     o, (o_sb, o_ss, o_sh), lse, (l_sb, l_ss, l_sh) = split_targets(
         out, splits, heads, head_dim_v, partial_o, partial_lse
     )

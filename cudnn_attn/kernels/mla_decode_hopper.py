@@ -27,6 +27,7 @@ from . import mla_decode_hopper_kernel
 from .launch import Tma, is_hopper
 from .lse_merge import merge_checked, split_targets
 from .mla_decode_hopper_kernel import BLOCK_H, D_ROPE, D_V, LOG2_E, PAGE, SECOND, STAGES
+from .strides import strides_alike
 
 
 def serves(device: torch.device, page_size: int, head_dim: int, head_dim_v: int) -> bool:
@@ -50,7 +51,7 @@ def usable(q: torch.Tensor, cache: torch.Tensor, v_cache: torch.Tensor, kv_layou
         and q.dtype in (torch.float16, torch.bfloat16)
         and cache.dtype == q.dtype
         and v_cache.data_ptr() == cache.data_ptr()
-        and v_cache.stride() == cache.stride()
+        and strides_alike(v_cache, cache)
         and _rows(cache, token) is not None
     )
 

@@ -41,6 +41,7 @@ from ..errors import UnsupportedError
 from . import paged_decode_hopper
 from .launch import Launcher, sm_count
 from .lse_merge import merge_checked, split_targets
+from .strides import strides_alike
 
 LOG2_E = 1.4426950408889634
 MIN_ROWS = 16  # tl.dot needs 16 rows: smaller groups are padded
@@ -139,7 +140,7 @@ def paged_decode(
     else:  # "NPHD": [N, P, H_kv, D]
         kv_heads, page = k_cache.shape[2], k_cache.shape[1]
         stride_page, stride_head, stride_token = k_cache.stride(0), k_cache.stride(2), k_cache.stride(1)
-    if v_cache.stride() != k_cache.stride():  # the kernel walks V with K's strides
+    if not strides_alike(v_cache, k_cache):  # the kernel walks V with K's strides
         raise UnsupportedError(
             [
                 f"v_cache: strides {list(v_cache.stride())} differ from k_cache's {list(k_cache.stride())}; "

@@ -27,6 +27,7 @@ from . import paged_decode_hopper_kernel
 from .launch import Tma, is_hopper
 from .lse_merge import merge_checked, split_targets
 from .paged_decode_hopper_kernel import BLOCK_N, BLOCK_R, LOG2_E
+from .strides import strides_alike
 
 HEAD_DIMS = (64, 128, 256)
 PAGES = (16, 32, 64, 128, 256)
@@ -103,7 +104,7 @@ def tensors_fit(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
         q.dtype in (torch.float16, torch.bfloat16)
         and k_cache.dtype == q.dtype == v_cache.dtype
         and v_cache.shape == k_cache.shape
-        and v_cache.stride() == k_cache.stride()
+        and strides_alike(v_cache, k_cache)
         and k_cache.shape[-1] == q.shape[-1]
         and q.stride(-1) == 1
         and q.shape[1] % kv_heads == 0
