@@ -96,7 +96,8 @@ query = torch.randn(len(lengths), heads, 1, d, device=device, dtype=torch.bfloat
 out = attn.run(query, k_cache8, v_cache8, k_scale=k_scale, v_scale=v_scale)
 for i, n in enumerate(lengths):  # each sequence against float32 attention over its 16-bit cache
     keys, values = (c[table[i].long()].transpose(0, 1).flatten(1, 2)[:, :n].float() for c in (k_cache, v_cache))
-    alone = torch.nn.functional.scaled_dot_product_attention(query[i : i + 1].float(), keys[None], values[None],
-                                                             enable_gqa=True)  # fmt: skip
+    alone = torch.nn.functional.scaled_dot_product_attention(
+        query[i : i + 1].float(), keys[None], values[None], enable_gqa=True
+    )
     check(f"PagedAttention over FP8 caches, sequence {i}", out[i : i + 1], alone)
 print("all results match")

@@ -97,13 +97,17 @@ tokens, cu = tokens.to(device), cu.to(device)
 # 2. Packing changes nothing: the packed batch's logits equal each document's run alone.
 with torch.no_grad():
     packed_logits = model(tokens, cu, longest)
-    alone = [model(tokens[s:e], torch.tensor([0, e - s], dtype=torch.int32, device=device), e - s)
-             for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())]  # fmt: skip
+    alone = [
+        model(tokens[s:e], torch.tensor([0, e - s], dtype=torch.int32, device=device), e - s)
+        for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())
+    ]
 check("packed logits vs each document alone", rel_err(packed_logits, torch.cat(alone)), 2e-2)
 
 # 3. The attention itself against torch's SDPA per document, values and gradients.
-q, k, v = (torch.randn(int(cu[-1]), h, HEAD_DIM, device=device, dtype=dtype, requires_grad=True)
-           for h in (HEADS, KV_HEADS, KV_HEADS))  # fmt: skip
+q, k, v = (
+    torch.randn(int(cu[-1]), h, HEAD_DIM, device=device, dtype=dtype, requires_grad=True)
+    for h in (HEADS, KV_HEADS, KV_HEADS)
+)
 out = cudnn_attn.varlen_sdpa(q, k, v, cu, cu, longest, longest, is_causal=True, enable_gqa=True)
 out.float().square().mean().backward()
 leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
@@ -138,8 +142,10 @@ if gpu:
 elapsed = time.perf_counter() - started
 padded = sum((len(cu) - 1) * longest for _, cu, longest in batches)
 packed_tokens = sum(len(tokens) for tokens, _, _ in batches)
-print(f"  {len(batches)} packed batches of <= {BUDGET} tokens; padding each to its longest document would "
-      f"process {padded / packed_tokens:.2f}x the tokens")  # fmt: skip
+print(
+    f"  {len(batches)} packed batches of <= {BUDGET} tokens; padding each to its longest document would "
+    f"process {padded / packed_tokens:.2f}x the tokens"
+)
 print(
     f"  loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps, {seen / elapsed:,.0f} tokens/s on {device}"
 )

@@ -145,10 +145,21 @@ class Server:
     def __init__(self, model: TinyLM):
         self.model = model
         # Random, not zeros: a read of a slot no request wrote (or a stale page) shows in the checks.
-        self.caches = [[torch.randn(NUM_PAGES, KV_HEADS, PAGE, HEAD_DIM, device=device, dtype=dtype)
-                        for _ in range(2)] for _ in range(LAYERS)]  # fmt: skip
-        self.attn = cudnn_attn.PagedAttention(HEADS, KV_HEADS, HEAD_DIM, PAGE, dtype=dtype, device=device,
-                                              max_batch=MAX_BATCH, max_pages_per_seq=MAX_PAGES, cuda_graph=gpu)  # fmt: skip
+        self.caches = [
+            [torch.randn(NUM_PAGES, KV_HEADS, PAGE, HEAD_DIM, device=device, dtype=dtype) for _ in range(2)]
+            for _ in range(LAYERS)
+        ]
+        self.attn = cudnn_attn.PagedAttention(
+            HEADS,
+            KV_HEADS,
+            HEAD_DIM,
+            PAGE,
+            dtype=dtype,
+            device=device,
+            max_batch=MAX_BATCH,
+            max_pages_per_seq=MAX_PAGES,
+            cuda_graph=gpu,
+        )
         self.free_pages = random.Random(0).sample(range(1, NUM_PAGES), NUM_PAGES - 1)  # handed out in no order
         self.step_inputs = torch.zeros(4, MAX_BATCH, dtype=torch.long, device=device)  # token, position, page, offset
         self.attn_out = torch.empty(MAX_BATCH, HEADS, 1, HEAD_DIM, device=device, dtype=dtype)
@@ -209,8 +220,7 @@ class Server:
             k_cache, v_cache = self.caches[layer]
             k_cache[pages, :, offsets] = k
             v_cache[pages, :, offsets] = v
-            return cudnn_attn.varlen_sdpa(q, k, v, cu, cu, max(lengths), max(lengths), is_causal=True,
-                                          enable_gqa=True)  # fmt: skip
+            return cudnn_attn.varlen_sdpa(q, k, v, cu, cu, max(lengths), max(lengths), is_causal=True, enable_gqa=True)
 
         return self.model(tokens, positions, attend, last=(cu[1:] - 1).long())
 
@@ -252,8 +262,9 @@ class Server:
                 tokens = logits.argmax(-1).tolist()  # waits for the step
                 step_seconds.append(time.perf_counter() - start)
                 if record and (len(step_seconds) - 1) % CHECK_EVERY == 0:
-                    records["decode"] += [(list(seq.tokens), row)
-                                          for seq, row in list(zip(decoding.values(), logits))[:CHECK_ROWS]]  # fmt: skip
+                    records["decode"] += [
+                        (list(seq.tokens), row) for seq, row in list(zip(decoding.values(), logits))[:CHECK_ROWS]
+                    ]
                 for seq, row, token in zip(decoding.values(), logits, tokens):
                     seq.tokens.append(token)
                     seq.logits = row
@@ -261,8 +272,13 @@ class Server:
                 if seq.done:  # leaves: its slot and its pages are free for the next request
                     self.free_pages += seq.pages
                     done[seq.request.id] = running.pop(slot)
-        return {"done": done, "seconds": time.perf_counter() - started, "step_seconds": step_seconds,
-                "prefills": prefills, "records": records}  # fmt: skip
+        return {
+            "done": done,
+            "seconds": time.perf_counter() - started,
+            "step_seconds": step_seconds,
+            "prefills": prefills,
+            "records": records,
+        }
 
 
 # ---- checks -------------------------------------------------------------------------------------
@@ -288,15 +304,21 @@ gen = torch.Generator().manual_seed(1)
 requests = [
     Request(i, torch.randint(0, VOCAB, (int(n),), generator=gen).tolist(), int(m))
     for i, (n, m) in enumerate(
-        zip(torch.randint(PROMPT_LENGTHS[0], PROMPT_LENGTHS[1] + 1, (REQUESTS,), generator=gen),
-            torch.randint(NEW_TOKENS[0], NEW_TOKENS[1] + 1, (REQUESTS,), generator=gen))
+        zip(
+            torch.randint(PROMPT_LENGTHS[0], PROMPT_LENGTHS[1] + 1, (REQUESTS,), generator=gen),
+            torch.randint(NEW_TOKENS[0], NEW_TOKENS[1] + 1, (REQUESTS,), generator=gen),
+        )
     )
-]  # fmt: skip
+]
 model = TinyLM().to(device, dtype).eval()
-print(f"serving on {device}: {LAYERS} layers, hidden {HIDDEN}, {HEADS} query / {KV_HEADS} KV heads of {HEAD_DIM}; "
-      f"pages of {PAGE} tokens, {NUM_PAGES - 1} in the pool")  # fmt: skip
-print(f"  {REQUESTS} requests: prompts {PROMPT_LENGTHS[0]}-{PROMPT_LENGTHS[1]} tokens, {NEW_TOKENS[0]}-{NEW_TOKENS[1]} "
-      f"new tokens each, at most {MAX_BATCH} at a time{' (decode step in a CUDA graph)' if gpu else ''}")  # fmt: skip
+print(
+    f"serving on {device}: {LAYERS} layers, hidden {HIDDEN}, {HEADS} query / {KV_HEADS} KV heads of {HEAD_DIM}; "
+    f"pages of {PAGE} tokens, {NUM_PAGES - 1} in the pool"
+)
+print(
+    f"  {REQUESTS} requests: prompts {PROMPT_LENGTHS[0]}-{PROMPT_LENGTHS[1]} tokens, {NEW_TOKENS[0]}-{NEW_TOKENS[1]} "
+    f"new tokens each, at most {MAX_BATCH} at a time{' (decode step in a CUDA graph)' if gpu else ''}"
+)
 
 cache = cudnn_attn.default_cache()
 with torch.inference_mode():
@@ -309,11 +331,15 @@ with torch.inference_mode():
 
 generated = sum(len(seq.tokens) - len(seq.request.prompt) for seq in result["done"].values())
 steps = result["step_seconds"]
-print(f"  {generated} tokens in {result['seconds']:.2f} s: {generated / result['seconds']:,.0f} tokens/s; "
-      f"{result['prefills']} prefills, {len(steps)} decode steps of p50 {percentile(steps, 0.5) * 1e3:.2f} ms, "
-      f"p99 {percentile(steps, 0.99) * 1e3:.2f} ms")  # fmt: skip
-print(f"  plans built: {built} in the warm-up pass ({build_seconds:.2f} s), {stats['builds'] - built} in the timed "
-      f"pass; PagedAttention.plan() ran {server.attn.plans - plans_before} times, once per decode step")  # fmt: skip
+print(
+    f"  {generated} tokens in {result['seconds']:.2f} s: {generated / result['seconds']:,.0f} tokens/s; "
+    f"{result['prefills']} prefills, {len(steps)} decode steps of p50 {percentile(steps, 0.5) * 1e3:.2f} ms, "
+    f"p99 {percentile(steps, 0.99) * 1e3:.2f} ms"
+)
+print(
+    f"  plans built: {built} in the warm-up pass ({build_seconds:.2f} s), {stats['builds'] - built} in the timed "
+    f"pass; PagedAttention.plan() ran {server.attn.plans - plans_before} times, once per decode step"
+)
 if any(len(seq.tokens) != len(seq.request.prompt) + seq.request.max_new for seq in result["done"].values()):
     raise SystemExit("a request did not get the tokens it asked for")
 
@@ -339,6 +365,9 @@ with torch.inference_mode():
     if alone.tokens != batched.tokens:
         first = next(i for i, (a, b) in enumerate(zip(alone.tokens, batched.tokens)) if a != b)
         raise SystemExit(f"request {request.id}: token {first - len(request.prompt)} differs alone and in the batch")
-    check(f"request {request.id} (joined at decode step {batched.joined_at}) alone: its {request.max_new} tokens "
-          "equal the batch's; final logits", rel_err(batched.logits, alone.logits))  # fmt: skip
+    check(
+        f"request {request.id} (joined at decode step {batched.joined_at}) alone: its {request.max_new} tokens "
+        "equal the batch's; final logits",
+        rel_err(batched.logits, alone.logits),
+    )
 print("all results match")

@@ -71,8 +71,13 @@ def rank_main(rank: int, init_file: str) -> None:
     else:
         torch.set_num_threads(1)
     # A bounded timeout: a rank that fails leaves the other waiting in a collective at most this long.
-    dist.init_process_group("nccl" if GPU else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(minutes=5))  # fmt: skip
+    dist.init_process_group(
+        "nccl" if GPU else "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(minutes=5),
+    )
     torch.manual_seed(0)  # the same weights and data on every rank
     factory = {"device": device, "dtype": torch.bfloat16}
     layer = ContextParallelAttention(EMBED, HEADS, KV_HEADS, **factory)
@@ -82,8 +87,11 @@ def rank_main(rank: int, init_file: str) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
 
     # 1. The sharded layer against the same layer on the whole sequence, on one device.
-    say(f"Context parallelism over {WORLD} {'GPUs (NCCL)' if GPU else 'CPU processes (gloo)'}: "
-        f"causal attention layer, sequence of {SEQ} tokens, {SEQ // WORLD} per rank", flush=True)  # fmt: skip
+    say(
+        f"Context parallelism over {WORLD} {'GPUs (NCCL)' if GPU else 'CPU processes (gloo)'}: "
+        f"causal attention layer, sequence of {SEQ} tokens, {SEQ // WORLD} per rank",
+        flush=True,
+    )
     x_leaf = x_local.detach().requires_grad_()
     y_local = layer(x_leaf)
     y_local.float().square().sum().backward()
@@ -132,13 +140,15 @@ def rank_main(rank: int, init_file: str) -> None:
     window = (SEQ // 16, 0)
     q, k, v = (torch.randn(SEQ, heads, EMBED // HEADS, **factory) for heads in (HEADS, KV_HEADS, KV_HEADS))
     q_local, k_local, v_local = (shard(t, cu_seqlens=cu) for t in (q, k, v))
-    out_local = context_parallel_sdpa(q_local, k_local, v_local, cu_seqlens=cu, is_causal=True, enable_gqa=True,
-                                      window_size=window)  # fmt: skip
+    out_local = context_parallel_sdpa(
+        q_local, k_local, v_local, cu_seqlens=cu, is_causal=True, enable_gqa=True, window_size=window
+    )
     out = unshard(out_local, cu_seqlens=cu)
     say(f"Packed documents of {lengths} tokens, causal within each, window {window[0]}", flush=True)
     if rank == 0:
-        expected = cudnn_attn.varlen_sdpa(q, k, v, cu, cu, max(lengths), max(lengths), is_causal=True,
-                                          window_size=window)  # fmt: skip
+        expected = cudnn_attn.varlen_sdpa(
+            q, k, v, cu, cu, max(lengths), max(lengths), is_causal=True, window_size=window
+        )
         check("packed documents against one device", rel_err(out, expected), failures)
     dist.barrier()
     dist.destroy_process_group()

@@ -30,8 +30,9 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 # 1. The low-level graph, as the frontend's notebook 50 writes it.
-graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
-                      compute_data_type=cudnn.data_type.FLOAT)  # fmt: skip
+graph = cudnn.pygraph(
+    io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT, compute_data_type=cudnn.data_type.FLOAT
+)
 q, k, v = (graph.tensor_like(t) for t in (q_t, k_t, v_t))
 o, _ = graph.sdpa(name="sdpa", q=q, k=k, v=v, is_inference=True, attn_scale=scale, use_causal_mask=True)
 o.set_output(True).set_dim(q_t.shape).set_stride(q_t.stride())
@@ -56,8 +57,9 @@ print(f"pythonic Graph, forward: rel_err={rel_err(out, expected):.2e}")
 
 names = ["bwd::q", "bwd::k", "bwd::v", "bwd::o", "bwd::stats", "bwd::dO"]  # the frontend's order
 with cudnn.Graph(inputs=names, outputs=["dQ", "dK", "dV"]) as bwd:
-    grads = bwd.sdpa_backward(name="bwd", q=q_t, k=k_t, v=v_t, o=out, dO=d_o_t, stats=lse, attn_scale=scale,
-                              use_causal_mask=True)  # fmt: skip
+    grads = bwd.sdpa_backward(
+        name="bwd", q=q_t, k=k_t, v=v_t, o=out, dO=d_o_t, stats=lse, attn_scale=scale, use_causal_mask=True
+    )
     for grad, name in zip(grads, ("dQ", "dK", "dV")):
         grad.set_output(True).set_name(name)
 d_q, d_k, d_v = bwd(q_t, k_t, v_t, out, lse, d_o_t, handle=handle)
@@ -78,17 +80,30 @@ print(f"plan cache after three rebuilds: {cudnn.default_cache().stats()['builds'
 #    ragged offset (in elements); seq_len_q/seq_len_kv say how many rows each has.
 lengths = torch.tensor([100, 256], dtype=torch.int32, device=device).view(B, 1, 1, 1)
 offsets = (torch.cat([lengths.new_zeros(1, 1, 1, 1), lengths.cumsum(0)]) * H * D).to(torch.int64)
-packed = [torch.randn(B * S * H * D, device=device, dtype=dtype).as_strided((B, H, S, D), (S * H * D, D, H * D, 1))
-          for _ in range(4)]  # q, k, v and O, each one buffer with room for B * S tokens  # fmt: skip
-thd = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
-                    compute_data_type=cudnn.data_type.FLOAT)  # fmt: skip
+packed = [
+    torch.randn(B * S * H * D, device=device, dtype=dtype).as_strided((B, H, S, D), (S * H * D, D, H * D, 1))
+    for _ in range(4)
+]  # q, k, v and O, each one buffer with room for B * S tokens
+thd = cudnn.pygraph(
+    io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT, compute_data_type=cudnn.data_type.FLOAT
+)
 q, k, v = (thd.tensor_like(t) for t in packed[:3])
 ragged_offset = thd.tensor_like(offsets)
 for t in (q, k, v):
     t.set_ragged_offset(ragged_offset)
 seq_len = thd.tensor_like(lengths)
-o, _ = thd.sdpa(name="sdpa", q=q, k=k, v=v, is_inference=True, attn_scale=scale, use_causal_mask=True,
-                use_padding_mask=True, seq_len_q=seq_len, seq_len_kv=seq_len)  # fmt: skip
+o, _ = thd.sdpa(
+    name="sdpa",
+    q=q,
+    k=k,
+    v=v,
+    is_inference=True,
+    attn_scale=scale,
+    use_causal_mask=True,
+    use_padding_mask=True,
+    seq_len_q=seq_len,
+    seq_len_kv=seq_len,
+)
 o.set_output(True).set_dim(packed[3].shape).set_stride(packed[3].stride()).set_ragged_offset(ragged_offset)
 thd.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
 thd.execute({q: packed[0], k: packed[1], v: packed[2], o: packed[3], ragged_offset: offsets, seq_len: lengths}, None)

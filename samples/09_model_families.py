@@ -57,8 +57,9 @@ def attention(q, k, v, *, causal=True, window=None, sinks=None, softcap=None, of
 
 # 1. gpt-oss: a layer with learned sinks and a sliding window, one training step --------------------
 hidden, heads, kv_heads, window, seq = (4096, 64, 8, 128, 1024) if gpu else (256, 8, 2, 16, 64)  # head dim 64
-layer = Attention(hidden, heads, num_kv_heads=kv_heads, causal=True, sinks=True, window=window, device=device,
-                  dtype=dtype)  # fmt: skip
+layer = Attention(
+    hidden, heads, num_kv_heads=kv_heads, causal=True, sinks=True, window=window, device=device, dtype=dtype
+)
 with torch.no_grad():
     layer.sinks.normal_()  # as trained sinks are: not the initial zeros
 x = torch.randn(2, seq, hidden, device=device, dtype=dtype)
@@ -93,8 +94,10 @@ cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.in
 qp = torch.randn(sum(lengths), heads, d, device=device, dtype=dtype)
 kp, vp = (torch.randn(sum(lengths), kv_heads, d, device=device, dtype=dtype) for _ in range(2))
 out = cudnn_attn.varlen_sdpa(qp, kp, vp, cu, cu, seq, seq, is_causal=True, enable_gqa=True, softcap=cap)
-alone = [attention(*(t[int(cu[i]) : int(cu[i + 1])].transpose(0, 1)[None] for t in (qp, kp, vp)), softcap=cap)[0]
-         for i in range(len(lengths))]  # fmt: skip
+alone = [
+    attention(*(t[int(cu[i]) : int(cu[i + 1])].transpose(0, 1)[None] for t in (qp, kp, vp)), softcap=cap)[0]
+    for i in range(len(lengths))
+]
 check("Gemma-2 varlen_sdpa(softcap=), 4 packed sequences", out, torch.cat([o.transpose(0, 1) for o in alone]))
 
 
@@ -117,16 +120,18 @@ q = torch.randn(len(lengths), heads, 1, d, device=device, dtype=dtype)
 attn = cudnn_attn.PagedAttention(heads, kv_heads, d, page, dtype=dtype, device=device)
 attn.plan(table, seq_lens)
 out = attn.run(q, cache_k, cache_v, sinks=sinks)
-want = torch.cat([attention(q[i : i + 1], keys[i][None], values[i][None], causal=False, sinks=sinks)
-                  for i in range(len(lengths))])  # fmt: skip
+want = torch.cat(
+    [attention(q[i : i + 1], keys[i][None], values[i][None], causal=False, sinks=sinks) for i in range(len(lengths))]
+)
 check("gpt-oss decode step with sinks (PagedAttention)", out, want)
 
 heads, latent, rope = (128, 512, 64) if gpu else (16, 64, 16)
 lengths = [4096, 300, 1000] if gpu else [40, 3, 17]
 cache, table, seq_lens, latents = paged(lengths, max(lengths) // page + 1, page, 1, latent + rope)
 q = torch.randn(len(lengths), heads, 1, latent + rope, device=device, dtype=dtype)
-mla = cudnn_attn.PagedAttention(heads, 1, latent + rope, page, head_dim_v=latent, scale=192**-0.5, dtype=dtype,
-                                device=device)  # fmt: skip
+mla = cudnn_attn.PagedAttention(
+    heads, 1, latent + rope, page, head_dim_v=latent, scale=192**-0.5, dtype=dtype, device=device
+)
 mla.plan(table, seq_lens)
 out = mla.run(q, cache, cache[..., :latent])  # V is the latent itself: a view, no copy
 want = []

@@ -33,8 +33,13 @@ class Case:
 
     @property
     def id(self) -> str:
-        parts = [str(self.dtype).removeprefix("torch."), self.layout, f"b{self.b}h{self.h_q}-{self.h_kv}",
-                 f"s{self.s_q}x{self.s_kv}", f"d{self.d_qk}-{self.d_v}"]  # fmt: skip
+        parts = [
+            str(self.dtype).removeprefix("torch."),
+            self.layout,
+            f"b{self.b}h{self.h_q}-{self.h_kv}",
+            f"s{self.s_q}x{self.s_kv}",
+            f"d{self.d_qk}-{self.d_v}",
+        ]
         parts += [f"{k}={v}" for k, v in self.options]
         if self.bias:
             parts.append("bias" + "x".join(map(str, self.bias)))

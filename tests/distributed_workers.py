@@ -113,8 +113,9 @@ def main(rank: int, world: int, init_file: str, backend: str, cases: list, resul
     if backend == "nccl":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    dist.init_process_group(
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
     try:
         for index, case in enumerate(cases):
             try:
@@ -149,9 +150,18 @@ def _attention(case: Attention, rank: int, world: int, device: torch.device, ind
     leaves = {n: local[n].detach().requires_grad_() for n in "qkv"}
     sinks = _sinks(case.sinks, case.heads, gen, device)
     window = (-1, -1) if case.window is None else (case.window, 0)
-    out = context_parallel_sdpa(leaves["q"], leaves["k"], leaves["v"], is_causal=case.is_causal, scale=case.scale,
-                                mode=case.mode, enable_gqa=case.kv_heads != case.heads, layout=case.layout,
-                                window_size=window, sinks=sinks)  # fmt: skip
+    out = context_parallel_sdpa(
+        leaves["q"],
+        leaves["k"],
+        leaves["v"],
+        is_causal=case.is_causal,
+        scale=case.scale,
+        mode=case.mode,
+        enable_gqa=case.kv_heads != case.heads,
+        layout=case.layout,
+        window_size=window,
+        sinks=sinks,
+    )
     out.backward(local["d_out"])
     gathered = {"out": out, **{f"d{n}": leaves[n].grad for n in "qkv"}}
     ours = {name: unshard(t.contiguous(), seq_dim=2, layout=case.layout) for name, t in gathered.items()}
@@ -175,9 +185,19 @@ def _packed(case: Packed, rank: int, world: int, device: torch.device, index: in
     leaves = {n: local[n].detach().requires_grad_() for n in "qkv"}
     sinks = _sinks(case.sinks, case.heads, gen, device)
     window = (-1, -1) if case.window is None else (case.window, 0)
-    out = context_parallel_sdpa(leaves["q"], leaves["k"], leaves["v"], cu_seqlens=cu, max_seqlen=max(lengths),
-                                is_causal=case.is_causal, mode=case.mode, enable_gqa=case.kv_heads != case.heads,
-                                layout=case.layout, window_size=window, sinks=sinks)  # fmt: skip
+    out = context_parallel_sdpa(
+        leaves["q"],
+        leaves["k"],
+        leaves["v"],
+        cu_seqlens=cu,
+        max_seqlen=max(lengths),
+        is_causal=case.is_causal,
+        mode=case.mode,
+        enable_gqa=case.kv_heads != case.heads,
+        layout=case.layout,
+        window_size=window,
+        sinks=sinks,
+    )
     out.backward(local["d_out"])
     gathered = {"out": out, **{f"d{n}": leaves[n].grad for n in "qkv"}}
     ours = {name: unshard(x.contiguous(), cu_seqlens=cu, layout=case.layout) for name, x in gathered.items()}
@@ -285,9 +305,22 @@ def _packed_round_trip(case: PackedRoundTrip, rank: int, world: int, device: tor
 
 
 def _refusal(case: Refusal, rank: int, world: int, device: torch.device, index: int) -> dict[str, str]:
-    call = {"seq": 8, "heads": 2, "kv_heads": 2, "dtype": "bfloat16", "dims": 4, "mode": "p2p", "layout": "zigzag",
-            "enable_gqa": False, "is_causal": True, "cu": None, "window": (-1, -1), "sinks": None, **case.call,
-            **case.per_rank.get(rank, {})}  # fmt: skip
+    call = {
+        "seq": 8,
+        "heads": 2,
+        "kv_heads": 2,
+        "dtype": "bfloat16",
+        "dims": 4,
+        "mode": "p2p",
+        "layout": "zigzag",
+        "enable_gqa": False,
+        "is_causal": True,
+        "cu": None,
+        "window": (-1, -1),
+        "sinks": None,
+        **case.call,
+        **case.per_rank.get(rank, {}),
+    }
     dtype = getattr(torch, call["dtype"])
     cu = None
     if call["cu"] == "float":
@@ -309,10 +342,18 @@ def _refusal(case: Refusal, rank: int, world: int, device: torch.device, index: 
         elif case.op == "unshard":
             unshard(tensor(call["heads"]), seq_dim=seq_dim, layout=call["layout"], cu_seqlens=cu)
         else:
-            context_parallel_sdpa(tensor(call["heads"]), tensor(call["kv_heads"]), tensor(call["kv_heads"]),
-                                  is_causal=call["is_causal"], mode=call["mode"], layout=call["layout"],
-                                  enable_gqa=call["enable_gqa"], cu_seqlens=cu, window_size=call["window"],
-                                  sinks=sinks)  # fmt: skip
+            context_parallel_sdpa(
+                tensor(call["heads"]),
+                tensor(call["kv_heads"]),
+                tensor(call["kv_heads"]),
+                is_causal=call["is_causal"],
+                mode=call["mode"],
+                layout=call["layout"],
+                enable_gqa=call["enable_gqa"],
+                cu_seqlens=cu,
+                window_size=call["window"],
+                sinks=sinks,
+            )
     except Exception as error:
         return {"raised": type(error).__name__, "message": str(error)}
     return {"raised": "nothing", "message": ""}

@@ -50,8 +50,9 @@ class ForwardCase:
     scale_o: torch.Tensor
 
 
-def forward_case(device: str, *, h_kv: int = H, causal: bool = True, sink: bool = True, spread: float = 1.0,
-                 seed: int = 0) -> ForwardCase:  # fmt: skip
+def forward_case(
+    device: str, *, h_kv: int = H, causal: bool = True, sink: bool = True, spread: float = 1.0, seed: int = 0
+) -> ForwardCase:
     q = _randn(B, H, S, D, seed=seed) * spread
     k, v = _randn(B, h_kv, S, D, seed=seed + 1), _randn(B, h_kv, S, D, seed=seed + 2)
     (q8, dq), (k8, dk), (v8, dv) = (_quantised(x) for x in (q, k, v))
@@ -88,8 +89,24 @@ def backward_case(device: str, seed: int = 5) -> BackwardCase:
     q8, k8, v8, dq, dk, dv, descale_s, scale_s, _ = fwd.args
     scale_dp = torch.full((1, 1, 1, 1), 2.0**10)  # dS is small: scaled up into E5M2's range
     grad_scales = tuple(_scale(g) for g in grads[:3])
-    args = (q8, k8, v8, o8, do8, lse.detach().float(), dq, dk, dv, descale_o, descale_do, descale_s,
-            1.0 / scale_dp, scale_s, *grad_scales, scale_dp)  # fmt: skip
+    args = (
+        q8,
+        k8,
+        v8,
+        o8,
+        do8,
+        lse.detach().float(),
+        dq,
+        dk,
+        dv,
+        descale_o,
+        descale_do,
+        descale_s,
+        1.0 / scale_dp,
+        scale_s,
+        *grad_scales,
+        scale_dp,
+    )
     return BackwardCase(
         args=tuple(t.to(device) for t in args),
         sink=fwd.sink.to(device),

@@ -234,8 +234,15 @@ def run_case(case: Case) -> list[Finding]:
                     return found(f"wrong error class {type(error).__name__}", _first_line(error))
                 if not str(error).strip():
                     return found("library error with an empty message", repr(error))
-                if case.names and not isinstance(error, cudnn_attn.GraphStateError) and not _names_any(str(error), case.names):  # fmt: skip
-                    return found(f"{type(error).__name__} does not name the argument", f"expected one of {list(case.names)} in: {_first_line(error)}")  # fmt: skip
+                if (
+                    case.names
+                    and not isinstance(error, cudnn_attn.GraphStateError)
+                    and not _names_any(str(error), case.names)
+                ):
+                    return found(
+                        f"{type(error).__name__} does not name the argument",
+                        f"expected one of {list(case.names)} in: {_first_line(error)}",
+                    )
                 return case.notes
             except (CaseTimeout, KeyboardInterrupt):
                 raise
@@ -435,37 +442,77 @@ def _names_any(message: str, names) -> bool:
 
 # What a refusal of each malformed request must name (any one of them), by the mutation's label.
 GRAPH_ARGUMENTS = {
-    "q-": ("q",), "k-": ("k",), "v-": ("v",), "kv-heads": ("k", "v"), "k-batch": ("k", "v"),
-    "headdim-": ("q", "k", "v", "d_qk", "d_v"), "b-0": ("q", "k", "v"), "sq-0": ("q",), "skv-0": ("k", "v"),
-    "h-0": ("q", "k", "v"), "bias-": ("attn_bias", "bias"), "both-causal": ("use_causal_mask", "use_causal_mask_bottom_right"),
-    "window-": ("sliding_window_length",), "causal-str": ("use_causal_mask",), "alibi-str": ("use_alibi_mask",),
+    "q-": ("q",),
+    "k-": ("k",),
+    "v-": ("v",),
+    "kv-heads": ("k", "v"),
+    "k-batch": ("k", "v"),
+    "headdim-": ("q", "k", "v", "d_qk", "d_v"),
+    "b-0": ("q", "k", "v"),
+    "sq-0": ("q",),
+    "skv-0": ("k", "v"),
+    "h-0": ("q", "k", "v"),
+    "bias-": ("attn_bias", "bias"),
+    "both-causal": ("use_causal_mask", "use_causal_mask_bottom_right"),
+    "window-": ("sliding_window_length",),
+    "causal-str": ("use_causal_mask",),
+    "alibi-str": ("use_alibi_mask",),
     "padding-no-lengths": ("seq_len_q", "seq_len_kv", "use_padding_mask"),
-    "lengths-no-padding": ("seq_len_q", "seq_len_kv", "use_padding_mask"), "seq-len-": ("seq_len_q", "seq_len_kv"),
-    "dropout": ("dropout", "dropout_seed", "dropout_offset"), "attn_scale=": ("attn_scale",),
-    "stats-contradiction": ("generate_stats", "is_inference"), "stats-flag-str": ("generate_stats",),
-    "io-dtype": ("io_data_type",), "backend-garbage": ("backend",),
-    "paged-max-without-tables": ("paged_attention_max_seq_len_kv",), "dO-": ("dO",), "o-": ("o",),
+    "lengths-no-padding": ("seq_len_q", "seq_len_kv", "use_padding_mask"),
+    "seq-len-": ("seq_len_q", "seq_len_kv"),
+    "dropout": ("dropout", "dropout_seed", "dropout_offset"),
+    "attn_scale=": ("attn_scale",),
+    "stats-contradiction": ("generate_stats", "is_inference"),
+    "stats-flag-str": ("generate_stats",),
+    "io-dtype": ("io_data_type",),
+    "backend-garbage": ("backend",),
+    "paged-max-without-tables": ("paged_attention_max_seq_len_kv",),
+    "dO-": ("dO",),
+    "o-": ("o",),
     "stats-": ("stats",),
-}  # fmt: skip
+}
 FUNCTIONAL_ARGUMENTS = {
-    "q-": ("query",), "k-": ("key",), "v-": ("value",), "mask-and-causal": ("attn_mask", "is_causal"),
-    "mask-": ("attn_mask",), "scale=": ("scale",), "is_causal=": ("is_causal",), "dropout_p=": ("dropout_p",),
-    "enable_gqa=": ("enable_gqa",), "e-mismatch": ("query", "key"), "s-mismatch": ("key", "value"),
-    "batch-mismatch": ("query", "key", "value"), "rank-mismatch": ("query", "key", "value"),
-    "gqa-not-dividing": ("query", "key", "value", "enable_gqa"), "heads-without-gqa": ("query", "key", "value", "enable_gqa"),
+    "q-": ("query",),
+    "k-": ("key",),
+    "v-": ("value",),
+    "mask-and-causal": ("attn_mask", "is_causal"),
+    "mask-": ("attn_mask",),
+    "scale=": ("scale",),
+    "is_causal=": ("is_causal",),
+    "dropout_p=": ("dropout_p",),
+    "enable_gqa=": ("enable_gqa",),
+    "e-mismatch": ("query", "key"),
+    "s-mismatch": ("key", "value"),
+    "batch-mismatch": ("query", "key", "value"),
+    "rank-mismatch": ("query", "key", "value"),
+    "gqa-not-dividing": ("query", "key", "value", "enable_gqa"),
+    "heads-without-gqa": ("query", "key", "value", "enable_gqa"),
     "headdim-0": ("query", "key"),
-}  # fmt: skip
+}
 PAGED_ARGUMENTS = {
-    "cache-": ("k",), "kv-heads": ("k", "v"), "v-cache-shape": ("v",), "table-": ("page_table", "page_table_k", "paged_attention_k_table"),
-    "seq-len-kv-": ("seq_len_kv",), "no-seq-len-kv": ("seq_len_kv",), "seq-len-q-": ("seq_len_q",),
-    "layout-name": ("kv_cache_layout",), "max-": ("max_seq_len_kv", "paged_attention_max_seq_len_kv"), "q-thd": ("q", "seq_len_q"),
+    "cache-": ("k",),
+    "kv-heads": ("k", "v"),
+    "v-cache-shape": ("v",),
+    "table-": ("page_table", "page_table_k", "paged_attention_k_table"),
+    "seq-len-kv-": ("seq_len_kv",),
+    "no-seq-len-kv": ("seq_len_kv",),
+    "seq-len-q-": ("seq_len_q",),
+    "layout-name": ("kv_cache_layout",),
+    "max-": ("max_seq_len_kv", "paged_attention_max_seq_len_kv"),
+    "q-thd": ("q", "seq_len_q"),
     "table-None": ("page_table", "paged_attention_k_table", "k", "v"),  # g.sdpa without a table: k, v read as dense
-}  # fmt: skip
+}
 THD_ARGUMENTS = {
-    "sum-over-T": ("seq_len_q", "seq_len_kv"), "len-over-max": ("seq_len_q", "max_seq_len_q"), "len-negative": ("seq_len_kv",),
-    "k-rank4": ("k",), "no-seq-len-kv": ("seq_len_kv",), "no-seq-len-q": ("seq_len_q",),
-    "len-shapes-differ": ("seq_len_q", "seq_len_kv"), "tk-ne-tv": ("k", "v"), "max-": ("max_seq_len_q", "max_seq_len_kv"),
-}  # fmt: skip
+    "sum-over-T": ("seq_len_q", "seq_len_kv"),
+    "len-over-max": ("seq_len_q", "max_seq_len_q"),
+    "len-negative": ("seq_len_kv",),
+    "k-rank4": ("k",),
+    "no-seq-len-kv": ("seq_len_kv",),
+    "no-seq-len-q": ("seq_len_q",),
+    "len-shapes-differ": ("seq_len_q", "seq_len_kv"),
+    "tk-ne-tv": ("k", "v"),
+    "max-": ("max_seq_len_q", "max_seq_len_kv"),
+}
 
 
 def arguments_for(label: str, table: dict) -> tuple:
@@ -504,9 +551,18 @@ MAKERS: dict[str, Callable[[random.Random, torch.Generator], Case]] = {}  # fill
 # the device, never read on the host (core/bounds.py), so such a request may run there ("either"; its
 # rows are meaningless, so unchecked). On the CPU they are refused, naming the value.
 DEVICE_VALUE_MUTATIONS = {
-    "seq-len-too-big", "seq-len-negative", "run:lengths-range", "sum-over-T", "len-over-max", "len-negative",
-    "table-index-high", "table-index-neg", "seq-len-kv-over", "seq-len-kv-neg", "seq-len-q-over",
-}  # fmt: skip
+    "seq-len-too-big",
+    "seq-len-negative",
+    "run:lengths-range",
+    "sum-over-T",
+    "len-over-max",
+    "len-negative",
+    "table-index-high",
+    "table-index-neg",
+    "seq-len-kv-over",
+    "seq-len-kv-neg",
+    "seq-len-q-over",
+}
 
 
 def make_case(op: str, seed: int, target: str | Target = "cpu") -> Case:
@@ -3533,9 +3589,12 @@ def _fp8_graph_case(rng: random.Random, gen: torch.Generator) -> Case:
             allowed = scores_mask(b, h_q, s_q, s_kv, causal=causal, window=window, lq=lq, lkv=lkv)
             assert as_tensor(o).dtype == fp8, f"O: dtype {as_tensor(o).dtype}, expected {fp8} (q's)"
             assert_close(
-                "O (dequantised)", dequantised(o, 1.0 / float(scale_o)), o64, FP8_TOL[fp8],
+                "O (dequantised)",
+                dequantised(o, 1.0 / float(scale_o)),
+                o64,
+                FP8_TOL[fp8],
                 rows_zero=empty_rows(allowed, o64.shape),
-            )  # fmt: skip
+            )
             if want_stats:
                 assert_close("Stats", results[1], lse, FP8_STATS_TOL, torch.float32)
             top = float(o64.abs().max())
@@ -3547,9 +3606,21 @@ def _fp8_graph_case(rng: random.Random, gen: torch.Generator) -> Case:
                 f"Amax_S {amax_s:.4g}; max P {float(probs.max()):.4g} (a softmax's max lies in (0, 1])"
             )
 
-        features = "+".join(x for x in (causal or "", "window" if window else "", "padding" if lq else "",
-                                        "gqa" if h_kv != h_q else "", "e5m2" if fp8 == E5M2 else "",
-                                        "d8" if d == 8 else "") if x) or "plain"  # fmt: skip
+        features = (
+            "+".join(
+                x
+                for x in (
+                    causal or "",
+                    "window" if window else "",
+                    "padding" if lq else "",
+                    "gqa" if h_kv != h_q else "",
+                    "e5m2" if fp8 == E5M2 else "",
+                    "d8" if d == 8 else "",
+                )
+                if x
+            )
+            or "plain"
+        )
         return _new_case(VALID, f"fp8/graph/valid/{features}", base, call, check)
     if r < 0.7:
         outs_spec = [((b, h_q, s_q, d_v), contiguous_stride((b, h_q, s_q, d_v)), fp8)]
@@ -3565,8 +3636,21 @@ def _fp8_graph_case(rng: random.Random, gen: torch.Generator) -> Case:
             return g(*args, **run_kw)
 
         return _new_case(MALFORMED, f"fp8/graph/{label}", f"g(...) {label} on {base}", call)
-    m = rng.choice(["descale-f16", "descale-shape", "scale-None", "q-bf16", "qkv-bf16", "k-headdim",
-                    "kv-heads", "k-dtype", "stats-contradiction", "scale-nontensor", "descale-meta"])  # fmt: skip
+    m = rng.choice(
+        [
+            "descale-f16",
+            "descale-shape",
+            "scale-None",
+            "q-bf16",
+            "qkv-bf16",
+            "k-headdim",
+            "kv-heads",
+            "k-dtype",
+            "stats-contradiction",
+            "scale-nontensor",
+            "descale-meta",
+        ]
+    )
     roles = {"q": q8, "k": k8, "v": v8}
     sc = list(scales)
     kw2 = dict(kw)
@@ -3682,12 +3766,26 @@ def _fp8_functional_case(rng: random.Random, gen: torch.Generator) -> Case:
                 if backward == "none":
                     continue
                 q4, k4, v4, o4, do4 = (x.unsqueeze(0) if rank == 3 else x for x in (qi, ki, vi, o64, d_o))
-                expected = grads64(q4, k4, v4, o4, do4, scale=scale if scale is not None else e**-0.5,
-                                   allowed=allowed if rank == 4 else allowed.unsqueeze(0))  # fmt: skip
+                expected = grads64(
+                    q4,
+                    k4,
+                    v4,
+                    o4,
+                    do4,
+                    scale=scale if scale is not None else e**-0.5,
+                    allowed=allowed if rank == 4 else allowed.unsqueeze(0),
+                )
                 floors = (0.0, 0.0, 0.0)
                 if backward == "fp8":
-                    floors = gradient_floors(q4, k4, v4, o4, do4, scale=scale if scale is not None else e**-0.5,
-                                                 allowed=allowed if rank == 4 else allowed.unsqueeze(0))  # fmt: skip
+                    floors = gradient_floors(
+                        q4,
+                        k4,
+                        v4,
+                        o4,
+                        do4,
+                        scale=scale if scale is not None else e**-0.5,
+                        allowed=allowed if rank == 4 else allowed.unsqueeze(0),
+                    )
                 for name, actual, exp, floor in zip(("dQ", "dK", "dV"), grads[i], expected[:3], floors):
                     assert actual is not None, f"{name}: no gradient"
                     exp = exp.squeeze(0) if rank == 3 else exp
@@ -3695,13 +3793,37 @@ def _fp8_functional_case(rng: random.Random, gen: torch.Generator) -> Case:
                     limit = FP8_GRAD_TOL if backward == "fp8" else 2 * tol(dtype)
                     assert_close(f"{name} (call {i + 1}, backward={backward})", actual, exp, limit, dtype, floor=floor)
 
-        label = "+".join(x for x in ("causal" if is_causal else "", "gqa" if gqa else "", f"rank{rank}" if rank == 3
-                                     else "", "delayed" if delayed else "", f"grad-{backward}" if backward != "none"
-                                     else "") if x) or "plain"  # fmt: skip
+        label = (
+            "+".join(
+                x
+                for x in (
+                    "causal" if is_causal else "",
+                    "gqa" if gqa else "",
+                    f"rank{rank}" if rank == 3 else "",
+                    "delayed" if delayed else "",
+                    f"grad-{backward}" if backward != "none" else "",
+                )
+                if x
+            )
+            or "plain"
+        )
         return _new_case(VALID, f"fp8/functional/valid/{label}", base, call, check)
-    m = rng.choice(["attn_mask", "backward-int8", "backward-fp8-no-scaling", "scaling-str", "query-fp8",
-                    "key-dtype", "heads-not-dividing", "headdim-mismatch", "scale-nan", "is_causal-str",
-                    "float32", "zero-size"])  # fmt: skip
+    m = rng.choice(
+        [
+            "attn_mask",
+            "backward-int8",
+            "backward-fp8-no-scaling",
+            "scaling-str",
+            "query-fp8",
+            "key-dtype",
+            "heads-not-dividing",
+            "headdim-mismatch",
+            "scale-nan",
+            "is_causal-str",
+            "float32",
+            "zero-size",
+        ]
+    )
     args, kw2, expect, names = [q, k, v], dict(kw), MALFORMED, ()
     kw2.pop("backward", None)
     if m == "attn_mask":
@@ -3945,11 +4067,30 @@ def _dropout_readback_case(rng: random.Random, gen: torch.Generator) -> Case:
                     f"dropout: the {name} drew the same mask"
                 )
         if fused_backward:
-            _check_grads(first[2:], Attn(dtype, b, h_q, h_kv, s_q, s_kv, d_qk, d_v, scale=scale, p=p), q, k, v, o,
-                         d_o, allowed, None, keep)  # fmt: skip
+            _check_grads(
+                first[2:],
+                Attn(dtype, b, h_q, h_kv, s_q, s_kv, d_qk, d_v, scale=scale, p=p),
+                q,
+                k,
+                v,
+                o,
+                d_o,
+                allowed,
+                None,
+                keep,
+            )
 
-    features = "+".join(x for x in (causal or "", "padding" if lq else "", "gqa" if h_kv != h_q else "",
-                                    "backward" if fused_backward else "", "seed-tensors" if as_tensors else "") if x)  # fmt: skip
+    features = "+".join(
+        x
+        for x in (
+            causal or "",
+            "padding" if lq else "",
+            "gqa" if h_kv != h_q else "",
+            "backward" if fused_backward else "",
+            "seed-tensors" if as_tensors else "",
+        )
+        if x
+    )
     return _new_case(VALID, f"dropout/readback/valid/{features or 'plain'}", desc, call, check)
 
 
@@ -4111,10 +4252,25 @@ def summarize(findings: list[Finding]) -> str:
 # Requests per op: the normal GPU suite (``-m gpu``) and the full run (``-m "gpu and slow"``). The
 # full run's seeds start at FULL_FIRST_SEED, so the two never repeat a request.
 GPU_CAMPAIGN = {
-    "normal": {"sdpa": 50, "sdpa_thd": 25, "sdpa_backward": 40, "paged": 35, "functional": 45, "fp8": 30, "dropout": 25},
-    "full": {"sdpa": 400, "sdpa_thd": 200, "sdpa_backward": 350, "paged": 300, "functional": 350, "fp8": 250,
-             "dropout": 150},
-}  # fmt: skip
+    "normal": {
+        "sdpa": 50,
+        "sdpa_thd": 25,
+        "sdpa_backward": 40,
+        "paged": 35,
+        "functional": 45,
+        "fp8": 30,
+        "dropout": 25,
+    },
+    "full": {
+        "sdpa": 400,
+        "sdpa_thd": 200,
+        "sdpa_backward": 350,
+        "paged": 300,
+        "functional": 350,
+        "fp8": 250,
+        "dropout": 150,
+    },
+}
 FULL_FIRST_SEED = 10_000
 
 
@@ -4223,20 +4379,31 @@ class Tally:
             lines += [
                 f"  [{n}x] {reason}" for reason, n in sorted(self.unsupported_reasons().items(), key=lambda x: -x[1])
             ]
-            lines.append("  (op seed: " + ", ".join(f"{op} {seed}" for op, seed, _ in self.unsupported[:40])
-                         + (" ..." if len(self.unsupported) > 40 else "") + ")")  # fmt: skip
+            lines.append(
+                "  (op seed: "
+                + ", ".join(f"{op} {seed}" for op, seed, _ in self.unsupported[:40])
+                + (" ..." if len(self.unsupported) > 40 else "")
+                + ")"
+            )
         if self.findings:
             lines.append(summarize(self.findings))
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
         return {
-            "requests": self.requests, "by_op": self.by_op, "op_seconds": {k: round(v, 1) for k, v in self.op_seconds.items()},
-            "seconds": round(self.seconds, 1), "valid": self.valid,
-            "malformed_refused": self.malformed, "malformed_findings": self.malformed_findings, "either": self.either,
-            "unsupported": [list(u) for u in self.unsupported], "unsupported_reasons": self.unsupported_reasons(),
-            "findings": self.finding_counts(), "finding_lines": [f.line() for f in self.findings],
-        }  # fmt: skip
+            "requests": self.requests,
+            "by_op": self.by_op,
+            "op_seconds": {k: round(v, 1) for k, v in self.op_seconds.items()},
+            "seconds": round(self.seconds, 1),
+            "valid": self.valid,
+            "malformed_refused": self.malformed,
+            "malformed_findings": self.malformed_findings,
+            "either": self.either,
+            "unsupported": [list(u) for u in self.unsupported],
+            "unsupported_reasons": self.unsupported_reasons(),
+            "findings": self.finding_counts(),
+            "finding_lines": [f.line() for f in self.findings],
+        }
 
 
 def run_tallied(op: str, seeds, target: str, tally: Tally, progress=None) -> list[Finding]:
@@ -4436,8 +4603,11 @@ def main(argv: list[str]) -> int:
         start = time.perf_counter()
 
         def progress(task, part, tally):  # one line per chunk; the counts so far, should the run be cut short
-            print(f"{task[0]} {task[1]}-{task[2] - 1}: {len(part.findings)} findings ({tally.requests} requests, "
-                  f"{time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+            print(
+                f"{task[0]} {task[1]}-{task[2] - 1}: {len(part.findings)} findings ({tally.requests} requests, "
+                f"{time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
             if os.environ.get("FUZZ_SUMMARY_JSON"):
                 Path(os.environ["FUZZ_SUMMARY_JSON"]).write_text(json.dumps(tally.as_dict(), indent=1))
 
@@ -4455,8 +4625,13 @@ def main(argv: list[str]) -> int:
             print("by rule (verdicts: " + ", ".join(f"{v} = {t}" for v, t in PROBE_VERDICTS.items()) + "):")
             print(probes_by_rule(probes))
         if os.environ.get("FUZZ_SUMMARY_JSON"):
-            summary = dict(tally.as_dict(), device=device_description(), probes=probes, workers=workers,
-                           wall_s=round(time.perf_counter() - start, 1))  # fmt: skip
+            summary = dict(
+                tally.as_dict(),
+                device=device_description(),
+                probes=probes,
+                workers=workers,
+                wall_s=round(time.perf_counter() - start, 1),
+            )
             Path(os.environ["FUZZ_SUMMARY_JSON"]).write_text(json.dumps(summary, indent=1))
         return 0
     if argv and argv[0] == "--summary":

@@ -52,8 +52,19 @@ class Ragged:
         return bool(torch.isnan(flat.float().cpu()[mask]).all())
 
 
-def place(lengths: list[int], h: int, s: int, d: int, *, dtype: torch.dtype, device: str, gap: int = 0,
-          reverse: bool = False, values: torch.Tensor | None = None, gen: torch.Generator | None = None) -> Ragged:  # fmt: skip
+def place(
+    lengths: list[int],
+    h: int,
+    s: int,
+    d: int,
+    *,
+    dtype: torch.dtype,
+    device: str,
+    gap: int = 0,
+    reverse: bool = False,
+    values: torch.Tensor | None = None,
+    gen: torch.Generator | None = None,
+) -> Ragged:
     """Sequences packed in order (``reverse``: last first), ``gap`` unused tokens after each; real
     rows random (or ``values``' [B, H, S, D] rows, None: left NaN as an output buffer)."""
     b = len(lengths)
@@ -74,8 +85,9 @@ def place(lengths: list[int], h: int, s: int, d: int, *, dtype: torch.dtype, dev
     return ragged
 
 
-def padded(lengths: list[int], h: int, s: int, d: int, *, dtype: torch.dtype, device: str,
-           gen: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+def padded(
+    lengths: list[int], h: int, s: int, d: int, *, dtype: torch.dtype, device: str, gen: torch.Generator | None = None
+) -> torch.Tensor:
     """A dense BSHD [B, H, S, D] tensor, random rows within each length (None: all NaN). Past the
     lengths: NaN in outputs; in inputs 1000, finite, since cuDNN 9.19 reads the K/V rows past
     seq_len_kv beside a ragged q (the frontend alike); a row read with any weight shows."""
@@ -113,10 +125,25 @@ def build_and_run(graph: Any, mod: Any, pack: dict, device: str) -> None:
         torch.cuda.synchronize()
 
 
-def forward(mod: Any, *, lengths_q: list[int], lengths_kv: list[int], h: int = 2, s_q: int = 16, s_kv: int = 16,
-            d: int = 32, dtype: torch.dtype = torch.float16, device: str = "cpu", ragged: tuple[str, ...] = ("q", "k", "v", "o"),
-            gap: int = 0, reverse: bool = False, causal: bool = False, stats: str | None = None, seed: int = 0,
-            **graph_options: Any) -> dict[str, Any]:  # fmt: skip
+def forward(
+    mod: Any,
+    *,
+    lengths_q: list[int],
+    lengths_kv: list[int],
+    h: int = 2,
+    s_q: int = 16,
+    s_kv: int = 16,
+    d: int = 32,
+    dtype: torch.dtype = torch.float16,
+    device: str = "cpu",
+    ragged: tuple[str, ...] = ("q", "k", "v", "o"),
+    gap: int = 0,
+    reverse: bool = False,
+    causal: bool = False,
+    stats: str | None = None,
+    seed: int = 0,
+    **graph_options: Any,
+) -> dict[str, Any]:
     """One sdpa forward with the tensors in ``ragged`` placed by offsets (the others padded BSHD);
     ``stats``: None, "dense" or "ragged". Returns the results, the expected ones and the buffers."""
     gen = torch.Generator().manual_seed(seed)
@@ -141,8 +168,12 @@ def forward(mod: Any, *, lengths_q: list[int], lengths_kv: list[int], h: int = 2
         t = tensors[role]
         return t.view if isinstance(t, Ragged) else t
 
-    g = mod.pygraph(io_data_type=_io(mod, dtype), intermediate_data_type=mod.data_type.FLOAT,
-                    compute_data_type=mod.data_type.FLOAT, **graph_options)  # fmt: skip
+    g = mod.pygraph(
+        io_data_type=_io(mod, dtype),
+        intermediate_data_type=mod.data_type.FLOAT,
+        compute_data_type=mod.data_type.FLOAT,
+        **graph_options,
+    )
     handles = {role: g.tensor_like(data(role)) for role in ("q", "k", "v")}
     seq_q, seq_kv = lengths_tensor(lengths_q, device), lengths_tensor(lengths_kv, device)
     pack: dict[Any, torch.Tensor] = {}
@@ -155,8 +186,18 @@ def forward(mod: Any, *, lengths_q: list[int], lengths_kv: list[int], h: int = 2
         if role in offsets:
             handles[role].set_ragged_offset(offsets[role])
     sq, skv = g.tensor_like(seq_q), g.tensor_like(seq_kv)
-    o, st = g.sdpa(name="sdpa", q=handles["q"], k=handles["k"], v=handles["v"], generate_stats=stats is not None,
-                   attn_scale=scale, use_padding_mask=True, seq_len_q=sq, seq_len_kv=skv, use_causal_mask=causal)  # fmt: skip
+    o, st = g.sdpa(
+        name="sdpa",
+        q=handles["q"],
+        k=handles["k"],
+        v=handles["v"],
+        generate_stats=stats is not None,
+        attn_scale=scale,
+        use_padding_mask=True,
+        seq_len_q=sq,
+        seq_len_kv=skv,
+        use_causal_mask=causal,
+    )
     o.set_output(True).set_dim(list(data("o").shape)).set_stride(list(data("o").stride()))
     if "o" in offsets:
         o.set_ragged_offset(offsets["o"])
@@ -171,8 +212,15 @@ def forward(mod: Any, *, lengths_q: list[int], lengths_kv: list[int], h: int = 2
     build_and_run(g, mod, pack, device)
 
     dense = {role: _dense(tensors[role], lengths) for role, (lengths, _) in make.items()}
-    o_ref, lse_ref = oracle.attention(dense["q"], dense["k"], dense["v"], scale=scale, seq_q=lengths_q,
-                                      seq_kv=lengths_kv, causal="top_left" if causal else None)  # fmt: skip
+    o_ref, lse_ref = oracle.attention(
+        dense["q"],
+        dense["k"],
+        dense["v"],
+        scale=scale,
+        seq_q=lengths_q,
+        seq_kv=lengths_kv,
+        causal="top_left" if causal else None,
+    )
     result = {"o": _dense(tensors["o"], lengths_q)}
     expected = {"o": _dense(o_ref, lengths_q)}
     if stats is not None:
@@ -181,9 +229,23 @@ def forward(mod: Any, *, lengths_q: list[int], lengths_kv: list[int], h: int = 2
     return {"result": result, "expected": expected, "tensors": tensors}
 
 
-def backward(mod: Any, *, lengths_q: list[int], lengths_kv: list[int], h: int = 2, s_q: int = 16, s_kv: int = 16,
-             d: int = 32, dtype: torch.dtype = torch.float16, device: str = "cpu", gap: int = 0, reverse: bool = False,
-             causal: bool = False, seed: int = 0, **graph_options: Any) -> dict[str, Any]:  # fmt: skip
+def backward(
+    mod: Any,
+    *,
+    lengths_q: list[int],
+    lengths_kv: list[int],
+    h: int = 2,
+    s_q: int = 16,
+    s_kv: int = 16,
+    d: int = 32,
+    dtype: torch.dtype = torch.float16,
+    device: str = "cpu",
+    gap: int = 0,
+    reverse: bool = False,
+    causal: bool = False,
+    seed: int = 0,
+    **graph_options: Any,
+) -> dict[str, Any]:
     """One sdpa_backward with q, k, v, o, dO, dQ, dK, dV placed by offsets (o and dO sharing
     theirs, each gradient its input's, as the frontend's test does); stats dense."""
     gen = torch.Generator().manual_seed(seed)
@@ -192,11 +254,17 @@ def backward(mod: Any, *, lengths_q: list[int], lengths_kv: list[int], h: int = 
     kw = dict(dtype=dtype, device=device, gap=gap, reverse=reverse)
     q, k, v = (place(n, h, s, d, gen=gen, **kw) for n, s in ((lengths_q, s_q), (lengths_kv, s_kv), (lengths_kv, s_kv)))
     dense = {name: t.dense().requires_grad_() for name, t in (("q", q), ("k", k), ("v", v))}
-    allowed = oracle.allowed_matrix(b, s_q, s_kv, causal="top_left" if causal else None, seq_q=lengths_q,
-                                    seq_kv=lengths_kv)  # fmt: skip
+    allowed = oracle.allowed_matrix(
+        b, s_q, s_kv, causal="top_left" if causal else None, seq_q=lengths_q, seq_kv=lengths_kv
+    )
     out = oracle.attention_autograd(dense["q"], dense["k"], dense["v"], scale=scale, allowed=allowed)
-    _, lse = oracle.attention(*(dense[n].detach() for n in "qkv"), scale=scale, seq_q=lengths_q, seq_kv=lengths_kv,
-                              causal="top_left" if causal else None)  # fmt: skip
+    _, lse = oracle.attention(
+        *(dense[n].detach() for n in "qkv"),
+        scale=scale,
+        seq_q=lengths_q,
+        seq_kv=lengths_kv,
+        causal="top_left" if causal else None,
+    )
     grad_out = torch.randn(b, h, s_q, d, generator=gen, dtype=torch.float64)
     for i, n in enumerate(lengths_q):
         grad_out[i, :, n:] = 0
@@ -205,11 +273,17 @@ def backward(mod: Any, *, lengths_q: list[int], lengths_kv: list[int], h: int = 
     d_o = place(lengths_q, h, s_q, d, values=grad_out.to(dtype), **kw)
     d_o.offsets = o.offsets  # one offsets tensor for both, as the frontend's test passes it
     stats = lse.float().nan_to_num(neginf=0.0).to(device)
-    grads = {name: place(n, h, s, d, **kw) for name, n, s in (("dQ", lengths_q, s_q), ("dK", lengths_kv, s_kv),
-                                                               ("dV", lengths_kv, s_kv))}  # fmt: skip
+    grads = {
+        name: place(n, h, s, d, **kw)
+        for name, n, s in (("dQ", lengths_q, s_q), ("dK", lengths_kv, s_kv), ("dV", lengths_kv, s_kv))
+    }
 
-    g = mod.pygraph(io_data_type=_io(mod, dtype), intermediate_data_type=mod.data_type.FLOAT,
-                    compute_data_type=mod.data_type.FLOAT, **graph_options)  # fmt: skip
+    g = mod.pygraph(
+        io_data_type=_io(mod, dtype),
+        intermediate_data_type=mod.data_type.FLOAT,
+        compute_data_type=mod.data_type.FLOAT,
+        **graph_options,
+    )
     t = {name: g.tensor_like(x.view) for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("dO", d_o))}
     offsets = {name: g.tensor_like(x.offsets) for name, x in (("q", q), ("k", k), ("v", v), ("o", o))}
     for name, key in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "o"), ("dO", "o")):
@@ -217,17 +291,29 @@ def backward(mod: Any, *, lengths_q: list[int], lengths_kv: list[int], h: int = 
     stats_t = g.tensor_like(stats)
     seq_q, seq_kv = lengths_tensor(lengths_q, device), lengths_tensor(lengths_kv, device)
     sq, skv = g.tensor_like(seq_q), g.tensor_like(seq_kv)
-    d_q, d_k, d_v = g.sdpa_backward(name="sdpa_backward", q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["dO"],
-                                    stats=stats_t, attn_scale=scale, use_padding_mask=True, seq_len_q=sq,
-                                    seq_len_kv=skv, use_causal_mask=causal)  # fmt: skip
+    d_q, d_k, d_v = g.sdpa_backward(
+        name="sdpa_backward",
+        q=t["q"],
+        k=t["k"],
+        v=t["v"],
+        o=t["o"],
+        dO=t["dO"],
+        stats=stats_t,
+        attn_scale=scale,
+        use_padding_mask=True,
+        seq_len_q=sq,
+        seq_len_kv=skv,
+        use_causal_mask=causal,
+    )
     for handle, name, key in ((d_q, "dQ", "q"), (d_k, "dK", "k"), (d_v, "dV", "v")):
         view = grads[name].view
         handle.set_output(True).set_dim(list(view.shape)).set_stride(list(view.stride()))
         handle.set_ragged_offset(offsets[key])
     pack = {t[n]: x.view for n, x in (("q", q), ("k", k), ("v", v), ("o", o), ("dO", d_o))}
     pack.update({offsets[n]: x.offsets for n, x in (("q", q), ("k", k), ("v", v), ("o", o))})
-    pack.update({stats_t: stats, sq: seq_q, skv: seq_kv, d_q: grads["dQ"].view, d_k: grads["dK"].view,
-                 d_v: grads["dV"].view})  # fmt: skip
+    pack.update(
+        {stats_t: stats, sq: seq_q, skv: seq_kv, d_q: grads["dQ"].view, d_k: grads["dK"].view, d_v: grads["dV"].view}
+    )
     build_and_run(g, mod, pack, device)
     expected = {"dQ": dense["q"].grad, "dK": dense["k"].grad, "dV": dense["v"].grad}
     return {"result": {n: x.dense() for n, x in grads.items()}, "expected": expected, "tensors": grads}
@@ -243,8 +329,9 @@ def packed_page_tables(mod: Any, *, device: str = "cpu", seed: int = 0, **graph_
     q = torch.randn(b, h, 1, d, generator=gen).half()
     pages_per_seq = s_kv // page
     # Page j of sequence i is cache entry i * pages_per_seq + j, as [pages, H, page_size, D].
-    k_cache, v_cache = (x.view(b, h, pages_per_seq, page, d).permute(0, 2, 1, 3, 4).reshape(-1, h, page, d)
-                        for x in (k, v))  # fmt: skip
+    k_cache, v_cache = (
+        x.view(b, h, pages_per_seq, page, d).permute(0, 2, 1, 3, 4).reshape(-1, h, page, d) for x in (k, v)
+    )
     used = [-(-n // page) for n in lengths]
     starts = [sum(used[:i]) for i in range(b)]
     packed = torch.full((b * pages_per_seq,), -1, dtype=torch.int32)
@@ -255,22 +342,51 @@ def packed_page_tables(mod: Any, *, device: str = "cpu", seed: int = 0, **graph_
     seq_q, seq_kv = lengths_tensor([1] * b, device), lengths_tensor(lengths, device)
     q, k_cache, v_cache = q.to(device), k_cache.to(device), v_cache.to(device)
 
-    g = mod.pygraph(io_data_type=mod.data_type.HALF, intermediate_data_type=mod.data_type.FLOAT,
-                    compute_data_type=mod.data_type.FLOAT, **graph_options)  # fmt: skip
+    g = mod.pygraph(
+        io_data_type=mod.data_type.HALF,
+        intermediate_data_type=mod.data_type.FLOAT,
+        compute_data_type=mod.data_type.FLOAT,
+        **graph_options,
+    )
     tq, tk, tv = g.tensor_like(q), g.tensor_like(k_cache), g.tensor_like(v_cache)
     tables = [g.tensor_like(table), g.tensor_like(table)]
     table_offsets = [g.tensor_like(offsets), g.tensor_like(offsets)]
     for t, o in zip(tables, table_offsets):
         t.set_ragged_offset(o)
     sq, skv = g.tensor_like(seq_q), g.tensor_like(seq_kv)
-    o, _ = g.sdpa(name="sdpa", q=tq, k=tk, v=tv, is_inference=True, attn_scale=d**-0.5, use_padding_mask=True,
-                  seq_len_q=sq, seq_len_kv=skv, paged_attention_k_table=tables[0], paged_attention_v_table=tables[1],
-                  paged_attention_max_seq_len_kv=s_kv)  # fmt: skip
+    o, _ = g.sdpa(
+        name="sdpa",
+        q=tq,
+        k=tk,
+        v=tv,
+        is_inference=True,
+        attn_scale=d**-0.5,
+        use_padding_mask=True,
+        seq_len_q=sq,
+        seq_len_kv=skv,
+        paged_attention_k_table=tables[0],
+        paged_attention_v_table=tables[1],
+        paged_attention_max_seq_len_kv=s_kv,
+    )
     o.set_output(True).set_dim(list(q.shape)).set_stride(list(q.stride()))
     out = torch.full_like(q, NAN)
-    build_and_run(g, mod, {tq: q, tk: k_cache, tv: v_cache, tables[0]: table, tables[1]: table,
-                           table_offsets[0]: offsets, table_offsets[1]: offsets, sq: seq_q, skv: seq_kv, o: out},
-                  device)  # fmt: skip
+    build_and_run(
+        g,
+        mod,
+        {
+            tq: q,
+            tk: k_cache,
+            tv: v_cache,
+            tables[0]: table,
+            tables[1]: table,
+            table_offsets[0]: offsets,
+            table_offsets[1]: offsets,
+            sq: seq_q,
+            skv: seq_kv,
+            o: out,
+        },
+        device,
+    )
     expected, _ = oracle.attention(q.cpu(), k, v, scale=d**-0.5, seq_kv=lengths)
     return {"result": out.double().cpu(), "expected": expected}
 

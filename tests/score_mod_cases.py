@@ -22,8 +22,9 @@ def rand(*shape: int, seed: int, device: str, dtype=torch.float32) -> torch.Tens
 def host_scalar(graph, name: str, value: float, dtype=torch.float32):
     """A pass-by-value [1, 1, 1, 1] graph tensor and its host value, as the frontend's tests make them."""
     cpu = torch.full((1, 1, 1, 1), value, dtype=dtype)
-    return graph.tensor(name=name, dim=list(cpu.size()), stride=list(cpu.stride()), is_pass_by_value=True,
-                        data_type=cpu.dtype), cpu  # fmt: skip
+    return graph.tensor(
+        name=name, dim=list(cpu.size()), stride=list(cpu.stride()), is_pass_by_value=True, data_type=cpu.dtype
+    ), cpu
 
 
 # --- score_mod callbacks in the frontend's own words ------------------------------------------------
@@ -48,8 +49,9 @@ def arrow_mask(g, s, row_bound, col_bound, diag_0, diag_1, neg_inf):
     row, col = g.gen_index(input=s, axis=2), g.gen_index(input=s, axis=3)
     near = g.sub(a=row, b=col, compute_data_type=cudnn.data_type.INT32)
     band = g.logical_and(g.cmp_ge(input=near, comparison=diag_0), g.cmp_le(input=near, comparison=diag_1))
-    keep = g.logical_or(g.logical_or(g.cmp_lt(input=row, comparison=row_bound), g.cmp_lt(input=col, comparison=col_bound)),
-                        band)  # fmt: skip
+    keep = g.logical_or(
+        g.logical_or(g.cmp_lt(input=row, comparison=row_bound), g.cmp_lt(input=col, comparison=col_bound)), band
+    )
     return g.binary_select(input0=s, input1=neg_inf, mask=keep)
 
 
@@ -110,8 +112,11 @@ def run_forward(kind: str, device: str, dtype=torch.float16, b=2, h=2, s=64, d=6
     Returns (O, expected O, the inputs)."""
     q, k, v = (rand(b, h, s, d, seed=seed + i, device=device, dtype=dtype) for i in range(3))
     scale = 1.0 / math.sqrt(d)
-    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF if dtype == torch.float16 else cudnn.data_type.BFLOAT16,
-                      intermediate_data_type=cudnn.data_type.FLOAT, compute_data_type=cudnn.data_type.FLOAT)  # fmt: skip
+    g = cudnn.pygraph(
+        io_data_type=cudnn.data_type.HALF if dtype == torch.float16 else cudnn.data_type.BFLOAT16,
+        intermediate_data_type=cudnn.data_type.FLOAT,
+        compute_data_type=cudnn.data_type.FLOAT,
+    )
     tq, tk, tv = g.tensor_like(q), g.tensor_like(k), g.tensor_like(v)
     pack = {tq: q, tk: k, tv: v}
     neg, neg_cpu = host_scalar(g, "neg_inf", NEG)
@@ -128,14 +133,25 @@ def run_forward(kind: str, device: str, dtype=torch.float16, b=2, h=2, s=64, d=6
     elif kind == "causal":
         fn = partial(causal_mask, neg_inf=neg)
     elif kind == "arrow":
-        bounds = [host_scalar(g, name, value, torch.int32) for name, value in
-                  (("row_bound", 2), ("col_bound", 2), ("diag_0", 1), ("diag_1", 1))]  # fmt: skip
+        bounds = [
+            host_scalar(g, name, value, torch.int32)
+            for name, value in (("row_bound", 2), ("col_bound", 2), ("diag_0", 1), ("diag_1", 1))
+        ]
         pack.update({t: cpu for t, cpu in bounds})
-        fn = partial(arrow_mask, row_bound=bounds[0][0], col_bound=bounds[1][0], diag_0=bounds[2][0],
-                     diag_1=bounds[3][0], neg_inf=neg)  # fmt: skip
+        fn = partial(
+            arrow_mask,
+            row_bound=bounds[0][0],
+            col_bound=bounds[1][0],
+            diag_0=bounds[2][0],
+            diag_1=bounds[3][0],
+            neg_inf=neg,
+        )
     elif kind == "document":
-        doc_gpu = torch.randint(0, 4, (1, 1, s, 1), generator=torch.Generator().manual_seed(seed + 7),
-                                dtype=torch.int32).sort(dim=2).values.to(device)  # fmt: skip
+        doc_gpu = (
+            torch.randint(0, 4, (1, 1, s, 1), generator=torch.Generator().manual_seed(seed + 7), dtype=torch.int32)
+            .sort(dim=2)
+            .values.to(device)
+        )
         doc, doc_t = g.tensor_like(doc_gpu), g.tensor_like(doc_gpu.reshape(1, 1, 1, s))
         pack.update({doc: doc_gpu, doc_t: doc_gpu.reshape(1, 1, 1, s)})
         values["doc"] = doc_gpu.cpu()
@@ -176,13 +192,20 @@ def run_softcap_training(device: str, dtype=torch.float16, b=2, h=2, s=64, d=64,
     q, k, v, d_o = (rand(b, h, s, d, seed=seed + i, device=device, dtype=dtype) for i in range(4))
     scale = 1.0 / math.sqrt(d)
     io = cudnn.data_type.HALF if dtype == torch.float16 else cudnn.data_type.BFLOAT16
-    fwd = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
-                        compute_data_type=cudnn.data_type.FLOAT)  # fmt: skip
+    fwd = cudnn.pygraph(
+        io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT, compute_data_type=cudnn.data_type.FLOAT
+    )
     tq, tk, tv = fwd.tensor_like(q), fwd.tensor_like(k), fwd.tensor_like(v)
     cap_t, cap_cpu = host_scalar(fwd, "softcap", cap)
     neg, neg_cpu = host_scalar(fwd, "neg_inf", NEG)
-    o, stats = fwd.sdpa(q=tq, k=tk, v=tv, generate_stats=True, attn_scale=scale,
-                        score_mod=lambda g, t: causal_mask(g, softcap(g, t, cap_t), neg))  # fmt: skip
+    o, stats = fwd.sdpa(
+        q=tq,
+        k=tk,
+        v=tv,
+        generate_stats=True,
+        attn_scale=scale,
+        score_mod=lambda g, t: causal_mask(g, softcap(g, t, cap_t), neg),
+    )
     o.set_output(True).set_dim(list(q.shape)).set_stride(list(q.stride()))
     stats.set_output(True).set_data_type(cudnn.data_type.FLOAT)
     fwd.build([cudnn.heur_mode.A])
@@ -190,8 +213,9 @@ def run_softcap_training(device: str, dtype=torch.float16, b=2, h=2, s=64, d=64,
     lse = torch.full((b, h, s, 1), float("nan"), device=device)
     fwd.execute({tq: q, tk: k, tv: v, o: out, stats: lse, cap_t: cap_cpu, neg: neg_cpu}, None)
 
-    bwd = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
-                        compute_data_type=cudnn.data_type.FLOAT)  # fmt: skip
+    bwd = cudnn.pygraph(
+        io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT, compute_data_type=cudnn.data_type.FLOAT
+    )
     t = {name: bwd.tensor_like(x) for name, x in (("q", q), ("k", k), ("v", v), ("o", out), ("dO", d_o), ("st", lse))}
     cap_b, _ = host_scalar(bwd, "softcap", cap)
     neg_b, _ = host_scalar(bwd, "neg_inf", NEG)
@@ -204,14 +228,37 @@ def run_softcap_training(device: str, dtype=torch.float16, b=2, h=2, s=64, d=64,
     def backward_mod(g, d_p):
         return g.div(a=g.tanh_backward(loss=g.mul(a=d_p, b=cap_b), input=saved["before_tanh"]), b=cap_b)
 
-    d_q, d_k, d_v = bwd.sdpa_backward(q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["dO"], stats=t["st"],
-                                      attn_scale=scale, score_mod=forward_mod, score_mod_bprop=backward_mod)  # fmt: skip
+    d_q, d_k, d_v = bwd.sdpa_backward(
+        q=t["q"],
+        k=t["k"],
+        v=t["v"],
+        o=t["o"],
+        dO=t["dO"],
+        stats=t["st"],
+        attn_scale=scale,
+        score_mod=forward_mod,
+        score_mod_bprop=backward_mod,
+    )
     grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
     for handle, x in zip((d_q, d_k, d_v), (q, k, v)):
         handle.set_output(True).set_dim(list(x.shape)).set_stride(list(x.stride()))
     bwd.build([cudnn.heur_mode.A])
-    bwd.execute({t["q"]: q, t["k"]: k, t["v"]: v, t["o"]: out, t["dO"]: d_o, t["st"]: lse, d_q: grads[0], d_k: grads[1],
-                 d_v: grads[2], cap_b: cap_cpu, neg_b: neg_cpu}, None)  # fmt: skip
+    bwd.execute(
+        {
+            t["q"]: q,
+            t["k"]: k,
+            t["v"]: v,
+            t["o"]: out,
+            t["dO"]: d_o,
+            t["st"]: lse,
+            d_q: grads[0],
+            d_k: grads[1],
+            d_v: grads[2],
+            cap_b: cap_cpu,
+            neg_b: neg_cpu,
+        },
+        None,
+    )
     if device != "cpu":
         torch.cuda.synchronize()
 

@@ -32,8 +32,13 @@ from cudnn_attn.plan_store import UnsafeStoreError
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "reference"
 
-EXCEPTIONS = ("ValidationError", "UnsupportedError", "ShapeMismatchError", "GraphStateError",
-              "cudnnGraphNotSupportedError")  # fmt: skip
+EXCEPTIONS = (
+    "ValidationError",
+    "UnsupportedError",
+    "ShapeMismatchError",
+    "GraphStateError",
+    "cudnnGraphNotSupportedError",
+)
 
 # Docstrings being rewritten (none now): they need a directive, and their sections are not
 # checked until those rewrites land.
@@ -44,21 +49,51 @@ MADE_BY_THE_LIBRARY = {"cudnn_attn.recording.handles.InputHandle", "cudnn_attn.r
 
 # Methods users call most: the sections of a function (Args, Returns) are required of them too.
 MAIN_METHODS = {
-    cudnn_attn.Graph: ("sdpa", "sdpa_backward", "sdpa_with_paged_cache", "sdpa_fp8", "sdpa_fp8_backward", "tensor",
-                       "tensor_like", "build", "__call__", "execute"),
+    cudnn_attn.Graph: (
+        "sdpa",
+        "sdpa_backward",
+        "sdpa_with_paged_cache",
+        "sdpa_fp8",
+        "sdpa_fp8_backward",
+        "tensor",
+        "tensor_like",
+        "build",
+        "__call__",
+        "execute",
+    ),
     cudnn_attn.PagedAttention: ("plan", "run", "warm"),
     cudnn_attn.BucketedAttention: ("__call__",),
     cudnn_attn.nn.Attention: ("forward",),
     cudnn_attn.Fp8Tensor: ("quantise", "dequantise"),
-}  # fmt: skip
+}
 
 # Classes whose every public method needs at least a summary line.
-SUMMARISED = (cudnn_attn.Graph, cudnn_attn.PagedAttention, cudnn_attn.BucketedAttention, cudnn_attn.PlanCache,
-              cudnn_attn.Fp8Tensor, cudnn_attn.Fp8Scaling)  # fmt: skip
+SUMMARISED = (
+    cudnn_attn.Graph,
+    cudnn_attn.PagedAttention,
+    cudnn_attn.BucketedAttention,
+    cudnn_attn.PlanCache,
+    cudnn_attn.Fp8Tensor,
+    cudnn_attn.Fp8Scaling,
+)
 
 # Examples run here as written (on CPU tensors: the reference backend).
-RUN_EXAMPLES = ("sdpa", "varlen_sdpa", "backend", "Graph", "Graph.sdpa", "Graph.sdpa_backward", "Graph.sdpa_with_paged_cache", "nn.Attention",
-                "PagedAttention", "sdpa_fp8", "Fp8Tensor", "Fp8Scaling", "PlanCache", "BucketedAttention")  # fmt: skip
+RUN_EXAMPLES = (
+    "sdpa",
+    "varlen_sdpa",
+    "backend",
+    "Graph",
+    "Graph.sdpa",
+    "Graph.sdpa_backward",
+    "Graph.sdpa_with_paged_cache",
+    "nn.Attention",
+    "PagedAttention",
+    "sdpa_fp8",
+    "Fp8Tensor",
+    "Fp8Scaling",
+    "PlanCache",
+    "BucketedAttention",
+)
 
 
 # A public name documented where it is defined: ``cudnn_attn.graph`` is the frontend's function

@@ -147,8 +147,15 @@ def _fp8():
     return cudnn_attn.sdpa_fp8(q, k, v)
 
 
-DOORS = {"sdpa": _sdpa, "sdpa-training": _sdpa_training, "sdpa-softcap": _sdpa_softcap, "varlen_sdpa": _varlen,
-         "Graph": _graph, "nn.Attention": _layer, "sdpa_fp8": _fp8}  # fmt: skip
+DOORS = {
+    "sdpa": _sdpa,
+    "sdpa-training": _sdpa_training,
+    "sdpa-softcap": _sdpa_softcap,
+    "varlen_sdpa": _varlen,
+    "Graph": _graph,
+    "nn.Attention": _layer,
+    "sdpa_fp8": _fp8,
+}
 
 
 @pytest.mark.parametrize("door", DOORS, ids=list(DOORS))

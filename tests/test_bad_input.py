@@ -68,7 +68,7 @@ def k():
         "scale-string",
         "is-causal-string",
         "value-length",
-    ],  # fmt: skip
+    ],
 )
 def test_sdpa_refuses_bad_arguments_naming_them(q, k, change, argument):
     args = {"query": q, "key": k, "value": k.clone()}
@@ -234,10 +234,13 @@ def test_a_long_causal_reference_plan_holds_no_mask():
 
 @pytest.mark.parametrize(
     "options, with_bias",
-    [({"use_causal_mask": True}, True), ({"use_alibi_mask": True, "use_causal_mask": True}, False),
-     ({"sliding_window_length": 3, "use_causal_mask_bottom_right": True}, False)],
+    [
+        ({"use_causal_mask": True}, True),
+        ({"use_alibi_mask": True, "use_causal_mask": True}, False),
+        ({"sliding_window_length": 3, "use_causal_mask_bottom_right": True}, False),
+    ],
     ids=["causal-bias", "alibi", "window"],
-)  # fmt: skip
+)
 def test_row_blocks_give_the_same_result_as_one_block(monkeypatch, options, with_bias):
     gen = torch.Generator().manual_seed(3)
     q, k, v, d_o = (randn(2, 2, 13, 16, generator=gen) for _ in range(4))

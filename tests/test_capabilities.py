@@ -99,7 +99,7 @@ def test_a_plain_problem_is_supported_on_hopper_and_ampere():
         "zero-stride",
         "fp8",
         "cpu",
-    ],  # fmt: skip
+    ],
 )
 def test_rules(problem, platform, fragment):
     text = reasons(problem, platform)
@@ -112,9 +112,18 @@ def test_rules(problem, platform, fragment):
 def test_paged_needs_cudnn_9_5():
     q = spec(2, 8, 1, 128)
     cache = spec(16, 16, 8, 128)
-    p = AttentionProblem(op=Op.FORWARD, q=q, k=cache, v=cache, o=q, options=ScoreOptions(padding=True), seq_len_kv=spec(2, dtype=torch.int32),
-                         page_table_k=spec(2, 8, dtype=torch.int32), page_table_v=spec(2, 8, dtype=torch.int32),
-                         kv_cache_layout=KVCacheLayout.NPHD)  # fmt: skip
+    p = AttentionProblem(
+        op=Op.FORWARD,
+        q=q,
+        k=cache,
+        v=cache,
+        o=q,
+        options=ScoreOptions(padding=True),
+        seq_len_kv=spec(2, dtype=torch.int32),
+        page_table_k=spec(2, 8, dtype=torch.int32),
+        page_table_v=spec(2, 8, dtype=torch.int32),
+        kv_cache_layout=KVCacheLayout.NPHD,
+    )
     assert unsupported_reasons(p, H200) == []
     assert "paged K/V caches need cuDNN >= 9.5" in reasons(p, Platform("H100", (9, 0), 90400, "1.32.0"))
     odd = p.replace(k=spec(16, 24, 8, 128), v=spec(16, 24, 8, 128))

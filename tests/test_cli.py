@@ -90,8 +90,15 @@ def test_info_lists_the_features_the_store_and_every_environment_variable(monkey
     text = capsys.readouterr().out
     assert f"plan_store           {tmp_path / 'plans'}" in text.splitlines()
     status = {line[2:36].strip(): line[36:].strip() for line in text.splitlines() if line.startswith("  ")}
-    for feature in ("FP8 forward", "FP8 backward", "THD (ragged, varlen)", "paged KV cache", "attention sinks",
-                    "softcap (score modifier)", "context parallel"):  # fmt: skip
+    for feature in (
+        "FP8 forward",
+        "FP8 backward",
+        "THD (ragged, varlen)",
+        "paged KV cache",
+        "attention sinks",
+        "softcap (score modifier)",
+        "context parallel",
+    ):
         assert status[feature] == "yes" or status[feature].startswith("no: "), feature
     for variable in VARIABLES:
         assert variable.name in text and variable.meaning in text
@@ -288,8 +295,14 @@ def _fake_sections(monkeypatch) -> dict[str, dict]:
     monkeypatch.setattr(mla, "mla_rows", lambda: mla_h100)
     timing = {"ms_median": 30.0, "ms_low": 29.0, "ms_high": 33.0, "iterations": 20, "rounds": 5}
     ours = {**timing, "ms_median": 1.0, "ms_low": 0.9, "ms_high": 1.2}
-    rebuild = {"device": "test GPU", "shape": "b2 h8 s1024 d64 fp16 causal", "cudnn": timing, "cudnn_attn": ours,
-               "speedup": 30.0, "identical": True}  # fmt: skip
+    rebuild = {
+        "device": "test GPU",
+        "shape": "b2 h8 s1024 d64 fp16 causal",
+        "cudnn": timing,
+        "cudnn_attn": ours,
+        "speedup": 30.0,
+        "identical": True,
+    }
     monkeypatch.setattr(frontend_rebuild, "rebuild_loop", lambda: rebuild)
     ring = committed("context_parallel_2xh200.json")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -66,18 +66,34 @@ def test_the_dispatch_chooses_as_serving_did():
     checked = 0
     for batch, (heads, kv_heads, dims), s_q, captured, fp8, where, hopper, requested in itertools.product(
         (1, 4),
-        ((32, 8, (128, 128)), (64, 2, (128, 128)), (8, 8, (64, 64)), (16, 1, (128, 128)),
-         (16, 1, (576, 512)), (128, 1, (576, 512))),
+        (
+            (32, 8, (128, 128)),
+            (64, 2, (128, 128)),
+            (8, 8, (64, 64)),
+            (16, 1, (128, 128)),
+            (16, 1, (576, 512)),
+            (128, 1, (576, 512)),
+        ),
         (1, 2, 4, 16),
         (False, True),
         (False, True),
         (("cuda:0", True), ("cuda:0", False), ("cpu", False)),
         (False, True),
         ("auto", "cudnn", "triton"),
-    ):  # fmt: skip
+    ):
         device, runs = where
-        step = decode(batch, heads, kv_heads, s_q, device=device, captured=captured, fp8=fp8, runs=runs,
-                      hopper=hopper and runs, dims=dims)  # fmt: skip
+        step = decode(
+            batch,
+            heads,
+            kv_heads,
+            s_q,
+            device=device,
+            captured=captured,
+            fp8=fp8,
+            runs=runs,
+            hopper=hopper and runs,
+            dims=dims,
+        )
         want = choice_before_the_dispatch(step, requested)
         try:
             got = dispatch.select_decode(step, requested).name

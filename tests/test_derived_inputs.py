@@ -284,8 +284,9 @@ def paged_graph(b=3, s_q=1, pages=12, page=4, table_cols=5, same_table=False):
     table_v = table_k if same_table else table_k.clone()
     seq_kv = torch.full((b,), page, dtype=torch.int32)
     with cudnn_attn.Graph(backend="reference") as g:
-        g.sdpa_with_paged_cache(q, cache, cache, table_k, page_table_v=table_v, seq_len_kv=seq_kv,
-                                kv_cache_layout="NPHD")  # fmt: skip
+        g.sdpa_with_paged_cache(
+            q, cache, cache, table_k, page_table_v=table_v, seq_len_kv=seq_kv, kv_cache_layout="NPHD"
+        )
     return g, dict(q=q, k=cache, v=cache, page_table_k=table_k, page_table_v=table_v, seq_len_kv=seq_kv)
 
 
@@ -458,8 +459,9 @@ def test_reference_paged_with_clamping_matches(reference_clamps):
     v_cache, table_v = paged_cache(v_dense, page, "NPHD", seed=7)
     seq_kv = torch.tensor([20, 13], dtype=torch.int32)
     with cudnn_attn.Graph(backend="reference") as g:
-        g.sdpa_with_paged_cache(q, k_cache, v_cache, table_k, page_table_v=table_v, seq_len_kv=seq_kv,
-                                kv_cache_layout="NPHD")  # fmt: skip
+        g.sdpa_with_paged_cache(
+            q, k_cache, v_cache, table_k, page_table_v=table_v, seq_len_kv=seq_kv, kv_cache_layout="NPHD"
+        )
     args = (q, k_cache, v_cache, table_k, seq_kv, table_v)
     in_range = run_twice_and_uncached(g, args)
     assert torch.equal(in_range[0], in_range[1]) and torch.equal(in_range[0], in_range[2])

@@ -171,8 +171,10 @@ def run_ranks(world: int, cases: list, init_file: Path, backend: str = "gloo") -
     does not report in time is killed and its missing outcomes read as a hang."""
     context = mp.get_context("spawn")
     results = context.Queue()
-    ranks = [context.Process(target=workers.main, args=(rank, world, str(init_file), backend, cases, results))
-             for rank in range(world)]  # fmt: skip
+    ranks = [
+        context.Process(target=workers.main, args=(rank, world, str(init_file), backend, cases, results))
+        for rank in range(world)
+    ]
     for process in ranks:
         process.start()
     outcomes: dict[str, dict[int, dict]] = {case.id: {} for case in cases}
@@ -294,8 +296,11 @@ def test_refusal_names_the_rank_that_refused_its_arguments(world):
 def test_uninitialised_group_is_refused_not_waited_on(call):
     assert not torch.distributed.is_initialized()
     x = torch.randn(1, 2, 8, 16).to(torch.bfloat16)
-    run = {"context_parallel_sdpa": lambda: context_parallel_sdpa(x, x, x), "shard": lambda: shard(x),
-           "unshard": lambda: unshard(x)}[call]  # fmt: skip
+    run = {
+        "context_parallel_sdpa": lambda: context_parallel_sdpa(x, x, x),
+        "shard": lambda: shard(x),
+        "unshard": lambda: unshard(x),
+    }[call]
     with pytest.raises(cudnn_attn.ValidationError, match="init_process_group"):
         run()
 
@@ -328,10 +333,24 @@ def test_bench_runs_on_cpu_ranks(tmp_path):
     its compute-only ring, the transfers alone and the single-device attention."""
     report = tmp_path / "bench.json"
     run = subprocess.run(
-        [sys.executable, "-m", "cudnn_attn.bench.context_parallel", "--cpu", "--gpus", "2", "--seq", "64",
-         "--rounds", "2", "--json", str(report)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "cudnn_attn.bench.context_parallel",
+            "--cpu",
+            "--gpus",
+            "2",
+            "--seq",
+            "64",
+            "--rounds",
+            "2",
+            "--json",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     data = json.loads(report.read_text())
     assert (data["world"], data["seq"], data["rounds"]) == (2, 64, 2)
@@ -352,10 +371,25 @@ def test_bench_packed_documents_run_on_cpu_ranks(tmp_path):
     of 2W summing to S, and every column (packed over the ranks, varlen and padded on one)."""
     report = tmp_path / "bench.json"
     run = subprocess.run(
-        [sys.executable, "-m", "cudnn_attn.bench.context_parallel", "--cpu", "--packed", "--gpus", "2", "--seq", "128",
-         "--rounds", "2", "--json", str(report)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "cudnn_attn.bench.context_parallel",
+            "--cpu",
+            "--packed",
+            "--gpus",
+            "2",
+            "--seq",
+            "128",
+            "--rounds",
+            "2",
+            "--json",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     data = json.loads(report.read_text())
     assert (data["world"], data["seq"], data["documents"]["count"]) == (2, 128, len(document_lengths(128, 2, tile=1)))

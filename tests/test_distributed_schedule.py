@@ -54,8 +54,12 @@ def test_dense_ring_blocks_cover_what_each_step_sees(world, layout, chunk, left)
             want = visible(positions(layout, rank, world, chunk), positions(layout, src, world, chunk), True, left)
             got = torch.zeros_like(want)
             for b in schedule.ring_blocks(layout, True, rank, src, world, chunk * per_rank, left):
-                kept = block_mask(b.mask, b.window, b.rows.indices(len(want))[1] - b.rows.indices(len(want))[0],
-                                  b.keys.indices(len(want))[1] - b.keys.indices(len(want))[0])  # fmt: skip
+                kept = block_mask(
+                    b.mask,
+                    b.window,
+                    b.rows.indices(len(want))[1] - b.rows.indices(len(want))[0],
+                    b.keys.indices(len(want))[1] - b.keys.indices(len(want))[0],
+                )
                 assert kept.any(dim=1).all(), f"{b}: a row that sees no key is computed"
                 got[b.rows, b.keys] += kept.long()
             assert torch.equal(got, want), (rank, src)

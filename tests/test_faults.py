@@ -194,8 +194,12 @@ elif mode == "loop":  # save continuously until killed, at whatever point the ki
 
 def _writer(tmp_path, key, mode):
     script = LOAD_STORE + _WRITER
-    return subprocess.Popen([sys.executable, "-c", script, str(tmp_path), key, mode], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path), key, mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_a_write_refused_by_the_kernel_leaves_no_file(tmp_path):
@@ -280,7 +284,7 @@ def test_two_processes_writing_the_same_keys_at_once_leave_whole_files(tmp_path)
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for n in (1, 2)
     ]
     for w in writers:

@@ -114,8 +114,9 @@ def test_positional_call_in_flash_attentions_order():
     q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, seed=4)
     # (q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size, softcap,
     #  alibi_slopes, deterministic, return_attn_probs, block_table)
-    out, lse, probs = cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 5, 9, 0.0, 0.25, True, (3, 0), 0.0, None, False,
-                                              True, None)  # fmt: skip
+    out, lse, probs = cudnn_attn.varlen_sdpa(
+        q, k, v, cu_q, cu_k, 5, 9, 0.0, 0.25, True, (3, 0), 0.0, None, False, True, None
+    )
     expected, expected_lse = oracle(q, k, v, cu_q, cu_k, scale=0.25, align="bottom_right", window=(3, 0))
     assert probs is None
     assert rel_err(out, expected) < TOL
@@ -142,8 +143,13 @@ LSE_CASES = {
     "gqa": dict(h_kv=2, causal=True),
     "sinks": dict(sinks=True),
 }
-ORACLE_OPTIONS = {"causal": ("align", "bottom_right"), "is_causal": ("align", "top_left"),
-                  "softmax_scale": ("scale", None), "softcap": ("softcap", None), "window_size": ("window", None)}  # fmt: skip
+ORACLE_OPTIONS = {
+    "causal": ("align", "bottom_right"),
+    "is_causal": ("align", "top_left"),
+    "softmax_scale": ("scale", None),
+    "softcap": ("softcap", None),
+    "window_size": ("window", None),
+}
 
 
 @pytest.mark.parametrize("case", LSE_CASES, ids=list(LSE_CASES))
@@ -220,8 +226,9 @@ def test_conflicting_spellings_are_refused_naming_both(case):
 def test_agreeing_spellings_are_accepted():
     q, k, v, cu_q, _ = packed([4, 4], [4, 4], seed=10)
     one = cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_q, 4, 4, scale=0.2)
-    both = cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_q, 4, 4, softmax_scale=0.2, scale=0.2, causal=False,
-                                  is_causal=False)  # fmt: skip
+    both = cudnn_attn.varlen_sdpa(
+        q, k, v, cu_q, cu_q, 4, 4, softmax_scale=0.2, scale=0.2, causal=False, is_causal=False
+    )
     assert torch.equal(one, both)
 
 

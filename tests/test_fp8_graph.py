@@ -51,13 +51,27 @@ def test_forward_is_the_emulation_and_within_fp8_error(causal, h_kv):
         o, stats, amax_s, amax_o = g.sdpa_fp8(*args, generate_stats=True, use_causal_mask=causal)
     assert [h.name for h in g.outputs] == ["O", "Stats", "Amax_S", "Amax_O"]
     assert o.spec.dtype == E4M3 and amax_s.spec.shape == (1, 1, 1, 1) and amax_s.spec.dtype == torch.float32
-    assert [h.name for h in g.inputs] == ["q", "k", "v", "descale_q", "descale_k", "descale_v", "descale_s",
-                                          "scale_s", "scale_o"]  # fmt: skip
+    assert [h.name for h in g.inputs] == [
+        "q",
+        "k",
+        "v",
+        "descale_q",
+        "descale_k",
+        "descale_v",
+        "descale_s",
+        "scale_s",
+        "scale_o",
+    ]
     out, st, a_s, a_o = g(*args)
 
     allowed = torch.ones(48, 48).tril().bool() if causal else None
-    expected = reference_fp8.forward_fp8(*(x.float() if x.dtype == E4M3 else x for x in args), allowed=allowed,
-                                         attn_scale=32**-0.5, out_dtype=E4M3, p_dtype=E4M3)  # fmt: skip
+    expected = reference_fp8.forward_fp8(
+        *(x.float() if x.dtype == E4M3 else x for x in args),
+        allowed=allowed,
+        attn_scale=32**-0.5,
+        out_dtype=E4M3,
+        p_dtype=E4M3,
+    )
     for got, want in zip((out, st, a_s, a_o), expected):
         assert torch.equal(got.float(), want.float())
     scale_o = args[8]
@@ -80,17 +94,37 @@ def test_backward_is_the_emulation_and_close_to_float64_gradients():
     ref_out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True)
     grads = torch.autograd.grad(ref_out, leaves, (do8.double() * descale_do.double()))
     scale_dp = torch.full((1, 1, 1, 1), 2.0**10)  # dS is small: scaled up into E5M2's range
-    scales = (dq_, dk_, dv_, descale_o, descale_do, descale_s, 1.0 / scale_dp, scale_s,
-              *(_scale(gr, E4M3).float() for gr in grads), scale_dp)  # fmt: skip
+    scales = (
+        dq_,
+        dk_,
+        dv_,
+        descale_o,
+        descale_do,
+        descale_s,
+        1.0 / scale_dp,
+        scale_s,
+        *(_scale(gr, E4M3).float() for gr in grads),
+        scale_dp,
+    )
     with cudnn_attn.Graph() as g:
         outs = g.sdpa_fp8_backward(q8, k8, v8, o8, do8, stats, *scales, use_causal_mask=True)
     assert [h.name for h in outs] == ["dQ", "dK", "dV", "Amax_dQ", "Amax_dK", "Amax_dV", "Amax_dP"]
     got = g(q8, k8, v8, o8, do8, stats, *scales)
     allowed = torch.ones(48, 48).tril().bool()
     expected = reference_fp8.backward_fp8(
-        q8.float(), k8.float(), v8.float(), o8.float(), do8.float(), stats, *scales, allowed=allowed,
-        attn_scale=32**-0.5, grad_dtype=E4M3, p_dtype=E4M3, ds_dtype=E5M2,
-    )  # fmt: skip
+        q8.float(),
+        k8.float(),
+        v8.float(),
+        o8.float(),
+        do8.float(),
+        stats,
+        *scales,
+        allowed=allowed,
+        attn_scale=32**-0.5,
+        grad_dtype=E4M3,
+        p_dtype=E4M3,
+        ds_dtype=E5M2,
+    )
     for a, b in zip(got, expected):
         assert torch.equal(a.float(), b.float())
     for grad8, scale, want in zip(got[:3], scales[8:11], grads):
@@ -160,8 +194,11 @@ def test_the_fp8_ops_take_their_own_band_spellings():
     q, k, v = _problem(seed=3)
     args, _ = _forward_scales(q, k, v, causal=True)
     results = []
-    for keywords in (dict(diagonal_band_left_bound=8, diagonal_band_right_bound=0),
-                     dict(left_bound=8, right_bound=0, fn=None), dict(sliding_window=8, right_bound=0)):  # fmt: skip
+    for keywords in (
+        dict(diagonal_band_left_bound=8, diagonal_band_right_bound=0),
+        dict(left_bound=8, right_bound=0, fn=None),
+        dict(sliding_window=8, right_bound=0),
+    ):
         with cudnn_attn.Graph() as g:
             g.sdpa_fp8(*args, generate_stats=True, **keywords)
         assert g.problems[0].options.sliding_window == 8 and g.problems[0].options.causal.value == "top_left"

@@ -31,8 +31,9 @@ def test_fp8_forward_with_sinks_is_within_fp8_error(causal, h_kv):
 def test_fp8_backward_with_dsink_is_within_fp8_error():
     case = backward_case("cpu")
     with cudnn.Graph() as g:
-        g.sdpa_fp8_backward(*case.args, use_causal_mask=True, sink_token=case.sink,
-                            dSink_token=torch.empty_like(case.sink))  # fmt: skip
+        g.sdpa_fp8_backward(
+            *case.args, use_causal_mask=True, sink_token=case.sink, dSink_token=torch.empty_like(case.sink)
+        )
     *got, d_sink = g(*case.args, case.sink)
     assert [h.name for h in g.outputs] == ["dQ", "dK", "dV", "Amax_dQ", "Amax_dK", "Amax_dV", "Amax_dP", "dSink_token"]
     for grad8, scale, want in zip(got[:3], case.grad_scales, case.want_grads):
@@ -43,8 +44,9 @@ def test_fp8_backward_with_dsink_is_within_fp8_error():
 def test_fp8_forward_with_a_soft_capping_fn_is_within_fp8_error():
     case = forward_case("cpu", causal=False, sink=False, spread=8.0)  # scores well past the cap
     with cudnn.Graph() as g:
-        cap = g.tensor(name="cap", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], is_pass_by_value=True,
-                       data_type=torch.float32)  # fmt: skip
+        cap = g.tensor(
+            name="cap", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], is_pass_by_value=True, data_type=torch.float32
+        )
         g.sdpa_fp8(*case.args, fn=softcap_fn(cap))
     (o8, *_) = g(*case.args, torch.full((1, 1, 1, 1), CAP))
     want, _ = oracle(*dequantised(case), sink=None, causal=False, softcap=CAP)

@@ -91,8 +91,15 @@ def test_caller_made_dbias_receives_the_bias_gradient():
     for t in (dq, dk, dv):
         t.set_output(True)
     grads = [torch.empty(B, H, S, D) for _ in range(3)]
-    g.execute({**dict(zip(handles, (q, k, v, out, d_out, stats, bias))), dq: grads[0], dk: grads[1], dv: grads[2],
-               d_bias_t: d_bias})  # fmt: skip
+    g.execute(
+        {
+            **dict(zip(handles, (q, k, v, out, d_out, stats, bias))),
+            dq: grads[0],
+            dk: grads[1],
+            dv: grads[2],
+            d_bias_t: d_bias,
+        }
+    )
     with cudnn.Graph() as ours:
         ours.sdpa_backward(q, k, v, out, d_out, stats, bias=bias, bias_grad=True)
     expected = ours(q, k, v, out, d_out, stats, bias)
@@ -110,8 +117,9 @@ def test_rng_dump_receives_the_keep_mask_the_output_was_computed_with():
     g = cudnn.pygraph()
     handles = [g.tensor_like(t) for t in (q, k, v, seed, offset)]
     dump_t = g.tensor_like(dump)
-    o, _ = g.sdpa(*handles[:3], attn_scale=scale, dropout=(p, handles[3], handles[4]), rng_dump=dump_t,
-                  is_inference=True)  # fmt: skip
+    o, _ = g.sdpa(
+        *handles[:3], attn_scale=scale, dropout=(p, handles[3], handles[4]), rng_dump=dump_t, is_inference=True
+    )
     o.set_output(True)
     out = torch.empty(B, H, S, D)
     g.execute({**dict(zip(handles, (q, k, v, seed, offset))), o: out, dump_t: dump})
@@ -125,8 +133,12 @@ def test_the_pythonic_graph_runs_declared_inputs_and_outputs_by_name():
     """Notebooks 50 and 51's ``cudnn.Graph(inputs=[...], outputs=[...])`` form, on CPU tensors."""
     q, k, v = _qkv(7)
     scale = D**-0.5
-    with cudnn.Graph(io_data_type=cudnn.data_type.FLOAT, inputs=["SDPA::q", "SDPA::k", "SDPA::v"],
-                     outputs=["attn_output", "stats"], workspace_alloc=False) as fwd:  # fmt: skip
+    with cudnn.Graph(
+        io_data_type=cudnn.data_type.FLOAT,
+        inputs=["SDPA::q", "SDPA::k", "SDPA::v"],
+        outputs=["attn_output", "stats"],
+        workspace_alloc=False,
+    ) as fwd:
         o, stats = fwd.sdpa(name="SDPA", q=q, k=k, v=v, attn_scale=scale, generate_stats=True, use_causal_mask=True)
         o.set_output(True).set_name("attn_output").set_dim(q.shape).set_stride(q.stride())
         stats.set_output(True).set_name("stats").set_data_type(cudnn.data_type.FLOAT)
@@ -136,8 +148,9 @@ def test_the_pythonic_graph_runs_declared_inputs_and_outputs_by_name():
     d_out = randn(B, H, S, D, seed=70)
     names = ["d_sdpa::q", "d_sdpa::k", "d_sdpa::v", "d_sdpa::o", "d_sdpa::stats", "d_sdpa::dO"]
     with cudnn.Graph(inputs=names, outputs=["dQ", "dK", "dV"]) as bwd:  # the frontend's order: o, stats, dO
-        grads = bwd.sdpa_backward(name="d_sdpa", q=q, k=k, v=v, o=out, dO=d_out, stats=lse, attn_scale=scale,
-                                  use_causal_mask=True)  # fmt: skip
+        grads = bwd.sdpa_backward(
+            name="d_sdpa", q=q, k=k, v=v, o=out, dO=d_out, stats=lse, attn_scale=scale, use_causal_mask=True
+        )
         for g, name in zip(grads, ("dQ", "dK", "dV")):
             g.set_output(True).set_name(name)
     d_q, d_k, d_v = bwd(q, k, v, out, lse, d_out)
@@ -145,8 +158,9 @@ def test_the_pythonic_graph_runs_declared_inputs_and_outputs_by_name():
     torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True).backward(d_out.double())
     for got, leaf in zip((d_q, d_k, d_v), leaves):
         assert rel_err(got, leaf.grad) < 1e-5
-    by_name = bwd({"d_sdpa::q": q, "d_sdpa::k": k, "d_sdpa::v": v, "d_sdpa::o": out, "d_sdpa::stats": lse,
-                   "d_sdpa::dO": d_out})  # fmt: skip
+    by_name = bwd(
+        {"d_sdpa::q": q, "d_sdpa::k": k, "d_sdpa::v": v, "d_sdpa::o": out, "d_sdpa::stats": lse, "d_sdpa::dO": d_out}
+    )
     assert set(by_name) >= {"dQ", "dK", "dV"} and torch.equal(by_name["dQ"], d_q)
 
 
@@ -183,19 +197,42 @@ def test_a_paged_v_cache_has_its_own_pages_heads_and_head_dim():
     v = torch.randn(b, h_v, s_kv, d_v, generator=gen).half()
     n = s_kv // page
     k_cache = k.view(b, h_k, n, page, d_qk).permute(0, 2, 1, 3, 4).reshape(b * n, h_k, page, d_qk)
-    v_cache = torch.cat([torch.zeros(3, h_v, page, d_v).half(),  # V's pages sit elsewhere than K's
-                         v.view(b, h_v, n, page, d_v).permute(0, 2, 1, 3, 4).reshape(b * n, h_v, page, d_v)])  # fmt: skip
+    v_cache = torch.cat(
+        [
+            torch.zeros(3, h_v, page, d_v).half(),  # V's pages sit elsewhere than K's
+            v.view(b, h_v, n, page, d_v).permute(0, 2, 1, 3, 4).reshape(b * n, h_v, page, d_v),
+        ]
+    )
     table_k = torch.arange(b * n, dtype=torch.int32).view(b, 1, n, 1)
     table_v = table_k + 3
     lengths = torch.tensor([32, 19], dtype=torch.int32).view(-1, 1, 1, 1)
     ones = torch.full((b, 1, 1, 1), 3, dtype=torch.int32)
     g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF)
-    o, _ = g.sdpa(q=q, k=k_cache, v=v_cache, is_inference=True, use_padding_mask=True, seq_len_q=ones,
-                  seq_len_kv=lengths, paged_attention_k_table=table_k, paged_attention_v_table=table_v,
-                  paged_attention_max_seq_len_kv=s_kv)  # fmt: skip
+    o, _ = g.sdpa(
+        q=q,
+        k=k_cache,
+        v=v_cache,
+        is_inference=True,
+        use_padding_mask=True,
+        seq_len_q=ones,
+        seq_len_kv=lengths,
+        paged_attention_k_table=table_k,
+        paged_attention_v_table=table_v,
+        paged_attention_max_seq_len_kv=s_kv,
+    )
     out = torch.full((b, h_q, 3, d_v), float("nan")).half()
-    g.execute({"q": q, "k": k_cache, "v": v_cache, "paged_attention_k_table": table_k,
-               "paged_attention_v_table": table_v, "seq_len_q": ones, "seq_len_kv": lengths, o: out})  # fmt: skip
+    g.execute(
+        {
+            "q": q,
+            "k": k_cache,
+            "v": v_cache,
+            "paged_attention_k_table": table_k,
+            "paged_attention_v_table": table_v,
+            "seq_len_q": ones,
+            "seq_len_kv": lengths,
+            o: out,
+        }
+    )
     mask = torch.arange(s_kv).view(1, 1, 1, -1) < lengths.view(-1, 1, 1, 1)
     expected = torch.nn.functional.scaled_dot_product_attention(
         q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(4, 1), attn_mask=mask

@@ -82,9 +82,19 @@ def test_a_data_type_torch_cannot_hold_is_refused_naming_the_argument(name, sour
 
 
 def test_the_members_that_were_there_keep_their_torch_dtypes():
-    expected = {"HALF": torch.float16, "BFLOAT16": torch.bfloat16, "FLOAT": torch.float32, "DOUBLE": torch.float64,
-                "FP8_E4M3": torch.float8_e4m3fn, "FP8_E5M2": torch.float8_e5m2, "INT32": torch.int32,
-                "INT64": torch.int64, "BOOLEAN": torch.bool, "UINT8": torch.uint8, "NOT_SET": None}  # fmt: skip
+    expected = {
+        "HALF": torch.float16,
+        "BFLOAT16": torch.bfloat16,
+        "FLOAT": torch.float32,
+        "DOUBLE": torch.float64,
+        "FP8_E4M3": torch.float8_e4m3fn,
+        "FP8_E5M2": torch.float8_e5m2,
+        "INT32": torch.int32,
+        "INT64": torch.int64,
+        "BOOLEAN": torch.bool,
+        "UINT8": torch.uint8,
+        "NOT_SET": None,
+    }
     assert {name: cudnn_attn.data_type[name].torch for name in expected} == expected
     assert cudnn_attn.data_type.from_torch(torch.float8_e8m0fnu) is cudnn_attn.data_type.FP8_E8M0
     with pytest.raises(ValueError):
@@ -302,9 +312,22 @@ def test_from_import_of_a_missing_name_and_import_of_a_missing_module_still_fail
 
 
 def test_every_frontend_module_name_is_present_or_points_to_the_frontend():
-    added = {"backend_version", "backend_version_string", "get_last_error_string", "diagonal_alignment",
-             "attention_implementation", "build_plan_policy", "cudnnGraphNotSupportedError", "set_stream",
-             "get_stream", "create_handle", "destroy_handle", "heur_mode", "data_type", "pygraph"}  # fmt: skip
+    added = {
+        "backend_version",
+        "backend_version_string",
+        "get_last_error_string",
+        "diagonal_alignment",
+        "attention_implementation",
+        "build_plan_policy",
+        "cudnnGraphNotSupportedError",
+        "set_stream",
+        "get_stream",
+        "create_handle",
+        "destroy_handle",
+        "heur_mode",
+        "data_type",
+        "pygraph",
+    }
     assert added <= set(cudnn.__all__) and added <= set(cudnn_attn.__all__)
     for name in cudnn.__all__:
         try:

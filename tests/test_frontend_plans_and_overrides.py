@@ -127,8 +127,18 @@ def test_a_graph_tensor_attn_scale_is_read_at_each_run_forward_and_backward():
         fwd.execute({q: plain[0], k: plain[1], v: plain[2], scale: value_t, o: out, st: lse})
         assert rel_err(out, ref) < 1e-5
         got = [torch.full(dims, float("nan")) for _ in range(3)]
-        bwd.execute({bq: plain[0], bk: plain[1], bv: plain[2], bo: out, bdo: grad_out, bstats: lse, bscale: value_t,
-                     **dict(zip(grads, got))})  # fmt: skip
+        bwd.execute(
+            {
+                bq: plain[0],
+                bk: plain[1],
+                bv: plain[2],
+                bo: out,
+                bdo: grad_out,
+                bstats: lse,
+                bscale: value_t,
+                **dict(zip(grads, got)),
+            }
+        )
         assert all(rel_err(g, e) < 1e-4 for g, e in zip(got, expected))
 
 
@@ -144,18 +154,31 @@ def _thd_graph(b: int, max_s_q: int, s_kv: int, **kwargs):
     """test_sdpa_thd.py's graph: packed Q and O with ragged offsets, padded BSHD K and V."""
     g = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT, **kwargs)
     q = g.tensor(name="Q", dim=(b, H, max_s_q, D), stride=(H * D, D, H * D, 1), uid=1, device="cpu")
-    q.set_ragged_offset(g.tensor(name="q_off", dim=(b + 1, 1, 1, 1), data_type=cudnn.data_type.INT64, uid=50,
-                                 device="cpu"))  # fmt: skip
+    q.set_ragged_offset(
+        g.tensor(name="q_off", dim=(b + 1, 1, 1, 1), data_type=cudnn.data_type.INT64, uid=50, device="cpu")
+    )
     bshd = (s_kv * H * D, D, H * D, 1)
     k = g.tensor(name="K", dim=(b, H, s_kv, D), stride=bshd, uid=2, device="cpu")
     v = g.tensor(name="V", dim=(b, H, s_kv, D), stride=bshd, uid=3, device="cpu")
-    lengths = [g.tensor(name=n, dim=(b, 1, 1, 1), data_type=cudnn.data_type.INT32, uid=u, device="cpu")
-               for n, u in (("seq_q", 100), ("seq_kv", 101))]  # fmt: skip
-    o, _ = g.sdpa(name="sdpa_thd", q=q, k=k, v=v, use_padding_mask=True, seq_len_q=lengths[0], seq_len_kv=lengths[1],
-                  use_causal_mask=True, generate_stats=False)  # fmt: skip
+    lengths = [
+        g.tensor(name=n, dim=(b, 1, 1, 1), data_type=cudnn.data_type.INT32, uid=u, device="cpu")
+        for n, u in (("seq_q", 100), ("seq_kv", 101))
+    ]
+    o, _ = g.sdpa(
+        name="sdpa_thd",
+        q=q,
+        k=k,
+        v=v,
+        use_padding_mask=True,
+        seq_len_q=lengths[0],
+        seq_len_kv=lengths[1],
+        use_causal_mask=True,
+        generate_stats=False,
+    )
     o.set_output(True).set_dim((b, H, max_s_q, D)).set_stride((H * D, D, H * D, 1)).set_uid(1000)
-    o.set_ragged_offset(g.tensor(name="o_off", dim=(b + 1, 1, 1, 1), data_type=cudnn.data_type.INT64, uid=51,
-                                 device="cpu"))  # fmt: skip
+    o.set_ragged_offset(
+        g.tensor(name="o_off", dim=(b + 1, 1, 1, 1), data_type=cudnn.data_type.INT64, uid=51, device="cpu")
+    )
     g.validate()
     g.build_operation_graph()
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
@@ -174,8 +197,16 @@ def test_execute_overrides_the_geometry_of_a_thd_graph_per_run(lengths_q):
     k, v = (randn(b, s_kv, H, D, seed=41 + i).transpose(1, 2) for i in range(2))
     offsets = torch.tensor([0, *torch.cumsum(seq_q, 0).tolist()], dtype=torch.int64).view(-1, 1, 1, 1) * H * D
     out = torch.full_like(q, float("nan"))
-    pack = {1: q, 50: offsets, 2: k, 3: v, 100: seq_q.view(-1, 1, 1, 1), 101: seq_kv.view(-1, 1, 1, 1), 1000: out,
-            51: offsets}  # fmt: skip
+    pack = {
+        1: q,
+        50: offsets,
+        2: k,
+        3: v,
+        100: seq_q.view(-1, 1, 1, 1),
+        101: seq_kv.view(-1, 1, 1, 1),
+        1000: out,
+        51: offsets,
+    }
     uids = list(pack)
     shapes = [(b, H, max_s_q, D) if u in (1, 1000) else tuple(pack[u].shape) for u in uids]
     strides = [pack[u].stride() for u in uids]  # Q and O: the packed tensors' own 3-D strides, as the test passes
@@ -215,8 +246,16 @@ def test_a_packed_tensor_binds_to_a_4d_ragged_graph_tensor_and_bad_offsets_are_r
     k, v = (randn(b, s_kv, H, D, seed=51 + i).transpose(1, 2) for i in range(2))
     offsets = torch.tensor([0, 7, 11], dtype=torch.int64).view(-1, 1, 1, 1) * H * D
     out = torch.full_like(q, float("nan"))
-    pack = {1: q, 50: offsets, 2: k, 3: v, 100: seq_q.view(-1, 1, 1, 1), 101: seq_kv.view(-1, 1, 1, 1), 1000: out,
-            51: offsets}  # fmt: skip
+    pack = {
+        1: q,
+        50: offsets,
+        2: k,
+        3: v,
+        100: seq_q.view(-1, 1, 1, 1),
+        101: seq_kv.view(-1, 1, 1, 1),
+        1000: out,
+        51: offsets,
+    }
     g.execute(pack, None)
     mask = torch.ones(4, 9, dtype=torch.bool).tril()
     want = torch.nn.functional.scaled_dot_product_attention(
@@ -260,8 +299,15 @@ def test_serialize_and_deserialize_run_the_same_graph_without_building_it_again(
         .logsumexp(-1, keepdim=True)
     )
     got = [torch.full(dims, float("nan")) for _ in range(3)]
-    pack = {1: tensors[0].detach(), 2: tensors[1].detach(), 3: tensors[2].detach(), 4: ref.detach().float(),
-            5: grad_out, 6: lse.float(), **dict(zip((7, 8, 9), got))}  # fmt: skip
+    pack = {
+        1: tensors[0].detach(),
+        2: tensors[1].detach(),
+        3: tensors[2].detach(),
+        4: ref.detach().float(),
+        5: grad_out,
+        6: lse.float(),
+        **dict(zip((7, 8, 9), got)),
+    }
     restored.execute(pack)
     assert all(rel_err(a, e) < 1e-4 for a, e in zip(got, expected))
 
@@ -278,8 +324,17 @@ def test_deserialize_refuses_damaged_data_and_a_graph_in_use():
         g.deserialize(data)
 
 
-FRONTEND_DEFAULTS = dict(block_mask=None, score_mod=None, score_max=None, score_sum_exp=None, sink_token=None,
-                         unfuse_fma=False, cu_seq_len_q=None, cu_seq_len_kv=None, stats_use_log2=False)  # fmt: skip
+FRONTEND_DEFAULTS = dict(
+    block_mask=None,
+    score_mod=None,
+    score_max=None,
+    score_sum_exp=None,
+    sink_token=None,
+    unfuse_fma=False,
+    cu_seq_len_q=None,
+    cu_seq_len_kv=None,
+    stats_use_log2=False,
+)
 
 
 def test_the_frontends_other_sdpa_keywords_take_their_defaults_and_refuse_the_rest_by_name():

@@ -161,9 +161,11 @@ def test_attention_module_with_sinks_window_and_softcap_matches_plain_torch():
     y.sum().backward()
     assert module.sinks.grad is not None and module.sinks.grad.abs().sum() > 0
     assert "sinks=True, window=5, softcap=2.0" in repr(module)
-    for bad, match in ((dict(window=4), "window: a sliding window needs causal=True"),
-                       (dict(causal=True, window=0), "window: 0"),
-                       (dict(causal=True, fp8=True, sinks=True), "fp8: True with sinks")):  # fmt: skip
+    for bad, match in (
+        (dict(window=4), "window: a sliding window needs causal=True"),
+        (dict(causal=True, window=0), "window: 0"),
+        (dict(causal=True, fp8=True, sinks=True), "fp8: True with sinks"),
+    ):
         with pytest.raises(cudnn_attn.ValidationError, match=match):
             Attention(64, 4, **bad)
 

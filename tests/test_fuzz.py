@@ -47,8 +47,11 @@ def requests(draw):
             generator=gen,
         ).to(dtype)
     if draw(st.integers(0, 4)) == 0:
-        options.update(use_padding_mask=True, seq_len_q=torch.randint(-1, s_q + 2, (b,), generator=gen, dtype=torch.int32),
-                       seq_len_kv=torch.randint(0, s_kv + 1, (b,), generator=gen, dtype=torch.int32))  # fmt: skip
+        options.update(
+            use_padding_mask=True,
+            seq_len_q=torch.randint(-1, s_q + 2, (b,), generator=gen, dtype=torch.int32),
+            seq_len_kv=torch.randint(0, s_kv + 1, (b,), generator=gen, dtype=torch.int32),
+        )
     if draw(st.integers(0, 4)) == 0:
         options["attn_scale"] = draw(st.sampled_from([0.1, 0.3, float("inf"), "x", None]))
     return q, k, v, options
@@ -81,7 +84,15 @@ def test_requests_run_correctly_or_raise_a_library_error(request):
         else ("top_left" if options.get("use_causal_mask") else None)
     )
     expected, _ = oracle.attention(
-        q, k, v, scale=options.get("attn_scale") or q.shape[-1] ** -0.5, causal=causal, window=options.get("sliding_window_length"),
-        seq_q=options.get("seq_len_q"), seq_kv=options.get("seq_len_kv"), bias=options.get("attn_bias"), alibi=options.get("use_alibi_mask", False),
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        scale=options.get("attn_scale") or q.shape[-1] ** -0.5,
+        causal=causal,
+        window=options.get("sliding_window_length"),
+        seq_q=options.get("seq_len_q"),
+        seq_kv=options.get("seq_len_kv"),
+        bias=options.get("attn_bias"),
+        alibi=options.get("use_alibi_mask", False),
+    )
     assert rel_err(out, expected) < 1.6e-2

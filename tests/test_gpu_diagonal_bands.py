@@ -11,8 +11,13 @@ import cudnn_attn as cudnn
 
 pytestmark = pytest.mark.gpu
 
-BANDS = [("TOP_LEFT", None, 64), ("BOTTOM_RIGHT", None, 64), ("BOTTOM_RIGHT", 96, None), ("TOP_LEFT", 128, 32),
-         ("BOTTOM_RIGHT", 100, 17)]  # fmt: skip
+BANDS = [
+    ("TOP_LEFT", None, 64),
+    ("BOTTOM_RIGHT", None, 64),
+    ("BOTTOM_RIGHT", 96, None),
+    ("TOP_LEFT", 128, 32),
+    ("BOTTOM_RIGHT", 100, 17),
+]
 
 
 def _band(alignment, left, right) -> dict:
@@ -75,8 +80,9 @@ def test_a_bottom_right_window_with_a_bias_on_cudnn_matches_the_reference():
     bias = torch.randn(1, 4, 200, 320, generator=gen)
     keywords = _band("BOTTOM_RIGHT", 96, None)  # a right bound with a bias: cuDNN refuses (next test)
     got = _run("cuda", torch.bfloat16, tensors, keywords, bias)
-    want = _run("cpu", torch.float32, [t.to(torch.bfloat16).float() for t in tensors], keywords,
-                bias.to(torch.bfloat16).float())  # fmt: skip
+    want = _run(
+        "cpu", torch.float32, [t.to(torch.bfloat16).float() for t in tensors], keywords, bias.to(torch.bfloat16).float()
+    )
     for name, a, b in zip(("O", "dQ", "dK", "dV"), got, want):
         assert rel_err(a.float().cpu(), b) < 2 * TOLERANCE[torch.bfloat16], name
 

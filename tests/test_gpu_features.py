@@ -79,8 +79,16 @@ def test_paged_cache(layout, s_q):
 
     def build(backend):
         with cudnn_attn.Graph(backend=backend, cache=cudnn_attn.PlanCache()) as g:
-            g.sdpa_with_paged_cache(q, k_cache, v_cache, table_k, page_table_v=table_v, seq_len_kv=lengths,
-                                    kv_cache_layout=layout, use_causal_mask_bottom_right=s_q > 1)  # fmt: skip
+            g.sdpa_with_paged_cache(
+                q,
+                k_cache,
+                v_cache,
+                table_k,
+                page_table_v=table_v,
+                seq_len_kv=lengths,
+                kv_cache_layout=layout,
+                use_causal_mask_bottom_right=s_q > 1,
+            )
         return g
 
     (o,), (o_ref,) = both(build, (q, k_cache, v_cache, table_k, lengths, table_v))
@@ -300,8 +308,9 @@ def test_stats_of_a_sequence_with_no_keys_are_minus_infinity_as_on_the_reference
     for device in ("cuda", "cpu"):
         args = [t.to(device) for t in (q, k, v, lengths_q, lengths_kv)]
         with cudnn_attn.Graph() as g:
-            o, stats = g.sdpa(*args[:3], seq_len_q=args[3], seq_len_kv=args[4], use_padding_mask=True,
-                              generate_stats=True)  # fmt: skip
+            o, stats = g.sdpa(
+                *args[:3], seq_len_q=args[3], seq_len_kv=args[4], use_padding_mask=True, generate_stats=True
+            )
         results.append(g(*args, out=(poisoned(o), poisoned(stats))))
     (o_gpu, stats_gpu), (o_cpu, stats_cpu) = results
     assert torch.equal(stats_gpu[0].cpu(), stats_cpu[0]) and bool(torch.isneginf(stats_gpu[0]).all())

@@ -97,8 +97,20 @@ def test_backward_matches_the_emulation():
     d_o, descale_do = _quantised(_randn(*q.shape, seed=20), E5M2)
     scale_dp = torch.full((1, 1, 1, 1), 2.0**12, device="cuda")
     unit = torch.ones(1, 1, 1, 1, device="cuda")
-    scales = (dq_, dk_, dv_, 1.0 / scale_o, descale_do, descale_s, 1.0 / scale_dp, scale_s, 64 * unit,
-              64 * unit, 64 * unit, scale_dp)  # fmt: skip
+    scales = (
+        dq_,
+        dk_,
+        dv_,
+        1.0 / scale_o,
+        descale_do,
+        descale_s,
+        1.0 / scale_dp,
+        scale_s,
+        64 * unit,
+        64 * unit,
+        64 * unit,
+        scale_dp,
+    )
     fast, ref = _graphs(lambda g: g.sdpa_fp8_backward(q, k, v, o, d_o, stats, *scales, use_causal_mask=True))
     got = fast(q, k, v, o, d_o, stats, *scales, out=tuple(_poisoned(h) for h in fast.outputs))
     expected = ref(q, k, v, o, d_o, stats, *scales)
@@ -206,8 +218,7 @@ def test_delayed_scaling_captured_in_a_cuda_graph_advances_per_replay():
     inputs gives what the same sequence of eager calls gives, history included."""
     shape = (1, 8, 256, 128)
     captured, eager = cudnn_attn.Fp8Scaling(history=2), cudnn_attn.Fp8Scaling(history=2)
-    steps = [[(_randn(*shape, seed=100 + 3 * i + j) * (1 + i)).to(torch.bfloat16) for j in range(3)]
-             for i in range(4)]  # fmt: skip
+    steps = [[(_randn(*shape, seed=100 + 3 * i + j) * (1 + i)).to(torch.bfloat16) for j in range(3)] for i in range(4)]
     static = [x.clone() for x in steps[0]]
     cudnn_attn.sdpa_fp8(*static, is_causal=True, scaling=captured)  # the first call, eager
     cudnn_attn.sdpa_fp8(*steps[0], is_causal=True, scaling=eager)

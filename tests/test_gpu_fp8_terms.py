@@ -23,8 +23,9 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("h_kv", [4, 2], ids=["mha", "gqa"])
 def test_fp8_forward_with_sinks_on_cudnn(causal, h_kv):
     case = forward_case("cuda", h_kv=h_kv, causal=causal, sink=True)
-    fast, ref = _both(lambda g: g.sdpa_fp8(*case.args, generate_stats=True, use_causal_mask=causal,
-                                           sink_token=case.sink))  # fmt: skip
+    fast, ref = _both(
+        lambda g: g.sdpa_fp8(*case.args, generate_stats=True, use_causal_mask=causal, sink_token=case.sink)
+    )
     o8, stats, _, amax_o = fast(*case.args, case.sink, out=tuple(_poisoned(h) for h in fast.outputs))
     o_ref, stats_ref, _, amax_o_ref = ref(*case.args, case.sink)
     want_o, want_lse = oracle(*dequantised(case), sink=case.sink.double(), causal=causal)
@@ -38,8 +39,11 @@ def test_fp8_forward_with_sinks_on_cudnn(causal, h_kv):
 
 def test_fp8_backward_with_dsink_on_cudnn():
     case = backward_case("cuda")
-    fast, ref = _both(lambda g: g.sdpa_fp8_backward(*case.args, use_causal_mask=True, sink_token=case.sink,
-                                                    dSink_token=torch.empty_like(case.sink)))  # fmt: skip
+    fast, ref = _both(
+        lambda g: g.sdpa_fp8_backward(
+            *case.args, use_causal_mask=True, sink_token=case.sink, dSink_token=torch.empty_like(case.sink)
+        )
+    )
     *got, d_sink = fast(*case.args, case.sink, out=tuple(_poisoned(h) for h in fast.outputs))
     *expected, d_sink_ref = ref(*case.args, case.sink)
     torch.cuda.synchronize()
@@ -57,8 +61,9 @@ def test_an_fp8_fn_is_refused_by_cudnn_and_run_by_the_reference_on_the_gpu():
     cap = torch.full((1, 1, 1, 1), CAP)
 
     def record(g):
-        handle = g.tensor(name="cap", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], is_pass_by_value=True,
-                          data_type=torch.float32)  # fmt: skip
+        handle = g.tensor(
+            name="cap", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], is_pass_by_value=True, data_type=torch.float32
+        )
         g.sdpa_fp8(*case.args, fn=softcap_fn(handle))
 
     with pytest.raises(cudnn_attn.UnsupportedError, match="fn .a score modifier. on FP8 attention: cuDNN 9.19"):

@@ -114,8 +114,17 @@ def test_training_forward_and_backward_flow():
         name: bwd.tensor_like(t)
         for name, t in (("q", q_gpu), ("k", k_gpu), ("v", v_gpu), ("o", o_gpu), ("dO", d_o_gpu), ("stats", stats_gpu))
     }
-    dq, dk, dv = bwd.sdpa_backward(name="sdpa_backward", q=tensors["q"], k=tensors["k"], v=tensors["v"], o=tensors["o"],
-                                   dO=tensors["dO"], stats=tensors["stats"], attn_scale=1 / math.sqrt(D), use_causal_mask=True)  # fmt: skip
+    dq, dk, dv = bwd.sdpa_backward(
+        name="sdpa_backward",
+        q=tensors["q"],
+        k=tensors["k"],
+        v=tensors["v"],
+        o=tensors["o"],
+        dO=tensors["dO"],
+        stats=tensors["stats"],
+        attn_scale=1 / math.sqrt(D),
+        use_causal_mask=True,
+    )
     grads = [torch.empty_like(x) for x in (q_gpu, k_gpu, v_gpu)]
     for handle, g in zip((dq, dk, dv), grads):
         handle.set_output(True).set_dim(g.size()).set_stride(g.stride())
@@ -140,8 +149,15 @@ def test_dropout_flow_with_host_seed_and_offset():
     for _ in range(2):
         graph = new_graph()
         q, k, v = graph.tensor_like(q_gpu), graph.tensor_like(k_gpu), graph.tensor_like(v_gpu)
-        o, _ = graph.sdpa(name="sdpa", q=q, k=k, v=v, is_inference=True, attn_scale=1 / math.sqrt(D),
-                          dropout=(0.1, graph.tensor_like(seed), graph.tensor_like(offset)))  # fmt: skip
+        o, _ = graph.sdpa(
+            name="sdpa",
+            q=q,
+            k=k,
+            v=v,
+            is_inference=True,
+            attn_scale=1 / math.sqrt(D),
+            dropout=(0.1, graph.tensor_like(seed), graph.tensor_like(offset)),
+        )
         o_gpu = torch.empty_like(q_gpu)
         o.set_output(True).set_dim(o_gpu.size()).set_stride(o_gpu.stride())
         graph.build()
@@ -170,9 +186,21 @@ def test_paged_cache_flow():
     q, k, v = graph.tensor_like(q_gpu), graph.tensor_like(k_container), graph.tensor_like(v_container)
     table_t = graph.tensor_like(table)
     sq, skv = graph.tensor_like(seq_q), graph.tensor_like(seq_kv)
-    o, _ = graph.sdpa(name="sdpa", q=q, k=k, v=v, is_inference=True, attn_scale=1 / math.sqrt(D), use_padding_mask=True,
-                      seq_len_q=sq, seq_len_kv=skv, paged_attention_k_table=table_t, paged_attention_v_table=table_t,
-                      paged_attention_max_seq_len_kv=S, kv_cache_layout="NHPD")  # fmt: skip
+    o, _ = graph.sdpa(
+        name="sdpa",
+        q=q,
+        k=k,
+        v=v,
+        is_inference=True,
+        attn_scale=1 / math.sqrt(D),
+        use_padding_mask=True,
+        seq_len_q=sq,
+        seq_len_kv=skv,
+        paged_attention_k_table=table_t,
+        paged_attention_v_table=table_t,
+        paged_attention_max_seq_len_kv=S,
+        kv_cache_layout="NHPD",
+    )
     o_gpu = torch.empty_like(q_gpu)
     o.set_output(True).set_dim(o_gpu.size()).set_stride(o_gpu.stride())
     build_and_run(graph, {q: q_gpu, k: k_container, v: v_container, table_t: table, sq: seq_q, skv: seq_kv, o: o_gpu})
@@ -207,8 +235,9 @@ def test_rng_dump_on_cudnn_is_the_keep_mask_its_output_used():
     g = cudnn.pygraph()
     handles = [g.tensor_like(t) for t in (q, k, v, seed, offset)]
     dump_t = g.tensor_like(dump)
-    o, _ = g.sdpa(*handles[:3], attn_scale=scale, dropout=(p, handles[3], handles[4]), rng_dump=dump_t,
-                  is_inference=True)  # fmt: skip
+    o, _ = g.sdpa(
+        *handles[:3], attn_scale=scale, dropout=(p, handles[3], handles[4]), rng_dump=dump_t, is_inference=True
+    )
     o.set_output(True)
     build_and_run(g, {**dict(zip(handles, (q, k, v, seed, offset))), o: out, dump_t: dump})
     keep = (dump != 0).double()

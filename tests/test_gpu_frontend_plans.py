@@ -33,30 +33,55 @@ def _oracle(q, k, v, scale, causal, lengths_q=None, lengths_kv=None):
         qi = q[start : start + n_q].transpose(0, 1)[None] if lengths_q is not None else q[i : i + 1]
         start += n_q
         mask = torch.ones(n_q, n_kv, dtype=torch.bool, device=q.device).tril() if causal else None
-        outs.append(torch.nn.functional.scaled_dot_product_attention(
-            qi.double(), k[i : i + 1, :, :n_kv].double(), v[i : i + 1, :, :n_kv].double(), attn_mask=mask, scale=scale
-        ))  # fmt: skip
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                qi.double(),
+                k[i : i + 1, :, :n_kv].double(),
+                v[i : i + 1, :, :n_kv].double(),
+                attn_mask=mask,
+                scale=scale,
+            )
+        )
     return outs
 
 
 def _thd_graph(mod, b, max_s_q, s_kv, **kwargs):
     handle = mod.create_handle()
-    g = mod.pygraph(io_data_type=mod.data_type.HALF, intermediate_data_type=mod.data_type.FLOAT,
-                    compute_data_type=mod.data_type.FLOAT, handle=handle, **kwargs)  # fmt: skip
+    g = mod.pygraph(
+        io_data_type=mod.data_type.HALF,
+        intermediate_data_type=mod.data_type.FLOAT,
+        compute_data_type=mod.data_type.FLOAT,
+        handle=handle,
+        **kwargs,
+    )
     q = g.tensor(name="Q", dim=(b, H, max_s_q, D), stride=(H * D, D, H * D, 1), data_type=mod.data_type.HALF, uid=1)
-    q.set_ragged_offset(g.tensor(name="q_off", dim=(b + 1, 1, 1, 1), stride=(1, 1, 1, 1),
-                                 data_type=mod.data_type.INT64, uid=50))  # fmt: skip
+    q.set_ragged_offset(
+        g.tensor(name="q_off", dim=(b + 1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=mod.data_type.INT64, uid=50)
+    )
     bshd = (s_kv * H * D, D, H * D, 1)
     k = g.tensor(name="K", dim=(b, H, s_kv, D), stride=bshd, data_type=mod.data_type.HALF, uid=2)
     v = g.tensor(name="V", dim=(b, H, s_kv, D), stride=bshd, data_type=mod.data_type.HALF, uid=3)
-    lengths = [g.tensor(name=n, dim=(b, 1, 1, 1), stride=(1, 1, 1, 1), data_type=mod.data_type.INT32, uid=u)
-               for n, u in (("seq_q", 100), ("seq_kv", 101))]  # fmt: skip
-    o, _ = g.sdpa(name="sdpa_thd", q=q, k=k, v=v, attn_scale=D**-0.5, use_padding_mask=True, seq_len_q=lengths[0],
-                  seq_len_kv=lengths[1], use_causal_mask=True, generate_stats=False)  # fmt: skip
+    lengths = [
+        g.tensor(name=n, dim=(b, 1, 1, 1), stride=(1, 1, 1, 1), data_type=mod.data_type.INT32, uid=u)
+        for n, u in (("seq_q", 100), ("seq_kv", 101))
+    ]
+    o, _ = g.sdpa(
+        name="sdpa_thd",
+        q=q,
+        k=k,
+        v=v,
+        attn_scale=D**-0.5,
+        use_padding_mask=True,
+        seq_len_q=lengths[0],
+        seq_len_kv=lengths[1],
+        use_causal_mask=True,
+        generate_stats=False,
+    )
     o.set_output(True).set_dim((b, H, max_s_q, D)).set_stride((H * D, D, H * D, 1)).set_data_type(mod.data_type.HALF)
     o.set_uid(1000)
-    o.set_ragged_offset(g.tensor(name="o_off", dim=(b + 1, 1, 1, 1), stride=(1, 1, 1, 1),
-                                 data_type=mod.data_type.INT64, uid=51))  # fmt: skip
+    o.set_ragged_offset(
+        g.tensor(name="o_off", dim=(b + 1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=mod.data_type.INT64, uid=51)
+    )
     g.validate()
     g.build_operation_graph()
     g.create_execution_plans([mod.heur_mode.A, mod.heur_mode.FALLBACK])
@@ -107,8 +132,9 @@ def test_thd_graph_with_per_run_overrides_matches_the_oracle_and_the_frontend():
             strides = [list(pack[u].stride()) for u in uids]
             workspace = torch.empty(g.get_workspace_size(), dtype=torch.uint8, device="cuda")
             mod.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
-            g.execute(pack, workspace, handle=handle, override_uids=uids, override_shapes=shapes,
-                      override_strides=strides)  # fmt: skip
+            g.execute(
+                pack, workspace, handle=handle, override_uids=uids, override_shapes=shapes, override_strides=strides
+            )
             torch.cuda.synchronize()
             _check_thd(out, q, k, v, lengths_q, lengths_kv)
             results[label, run] = out
@@ -126,8 +152,9 @@ def test_packed_tensors_bound_to_a_graph_built_for_the_longest_sequence():
         q, k, v, offsets, seq_q, seq_kv = _thd_inputs(lengths_q, lengths_kv, s_kv, seed=5)
         out = torch.full_like(q, float("nan"))
         workspace = torch.empty(g.get_workspace_size(), dtype=torch.uint8, device="cuda")
-        g.execute({1: q, 50: offsets, 2: k, 3: v, 100: seq_q, 101: seq_kv, 1000: out, 51: offsets}, workspace,
-                  handle=handle)  # fmt: skip
+        g.execute(
+            {1: q, 50: offsets, 2: k, 3: v, 100: seq_q, 101: seq_kv, 1000: out, 51: offsets}, workspace, handle=handle
+        )
         torch.cuda.synchronize()
         _check_thd(out, q, k, v, lengths_q, lengths_kv)
         results[label] = out
@@ -172,8 +199,11 @@ def test_a_tensor_attn_scale_is_read_at_each_run(on_host):
     for label, mod in _modules().items():
         if label == "frontend" and not on_host:
             continue
-        g = mod.pygraph(io_data_type=mod.data_type.HALF, intermediate_data_type=mod.data_type.FLOAT,
-                        compute_data_type=mod.data_type.FLOAT)  # fmt: skip
+        g = mod.pygraph(
+            io_data_type=mod.data_type.HALF,
+            intermediate_data_type=mod.data_type.FLOAT,
+            compute_data_type=mod.data_type.FLOAT,
+        )
         q, k, v = (g.tensor(dim=t.shape, stride=t.stride(), data_type=mod.data_type.HALF) for t in data)
         scale = g.tensor(dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=mod.data_type.FLOAT, is_pass_by_value=on_host)
         o, _ = g.sdpa(q=q, k=k, v=v, attn_scale=scale, use_causal_mask=True, generate_stats=False)
@@ -204,8 +234,10 @@ def test_jit_graph_cache_and_graph_build_once_per_key():
     def lookup(handle, b):
         made.append(b)
         with cudnn_attn.graph(handle) as (g, _):
-            q, k, v = (g.tensor(name=n, dim=(b, H, 64, D), stride=(H * 64 * D, 64 * D, D, 1), uid=i)
-                       for i, n in enumerate("qkv", 1))  # fmt: skip
+            q, k, v = (
+                g.tensor(name=n, dim=(b, H, 64, D), stride=(H * 64 * D, 64 * D, D, 1), uid=i)
+                for i, n in enumerate("qkv", 1)
+            )
             o, _ = g.sdpa(q=q, k=k, v=v, attn_scale=0.1, use_causal_mask=True, generate_stats=False)
             o.set_output(True).set_uid(9)
             return g, [q, k, v, o]

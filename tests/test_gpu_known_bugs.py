@@ -68,8 +68,10 @@ def _lengths(values):
 
 def test_an_empty_query_sequence_at_s_q_1_gives_zero():
     """cuDNN wrote row 0 of a sequence with seq_len_q = 0 at S_q = 1 (S_q >= 2 gave 0)."""
-    q, k, v = randn(2, 2, 1, 64, dtype=torch.float16, seed=1), *(randn(2, 2, 8, 64, dtype=torch.float16, seed=s)
-                                                                   for s in (2, 3))  # fmt: skip
+    q, k, v = (
+        randn(2, 2, 1, 64, dtype=torch.float16, seed=1),
+        *(randn(2, 2, 8, 64, dtype=torch.float16, seed=s) for s in (2, 3)),
+    )
     lengths = dict(seq_len_q=_lengths([0, 1]), seq_len_kv=_lengths([8, 8]))
     with cudnn_attn.Graph() as g:
         g.sdpa(q, k, v, use_padding_mask=True, generate_stats=True, **lengths)

@@ -53,9 +53,15 @@ def test_direct_launches_match_torch_across_specialisations():
     base = torch.randn(4099, device="cuda")
     other = torch.randn(4099, device="cuda")
     cases = [  # (offset, n, stride, a, negate): alignment, n == 1, stride 1 / 2, the constexpr
-        (0, 4096, 1, 0.5, False), (0, 4096, 1, -2.0, False), (1, 4000, 1, 0.5, False), (0, 1, 1, 3.0, False),
-        (0, 2000, 2, 0.25, False), (3, 999, 2, 1.5, True), (0, 4096, 1, 0.5, True), (0, 4096, 1, 0.75, False),
-    ]  # fmt: skip
+        (0, 4096, 1, 0.5, False),
+        (0, 4096, 1, -2.0, False),
+        (1, 4000, 1, 0.5, False),
+        (0, 1, 1, 3.0, False),
+        (0, 2000, 2, 0.25, False),
+        (3, 999, 2, 1.5, True),
+        (0, 4096, 1, 0.5, True),
+        (0, 4096, 1, 0.75, False),
+    ]
     for rounds in range(2):  # the second pass runs every case on a kernel kept from the first
         if rounds:
             launch.kernel = _NoJitCall(launch.kernel)

@@ -30,8 +30,7 @@ def test_programs_read_their_pages(hopper, heads, batch, pages, splits):
     # what each program sums: the first 64 dims of the first 8 tokens of each page of its chunk
     seen = cache[:, 0, :8, :64].float().sum((1, 2))[table.long()]  # [batch, pages]
     want = torch.stack([seen[:, s * chunk : (s + 1) * chunk].sum(1) for s in range(splits)], 1)
-    mla_bound.layer(cache, table, heads=heads, splits=splits, chunk_pages=chunk, partial_o=o, partial_lse=lse,
-                    out=None)  # fmt: skip
+    mla_bound.layer(cache, table, heads=heads, splits=splits, chunk_pages=chunk, partial_o=o, partial_lse=lse, out=None)
     torch.cuda.synchronize()
     for block in range(blocks):  # without partials: one value per program, its first head's
         got = lse[:, :, block * 64]
@@ -40,8 +39,9 @@ def test_programs_read_their_pages(hopper, heads, batch, pages, splits):
 
     out = torch.full((batch, heads, 1, DV), float("nan"), device="cuda", dtype=torch.bfloat16)
     partial_o = o if splits > 1 else out.transpose(1, 2)
-    mla_bound.layer(cache, table, heads=heads, splits=splits, chunk_pages=chunk, partial_o=partial_o,
-                    partial_lse=lse, out=out)  # fmt: skip
+    mla_bound.layer(
+        cache, table, heads=heads, splits=splits, chunk_pages=chunk, partial_o=partial_o, partial_lse=lse, out=out
+    )
     torch.cuda.synchronize()
     assert torch.allclose(lse, want[:, :, None].expand_as(lse), rtol=1e-4, atol=1e-2)  # every live head's row
     assert (out == 0).all(), "the partials (zeros) merge into zeros"

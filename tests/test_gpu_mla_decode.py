@@ -65,10 +65,21 @@ def test_mla_decode_kernel_matches_float64(case, kernel):
     if kernel == "hopper" and not hopper:
         pytest.skip("the warp-specialised kernel needs an sm_90 GPU and Gluon")
     out = torch.full((len(lengths), heads, 1, DV), float("nan"), dtype=dtype, device="cuda")
-    mla_decode(q_gpu, cache, cache[..., :DV], table.cuda(), torch.tensor(lengths, dtype=torch.int32, device="cuda"),
-               out, head_dim_v=DV, scale=SCALE, kv_layout=layout, splits=splits, chunk_pages=-(-pages // splits),
-               sink=None if sink is None else sink.cuda(),
-               tuning={"num_warps": 8} if kernel == "triton" else None)  # fmt: skip
+    mla_decode(
+        q_gpu,
+        cache,
+        cache[..., :DV],
+        table.cuda(),
+        torch.tensor(lengths, dtype=torch.int32, device="cuda"),
+        out,
+        head_dim_v=DV,
+        scale=SCALE,
+        kv_layout=layout,
+        splits=splits,
+        chunk_pages=-(-pages // splits),
+        sink=None if sink is None else sink.cuda(),
+        tuning={"num_warps": 8} if kernel == "triton" else None,
+    )
     got = out.cpu().double()
     assert torch.isfinite(got).all(), f"{int((~torch.isfinite(got)).sum())} non-finite values"
     assert rel_err(got, want) < 1e-2

@@ -33,8 +33,9 @@ def _run(device, lq, lkv, h, h_kv, d_qk, d_v, dtype, causal, seed):
         for i, (lengths, heads, d) in enumerate(((lq, h, d_qk), (lkv, h_kv, d_qk), (lkv, h_kv, d_v)))
     )
     q = torch.nested.nested_tensor_from_jagged(q_leaf, off_q, max_seqlen=max(lq)).transpose(1, 2)
-    k, v = (torch.nested.nested_tensor_from_jagged(t, off_kv, max_seqlen=max(lkv)).transpose(1, 2)
-            for t in (k_leaf, v_leaf))  # fmt: skip
+    k, v = (
+        torch.nested.nested_tensor_from_jagged(t, off_kv, max_seqlen=max(lkv)).transpose(1, 2) for t in (k_leaf, v_leaf)
+    )
     out = cudnn_attn.sdpa(q, k, v, is_causal=causal, enable_gqa=h_kv != h)
     assert out.is_nested and out.device.type == torch.device(device).type
     values = out.transpose(1, 2).values()
@@ -84,10 +85,11 @@ def test_a_cached_max_seqlen_costs_no_host_sync():
     lengths = [17, 64, 3]
     offsets = _offsets(lengths).cuda()
     q, k, v = (
-        torch.nested.nested_tensor_from_jagged(_packed(lengths, 4, 64, torch.float16, s).cuda(), offsets,
-                                               max_seqlen=64).transpose(1, 2)
+        torch.nested.nested_tensor_from_jagged(
+            _packed(lengths, 4, 64, torch.float16, s).cuda(), offsets, max_seqlen=64
+        ).transpose(1, 2)
         for s in range(3)
-    )  # fmt: skip
+    )
     with torch.no_grad():
         cudnn_attn.sdpa(q, k, v, is_causal=True)  # builds the plans
         torch.cuda.synchronize()

@@ -103,8 +103,18 @@ def test_a_captured_step_replays_after_new_plans(kernel, sinks, s_q):
     extra = {"sinks": torch.randn(HQ, device="cuda")} if sinks else {}
     layers = 2
     max_batch, pages = 4, 32
-    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=max_batch,
-                                     max_pages_per_seq=pages, cuda_graph=True, decode_kernel=kernel)  # fmt: skip
+    attn = cudnn_attn.PagedAttention(
+        HQ,
+        HKV,
+        D,
+        PAGE,
+        dtype=torch.bfloat16,
+        device="cuda",
+        max_batch=max_batch,
+        max_pages_per_seq=pages,
+        cuda_graph=True,
+        decode_kernel=kernel,
+    )
     first = _step([100] * max_batch, pages, s_q=s_q, seed=1)
     q = first[0].cuda()
     caches = [(first[1].cuda() * (i + 1), first[2].cuda().roll(i, 0)) for i in range(layers)]
@@ -116,9 +126,19 @@ def test_a_captured_step_replays_after_new_plans(kernel, sinks, s_q):
     with torch.cuda.graph(graph):
         for (k, v), out in zip(caches, outs):
             attn.run(q, k, v, out=out, **extra)
-    eager = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=max_batch,
-                                      max_pages_per_seq=pages, cuda_graph=True, splits=attn.schedule.splits,
-                                      decode_kernel=kernel)  # fmt: skip
+    eager = cudnn_attn.PagedAttention(
+        HQ,
+        HKV,
+        D,
+        PAGE,
+        dtype=torch.bfloat16,
+        device="cuda",
+        max_batch=max_batch,
+        max_pages_per_seq=pages,
+        cuda_graph=True,
+        splits=attn.schedule.splits,
+        decode_kernel=kernel,
+    )
     for seed, lengths in enumerate(([2048, 5, 777, 1300], [64, 64, 2000, 4]), start=2):
         step = _step(lengths, pages, s_q=s_q, seed=seed)
         q.copy_(step[0])
@@ -328,8 +348,9 @@ PREFILLS = {
 def test_chunked_prefill_matches_the_reference(case, sinks):
     spec = PREFILLS[case]
     extra = {"sinks": torch.randn(HQ, generator=torch.Generator().manual_seed(8))} if sinks else {}
-    q, k_cache, v_cache, table, lengths, q_lens = _prefill_step(spec["q_lens"], spec["kv_lens"], 256, seed=len(case),
-                                                                spare_tokens=spec.get("spare", 0))  # fmt: skip
+    q, k_cache, v_cache, table, lengths, q_lens = _prefill_step(
+        spec["q_lens"], spec["kv_lens"], 256, seed=len(case), spare_tokens=spec.get("spare", 0)
+    )
     results = []
     for device in ("cuda", "cpu"):
         attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device=device)
@@ -345,8 +366,17 @@ def test_chunked_prefill_matches_the_reference(case, sinks):
 def test_a_captured_prefill_step_replays_after_new_plans():
     """Fixed token budget T: q_lens on the GPU change per step; plan() then replay() matches eager."""
     max_batch, pages, tokens = 4, 32, 512
-    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda", max_batch=max_batch,
-                                     max_pages_per_seq=pages, cuda_graph=True)  # fmt: skip
+    attn = cudnn_attn.PagedAttention(
+        HQ,
+        HKV,
+        D,
+        PAGE,
+        dtype=torch.bfloat16,
+        device="cuda",
+        max_batch=max_batch,
+        max_pages_per_seq=pages,
+        cuda_graph=True,
+    )
     first = _prefill_step([128] * 4, [1000] * 4, pages, seed=3)
     q = first[0].cuda()
     k, v = first[1].cuda(), first[2].cuda()
@@ -357,8 +387,9 @@ def test_a_captured_prefill_step_replays_after_new_plans():
     with torch.cuda.graph(graph):
         attn.run(q, k, v, out=out)
     eager = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda")
-    for seed, (q_lens, kv_lens) in enumerate((([500, 1, 11], [2000, 1, 11]), ([7, 300, 5, 200], [7, 900, 64, 2000])),
-                                             start=4):  # fmt: skip
+    for seed, (q_lens, kv_lens) in enumerate(
+        (([500, 1, 11], [2000, 1, 11]), ([7, 300, 5, 200], [7, 900, 64, 2000])), start=4
+    ):
         step = _prefill_step(q_lens, kv_lens, pages, seed=seed, spare_tokens=tokens - sum(q_lens))
         q.copy_(step[0])
         attn.plan(step[3].cuda(), step[4].cuda(), q_lens=step[5].cuda())
@@ -388,8 +419,9 @@ def test_a_prefill_step_makes_no_host_sync():
 def test_one_prefill_step_may_run_several_token_counts():
     """q_lens on the GPU and layers given q of 36 and of 20 tokens in turn: each token count
     keeps its own lengths (cut at 20 tokens the second sequence is empty), never another's."""
-    q, k_cache, v_cache, table, lengths, q_lens = (t.cuda() for t in _prefill_step([20, 9], [3000, 40], 64, seed=12,
-                                                                                    spare_tokens=7))  # fmt: skip
+    q, k_cache, v_cache, table, lengths, q_lens = (
+        t.cuda() for t in _prefill_step([20, 9], [3000, 40], 64, seed=12, spare_tokens=7)
+    )
     attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cuda")
     attn.plan(table, lengths, q_lens=q_lens)
     wants = {}
@@ -484,8 +516,9 @@ def test_mla_decode_matches_the_reference(case):
         options = dict(splits=spec.get("splits"), kv_layout=layout)
         if device == "cuda" and "forced" in spec:
             options["decode_kernel"] = spec["forced"]
-        attn = cudnn_attn.PagedAttention(heads, 1, d, page, dtype=torch.bfloat16, head_dim_v=dv, scale=192**-0.5,
-                                         device=device, **options)  # fmt: skip
+        attn = cudnn_attn.PagedAttention(
+            heads, 1, d, page, dtype=torch.bfloat16, head_dim_v=dv, scale=192**-0.5, device=device, **options
+        )
         cache = latent.to(device)
         attn.plan(table.to(device), torch.tensor(lengths, dtype=torch.int32, device=device))
         extra = {"sinks": sinks.to(device)} if sinks is not None else {}

@@ -51,8 +51,20 @@ def test_forward_with_ragged_offsets(case, causal):
     runs = {}
     for label, (mod, options) in _modules().items():
         try:
-            runs[label] = ragged_cases.forward(mod, lengths_q=LENGTHS_Q, lengths_kv=LENGTHS_KV, s_q=64, s_kv=64, d=64,
-                                               h=4, device="cuda", causal=causal, seed=11, **FORWARD[case], **options)  # fmt: skip
+            runs[label] = ragged_cases.forward(
+                mod,
+                lengths_q=LENGTHS_Q,
+                lengths_kv=LENGTHS_KV,
+                s_q=64,
+                s_kv=64,
+                d=64,
+                h=4,
+                device="cuda",
+                causal=causal,
+                seed=11,
+                **FORWARD[case],
+                **options,
+            )
         except mod.cudnnGraphNotSupportedError:
             assert label == "frontend", f"{label} refused a case"
     _compare(runs, ("o", "stats") if FORWARD[case].get("stats") else ("o",))
@@ -61,10 +73,23 @@ def test_forward_with_ragged_offsets(case, causal):
 @pytest.mark.parametrize("gap, reverse", [(0, False), (2, True)], ids=["packed", "gapped-reversed"])
 def test_backward_with_ragged_offsets(gap, reverse):
     runs = {
-        label: ragged_cases.backward(mod, lengths_q=LENGTHS_Q, lengths_kv=LENGTHS_KV, s_q=64, s_kv=64, d=64, h=4,
-                                     device="cuda", gap=gap, reverse=reverse, causal=True, seed=12, **options)
+        label: ragged_cases.backward(
+            mod,
+            lengths_q=LENGTHS_Q,
+            lengths_kv=LENGTHS_KV,
+            s_q=64,
+            s_kv=64,
+            d=64,
+            h=4,
+            device="cuda",
+            gap=gap,
+            reverse=reverse,
+            causal=True,
+            seed=12,
+            **options,
+        )
         for label, (mod, options) in _modules().items()
-    }  # fmt: skip
+    }
     _compare(runs, ("dQ", "dK", "dV"))
 
 

@@ -84,8 +84,9 @@ def test_varlen_softcap_matches_the_reference_backend(window):
     total = sum(lengths)
     q = torch.randn(total, 8, 64, device="cuda", generator=gen).bfloat16().requires_grad_()
     k, v = (torch.randn(total, 2, 64, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(2))
-    options = dict(is_causal=True, enable_gqa=True, softcap=20.0,
-                   window_size=(window, 0) if window is not None else (-1, -1))  # fmt: skip
+    options = dict(
+        is_causal=True, enable_gqa=True, softcap=20.0, window_size=(window, 0) if window is not None else (-1, -1)
+    )
     out = cudnn_attn.varlen_sdpa(q, k, v, cu, cu, 257, 257, **options)
     d_out = torch.randn(out.shape, device="cuda", generator=gen).bfloat16()
     grads = torch.autograd.grad(out, (q, k, v), d_out)
@@ -112,8 +113,9 @@ def test_dropout_with_score_terms_matches_the_reference_given_cudnns_mask(terms)
     q = torch.randn(b, h, s, d, device="cuda", generator=gen).bfloat16()
     k, v = (torch.randn(b, h_kv, s, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
     d_o = torch.randn(b, h, s, d, device="cuda", generator=gen).bfloat16()
-    options = ScoreOptions(attn_scale=d**-0.5, causal=Causal.TOP_LEFT, dropout_p=p,
-                           sliding_window=64 if terms == "window" else None)  # fmt: skip
+    options = ScoreOptions(
+        attn_scale=d**-0.5, causal=Causal.TOP_LEFT, dropout_p=p, sliding_window=64 if terms == "window" else None
+    )
     extra: dict = {}
     inputs: dict = {"q": q, "k": k, "v": v, "dropout_seed": 1234, "dropout_offset": 7}
     if terms == "softcap":

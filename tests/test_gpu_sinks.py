@@ -30,8 +30,9 @@ def _run(mod, options, data, sink, causal, window):
     masks = dict(use_causal_mask=causal)
     if window:
         masks.update(diagonal_band_left_bound=window, diagonal_alignment=mod.diagonal_alignment.TOP_LEFT)
-    g = mod.pygraph(io_data_type=dt, intermediate_data_type=mod.data_type.FLOAT, compute_data_type=mod.data_type.FLOAT,
-                    **options)  # fmt: skip
+    g = mod.pygraph(
+        io_data_type=dt, intermediate_data_type=mod.data_type.FLOAT, compute_data_type=mod.data_type.FLOAT, **options
+    )
     tq, tk, tv = (g.tensor(dim=t.shape, stride=t.stride(), data_type=dt) for t in data)
     ts = g.tensor(dim=sink.shape, stride=sink.stride(), data_type=mod.data_type.FLOAT)
     o, stats = g.sdpa(q=tq, k=tk, v=tv, sink_token=ts, generate_stats=True, attn_scale=D**-0.5, **masks)
@@ -43,14 +44,16 @@ def _run(mod, options, data, sink, causal, window):
     ws = torch.empty(max(g.get_workspace_size(), 1), dtype=torch.uint8, device="cuda")
     g.execute({tq: q, tk: k, tv: v, ts: sink, o: out, stats: lse}, ws)
     d_o = torch.randn(q.shape, generator=torch.Generator(device="cuda").manual_seed(7), device="cuda").to(q.dtype)
-    b = mod.pygraph(io_data_type=dt, intermediate_data_type=mod.data_type.FLOAT, compute_data_type=mod.data_type.FLOAT,
-                    **options)  # fmt: skip
+    b = mod.pygraph(
+        io_data_type=dt, intermediate_data_type=mod.data_type.FLOAT, compute_data_type=mod.data_type.FLOAT, **options
+    )
     bq, bk, bv, bo, bdo = (b.tensor(dim=t.shape, stride=t.stride(), data_type=dt) for t in (q, k, v, out, d_o))
     bst = b.tensor(dim=lse.shape, stride=lse.stride(), data_type=mod.data_type.FLOAT)
     bs = b.tensor(dim=sink.shape, stride=sink.stride(), data_type=mod.data_type.FLOAT)
     bds = b.tensor(dim=sink.shape, stride=sink.stride(), data_type=mod.data_type.FLOAT)
-    dq, dk, dv = b.sdpa_backward(q=bq, k=bk, v=bv, o=bo, dO=bdo, stats=bst, sink_token=bs, dSink_token=bds,
-                                 attn_scale=D**-0.5, **masks)  # fmt: skip
+    dq, dk, dv = b.sdpa_backward(
+        q=bq, k=bk, v=bv, o=bo, dO=bdo, stats=bst, sink_token=bs, dSink_token=bds, attn_scale=D**-0.5, **masks
+    )
     grads = {}
     for handle, like, name in ((dq, q, "dQ"), (dk, k, "dK"), (dv, v, "dV")):
         handle.set_output(True).set_dim(like.shape).set_stride(like.stride()).set_data_type(dt)
@@ -58,8 +61,22 @@ def _run(mod, options, data, sink, causal, window):
     grads["dSink"] = torch.full_like(sink, float("nan"))
     b.build([mod.heur_mode.A, mod.heur_mode.FALLBACK])
     ws = torch.empty(max(b.get_workspace_size(), 1), dtype=torch.uint8, device="cuda")
-    b.execute({bq: q, bk: k, bv: v, bo: out, bdo: d_o, bst: lse, bs: sink, bds: grads["dSink"],
-               dq: grads["dQ"], dk: grads["dK"], dv: grads["dV"]}, ws)  # fmt: skip
+    b.execute(
+        {
+            bq: q,
+            bk: k,
+            bv: v,
+            bo: out,
+            bdo: d_o,
+            bst: lse,
+            bs: sink,
+            bds: grads["dSink"],
+            dq: grads["dQ"],
+            dk: grads["dK"],
+            dv: grads["dV"],
+        },
+        ws,
+    )
     torch.cuda.synchronize()
     return {"O": out, "Stats": lse, **grads}
 
@@ -90,11 +107,30 @@ def _decode(backend, q, k_cache, v_cache, table, lengths, sink, stats):
     """One decode step with a sink through the Graph API: paged caches, per-sequence lengths."""
     ones = torch.ones(q.shape[0], 1, 1, 1, dtype=torch.int32, device="cuda")
     with cudnn_attn.Graph(backend=backend) as g:
-        g.sdpa(q, k_cache, v_cache, sink_token=sink, generate_stats=stats, use_padding_mask=True, seq_len_q=ones,
-               seq_len_kv=lengths, paged_attention_k_table=table, paged_attention_v_table=table,
-               paged_attention_max_seq_len_kv=table.shape[2] * k_cache.shape[2])  # fmt: skip
-    return g({"q": q, "k": k_cache, "v": v_cache, "sink_token": sink, "seq_len_q": ones, "seq_len_kv": lengths,
-              "paged_attention_k_table": table})  # fmt: skip
+        g.sdpa(
+            q,
+            k_cache,
+            v_cache,
+            sink_token=sink,
+            generate_stats=stats,
+            use_padding_mask=True,
+            seq_len_q=ones,
+            seq_len_kv=lengths,
+            paged_attention_k_table=table,
+            paged_attention_v_table=table,
+            paged_attention_max_seq_len_kv=table.shape[2] * k_cache.shape[2],
+        )
+    return g(
+        {
+            "q": q,
+            "k": k_cache,
+            "v": v_cache,
+            "sink_token": sink,
+            "seq_len_q": ones,
+            "seq_len_kv": lengths,
+            "paged_attention_k_table": table,
+        }
+    )
 
 
 @pytest.mark.parametrize("stats", [True, False], ids=["with-stats", "o-only"])
@@ -104,8 +140,9 @@ def test_a_sink_in_decode_is_added_after_the_run(stats):
     gen = torch.Generator(device="cuda").manual_seed(5)
     page, pages = 64, 8
     q = torch.randn(B, H, 1, D, device="cuda", generator=gen).bfloat16()
-    k_cache, v_cache = (torch.randn(B * pages, H_KV, page, D, device="cuda", generator=gen).bfloat16()
-                        for _ in range(2))  # fmt: skip
+    k_cache, v_cache = (
+        torch.randn(B * pages, H_KV, page, D, device="cuda", generator=gen).bfloat16() for _ in range(2)
+    )
     table = torch.randperm(B * pages, device="cuda", generator=gen).int().view(B, 1, pages, 1)
     sink = (torch.randn(1, H, 1, 1, device="cuda", generator=gen) * 2).float()
     for lengths in ([300, 512], [0, 77]):
@@ -167,8 +204,9 @@ def test_varlen_with_sinks_matches_the_reference():
     out = cudnn_attn.varlen_sdpa(q, k, v, cu, cu, 257, 257, is_causal=True, enable_gqa=True, sinks=sinks)
     d_out = torch.randn(out.shape, device="cuda", generator=gen).bfloat16()
     leaves = [t.detach().cpu().float().requires_grad_() for t in (q, k, v, sinks)]
-    ref = cudnn_attn.varlen_sdpa(*leaves[:3], cu.cpu(), cu.cpu(), 257, 257, is_causal=True, enable_gqa=True,
-                                 sinks=leaves[3])  # fmt: skip
+    ref = cudnn_attn.varlen_sdpa(
+        *leaves[:3], cu.cpu(), cu.cpu(), 257, 257, is_causal=True, enable_gqa=True, sinks=leaves[3]
+    )
     assert rel_err(out.float().cpu(), ref) < TOLERANCE[torch.bfloat16]
     grads = torch.autograd.grad(out, (q, k, v, sinks), d_out)
     expected = torch.autograd.grad(ref, leaves, d_out.cpu().float())
@@ -184,13 +222,15 @@ def test_the_torch_form_with_a_window_matches_the_reference(sinks):
     q = torch.randn(B, H, 384, D, device="cuda", generator=gen).bfloat16().requires_grad_()
     k, v = (torch.randn(B, H_KV, 384, D, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(2))
     leaves = [q, k, v] + ([torch.randn(H, device="cuda", generator=gen).requires_grad_()] if sinks else [])
-    out = cudnn_attn.sdpa(*leaves[:3], is_causal=True, enable_gqa=True, window_size=(127, 0),
-                          sinks=leaves[3] if sinks else None)  # fmt: skip
+    out = cudnn_attn.sdpa(
+        *leaves[:3], is_causal=True, enable_gqa=True, window_size=(127, 0), sinks=leaves[3] if sinks else None
+    )
     d_out = torch.randn(out.shape, device="cuda", generator=gen).bfloat16()
     grads = torch.autograd.grad(out, leaves, d_out)
     cpu = [t.detach().cpu().float().requires_grad_() for t in leaves]
-    ref = cudnn_attn.sdpa(*cpu[:3], is_causal=True, enable_gqa=True, window_size=(127, 0),
-                          sinks=cpu[3] if sinks else None)  # fmt: skip
+    ref = cudnn_attn.sdpa(
+        *cpu[:3], is_causal=True, enable_gqa=True, window_size=(127, 0), sinks=cpu[3] if sinks else None
+    )
     expected = torch.autograd.grad(ref, cpu, d_out.cpu().float())
     assert rel_err(out.float().cpu(), ref) < TOLERANCE[torch.bfloat16]
     for name, a, e in zip(("dQ", "dK", "dV", "dSinks"), grads, expected):
@@ -255,8 +295,12 @@ def test_a_folded_sink_runs_on_the_handles_stream():
     handle = cudnn_attn.create_handle()
     cudnn_attn.set_stream(handle=handle, stream=side.cuda_stream)
     dt = cudnn_attn.data_type.BFLOAT16
-    g = cudnn_attn.pygraph(io_data_type=dt, intermediate_data_type=cudnn_attn.data_type.FLOAT,
-                           compute_data_type=cudnn_attn.data_type.FLOAT, handle=handle)  # fmt: skip
+    g = cudnn_attn.pygraph(
+        io_data_type=dt,
+        intermediate_data_type=cudnn_attn.data_type.FLOAT,
+        compute_data_type=cudnn_attn.data_type.FLOAT,
+        handle=handle,
+    )
     tq, tk, tv = (g.tensor_like(t) for t in (q, k, v))
     ts = g.tensor_like(sink)
     o, _ = g.sdpa(q=tq, k=tk, v=tv, sink_token=ts, attn_scale=D**-0.5)

@@ -18,8 +18,10 @@ TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 def _packed(lengths_q, lengths_k, h, h_kv, d, d_v, dtype, seed, extra=0):
     gen = torch.Generator().manual_seed(seed)
     t_q, t_k = sum(lengths_q) + extra, sum(lengths_k) + extra
-    q, k, v = (torch.randn(t, heads, dim, generator=gen).to(dtype)
-               for t, heads, dim in ((t_q, h, d), (t_k, h_kv, d), (t_k, h_kv, d_v)))  # fmt: skip
+    q, k, v = (
+        torch.randn(t, heads, dim, generator=gen).to(dtype)
+        for t, heads, dim in ((t_q, h, d), (t_k, h_kv, d), (t_k, h_kv, d_v))
+    )
     cu = [torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32) for n in (lengths_q, lengths_k)]
     return q, k, v, *cu
 
@@ -74,8 +76,9 @@ def test_bad_cu_seqlens_on_the_gpu_never_read_out_of_bounds():
     q, k, v, cu_q, cu_k = _packed([64, 64], [64, 64], 8, 8, 64, 64, torch.bfloat16, seed=6)
     q, k, v = (x.cuda() for x in (q, k, v))
     with pytest.raises(cudnn_attn.ValidationError, match="cu_seqlens_q"):
-        cudnn_attn.varlen_sdpa(q, k, v, *[torch.tensor([0, 64, 900], dtype=torch.int32, device="cuda")] * 2, 64, 64,
-                               window_size=(7, 0))  # fmt: skip
+        cudnn_attn.varlen_sdpa(
+            q, k, v, *[torch.tensor([0, 64, 900], dtype=torch.int32, device="cuda")] * 2, 64, 64, window_size=(7, 0)
+        )
     cudnn_attn.varlen_sdpa(q, k, v, cu_q.cuda(), cu_q.cuda(), 64, 64, is_causal=True)  # builds the graph
     for bad in ([0, 64, 100000], [0, 100, 50], [0, 5000, 5001]):
         bad_cu = torch.tensor(bad, dtype=torch.int32, device="cuda")

@@ -66,8 +66,11 @@ def test_backward_lowers_with_dbias_and_determinism():
     q = torch.randn(2, 4, 64, 64).half()
     bias = torch.randn(1, 4, 64, 64).half()
     stats = torch.randn(2, 4, 64, 1)
-    p = problem_of(lambda g: g.sdpa_backward(q, q, q, q, q, stats, attn_bias=bias, bias_grad=True, use_causal_mask=True,
-                                            use_deterministic_algorithm=True))  # fmt: skip
+    p = problem_of(
+        lambda g: g.sdpa_backward(
+            q, q, q, q, q, stats, attn_bias=bias, bias_grad=True, use_causal_mask=True, use_deterministic_algorithm=True
+        )
+    )
     _, info = lowered(p)
     n = node(info)
     assert n["type"] == "SDPA_BWD" and n["params"]["use_deterministic_algorithm"] is True
@@ -81,8 +84,11 @@ def test_thd_lowers_to_ragged_bshd():
     q = torch.randn(50, 8, 64).half()
     kv = torch.randn(70, 2, 64).half()
     lq, lkv = torch.tensor([20, 30], dtype=torch.int32), torch.tensor([40, 30], dtype=torch.int32)
-    p = problem_of(lambda g: g.sdpa(q, kv, kv, seq_len_q=lq, seq_len_kv=lkv, max_seq_len_q=32, max_seq_len_kv=40,
-                                    generate_stats=True))  # fmt: skip
+    p = problem_of(
+        lambda g: g.sdpa(
+            q, kv, kv, seq_len_q=lq, seq_len_kv=lkv, max_seq_len_q=32, max_seq_len_kv=40, generate_stats=True
+        )
+    )
     result, info = lowered(p)
     tensors = by_uid(info)
     assert tensors[lowering.UID["q"]]["dim"] == [2, 8, 32, 64]
@@ -107,8 +113,15 @@ def test_caller_ragged_offsets_lower_onto_the_tensors_they_address():
         tq, tk, tv, to = (g.tensor_like(x) for x in (q, k, v, offsets))
         for t in (tq, tk, tv):
             t.set_ragged_offset(to)
-        o, stats = g.sdpa(q=tq, k=tk, v=tv, generate_stats=True, use_padding_mask=True,
-                          seq_len_q=g.tensor_like(lengths), seq_len_kv=g.tensor_like(lengths))  # fmt: skip
+        o, stats = g.sdpa(
+            q=tq,
+            k=tk,
+            v=tv,
+            generate_stats=True,
+            use_padding_mask=True,
+            seq_len_q=g.tensor_like(lengths),
+            seq_len_kv=g.tensor_like(lengths),
+        )
         o.set_output(True).set_dim([b, h, s, d]).set_stride(list(bshd)).set_ragged_offset(to)
         stats.set_output(True).set_ragged_offset(g.tensor_like(offsets // d))  # in Stats' own elements
     p = g.problems[0]
@@ -154,10 +167,17 @@ def test_dropout_with_int_seed_is_passed_by_value():
 
 @pytest.mark.parametrize(
     "s_q, s_kv, causal, padded",
-    [(192, 192, False, True), (64, 320, False, True), (1, 256, False, True), (1, 256, True, True),
-     (256, 256, False, False), (192, 192, True, False), (128, 100, False, False)],
+    [
+        (192, 192, False, True),
+        (64, 320, False, True),
+        (1, 256, False, True),
+        (1, 256, True, True),
+        (256, 256, False, False),
+        (192, 192, True, False),
+        (128, 100, False, False),
+    ],
     ids=["s192", "skv320", "sq1", "sq1-causal", "s256", "s192-causal", "skv100"],
-)  # fmt: skip
+)
 def test_backward_known_nan_shapes_lower_with_full_length_padding(s_q, s_kv, causal, padded):
     """cuDNN 9.19 returns NaN gradients at S_kv % 128 == 64 (no causal) and at S_q = 1 for rows
     with a low log-sum-exp; a padding mask with full lengths avoids both (ops/cudnn/workarounds.py)."""

@@ -217,7 +217,7 @@ def _bad_inputs():
             {"attn_mask": torch.ones(2, 2, 3, 3, dtype=torch.bool)},
             cudnn_attn.UnsupportedError,
             ["attn_mask"],
-        ),  # fmt: skip
+        ),
         "nested-mask-dense-qkv": (
             (dense, dense, dense),
             {"attn_mask": strided_mask},
@@ -237,14 +237,14 @@ def _bad_inputs():
             {},
             cudnn_attn.UnsupportedError,
             ["query"],
-        ),  # fmt: skip
+        ),
         "dtype-mismatch": ((_nt([3, 2], dtype=torch.float32), q, q), {}, cudnn_attn.ValidationError, ["query"]),
         "heads-without-gqa": (
             (q, _nt([3, 2], heads=1), _nt([3, 2], heads=1)),
             {},
             cudnn_attn.ValidationError,
             ["key"],
-        ),  # fmt: skip
+        ),
         "head-dim": ((q, _nt([3, 2], d=32), _nt([3, 2], d=32)), {}, cudnn_attn.ValidationError, ["key"]),
         "batch": ((q, _nt([3, 2, 4]), _nt([3, 2, 4])), {}, cudnn_attn.ValidationError, ["key", "value"]),
         "kv-lengths": ((q, _nt([3, 2]), _nt([2, 3])), {}, cudnn_attn.ValidationError, ["value"]),

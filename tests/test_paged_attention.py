@@ -112,8 +112,9 @@ def test_eager_steps_read_each_plans_tables_afresh(s_q, splits):
 def test_cuda_graph_mode_pads_the_batch_and_follows_new_plans():
     """Fixed buffers of max_batch rows: smaller batches run as empty sequences; each plan
     rewrites the buffers in place (what a captured step reads)."""
-    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, max_batch=4, max_pages_per_seq=4,
-                                     cuda_graph=True, splits=2)  # fmt: skip
+    attn = cudnn_attn.PagedAttention(
+        HQ, HKV, D, PAGE, dtype=torch.bfloat16, max_batch=4, max_pages_per_seq=4, cuda_graph=True, splits=2
+    )
     buffers = None
     for step, lengths in enumerate(([20, 64], [5, 33, 60])):
         q, k_cache, v_cache, table, lens = make_step(lengths, pages_per_seq=4, seed=10 + step)
@@ -278,8 +279,9 @@ def test_single_token_decode_runs_plain_unless_forced():
 def test_empty_slots_give_zeros_and_a_captured_step_may_keep_max_batch_rows():
     """A server pads a step to max_batch: empty slots (length 0) give zeros, and run() takes q
     with max_batch rows after a plan of fewer sequences (what a captured step replays)."""
-    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, max_batch=4, max_pages_per_seq=4,
-                                     cuda_graph=True)  # fmt: skip
+    attn = cudnn_attn.PagedAttention(
+        HQ, HKV, D, PAGE, dtype=torch.bfloat16, max_batch=4, max_pages_per_seq=4, cuda_graph=True
+    )
     q, k_cache, v_cache, table, lengths = make_step([20, 0, 33, 9], pages_per_seq=4, seed=13)
     attn.plan(table, lengths)
     out = attn.run(q, k_cache, v_cache)
@@ -315,8 +317,9 @@ def test_chunked_prefill_mixes_prefill_chunks_and_decode_tokens(cuda_graph):
     """One step: a whole prompt (q = kv), a chunk of a longer prompt, a decode token, an empty
     slot, against each sequence alone; rows past sum(q_lens) are zero."""
     q_lens, kv_lens = [40, 17, 1, 0], [40, 60, 33, 0]
-    q, k_cache, v_cache, table, lengths, q_lens_t = packed_step(q_lens, kv_lens, pages_per_seq=4, seed=21,
-                                                                spare_tokens=5)  # fmt: skip
+    q, k_cache, v_cache, table, lengths, q_lens_t = packed_step(
+        q_lens, kv_lens, pages_per_seq=4, seed=21, spare_tokens=5
+    )
     limits = dict(max_batch=6, max_pages_per_seq=5, cuda_graph=True) if cuda_graph else {}
     attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, **limits)
     attn.plan(table, lengths, q_lens=q_lens_t)
@@ -410,7 +413,8 @@ def test_decode_takes_the_triton_kernel_where_it_serves(batch, pages, s_q):
     ],
 )
 def test_mla_decode_of_one_sequence_with_few_heads_stays_with_cudnn_unless_the_hopper_kernel_serves(
-        batch, heads, hopper, kernel):  # fmt: skip
+    batch, heads, hopper, kernel
+):
     """MLA (one latent head, 576/512, page 64) over 32k tokens: the Triton kernel measured 15% behind
     cuDNN for one sequence of 16 heads, the Hopper kernel 2.8x ahead; one wave of 64-head blocks."""
     schedule = decode_schedule(batch, 512, heads, 1, 1, mla=True, hopper=hopper)
@@ -432,8 +436,9 @@ def test_forcing_the_triton_kernel_where_it_cannot_run_is_refused():
         cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, decode_kernel="fast")
 
 
-@pytest.mark.parametrize("s_q,splits,pack", [(1, 1, False), (1, 1, True), (1, 2, True), (4, 1, True), (4, 2, True)],
-                         ids=str)  # fmt: skip
+@pytest.mark.parametrize(
+    "s_q,splits,pack", [(1, 1, False), (1, 1, True), (1, 2, True), (4, 1, True), (4, 2, True)], ids=str
+)
 def test_sinks_in_decode_whatever_the_layout(s_q, splits, pack):
     """gpt-oss's sinks at run: folded in from the log-sum-exp after the body (packed or not) or
     after the split-KV merge, exactly once; an empty slot stays zero."""
@@ -449,8 +454,9 @@ def test_sinks_in_decode_whatever_the_layout(s_q, splits, pack):
 
 def test_sinks_in_chunked_prefill():
     q_lens, kv_lens = [40, 17, 1, 0], [40, 60, 33, 0]
-    q, k_cache, v_cache, table, lengths, q_lens_t = packed_step(q_lens, kv_lens, pages_per_seq=4, seed=41,
-                                                                spare_tokens=3)  # fmt: skip
+    q, k_cache, v_cache, table, lengths, q_lens_t = packed_step(
+        q_lens, kv_lens, pages_per_seq=4, seed=41, spare_tokens=3
+    )
     sinks = torch.randn(HQ, generator=torch.Generator().manual_seed(4)) * 2
     attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16)
     attn.plan(table, lengths, q_lens=q_lens_t)

@@ -62,8 +62,9 @@ def test_what_fp8_caches_cannot_take_is_named():
         cudnn_attn.PagedAttention(16, 1, 576, 64, dtype=torch.bfloat16, head_dim_v=512, kv_dtype=torch.float8_e4m3fn)
     attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
     attn.plan(table, lengths)
-    with pytest.raises(ValidationError, match="k_cache: dtype torch.bfloat16; this PagedAttention takes "
-                       "torch.float8_e4m3fn caches"):  # fmt: skip
+    with pytest.raises(
+        ValidationError, match="k_cache: dtype torch.bfloat16; this PagedAttention takes torch.float8_e4m3fn caches"
+    ):
         attn.run(q, k_cache, v_cache)
     k8, v8 = (c.to(torch.float8_e4m3fn) for c in (k_cache, v_cache))
     with pytest.raises(ValidationError, match="k_scale: a tensor; expected a float"):

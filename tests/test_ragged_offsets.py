@@ -25,8 +25,17 @@ LENGTHS_Q, LENGTHS_KV = [5, 16, 9], [12, 16, 3]
     ids=["packed", "gapped-reversed-ragged-stats", "packed-q-only", "gapped-kv-o"],
 )
 def test_forward_with_ragged_offsets_matches_dense_attention(ragged, gap, reverse, stats):
-    run = ragged_cases.forward(cudnn, lengths_q=LENGTHS_Q, lengths_kv=LENGTHS_KV, ragged=ragged, gap=gap,
-                               reverse=reverse, stats=stats, causal=True, seed=1)  # fmt: skip
+    run = ragged_cases.forward(
+        cudnn,
+        lengths_q=LENGTHS_Q,
+        lengths_kv=LENGTHS_KV,
+        ragged=ragged,
+        gap=gap,
+        reverse=reverse,
+        stats=stats,
+        causal=True,
+        seed=1,
+    )
     assert rel_err(run["result"]["o"], run["expected"]["o"]) < TOLERANCE[torch.float16]
     if stats is not None:
         assert rel_err(run["result"]["stats"], run["expected"]["stats"]) < 1e-5
@@ -37,8 +46,9 @@ def test_forward_with_ragged_offsets_matches_dense_attention(ragged, gap, revers
 
 
 def test_backward_with_ragged_offsets_matches_autograd():
-    run = ragged_cases.backward(cudnn, lengths_q=LENGTHS_Q, lengths_kv=LENGTHS_KV, gap=2, reverse=True, causal=True,
-                                seed=2)  # fmt: skip
+    run = ragged_cases.backward(
+        cudnn, lengths_q=LENGTHS_Q, lengths_kv=LENGTHS_KV, gap=2, reverse=True, causal=True, seed=2
+    )
     for name in ("dQ", "dK", "dV"):
         assert rel_err(run["result"][name], run["expected"][name]) < 5e-3, name
         assert run["tensors"][name].untouched(), f"{name}: written outside its sequences' rows"
@@ -73,8 +83,13 @@ def _graph_with(offsets: torch.Tensor, *, q: torch.Tensor | None = None, padding
     tq = g.tensor_like(q)
     tq.set_ragged_offset(g.tensor_like(offsets))
     kw = dict(use_padding_mask=True, seq_len_q=g.tensor_like(lengths), seq_len_kv=g.tensor_like(lengths))
-    g.sdpa(q=tq, k=g.tensor_like(torch.randn(b, h, s, d).half()), v=g.tensor_like(torch.randn(b, h, s, d).half()),
-           is_inference=True, **(kw if padding else {}))  # fmt: skip
+    g.sdpa(
+        q=tq,
+        k=g.tensor_like(torch.randn(b, h, s, d).half()),
+        v=g.tensor_like(torch.randn(b, h, s, d).half()),
+        is_inference=True,
+        **(kw if padding else {}),
+    )
     return g
 
 
@@ -99,17 +114,32 @@ def test_ragged_offsets_on_a_packed_thd_tensor_or_a_paged_cache_are_refused():
     g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF)
     q, k, v = (g.tensor_like(torch.randn(11, 2, 16).half()) for _ in range(3))
     q.set_ragged_offset(g.tensor_like(offsets))
-    g.sdpa(q=q, k=k, v=v, is_inference=True, use_padding_mask=True, seq_len_q=g.tensor_like(lengths),
-           seq_len_kv=g.tensor_like(lengths))  # fmt: skip
+    g.sdpa(
+        q=q,
+        k=k,
+        v=v,
+        is_inference=True,
+        use_padding_mask=True,
+        seq_len_q=g.tensor_like(lengths),
+        seq_len_kv=g.tensor_like(lengths),
+    )
     with pytest.raises(cudnn.ValidationError, match="q has rank 3; ragged offsets address a 4-D tensor"):
         g.build()
     g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF)
     cache = g.tensor_like(torch.randn(4, 2, 8, 16).half())
     cache.set_ragged_offset(g.tensor_like(offsets))
     table = g.tensor_like(torch.zeros(2, 1, 2, 1, dtype=torch.int32))
-    g.sdpa(q=g.tensor_like(torch.randn(2, 2, 1, 16).half()), k=cache, v=g.tensor_like(torch.randn(4, 2, 8, 16).half()),
-           is_inference=True, use_padding_mask=True, seq_len_q=g.tensor_like(lengths),
-           seq_len_kv=g.tensor_like(lengths), paged_attention_k_table=table, paged_attention_v_table=table)  # fmt: skip
+    g.sdpa(
+        q=g.tensor_like(torch.randn(2, 2, 1, 16).half()),
+        k=cache,
+        v=g.tensor_like(torch.randn(4, 2, 8, 16).half()),
+        is_inference=True,
+        use_padding_mask=True,
+        seq_len_q=g.tensor_like(lengths),
+        seq_len_kv=g.tensor_like(lengths),
+        paged_attention_k_table=table,
+        paged_attention_v_table=table,
+    )
     with pytest.raises(cudnn.ValidationError, match="k is a paged cache, addressed through its page table"):
         g.build()
 

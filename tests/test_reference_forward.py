@@ -84,9 +84,15 @@ def run_case(case, layout, dtype, seed=0):
     ]
     actual_o, actual_stats = g(*inputs, out=out)
     expected_o, expected_lse = oracle.attention(
-        q, k, v, scale=scale, causal=causal, window=options.get("sliding_window_length"),
-        alibi=options.get("use_alibi_mask", False), **oracle_kwargs,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        scale=scale,
+        causal=causal,
+        window=options.get("sliding_window_length"),
+        alibi=options.get("use_alibi_mask", False),
+        **oracle_kwargs,
+    )
     return actual_o, actual_stats, expected_o, expected_lse, out
 
 

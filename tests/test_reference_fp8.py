@@ -102,8 +102,9 @@ def naive_forward_online(q, k, v, sc, *, attn_scale, block, p_dtype):
     return o
 
 
-def naive_backward(q, k, v, o, d_o, stats, sc, *, attn_scale, allowed=None, keep=None, dropout_p=0.0,
-                   p_dtype, ds_dtype, grad_dtype):  # fmt: skip
+def naive_backward(
+    q, k, v, o, d_o, stats, sc, *, attn_scale, allowed=None, keep=None, dropout_p=0.0, p_dtype, ds_dtype, grad_dtype
+):
     """cuDNN's FP8 backward graph, head by head, in float64."""
     b, h, s_q, _ = q.shape
     hk, hv = k.shape[1], v.shape[1]
@@ -187,19 +188,50 @@ ATTN_SCALE = 0.125
 
 def run_forward(c, sc, **kw):
     return rf.forward_fp8(
-        c["q"], c["k"], c["v"], sc["dq"], sc["dk"], sc["dv"], sc["ds"], sc["ss"], sc["so"],
-        attn_scale=ATTN_SCALE, allowed=c["allowed"], keep=c["keep"], dropout_p=c["dropout_p"],
-        out_dtype=c["out_dtype"], **kw,
-    )  # fmt: skip
+        c["q"],
+        c["k"],
+        c["v"],
+        sc["dq"],
+        sc["dk"],
+        sc["dv"],
+        sc["ds"],
+        sc["ss"],
+        sc["so"],
+        attn_scale=ATTN_SCALE,
+        allowed=c["allowed"],
+        keep=c["keep"],
+        dropout_p=c["dropout_p"],
+        out_dtype=c["out_dtype"],
+        **kw,
+    )
 
 
 def run_backward(c, o, stats, sc, **kw):
     return rf.backward_fp8(
-        c["q"], c["k"], c["v"], o, c["d_o"], stats,
-        sc["dq"], sc["dk"], sc["dv"], sc["do"], sc["ddo"], sc["ds"], sc["ddp"],
-        sc["ss"], sc["sdq"], sc["sdk"], sc["sdv"], sc["sdp"],
-        attn_scale=ATTN_SCALE, allowed=c["allowed"], keep=c["keep"], dropout_p=c["dropout_p"], **kw,
-    )  # fmt: skip
+        c["q"],
+        c["k"],
+        c["v"],
+        o,
+        c["d_o"],
+        stats,
+        sc["dq"],
+        sc["dk"],
+        sc["dv"],
+        sc["do"],
+        sc["ddo"],
+        sc["ds"],
+        sc["ddp"],
+        sc["ss"],
+        sc["sdq"],
+        sc["sdk"],
+        sc["sdv"],
+        sc["sdp"],
+        attn_scale=ATTN_SCALE,
+        allowed=c["allowed"],
+        keep=c["keep"],
+        dropout_p=c["dropout_p"],
+        **kw,
+    )
 
 
 def forward_o_for_backward(c, sc):
@@ -277,9 +309,17 @@ def test_forward_exact_against_float64(case_id):
     c = make_case(case_id)
     o, stats, amax_s, amax_o = run_forward(c, FWD_SCALES, compute_dtype=F64)
     o_n, stats_n, amax_s_n, amax_o_n = naive_forward(
-        c["q"], c["k"], c["v"], FWD_SCALES, attn_scale=ATTN_SCALE, allowed=c["allowed"], keep=c["keep"],
-        dropout_p=c["dropout_p"], p_dtype=c["q"].dtype, out_dtype=c["out_dtype"],
-    )  # fmt: skip
+        c["q"],
+        c["k"],
+        c["v"],
+        FWD_SCALES,
+        attn_scale=ATTN_SCALE,
+        allowed=c["allowed"],
+        keep=c["keep"],
+        dropout_p=c["dropout_p"],
+        p_dtype=c["q"].dtype,
+        out_dtype=c["out_dtype"],
+    )
     assert o.dtype == c["out_dtype"] and same_bits(o, o_n)
     assert torch.equal(torch.isneginf(stats), torch.isneginf(stats_n))
     torch.testing.assert_close(stats, stats_n, rtol=1e-13, atol=0)
@@ -304,8 +344,10 @@ def test_forward_float32_close_to_float64(case_id):
 
 def quantised_problem(gen, b=2, h=4, h_kv=2, s_q=64, s_kv=64, d=64, in_dtype=E4M3, do_dtype=E4M3):
     """Random normal q, k, v, dO, quantised per tensor with scale = max / amax (current scaling)."""
-    raw = [torch.randn(*shape, generator=gen) for shape in
-           ((b, h, s_q, d), (b, h_kv, s_kv, d), (b, h_kv, s_kv, d), (b, h, s_q, d))]  # fmt: skip
+    raw = [
+        torch.randn(*shape, generator=gen)
+        for shape in ((b, h, s_q, d), (b, h_kv, s_kv, d), (b, h_kv, s_kv, d), (b, h, s_q, d))
+    ]
     out = []
     for x, dt in zip(raw, (in_dtype, in_dtype, in_dtype, do_dtype)):
         scale = rf.fp8_max(dt) / x.abs().max().item()
@@ -425,8 +467,9 @@ def test_forward_blockwise_and_terms():
         dropout_p=c["dropout_p"],
     )
     s = FWD_SCALES
-    by_terms = rf.forward_fp8(c["q"], c["k"], c["v"], s["dq"], s["dk"], s["dv"], s["ds"], s["ss"], s["so"],
-                              terms=terms, compute_dtype=F64)  # fmt: skip
+    by_terms = rf.forward_fp8(
+        c["q"], c["k"], c["v"], s["dq"], s["dk"], s["dv"], s["ds"], s["ss"], s["so"], terms=terms, compute_dtype=F64
+    )
     for other in (blocked, by_terms):
         assert same_bits(other[0], base[0])
         for a, b in zip(other[1:], base[1:]):
@@ -450,8 +493,7 @@ def test_inputs_may_be_upcast_fp8_values():
 def test_forward_online_matches_frontend_reference_loop():
     """online_block: the flash-style P quantisation of cudnn-frontend's fp8_ref.py."""
     c = make_case("plain")
-    o, _, amax_s, amax_o = run_forward({**c, "out_dtype": torch.float64}, FWD_SCALES, compute_dtype=F64,
-                                       online_block=5)  # fmt: skip
+    o, _, amax_s, amax_o = run_forward({**c, "out_dtype": torch.float64}, FWD_SCALES, compute_dtype=F64, online_block=5)
     o_n = naive_forward_online(c["q"], c["k"], c["v"], FWD_SCALES, attn_scale=ATTN_SCALE, block=5, p_dtype=E4M3)
     torch.testing.assert_close(o, o_n * FWD_SCALES["so"], rtol=1e-13, atol=0)
     assert amax_o.item() == pytest.approx(o_n.abs().max().item(), rel=1e-13)
@@ -469,10 +511,21 @@ def test_backward_exact_against_float64(case_id):
     grad_dtype = c["out_dtype"]
     got = run_backward(c, o, stats, BWD_SCALES, compute_dtype=F64, grad_dtype=grad_dtype)
     want = naive_backward(
-        c["q"], c["k"], c["v"], o, c["d_o"], stats, BWD_SCALES, attn_scale=ATTN_SCALE, allowed=c["allowed"],
-        keep=c["keep"], dropout_p=c["dropout_p"], p_dtype=c["q"].dtype, ds_dtype=c["d_o"].dtype,
+        c["q"],
+        c["k"],
+        c["v"],
+        o,
+        c["d_o"],
+        stats,
+        BWD_SCALES,
+        attn_scale=ATTN_SCALE,
+        allowed=c["allowed"],
+        keep=c["keep"],
+        dropout_p=c["dropout_p"],
+        p_dtype=c["q"].dtype,
+        ds_dtype=c["d_o"].dtype,
         grad_dtype=grad_dtype,
-    )  # fmt: skip
+    )
     for name, a, b in zip(("dq", "dk", "dv"), got[:3], want[:3]):
         assert a.dtype == grad_dtype and a.shape == b.shape and same_bits(a, b), name
     for name, a, b in zip(("amax_dq", "amax_dk", "amax_dv", "amax_dp"), got[3:], want[3:]):
@@ -515,8 +568,9 @@ def test_backward_amaxes_are_float32_maxima():
     (q, dq), (k, dk), (v, dv), (d_o, ddo) = quantised_problem(gen, h_kv=4)
     attn = 0.125
     o, stats, _, _ = rf.forward_fp8(q, k, v, dq, dk, dv, 1 / 448, 448.0, 100.0, attn_scale=attn)
-    got = rf.backward_fp8(q, k, v, o, d_o, stats, dq, dk, dv, 0.01, ddo, 1 / 448, 1 / 2048,
-                          448.0, 3.0, 5.0, 7.0, 2048.0, attn_scale=attn)  # fmt: skip
+    got = rf.backward_fp8(
+        q, k, v, o, d_o, stats, dq, dk, dv, 0.01, ddo, 1 / 448, 1 / 2048, 448.0, 3.0, 5.0, 7.0, 2048.0, attn_scale=attn
+    )
     f = [x.float() for x in (q, k, v, o, d_o)]
     s = f[0] @ f[1].transpose(-1, -2) * dq * dk * attn
     p = torch.exp(s - stats)

@@ -29,8 +29,17 @@ def test_thd_forward_and_backward(causal, h_kv):
     seq_q, seq_kv = torch.tensor(lq, dtype=torch.int32), torch.tensor(lkv, dtype=torch.int32)
     mask = "bottom_right" if causal else None
     with cudnn_attn.Graph(backend="reference") as g:
-        o, stats = g.sdpa(q, k, v, seq_len_q=seq_q, seq_len_kv=seq_kv, max_seq_len_q=s, max_seq_len_kv=s,
-                          use_causal_mask_bottom_right=causal, generate_stats=True)  # fmt: skip
+        o, stats = g.sdpa(
+            q,
+            k,
+            v,
+            seq_len_q=seq_q,
+            seq_len_kv=seq_kv,
+            max_seq_len_q=s,
+            max_seq_len_kv=s,
+            use_causal_mask_bottom_right=causal,
+            generate_stats=True,
+        )
     assert o.shape == q.shape and stats.shape == (3, 4, 12, 1)
     o_val, stats_val = g(q, k, v, seq_q, seq_kv, out=(poisoned(o), poisoned(stats)))
     expected_o, expected_lse = oracle.attention(
@@ -41,8 +50,19 @@ def test_thd_forward_and_backward(causal, h_kv):
 
     d_o = randn(*o_val.shape, dtype=torch.float16, generator=gen)
     with cudnn_attn.Graph(backend="reference") as gb:
-        gb.sdpa_backward(q, k, v, o_val, d_o, stats_val, seq_len_q=seq_q, seq_len_kv=seq_kv, max_seq_len_q=s,
-                         max_seq_len_kv=s, use_causal_mask_bottom_right=causal)  # fmt: skip
+        gb.sdpa_backward(
+            q,
+            k,
+            v,
+            o_val,
+            d_o,
+            stats_val,
+            seq_len_q=seq_q,
+            seq_len_kv=seq_kv,
+            max_seq_len_q=s,
+            max_seq_len_kv=s,
+            use_causal_mask_bottom_right=causal,
+        )
     dq, dk, dv = gb(q, k, v, o_val, d_o, stats_val, seq_q, seq_kv)
     leaves = [x.double().requires_grad_() for x in (q_dense, k_dense, v_dense)]
     allowed = oracle.allowed_matrix(b, s, s, causal=mask, seq_q=lq, seq_kv=lkv)
@@ -70,8 +90,16 @@ def test_paged_cache_matches_dense(layout, s_q):
     lkv = [20, 13]
     seq_kv = torch.tensor(lkv, dtype=torch.int32)
     with cudnn_attn.Graph(backend="reference") as g:
-        o, _ = g.sdpa_with_paged_cache(q, k_cache, v_cache, table_k, page_table_v=table_v, seq_len_kv=seq_kv,
-                                       kv_cache_layout=layout, use_causal_mask_bottom_right=s_q > 1)  # fmt: skip
+        o, _ = g.sdpa_with_paged_cache(
+            q,
+            k_cache,
+            v_cache,
+            table_k,
+            page_table_v=table_v,
+            seq_len_kv=seq_kv,
+            kv_cache_layout=layout,
+            use_causal_mask_bottom_right=s_q > 1,
+        )
     problem = g.problems[0]
     assert problem.is_paged and problem.page_size == page and problem.s_kv == 24
     out = g(

@@ -111,11 +111,14 @@ def test_bench_plot_without_matplotlib_names_the_extra(monkeypatch, capsys):
 def test_one_shape_bench_prints_fmha_v2_style_lines():
     from cudnn_attn.bench.attention import fmha_lines
 
-    row = {"shape": "b1-h8-s128-d64-bf16", "columns": {
-        "cudnn_attn": {"ms": 1.1723, "tflops": 468.94, "gbps": 458.04, "spread_pct": 1.5, "rel_err": 2.5e-3},
-        "torch flash": {"ms": 1.3, "tflops": 400.0, "gbps": 400.0, "spread_pct": 2.0, "rel_err": float("nan")},
-        "torch efficient": {"error": "no kernel"},
-    }}  # fmt: skip
+    row = {
+        "shape": "b1-h8-s128-d64-bf16",
+        "columns": {
+            "cudnn_attn": {"ms": 1.1723, "tflops": 468.94, "gbps": 458.04, "spread_pct": 1.5, "rel_err": 2.5e-3},
+            "torch flash": {"ms": 1.3, "tflops": 400.0, "gbps": 400.0, "spread_pct": 2.0, "rel_err": float("nan")},
+            "torch efficient": {"error": "no kernel"},
+        },
+    }
     text = fmha_lines(row, "bf16")
     assert "Checks: SUCCESS" in text.split("torch flash")[0]
     assert "Elapsed: 1172.3 us, 468.9 TFLOP/s, 458.0 GB/s" in text

@@ -61,8 +61,11 @@ def test_torch_form_score_terms_match_the_oracle(terms):
 
 def test_bad_windows_are_refused_by_name():
     q = torch.randn(1, 2, 8, 16)
-    for window, match in (((5,), "expected .left, right."), ((-2, 0), "expected .left, right."),
-                          ((4, 2), "right bound 2 with a causal mask")):  # fmt: skip
+    for window, match in (
+        ((5,), "expected .left, right."),
+        ((-2, 0), "expected .left, right."),
+        ((4, 2), "right bound 2 with a causal mask"),
+    ):
         with pytest.raises(cudnn.ValidationError, match=match):
             cudnn.sdpa(q, q, q, is_causal=True, window_size=window)
 
@@ -131,8 +134,9 @@ def test_cudnn_refuses_its_own_masks_beside_a_modifier():
     from cudnn_attn.ops.cudnn.capabilities import Platform, unsupported_reasons
 
     spec = TensorSpec.contiguous((1, 2, 64, 64), torch.float16, "cuda:0")
-    causal = forward_problem(spec, spec, spec, ScoreOptions(attn_scale=0.125, causal=Causal.TOP_LEFT),
-                             score_mod=score_mod.softcap(30.0))  # fmt: skip
+    causal = forward_problem(
+        spec, spec, spec, ScoreOptions(attn_scale=0.125, causal=Causal.TOP_LEFT), score_mod=score_mod.softcap(30.0)
+    )
     hopper = Platform("NVIDIA H100", (9, 0), 91900, "1.32.0")
     assert any("write the mask inside score_mod" in r for r in unsupported_reasons(causal, hopper))
     plain = forward_problem(spec, spec, spec, ScoreOptions(attn_scale=0.125), score_mod=score_mod.softcap(30.0))
@@ -165,8 +169,20 @@ def test_varlen_softcap_matches_each_sequence_alone(left, with_sinks):
     k, v = (torch.randn(total, 2, 16, generator=g, requires_grad=True) for _ in range(2))
     sinks = torch.randn(4, generator=g, requires_grad=True) if with_sinks else None
     window = (left, 0) if left is not None else (-1, -1)
-    out = cudnn.varlen_sdpa(q, k, v, cu, cu, max(lengths), max(lengths), is_causal=True, enable_gqa=True,
-                            window_size=window, sinks=sinks, softcap=3.0)  # fmt: skip
+    out = cudnn.varlen_sdpa(
+        q,
+        k,
+        v,
+        cu,
+        cu,
+        max(lengths),
+        max(lengths),
+        is_causal=True,
+        enable_gqa=True,
+        window_size=window,
+        sinks=sinks,
+        softcap=3.0,
+    )
     d_out = torch.randn(out.shape, generator=g)
     grads = torch.autograd.grad(out, [q, k, v] + ([sinks] if with_sinks else []), d_out)
     for i in range(len(lengths)):

@@ -57,8 +57,11 @@ def test_a_signature_that_failed_validation_fails_every_time():
 def test_eager_training_matches_float64_autograd(mask):
     q, k, v = _qkv(2, 4, 12, 16, requires_grad=True)
     gen = torch.Generator().manual_seed(5)
-    attn_mask = {None: None, "float": randn(1, 4, 12, 12, generator=gen).requires_grad_(),
-                 "bool": torch.rand(2, 1, 12, 12, generator=gen) > 0.2}[mask]  # fmt: skip
+    attn_mask = {
+        None: None,
+        "float": randn(1, 4, 12, 12, generator=gen).requires_grad_(),
+        "bool": torch.rand(2, 1, 12, 12, generator=gen) > 0.2,
+    }[mask]
     out = cudnn_attn.sdpa(q, k, v, attn_mask=attn_mask)
     assert type(out.grad_fn).__name__ == "_TrainedBackward"  # the one training seam (runtime/training.py)
     d_o = randn(*out.shape, generator=gen)

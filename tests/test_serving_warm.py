@@ -23,8 +23,15 @@ SERVER = "paged,h=8,hkv=2,d=64,page=16,batch=4,pages=8,cache=40,sq=1/4,prefill=6
 
 def test_a_serving_shape_reads_every_key():
     shape = serving_shapes.parse(SERVER + ",graph,layout=NPHD,dtype=fp16")
-    assert (shape.h, shape.hkv, shape.d, shape.page, shape.batch, shape.pages, shape.num_pages) == (8, 2, 64, 16, 4, 8,
-                                                                                                   40)  # fmt: skip
+    assert (shape.h, shape.hkv, shape.d, shape.page, shape.batch, shape.pages, shape.num_pages) == (
+        8,
+        2,
+        64,
+        16,
+        4,
+        8,
+        40,
+    )
     assert shape.sq == (1, 4) and shape.prefill == (64,) and shape.graph and shape.layout == "NPHD"
     assert serving_shapes.parse("paged,batch=2,pages=3").num_pages == 6  # no cache size: every sequence's pages
     assert serving_shapes.is_serving(" paged ,h=1") and not serving_shapes.is_serving("b=1,h=2")
@@ -32,9 +39,14 @@ def test_a_serving_shape_reads_every_key():
 
 @pytest.mark.parametrize(
     "text,message",
-    [("paged,frogs=2", "frogs: unknown serving-shape key"), ("paged,sq=1/x", "sq: '1/x' is not a number"),
-     ("paged,dtype=fp32", "dtype: 'fp32'"), ("paged,layout=BHSD", "layout: 'BHSD'"), ("paged,page=0", "page: 0")],
-)  # fmt: skip
+    [
+        ("paged,frogs=2", "frogs: unknown serving-shape key"),
+        ("paged,sq=1/x", "sq: '1/x' is not a number"),
+        ("paged,dtype=fp32", "dtype: 'fp32'"),
+        ("paged,layout=BHSD", "layout: 'BHSD'"),
+        ("paged,page=0", "page: 0"),
+    ],
+)
 def test_bad_serving_shapes_are_refused_naming_the_key(text, message):
     with pytest.raises(ValidationError, match=message):
         serving_shapes.parse(text)
@@ -64,16 +76,22 @@ def _step(batch, q_lens=None, s_q=1, seed=0):
 def test_after_warm_the_servers_steps_build_nothing(cuda_graph):
     """Decode with 1 and 4 query tokens and prefill steps of 64 tokens (chunks of any length) at
     the warmed geometry find every plan built and every run prepared."""
-    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, max_batch=4, max_pages_per_seq=8,
-                                     cuda_graph=cuda_graph)  # fmt: skip
+    attn = cudnn_attn.PagedAttention(
+        HQ, HKV, D, PAGE, dtype=torch.bfloat16, max_batch=4, max_pages_per_seq=8, cuda_graph=cuda_graph
+    )
     cudnn_attn.default_cache().clear()  # no eviction from earlier plans while this test counts
     prepared.clear()  # so that warm prepares each of its runs here
     sources = attn.warm(40, s_q=(1, 4), prefill_tokens=(64,))
     warmed = prepared.held()
     assert len(sources) == len(warmed) > 0
     misses = cudnn_attn.default_cache().stats()["misses"]
-    steps = [_step(4, s_q=1), _step(4, s_q=4, seed=1), _step(4, q_lens=[20, 3, 1, 17], seed=2),
-             _step(4, q_lens=[9, 0, 1, 2], seed=3), _step(4, q_lens=[15, 15, 15, 15], seed=4)]  # fmt: skip
+    steps = [
+        _step(4, s_q=1),
+        _step(4, s_q=4, seed=1),
+        _step(4, q_lens=[20, 3, 1, 17], seed=2),
+        _step(4, q_lens=[9, 0, 1, 2], seed=3),
+        _step(4, q_lens=[15, 15, 15, 15], seed=4),
+    ]
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where warm() warmed
     for table, lengths, q_lens, q, k, v in steps:
         attn.plan(table.to(device), lengths.to(device), q_lens=q_lens)
@@ -118,12 +136,22 @@ print(" ".join(run.plan.source for run in prepared.held() if run.problem.device 
 @pytest.mark.parametrize("graph", ["", ",graph"], ids=["eager", "cuda_graph"])
 def test_a_server_started_on_a_warm_store_builds_no_plan(tmp_path, graph):
     env = {**os.environ, "CUDNN_ATTN_CACHE_DIR": str(tmp_path)}
-    warm = subprocess.run([sys.executable, "-m", "cudnn_attn.cli", "cache", "warm", SERVER + graph], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    warm = subprocess.run(
+        [sys.executable, "-m", "cudnn_attn.cli", "cache", "warm", SERVER + graph],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert warm.returncode == 0, warm.stderr
     assert "built" in warm.stdout and list(tmp_path.glob("*.plan"))
-    served = subprocess.run([sys.executable, "-c", textwrap.dedent(SERVE.format(server=SERVER + graph))], env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    served = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SERVE.format(server=SERVER + graph))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert served.returncode == 0, served.stderr
     *sources, worst = served.stdout.split()
     assert sources and set(sources) == {"disk"}, sources

@@ -68,8 +68,14 @@ def test_a_sink_keeps_a_sequence_without_keys_finite():
     lengths = torch.tensor([S, 0], dtype=torch.int32)
     f32 = [t.float() for t in (q, k, v, sink)]
     with cudnn.Graph() as g:
-        g.sdpa(*f32[:3], sink_token=f32[3], use_padding_mask=True, seq_len_q=lengths, seq_len_kv=lengths,
-               generate_stats=True)  # fmt: skip
+        g.sdpa(
+            *f32[:3],
+            sink_token=f32[3],
+            use_padding_mask=True,
+            seq_len_q=lengths,
+            seq_len_kv=lengths,
+            generate_stats=True,
+        )
     out, lse = g(*f32[:3], lengths, f32[3])  # positional: q, k, v, the lengths, then the sink
     want_o, want_lse = oracle(q, k, v, sink, False, lengths_kv=[S, 0])
     assert rel_err(out[:1], want_o[:1]) < 1e-5 and rel_err(lse[:1], want_lse[:1]) < 1e-5

@@ -149,9 +149,13 @@ def top_level_names(module: str, root: Path = ROOT) -> frozenset[str] | None:
     hooks = [n for n in _scope(tree.body) if isinstance(n, ast.FunctionDef) and n.name == "__getattr__"]
     resolves = any(isinstance(r, ast.Return) and r.value is not None for h in hooks for r in ast.walk(h))
     listed = _lazy_names(tree) | {
-        c.value for h in hooks for cmp in ast.walk(h) if isinstance(cmp, ast.Compare)
-        for c in (cmp.left, *cmp.comparators) if isinstance(c, ast.Constant) and isinstance(c.value, str)
-    }  # fmt: skip
+        c.value
+        for h in hooks
+        for cmp in ast.walk(h)
+        if isinstance(cmp, ast.Compare)
+        for c in (cmp.left, *cmp.comparators)
+        if isinstance(c, ast.Constant) and isinstance(c.value, str)
+    }
     if "*" in names or (resolves and not listed) or ("__getattr__" in names and not hooks):
         return None
     return frozenset(names | listed)
@@ -504,11 +508,24 @@ def test_no_module_is_too_long():
 
 
 def test_code_lines_leave_out_docstrings_only():
-    source = "\n".join([
-        '"""Module.', "", 'More."""', "",  # a module docstring: 3 lines
-        "def f(x):", '    """One.', "", "    Two.", '    """', "    return x", "",  # a function's: 4
-        "class C:", '    """Doc."""', '    y = "not a docstring"',  # a class's: 1; a string value counts
-    ])  # fmt: skip
+    source = "\n".join(
+        [
+            '"""Module.',
+            "",
+            'More."""',
+            "",  # a module docstring: 3 lines
+            "def f(x):",
+            '    """One.',
+            "",
+            "    Two.",
+            '    """',
+            "    return x",
+            "",  # a function's: 4
+            "class C:",
+            '    """Doc."""',
+            '    y = "not a docstring"',  # a class's: 1; a string value counts
+        ]
+    )
     assert len(source.splitlines()) == 14
     assert code_lines(source) == 14 - 3 - 4 - 1
     assert code_lines("x = 1\n" * (MAX_LINES + 1)) > MAX_LINES
@@ -682,10 +699,15 @@ def test_an_import_cycle_is_caught_type_only_included():
 MAX_FMT_SKIP_MARKERS = 24
 
 
-def test_the_formatter_lays_out_the_package():
+def test_the_formatter_lays_out_the_package_its_tests_and_samples():
+    sources = {
+        p.relative_to(ROOT).as_posix(): p.read_text(encoding="utf-8")
+        for folder in (PACKAGE, "tests", "samples")
+        for p in sorted((ROOT / folder).rglob("*.py"))
+    }
     found = [
         f"{label}:{number}"
-        for label, source in package_sources().items()
+        for label, source in sources.items()
         for number, line in enumerate(source.splitlines(), 1)
         if line.rstrip().endswith("# fmt: skip")
     ]

@@ -223,9 +223,13 @@ def test_float32_rules_refuse_what_cudnn_lacks_or_gets_wrong():
     assert reasons(f32(forward())) == ""
     assert reasons(f32(forward(h_kv=2, s_q=128))) == ""
     assert "no float32 backward" in reasons(
-        backward().replace(**{r: spec(*getattr(backward(), r).shape, dtype=torch.float32)
-                              for r in ("q", "k", "v", "o", "grad_o", "grad_q", "grad_k", "grad_v")})
-    )  # fmt: skip
+        backward().replace(
+            **{
+                r: spec(*getattr(backward(), r).shape, dtype=torch.float32)
+                for r in ("q", "k", "v", "o", "grad_o", "grad_q", "grad_k", "grad_v")
+            }
+        )
+    )
     assert "head_dim d_v=256 in float32" in reasons(f32(forward(d=256)))
     assert "decode" in reasons(f32(forward(h_kv=2, s_q=1)))
     assert "dropout in float32" in reasons(f32(forward(dropout_p=0.1)))

@@ -29,14 +29,29 @@ GRAD_TOL = 3e-2  # the backward's own bf16 tolerance (tests/test_gpu_cudnn.py)
 VOCAB, WINDOW, LAYERS = 128, 4, 2
 
 CONFIGS = {
-    "llama": lambda: LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+    "llama": lambda: LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    ),
     # One full and one sliding layer; sequences below are longer than the window.
-    "qwen2-sliding": lambda: Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=256, use_sliding_window=True, sliding_window=WINDOW,
-                                         layer_types=["full_attention", "sliding_attention"]),
-}  # fmt: skip
+    "qwen2-sliding": lambda: Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        layer_types=["full_attention", "sliding_attention"],
+    ),
+}
 PADDINGS = {"none": [0, 0, 0], "left": [5, 2, 0], "right": [0, 4, 1]}
 
 
@@ -214,8 +229,9 @@ def check_window(window: int, queries: int, padding: str, device: str) -> None:
     real = real.to(device)
     q_pos = torch.arange(keys - queries, keys, device=device)[:, None]
     allowed = mu.sliding_window_causal_mask_function(window)(0, 0, q_pos, torch.arange(keys, device=device)[None])
-    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=allowed & real[:, None, None],
-                                              enable_gqa=True).transpose(1, 2)  # fmt: skip
+    expected = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=allowed & real[:, None, None], enable_gqa=True
+    ).transpose(1, 2)
     layer = torch.nn.Module()
     layer.is_causal = True
     mask = None if padding == "none" else real
@@ -291,8 +307,15 @@ def test_packed_batch_matches_sequences_run_alone(name, route, calls):
 
 
 # (queries, padding) of 11 keys: a prefill, a chunk of 3 and one decoded token after a cached prefix.
-WINDOW_CASES = {"prefill": (11, "none"), "prefill-left": (11, "left"), "prefill-right": (11, "right"),
-                "chunk": (3, "none"), "chunk-left": (3, "left"), "decode": (1, "none"), "decode-left": (1, "left")}  # fmt: skip
+WINDOW_CASES = {
+    "prefill": (11, "none"),
+    "prefill-left": (11, "left"),
+    "prefill-right": (11, "right"),
+    "chunk": (3, "none"),
+    "chunk-left": (3, "left"),
+    "decode": (1, "none"),
+    "decode-left": (1, "left"),
+}
 
 
 @pytest.mark.parametrize("case", list(WINDOW_CASES))
@@ -334,8 +357,17 @@ def test_bidirectional_and_cross_attention_match_sdpa(calls):
         add_pooling_layer=False,
     )
     bart = transformers.BartForConditionalGeneration(
-        transformers.BartConfig(d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
-                                decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, **common))  # fmt: skip
+        transformers.BartConfig(
+            d_model=64,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=128,
+            decoder_ffn_dim=128,
+            **common,
+        )
+    )
     decoder_ids = ids[:, :7]
     for model, run, rows in (
         (bert, lambda m: m(ids, attention_mask=mask).last_hidden_state, real),
@@ -409,8 +441,14 @@ def test_token_mask_other_patterns_are_dense():
     prefix = mu.or_masks(mu.causal_mask_function, lambda b, h, q, kv: kv < 3)
     padding = torch.tensor([[0, 1, 1, 1, 1, 1]], dtype=torch.bool)
     out = cudnn_hf.token_mask(1, 6, 0, prefix, padding, **_mask_args(STYLE, 6, 0))
-    expected = mu.sdpa_mask(batch_size=1, kv_length=6, mask_function=prefix, attention_mask=padding,
-                            allow_is_causal_skip=False, **_mask_args(STYLE, 6, 0))  # fmt: skip
+    expected = mu.sdpa_mask(
+        batch_size=1,
+        kv_length=6,
+        mask_function=prefix,
+        attention_mask=padding,
+        allow_is_causal_skip=False,
+        **_mask_args(STYLE, 6, 0),
+    )
     assert out.dim() == 4 and torch.equal(out, expected)
 
 
@@ -444,10 +482,20 @@ def gpt_oss_models(window: int, device: str = "cpu"):
     """A tiny gpt-oss (one sliding and one full layer, random sinks): eager and through ours."""
     from transformers import GptOssConfig
 
-    config = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=LAYERS,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
-                          num_experts_per_tok=1, sliding_window=window, max_position_embeddings=256,
-                          layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    config = GptOssConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        sliding_window=window,
+        max_position_embeddings=256,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).to(device)
     for layer in ref.model.layers:  # random sinks: the initial zeros would hide a wrong sign or scale
@@ -477,10 +525,20 @@ def gemma2_models(window: int, device: str = "cpu"):
     layer) with its eager attention, and the same weights through the registration."""
     from transformers import Gemma2Config
 
-    config = Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=LAYERS,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
-                          attn_logit_softcapping=5.0, max_position_embeddings=256, query_pre_attn_scalar=16,
-                          layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    config = Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=window,
+        attn_logit_softcapping=5.0,
+        max_position_embeddings=256,
+        query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).to(device)
     ours = copy.deepcopy(ref)

@@ -308,9 +308,16 @@ def _dense_band(s_q, s_kv, left, right, bottom_right):
 
 @pytest.mark.parametrize(
     "alignment,left,right",
-    [("TOP_LEFT", None, 3), ("BOTTOM_RIGHT", None, 3), ("BOTTOM_RIGHT", 4, None), ("TOP_LEFT", 4, 2),
-     ("BOTTOM_RIGHT", 5, 1), ("BOTTOM_RIGHT", 6, 0), ("TOP_LEFT", 3, None)],
-)  # fmt: skip
+    [
+        ("TOP_LEFT", None, 3),
+        ("BOTTOM_RIGHT", None, 3),
+        ("BOTTOM_RIGHT", 4, None),
+        ("TOP_LEFT", 4, 2),
+        ("BOTTOM_RIGHT", 5, 1),
+        ("BOTTOM_RIGHT", 6, 0),
+        ("TOP_LEFT", 3, None),
+    ],
+)
 def test_any_diagonal_band_is_the_frontends_band(alignment, left, right):
     """diagonal_alignment with any left and right bounds, against softmax over the band by its
     definition (S_q = 12 < S_kv = 20, so the two alignments differ)."""
@@ -331,11 +338,13 @@ def test_any_diagonal_band_is_the_frontends_band(alignment, left, right):
 
 @pytest.mark.parametrize(
     "keywords,phrase",
-    [(dict(use_alibi_mask=True), "use_alibi_mask without top-left causal"),
-     (dict(use_alibi_mask=True, use_causal_mask_bottom_right=True), "with use_alibi_mask"),
-     (dict(use_causal_mask_bottom_right=True, attn_bias=t(1, 1, S, S)), "with attn_bias"),
-     (dict(use_causal_mask_bottom_right=True, dropout=0.1), "with dropout")],
-)  # fmt: skip
+    [
+        (dict(use_alibi_mask=True), "use_alibi_mask without top-left causal"),
+        (dict(use_alibi_mask=True, use_causal_mask_bottom_right=True), "with use_alibi_mask"),
+        (dict(use_causal_mask_bottom_right=True, attn_bias=t(1, 1, S, S)), "with attn_bias"),
+        (dict(use_causal_mask_bottom_right=True, dropout=0.1), "with dropout"),
+    ],
+)
 def test_masks_cudnn_does_not_combine_run_on_the_reference_and_are_refused_on_cudnn(keywords, phrase):
     """Well formed (the reference computes them), refused by cuDNN's own support surface: as the
     frontend, a not-supported error naming the combination, never a ValidationError."""
