@@ -10,8 +10,11 @@ def strides_alike(a: torch.Tensor, b: torch.Tensor) -> bool:
     along. A dimension of size 1 in both is only ever indexed at 0, and torch gives its stride
     different values in tensors laid out alike (one K/V head: ``(P*D, D, D, 1)`` from
     ``torch.empty``, ``(P*D, P*D, D, 1)`` from a slice of a cache with more heads)."""
+    strides = a.stride()
+    if strides == b.stride():  # the common case, checked first: this runs on every eager decode step
+        return True
     return a.dim() == b.dim() and all(
-        sa == sb or na == nb == 1 for na, nb, sa, sb in zip(a.shape, b.shape, a.stride(), b.stride())
+        sa == sb or na == nb == 1 for na, nb, sa, sb in zip(a.shape, b.shape, strides, b.stride())
     )
 
 
