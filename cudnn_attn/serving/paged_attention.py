@@ -311,7 +311,8 @@ class PagedAttention:
                 the constructor's geometry (a cache's head dim not contiguous included); a
                 CPU-planned page past ``k_cache``'s pages.
             UnsupportedError: FP8 caches on a GPU step the Triton decode kernel cannot run; a
-                ``v_cache`` whose strides differ from ``k_cache``'s on the decode kernel.
+                ``v_cache`` whose strides differ from ``k_cache``'s on the decode kernel (along a
+                dimension longer than 1).
         """
         step = self._tables.step
         if step is None:
