@@ -4,6 +4,8 @@ the schedule gives it, and their split."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -102,6 +104,30 @@ def test_one_kv_heads_caches_may_differ_in_the_head_dims_stride():
     assert tensors_fit(q, k, v_token_major, "NHPD")
     wider_pages = torch.zeros(5, 1, 128, 128, dtype=k.dtype)[:, :, :64]  # K's shape, pages further apart
     assert not strides_alike(wider_pages, k) and not tensors_fit(q, k, wider_pages, "NHPD")
+
+
+@pytest.mark.parametrize("layout", ["NHPD", "NPHD"])
+@pytest.mark.parametrize("pages", [1, 3])
+def test_k_s_addressing_reads_v_where_only_size_1_strides_differ(layout, pages):
+    """The Hopper kernel builds V's descriptor from V's rows but steps through them with K's
+    page and head offsets: with one K/V head (and, for one page, any page stride) those land on
+    V's own elements wherever ``tensors_fit`` takes the pair."""
+    shape = (pages, 1, 64, 128) if layout == "NHPD" else (pages, 64, 1, 128)
+    k = torch.arange(math.prod(shape), dtype=torch.float32).to(torch.bfloat16).view(shape)
+    head = 1 if layout == "NHPD" else 2
+    odd = list(k.stride())
+    odd[head] = 128 if odd[head] != 128 else 64 * 128  # the size-1 head dim's stride, changed
+    if pages == 1:
+        odd[0] = 7 * 64 * 128  # one page: its stride is never stepped along either
+    v = torch.empty(pages * 7 * 64 * 128 + 64 * 128, dtype=torch.bfloat16).as_strided(shape, odd)
+    v.copy_(-k)
+    q = torch.zeros(2, 4, 1, 128, dtype=torch.bfloat16)
+    assert v.stride() != k.stride() and tensors_fit(q, k, v, layout)
+    k_rows, v_rows = token_rows(k, layout), token_rows(v, layout)
+    for page, token in [(0, 0), (pages - 1, 17), (pages - 1, 63)]:
+        at = _row_of(v_rows._replace(row_page=k_rows.row_page, row_head=k_rows.row_head), page, 0, token)
+        want = v[page, 0, token] if layout == "NHPD" else v[page, token, 0]
+        assert torch.equal(at, want)
 
 
 def test_cpu_tensors_are_not_served():

@@ -20,8 +20,11 @@ synthetic breach below so that it is known to be able to fail.
 from __future__ import annotations
 
 import ast
+import io
 import json
+import re
 import shutil
+import tokenize
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -510,20 +513,20 @@ def test_no_module_is_too_long():
 def test_code_lines_leave_out_docstrings_only():
     source = "\n".join(
         [
-            '"""Module.',
+            '"""Module.',  # a module docstring: 3 lines
             "",
             'More."""',
-            "",  # a module docstring: 3 lines
+            "",
             "def f(x):",
-            '    """One.',
+            '    """One.',  # a function's: 4
             "",
             "    Two.",
             '    """',
             "    return x",
-            "",  # a function's: 4
+            "",
             "class C:",
-            '    """Doc."""',
-            '    y = "not a docstring"',  # a class's: 1; a string value counts
+            '    """Doc."""',  # a class's: 1
+            '    y = "not a docstring"',  # a string value counts
         ]
     )
     assert len(source.splitlines()) == 14
@@ -699,16 +702,45 @@ def test_an_import_cycle_is_caught_type_only_included():
 MAX_FMT_SKIP_MARKERS = 24
 
 
-def test_the_formatter_lays_out_the_package_its_tests_and_samples():
+FORMATTER_OFF = re.compile(r"#\s*(fmt:\s*(skip|off)|yapf:\s*disable)\b")
+FORMATTER_ON = re.compile(r"#\s*fmt:\s*on\b")
+
+
+def lines_the_formatter_leaves(source: str) -> list[int]:
+    """The lines a formatter is told to leave as written: each ``# fmt: skip`` (any spacing, any
+    comment after it), ``# yapf: disable``, and every line from ``# fmt: off`` to ``# fmt: on``."""
+    found, off_since = [], None
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type != tokenize.COMMENT:
+            continue
+        line = token.start[0]
+        if off_since is not None and FORMATTER_ON.match(token.string):
+            found += range(off_since, line + 1)
+            off_since = None
+        elif FORMATTER_OFF.match(token.string):
+            if "off" in token.string:
+                off_since = line
+            else:
+                found.append(line)
+    if off_since is not None:
+        found += range(off_since, len(source.splitlines()) + 1)
+    return found
+
+
+def test_lines_the_formatter_leaves_are_found_however_marked():
+    source = (
+        "a = 1  # fmt:skip\nb = 2  # fmt: skip # noqa\n# fmt: off\nc = 3\n# fmt: on\nd = 4  # yapf: disable\ne = 5\n"
+    )
+    assert lines_the_formatter_leaves(source) == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_formatter_lays_out_the_package_its_tests_samples_and_docs_hooks():
     sources = {
         p.relative_to(ROOT).as_posix(): p.read_text(encoding="utf-8")
-        for folder in (PACKAGE, "tests", "samples")
+        for folder in (PACKAGE, "tests", "samples", "docs")
         for p in sorted((ROOT / folder).rglob("*.py"))
     }
-    found = [
-        f"{label}:{number}"
-        for label, source in sources.items()
-        for number, line in enumerate(source.splitlines(), 1)
-        if line.rstrip().endswith("# fmt: skip")
-    ]
-    assert len(found) <= MAX_FMT_SKIP_MARKERS, f"{len(found)} '# fmt: skip' markers:\n" + "\n".join(found)
+    found = [f"{label}:{line}" for label, source in sources.items() for line in lines_the_formatter_leaves(source)]
+    assert len(found) <= MAX_FMT_SKIP_MARKERS, f"{len(found)} lines the formatter is told to leave:\n" + "\n".join(
+        found
+    )

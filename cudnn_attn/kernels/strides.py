@@ -8,8 +8,9 @@ import torch
 def strides_alike(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` have the same strides on every dimension either is longer than 1
     along. A dimension of size 1 in both is only ever indexed at 0, and torch gives its stride
-    different values in tensors laid out alike (one K/V head: ``(P*D, D, D, 1)`` from
-    ``torch.empty``, ``(P*D, P*D, D, 1)`` from a slice of a cache with more heads)."""
+    different values in tensors laid out alike (one K/V head: ``(P*D, P*D, D, 1)`` from
+    ``torch.empty(N, 1, P, D)``, ``(P*D, D, D, 1)`` from a token-major ``[N, P, 1, D]`` tensor's
+    transpose; torch calls both contiguous)."""
     strides = a.stride()
     if strides == b.stride():  # the common case, checked first: this runs on every eager decode step
         return True
