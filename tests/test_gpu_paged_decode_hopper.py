@@ -92,20 +92,24 @@ def _case(name, combined=False):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
-@pytest.mark.parametrize("form", ["triton", "hopper"])
-def test_paged_decode_matches_float64(case, form):
+@pytest.mark.parametrize("form", ["triton", "hopper", "hopper-64-rows"])
+def test_paged_decode_matches_float64(case, form, monkeypatch):
+    """Each form against float64: the Triton kernel, the Hopper form as chosen (its products
+    turned over up to ``SWAPPED_MAX_ROWS`` query rows), and the Hopper form held to 64-row tiles."""
+    if form == "hopper-64-rows":
+        monkeypatch.setattr(hopper_form, "SWAPPED_MAX_ROWS", 0)
     q, k_cache, v_cache, table, lengths, scale, sink, want = _case(case)
     layout, splits, stages = CASES[case][4], CASES[case][7], CASES[case][10]
     if not supported(q.device, k_cache.shape[2 if layout == "NHPD" else 1], q.shape[-1]):
         pytest.skip("the decode kernel needs Triton")
-    if form == "hopper" and not usable(q, k_cache, v_cache, layout):
+    if form != "triton" and not usable(q, k_cache, v_cache, layout):
         pytest.skip("the Hopper form needs an sm_90 GPU and Gluon")
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
     chunk = math.ceil(table.shape[1] / splits)
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     sink_gpu = None if sink is None else sink.cuda()
     options = dict(scale=scale, kv_layout=layout, splits=math.ceil(table.shape[1] / chunk), chunk_pages=chunk)
-    if form == "hopper":
+    if form != "triton":
         paged_decode_hopper(q, k_cache, v_cache, table, lens, out, sink=sink_gpu, stages=stages, **options)
     else:
         paged_decode(q, k_cache, v_cache, table, lens, out, sink=sink_gpu, **options)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from cudnn_attn.kernels.paged_decode_hopper import default_stages, tensors_fit, token_rows, usable
+from cudnn_attn.kernels.paged_decode_hopper import default_stages, tensors_fit, tile_rows, token_rows, usable
 from cudnn_attn.kernels.strides import strides_alike
 from cudnn_attn.ops.dispatch import DECODE_KERNELS
 from cudnn_attn.serving import schedule as paged_schedule
@@ -184,3 +184,22 @@ def test_a_steps_hopper_fact_reaches_its_schedule(monkeypatch):
     assert _tables(monkeypatch)._schedule(2, 64, 16, cuda).hopper  # 4 heads by 16 tokens: 64 rows
     assert not _tables(monkeypatch, fp8_caches=True)._schedule(1, 512, 1, cuda).hopper
     assert not _tables(monkeypatch, heads=(16, 1, 576), head_dim_v=512)._schedule(1, 512, 1, cuda).hopper  # MLA
+
+
+@pytest.mark.parametrize(
+    ("rows", "tile"),
+    [
+        (1, (8, True)),
+        (4, (8, True)),
+        (8, (8, True)),
+        (9, (16, True)),
+        (16, (16, True)),
+        (17, (64, False)),
+        (64, (64, False)),
+    ],
+)
+def test_few_query_rows_are_wgmmas_columns_and_many_its_64_rows(rows, tile):
+    """Up to 16 query rows (a group of 4 by up to 4 tokens) the products are turned over, the
+    rows padded to 8 or 16 columns; past 16 (measured slower turned over, 32 rows on an H200)
+    they fill one 64-row tile."""
+    assert tile_rows(rows) == tile

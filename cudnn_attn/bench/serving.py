@@ -13,6 +13,10 @@ rounds: the better of a 1 GiB device copy (read + write) and a 4 GiB read-only s
 A transfer as small as the layer's own is launch-bound and would flatter small shapes; its
 rates (a copy and a sum of the K/V bytes) are reported beside, as ``pct_of_small_rate``. Every
 column is checked against a float32 computation of the same attention.
+
+The GPU's SM clock is read after each timed sample and reported beside every figure (median and
+range, in MHz): a decode layer at these small shapes takes time in step with the SM clock, which
+sinks after sustained work, while the memory's peak stays where it is at any clock.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from .progress import progress
 HQ, HKV, D, PAGE = 32, 8, 128, 64
 LAYERS = 4
 PEAK_COPY_BYTES, PEAK_READ_BYTES = 2**30, 2**32
+CLOCK_KEYS = ("clock_mhz", "clock_low", "clock_high")
 SHAPES = ((1, 2048, 1), (1, 32768, 1), (4, 8192, 1), (8, 32768, 1), (64, 4096, 1), (8, 8192, 4), (8, 8192, 8))
 
 
@@ -82,8 +87,32 @@ def _captured(run_layer: Callable[[int], Any], layers: int = LAYERS) -> Callable
     return graph.replay
 
 
+def sm_clock_mhz(device: int) -> float | None:
+    """The SM clock ``device`` runs at now, in MHz, or None where it cannot be read."""
+    try:
+        return float(torch.cuda.clock_rate(device))
+    except Exception:  # no NVML (or no driver answer): the clock is beside the figures, never a reason to fail
+        return None
+
+
+def summary(times_us: list[float], clocks_mhz: list[float | None]) -> dict[str, float | None]:
+    """Median and range of a column's samples: its time, and the SM clock read after each (None
+    where no sample's clock could be read)."""
+    read = [clock for clock in clocks_mhz if clock is not None]
+    return {
+        "us": statistics.median(times_us),
+        "low": min(times_us),
+        "high": max(times_us),
+        "clock_mhz": statistics.median(read) if read else None,
+        "clock_low": min(read) if read else None,
+        "clock_high": max(read) if read else None,
+    }
+
+
 def _time(paths: dict[str, Callable[[], Any]], rounds: int = 10, replays: int = 20) -> dict[str, dict]:
-    samples: dict[str, list[float]] = {name: [] for name in paths}
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    clocks: dict[str, list[float | None]] = {name: [] for name in paths}
+    device = torch.cuda.current_device()
     for fn in paths.values():
         fn()
     for r in range(rounds):
@@ -94,8 +123,9 @@ def _time(paths: dict[str, Callable[[], Any]], rounds: int = 10, replays: int = 
                 paths[name]()
             end.record()
             end.synchronize()
-            samples[name].append(start.elapsed_time(end) * 1e3 / replays)
-    return {n: {"us": statistics.median(v), "low": min(v), "high": max(v)} for n, v in samples.items()}
+            times[name].append(start.elapsed_time(end) * 1e3 / replays)
+            clocks[name].append(sm_clock_mhz(device))  # read outside the timed span, so it costs the sample nothing
+    return {name: summary(times[name], clocks[name]) for name in paths}
 
 
 def serving_row(batch: int, kv: int, s_q: int, page: int = PAGE) -> dict[str, Any]:
@@ -231,6 +261,12 @@ def serving_row(batch: int, kv: int, s_q: int, page: int = PAGE) -> dict[str, An
         "read_tbps": read_rate / 1e12,
         "peak_copy_tbps": peak_copy / 1e12,
         "peak_read_tbps": peak_read / 1e12,
+        # The SM clock each of the four transfers ran at, recorded as each column's own is.
+        "transfer_clocks": {
+            name: {key: cell[key] for key in CLOCK_KEYS}
+            for name, cell in timings.items()
+            if name.startswith(("device copy", "read-only"))
+        },
         "columns": {},
     }
     for name, cell in timings.items():
@@ -242,6 +278,7 @@ def serving_row(batch: int, kv: int, s_q: int, page: int = PAGE) -> dict[str, An
             "us_per_layer": per_layer,
             "spread_pct": 100 * (cell["high"] - cell["low"]) / cell["us"],
             "tbps": moved / (per_layer * 1e-6) / 1e12,
+            **{key: cell[key] for key in CLOCK_KEYS},
         }
         column["pct_of_peak"] = 100 * column["tbps"] * 1e12 / best
         column["pct_of_small_rate"] = 100 * column["tbps"] * 1e12 / small
@@ -273,24 +310,45 @@ def serving_rows(shapes: tuple[tuple[int, int, int], ...] = SHAPES, page: int = 
     return rows
 
 
+def clock_text(cell: dict[str, Any]) -> str:
+    """``@ 1980 MHz``, the SM clock a figure ran at (``@    ? MHz`` where it was not read: rows
+    recorded before the clock was, or without NVML)."""
+    clock = cell.get("clock_mhz")
+    shown = "?" if clock is None else f"{clock:.0f}"
+    return f"@ {shown:>4} MHz"
+
+
+def clock_range_text(cells: list[dict[str, Any]]) -> str:
+    """The SM clock's range over ``cells``' samples as a clause to append, ``, clock 1215-1980 MHz``
+    (one figure where it held still), or "" where none was read."""
+    lows = [c["clock_low"] for c in cells if c.get("clock_low") is not None]
+    highs = [c["clock_high"] for c in cells if c.get("clock_high") is not None]
+    if not lows or not highs:
+        return ""
+    low, high = min(lows), max(highs)
+    return f", clock {low:.0f} MHz" if low == high else f", clock {low:.0f}-{high:.0f} MHz"
+
+
 def format_serving(rows: list[dict[str, Any]]) -> str:
     pages = sorted({row.get("page", PAGE) for row in rows})  # reports before the page was recorded: 64
     lines = [
         f"Decode attention per layer inside a CUDA-graph replay (Hq{HQ} Hkv{HKV} d{D} bf16, page "
         f"{', '.join(map(str, pages))}); "
         "% of the memory's peak (the better of a 1 GiB copy and a 4 GiB read, same rounds), and of the "
-        "rate of a transfer of the layer's own size:"
+        "rate of a transfer of the layer's own size; each time at the SM clock (MHz) it ran at:"
     ]
     for row in rows:
+        transfers = clock_range_text(list(row.get("transfer_clocks", {}).values()))
         lines.append(
             f"  B{row['batch']} KV {row['kv']} S_q {row['s_q']}  (peak: copy {row['peak_copy_tbps']:.2f}, "
             f"read {row['peak_read_tbps']:.2f} TB/s; K/V-sized: copy {row['copy_tbps']:.2f}, read "
-            f"{row['read_tbps']:.2f} TB/s; {row['schedule']})"
+            f"{row['read_tbps']:.2f} TB/s{transfers}; {row['schedule']})"
         )
         for name, c in row["columns"].items():
+            clocks = clock_range_text([c])
             lines.append(
-                f"    {name:<30}{c['us_per_layer']:>9.1f} us  {c['tbps']:>5.2f} TB/s  "
+                f"    {name:<30}{c['us_per_layer']:>9.1f} us {clock_text(c)}  {c['tbps']:>5.2f} TB/s  "
                 f"{c['pct_of_peak']:>5.1f}% of peak  {c['pct_of_small_rate']:>5.1f}% of K/V-sized  "
-                f"(spread {c['spread_pct']:.0f}%, rel err {c['rel_err']:.1e})"
+                f"(spread {c['spread_pct']:.0f}%{clocks}, rel err {c['rel_err']:.1e})"
             )
     return "\n".join(lines)

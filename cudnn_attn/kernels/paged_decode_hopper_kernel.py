@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from . import paged_decode_hopper_swapped
 from .launch import Launcher
 
 LOG2_E = 1.4426950408889634
@@ -34,6 +35,7 @@ def kernel() -> Any:
         return None
     if not hasattr(gl, "warp_specialize"):
         return None
+    attend_swapped = paged_decode_hopper_swapped.partition()
 
     @gluon.jit
     def loader(
@@ -253,6 +255,7 @@ def kernel() -> Any:
         STAGES: gl.constexpr,
         SPLIT: gl.constexpr,
         HAS_SINK: gl.constexpr,
+        SWAPPED: gl.constexpr,
     ):
         split = gl.program_id(0)
         kv_head = gl.program_id(1)
@@ -292,40 +295,107 @@ def kernel() -> Any:
         ring = (k_smem, v_smem, k_ready, v_ready, empty)  # the stages and their barriers
         chunk = (b, start, end, steps)  # the program's sequence and its keys [start, end)
         addressing = (row_page, kv_head * row_head, kv_head * col_head)
-        gl.warp_specialize(
-            [
-                (
-                    attend,
+        # The partitions' arguments are written out in each call: a tuple held in a variable
+        # would turn its constexprs into values.
+        if SWAPPED:  # query rows as wgmma's columns: P goes through shared memory
+            p_smem = gl.allocate_shared_memory(
+                k_desc.dtype,
+                [2, BLOCK_R, BLOCK_N],
+                gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_N], k_desc.dtype),
+            )
+            gl.warp_specialize(
+                [
                     (
-                        (q_ptr, q_sb, q_sh, q_st),
-                        q_smem,
-                        ring,
-                        (out_ptr, out_sb, out_sh, out_st),
-                        (o_ptr, o_sb, o_ss, o_sh),
-                        (lse_ptr, l_sb, l_ss, l_sh),
-                        sink_ptr,
-                        split,
-                        kv_head,
-                        length,
-                        chunk,
-                        scale_log2,
-                        GROUP,
-                        S_Q,
-                        HEAD_DIM,
-                        BLOCK_N,
-                        BLOCK_R,
-                        STAGES,
-                        SPLIT,
-                        HAS_SINK,
+                        attend_swapped,
+                        (
+                            (q_ptr, q_sb, q_sh, q_st),
+                            q_smem,
+                            ring,
+                            (out_ptr, out_sb, out_sh, out_st),
+                            (o_ptr, o_sb, o_ss, o_sh),
+                            (lse_ptr, l_sb, l_ss, l_sh),
+                            sink_ptr,
+                            split,
+                            kv_head,
+                            length,
+                            chunk,
+                            scale_log2,
+                            GROUP,
+                            S_Q,
+                            HEAD_DIM,
+                            BLOCK_N,
+                            BLOCK_R,
+                            STAGES,
+                            SPLIT,
+                            HAS_SINK,
+                            p_smem,
+                        ),
                     ),
-                ),
-                (
-                    loader,
-                    (k_desc, v_desc, ring, (table_ptr, t_sb), chunk, addressing, first_pages, PAGE, BLOCK_N, STAGES),
-                ),
-            ],
-            [1],
-            [40],
-        )
+                    (
+                        loader,
+                        (
+                            k_desc,
+                            v_desc,
+                            ring,
+                            (table_ptr, t_sb),
+                            chunk,
+                            addressing,
+                            first_pages,
+                            PAGE,
+                            BLOCK_N,
+                            STAGES,
+                        ),
+                    ),
+                ],
+                [1],
+                [40],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (
+                        attend,
+                        (
+                            (q_ptr, q_sb, q_sh, q_st),
+                            q_smem,
+                            ring,
+                            (out_ptr, out_sb, out_sh, out_st),
+                            (o_ptr, o_sb, o_ss, o_sh),
+                            (lse_ptr, l_sb, l_ss, l_sh),
+                            sink_ptr,
+                            split,
+                            kv_head,
+                            length,
+                            chunk,
+                            scale_log2,
+                            GROUP,
+                            S_Q,
+                            HEAD_DIM,
+                            BLOCK_N,
+                            BLOCK_R,
+                            STAGES,
+                            SPLIT,
+                            HAS_SINK,
+                        ),
+                    ),
+                    (
+                        loader,
+                        (
+                            k_desc,
+                            v_desc,
+                            ring,
+                            (table_ptr, t_sb),
+                            chunk,
+                            addressing,
+                            first_pages,
+                            PAGE,
+                            BLOCK_N,
+                            STAGES,
+                        ),
+                    ),
+                ],
+                [1],
+                [40],
+            )
 
     return Launcher(decode)
