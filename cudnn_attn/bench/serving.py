@@ -15,8 +15,9 @@ rates (a copy and a sum of the K/V bytes) are reported beside, as ``pct_of_small
 column is checked against a float32 computation of the same attention.
 
 The GPU's SM clock is read after each timed sample and reported beside every figure (median and
-range, in MHz): a decode layer at these small shapes takes time in step with the SM clock, which
-sinks after sustained work, while the memory's peak stays where it is at any clock.
+range, in MHz; NVML's average over its last sample period, so it places a figure roughly; read
+through ``nvidia-ml-py``): a decode layer at these small shapes takes time in step with the SM
+clock, which sinks after sustained work, far more than the memory's peak does.
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 
 ``paged_decode_hopper_kernel.attend`` puts the group's query rows on wgmma's 64 rows: with one
 query token and a group of 4, 60 of every 64 rows are padding, and the padding's scores,
-exponentials and rescaling run all the same. Measured on an H200, that math keeps pace with
-the memory only at full clock: the kernel over 64-row tiles ran 9-13% slower at the clocks
-a GPU holds after sustained matmuls (1400-1500 MHz), while the memory's copy rate did not move.
-Here a step's 64 keys are wgmma's rows and the query rows its 8-16 columns (``BLOCK_R``):
+exponentials and rescaling run all the same. Measured on an H200, that math kept pace with
+the memory only at full clock: right after sustained matmuls (SM clock 1215-1545 MHz) the
+kernel over 64-row tiles ran 9-13% slower over long caches (20-39% at batch 1 over 2k), while
+the memory's copy and read rates fell by 1-6%.
+Here a step's 64 keys are wgmma's rows and the query rows its 8 or 16 columns (``BLOCK_R``):
 scores as ``K @ Q^T``, the output as ``V^T @ P^T``, the softmax down the columns.
 """
 
@@ -53,7 +54,7 @@ def partition() -> Any:
     ):
         """``attend`` with the products turned over: scores as ``K @ Q^T`` and the output as
         ``V^T @ P^T``, so a step's 64 keys are the wgmma's rows and the group's query rows its
-        columns (``BLOCK_R``: 8-32). A step's math is then sized by the rows that exist, not by a
+        columns (``BLOCK_R``: 8 or 16). A step's math is then sized by the rows that exist, not by a
         64-row tile; P goes through shared memory (two buffers) since wgmma reads B only there.
         The softmax runs down the columns: the step's max across the four warps, the sums kept
         per element and added up once at the end."""
@@ -80,7 +81,6 @@ def partition() -> Any:
         )
         keys: gl.constexpr = gl.SliceLayout(1, s_layout)
         cols: gl.constexpr = gl.SliceLayout(0, s_layout)
-        o_cols: gl.constexpr = gl.SliceLayout(0, s_layout)  # O^T shares the layout: [HEAD_DIM, BLOCK_R]
         c = gl.arange(0, BLOCK_R, cols)  # column c: query head kv_head * GROUP + c // S_Q, token c % S_Q
         live = c < GROUP * S_Q
         limit = length - S_Q + 1 + c % S_Q
@@ -115,9 +115,9 @@ def partition() -> Any:
             sums = sums * alpha[None, :] + p
             sink_total = sink_total * alpha
             m = m_new
-            # Two buffers: a warp writes this step's P while another may still be reading the
-            # previous step's; the one it overwrites was read two steps ago, before the
-            # barrier below that every warp passed since.
+            # Two buffers, so that no warp's store of P can meet another's wgmma still reading
+            # the last step's P, whatever barriers the compiler places between steps (those it
+            # places today would make one buffer safe; the second costs 1-2 KB).
             p_buf = p_smem.index(i % 2)
             p_buf.store(gl.permute(p.to(p_smem.dtype), (1, 0)))
             mbarrier.wait(v_ready.index(s), phase)
@@ -128,26 +128,26 @@ def partition() -> Any:
                 tail.store(gl.where(keep, tail.load(zl), 0.0))
             fence_async_shared()
             gl.thread_barrier()  # P (and V's zeroed rows) written by every warp before wgmma reads them
-            o = o * gl.convert_layout(alpha, o_cols)[None, :]
+            o = o * alpha[None, :]  # O^T's columns are the scores' columns: one layout
             o = warpgroup_mma(v_smem.index(s).permute((1, 0)), p_buf.permute((1, 0)), o, is_async=True)
             o = warpgroup_mma_wait(0, deps=(o,))
             mbarrier.arrive(empty.index(s), count=1)
         total = gl.sum(sums, 0) + sink_total
         inv = gl.where(total > 0, 1.0 / gl.where(total > 0, total, 1.0), 0.0)
-        o = o * gl.convert_layout(inv, o_cols)[None, :]
+        o = o * inv[None, :]
         d = gl.arange(0, HEAD_DIM, gl.SliceLayout(1, s_layout))
-        oc = gl.arange(0, BLOCK_R, o_cols)
-        kept = (oc < GROUP * S_Q)[None, :]
         if SPLIT:
-            flat = kv_head * (GROUP * S_Q) + oc
-            gl.store(o_ptr + b * o_sb + split * o_ss + flat[None, :].to(gl.int64) * o_sh + d[:, None], o, mask=kept)
+            flat = kv_head * (GROUP * S_Q) + c
+            gl.store(
+                o_ptr + b * o_sb + split * o_ss + flat[None, :].to(gl.int64) * o_sh + d[:, None], o, mask=live[None, :]
+            )
             lse = gl.where(
                 total > 0, (m + gl.log2(gl.where(total > 0, total, 1.0))) * 0.6931471805599453, float("-inf")
             )
             gl.store(lse_ptr + b * l_sb + split * l_ss + (kv_head * (GROUP * S_Q) + c) * l_sh, lse, mask=live)
         else:
-            heads = (kv_head * GROUP + oc // S_Q).to(gl.int64)
-            at = out_ptr + b * out_sb + (heads * out_sh + (oc % S_Q) * out_st)[None, :] + d[:, None]
-            gl.store(at, o.to(out_ptr.dtype.element_ty), mask=kept)
+            heads = (kv_head * GROUP + c // S_Q).to(gl.int64)
+            at = out_ptr + b * out_sb + (heads * out_sh + (c % S_Q) * out_st)[None, :] + d[:, None]
+            gl.store(at, o.to(out_ptr.dtype.element_ty), mask=live[None, :])
 
     return attend_swapped
