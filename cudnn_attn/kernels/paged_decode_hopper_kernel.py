@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from . import paged_decode_hopper_swapped
+from . import paged_decode_hopper_pieces, paged_decode_hopper_swapped
 from .launch import Launcher
 
 LOG2_E = 1.4426950408889634
@@ -36,6 +36,9 @@ def kernel() -> Any:
     if not hasattr(gl, "warp_specialize"):
         return None
     attend_swapped = paged_decode_hopper_swapped.partition()
+    shared = paged_decode_hopper_pieces.pieces()
+    stage_query, softmax_start = shared.stage_query, shared.softmax_start
+    zero_rows_past, natural_lse = shared.zero_rows_past, shared.natural_lse
 
     @gluon.jit
     def loader(
@@ -126,24 +129,12 @@ def kernel() -> Any:
         """The group's query rows into shared memory (zeros past the group), then for each step
         the scores, the online softmax (log2 units) and ``P @ V``, P kept in registers. Q is
         loaded here, after the fork, so that the loader's first page reads do not wait for it."""
-        q_ptr, q_sb, q_sh, q_st = q_global  # the pointer and strides of the query rows
         k_smem, v_smem, k_ready, v_ready, empty = ring
         out_ptr, out_sb, out_sh, out_st = out
         o_ptr, o_sb, o_ss, o_sh = partial_o  # float32 partials [B, splits, H_q * S_q, D]
         lse_ptr, l_sb, l_ss, l_sh = partial_lse
         b, start, end, steps = chunk
-        ql: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        qr = gl.arange(0, BLOCK_R, gl.SliceLayout(1, ql))
-        qd = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, ql))
-        q_heads = (kv_head * GROUP + qr // S_Q).to(gl.int64)
-        q = gl.load(
-            q_ptr + b * q_sb + (q_heads * q_sh + (qr % S_Q) * q_st)[:, None] + qd[None, :],
-            mask=(qr < GROUP * S_Q)[:, None],
-            other=0.0,
-        )
-        q_smem.store(q)
-        fence_async_shared()
-        gl.thread_barrier()  # Q written by every warp before the first wgmma reads it
+        stage_query(q_global, q_smem, b, kv_head, GROUP, S_Q, HEAD_DIM, BLOCK_R)
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -156,12 +147,7 @@ def kernel() -> Any:
         r = gl.arange(0, BLOCK_R, s_rows)  # row r: query head kv_head * GROUP + r // S_Q, token r % S_Q
         live = r < GROUP * S_Q
         limit = length - S_Q + 1 + r % S_Q  # the keys row r sees: bottom-right causal
-        m = gl.full([BLOCK_R], float("-inf"), gl.float32, s_rows)
-        total = gl.zeros([BLOCK_R], gl.float32, s_rows)
-        if HAS_SINK:  # the first chunk's softmax starts from the sink: exp2(sink - m) = 1 at m = sink
-            m = gl.load(sink_ptr + kv_head * GROUP + r // S_Q, mask=live & (split == 0), other=float("-inf"))
-            m = m * 1.4426950408889634
-            total = gl.where(m > float("-inf"), 1.0, 0.0)
+        m, total = softmax_start(sink_ptr, kv_head, split, r, live, GROUP, S_Q, HAS_SINK)
         o = gl.zeros([BLOCK_R, HEAD_DIM], gl.float32, o_layout)
         no_scores = gl.zeros([BLOCK_R, BLOCK_N], gl.float32, s_layout)
         n = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
@@ -187,11 +173,8 @@ def kernel() -> Any:
             total = total * alpha + gl.sum(p, 1)
             m = m_new
             mbarrier.wait(v_ready.index(s), phase)
-            if first + BLOCK_N > end:  # rows past the end may hold anything (NaN): V must be 0 there
-                zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-                keep = ((first + gl.arange(0, BLOCK_N, gl.SliceLayout(1, zl))) < end)[:, None]
-                tail = v_smem.index(s)
-                tail.store(gl.where(keep, tail.load(zl), 0.0))
+            if first + BLOCK_N > end:
+                zero_rows_past(v_smem.index(s), first, end, BLOCK_N)
                 fence_async_shared()
                 gl.thread_barrier()
             o = o * gl.convert_layout(alpha, o_rows)[:, None]
@@ -207,9 +190,7 @@ def kernel() -> Any:
         if SPLIT:  # float32 partials [B, splits, H_q * S_q, D] and their natural-log LSE
             flat = kv_head * (GROUP * S_Q) + rows  # the row's index in [H_q * S_q]: head-major
             gl.store(o_ptr + b * o_sb + split * o_ss + flat[:, None].to(gl.int64) * o_sh + cols[None, :], o, mask=kept)
-            lse = gl.where(
-                total > 0, (m + gl.log2(gl.where(total > 0, total, 1.0))) * 0.6931471805599453, float("-inf")
-            )
+            lse = natural_lse(m, total)
             gl.store(lse_ptr + b * l_sb + split * l_ss + (kv_head * (GROUP * S_Q) + r) * l_sh, lse, mask=live)
         else:
             heads = (kv_head * GROUP + rows // S_Q).to(gl.int64)

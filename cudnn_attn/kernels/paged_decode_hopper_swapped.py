@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from . import paged_decode_hopper_pieces
+
 
 @functools.cache
 def partition() -> Any:
@@ -27,6 +29,10 @@ def partition() -> Any:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+
+    shared = paged_decode_hopper_pieces.pieces()
+    stage_query, softmax_start = shared.stage_query, shared.softmax_start
+    zero_rows_past, natural_lse = shared.zero_rows_past, shared.natural_lse
 
     @gluon.jit
     def attend_swapped(
@@ -58,24 +64,12 @@ def partition() -> Any:
         64-row tile; P goes through shared memory (two buffers) since wgmma reads B only there.
         The softmax runs down the columns: the step's max across the four warps, the sums kept
         per element and added up once at the end."""
-        q_ptr, q_sb, q_sh, q_st = q_global
         k_smem, v_smem, k_ready, v_ready, empty = ring
         out_ptr, out_sb, out_sh, out_st = out
         o_ptr, o_sb, o_ss, o_sh = partial_o
         lse_ptr, l_sb, l_ss, l_sh = partial_lse
         b, start, end, steps = chunk
-        ql: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        qr = gl.arange(0, BLOCK_R, gl.SliceLayout(1, ql))
-        qd = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, ql))
-        q_heads = (kv_head * GROUP + qr // S_Q).to(gl.int64)
-        q = gl.load(
-            q_ptr + b * q_sb + (q_heads * q_sh + (qr % S_Q) * q_st)[:, None] + qd[None, :],
-            mask=(qr < GROUP * S_Q)[:, None],
-            other=0.0,
-        )
-        q_smem.store(q)
-        fence_async_shared()
-        gl.thread_barrier()
+        stage_query(q_global, q_smem, b, kv_head, GROUP, S_Q, HEAD_DIM, BLOCK_R)
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_R, 16]
         )
@@ -84,12 +78,7 @@ def partition() -> Any:
         c = gl.arange(0, BLOCK_R, cols)  # column c: query head kv_head * GROUP + c // S_Q, token c % S_Q
         live = c < GROUP * S_Q
         limit = length - S_Q + 1 + c % S_Q
-        m = gl.full([BLOCK_R], float("-inf"), gl.float32, cols)
-        sink_total = gl.zeros([BLOCK_R], gl.float32, cols)
-        if HAS_SINK:
-            m = gl.load(sink_ptr + kv_head * GROUP + c // S_Q, mask=live & (split == 0), other=float("-inf"))
-            m = m * 1.4426950408889634
-            sink_total = gl.where(m > float("-inf"), 1.0, 0.0)
+        m, sink_total = softmax_start(sink_ptr, kv_head, split, c, live, GROUP, S_Q, HAS_SINK)
         sums = gl.zeros([BLOCK_N, BLOCK_R], gl.float32, s_layout)
         o = gl.zeros([HEAD_DIM, BLOCK_R], gl.float32, s_layout)
         no_scores = gl.zeros([BLOCK_N, BLOCK_R], gl.float32, s_layout)
@@ -121,11 +110,8 @@ def partition() -> Any:
             p_buf = p_smem.index(i % 2)
             p_buf.store(gl.permute(p.to(p_smem.dtype), (1, 0)))
             mbarrier.wait(v_ready.index(s), phase)
-            if start + i * BLOCK_N + BLOCK_N > end:  # rows past the end may hold anything (NaN)
-                zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-                keep = ((start + i * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, zl))) < end)[:, None]
-                tail = v_smem.index(s)
-                tail.store(gl.where(keep, tail.load(zl), 0.0))
+            if start + i * BLOCK_N + BLOCK_N > end:
+                zero_rows_past(v_smem.index(s), start + i * BLOCK_N, end, BLOCK_N)
             fence_async_shared()
             gl.thread_barrier()  # P (and V's zeroed rows) written by every warp before wgmma reads them
             o = o * alpha[None, :]  # O^T's columns are the scores' columns: one layout
@@ -141,9 +127,7 @@ def partition() -> Any:
             gl.store(
                 o_ptr + b * o_sb + split * o_ss + flat[None, :].to(gl.int64) * o_sh + d[:, None], o, mask=live[None, :]
             )
-            lse = gl.where(
-                total > 0, (m + gl.log2(gl.where(total > 0, total, 1.0))) * 0.6931471805599453, float("-inf")
-            )
+            lse = natural_lse(m, total)
             gl.store(lse_ptr + b * l_sb + split * l_ss + (kv_head * (GROUP * S_Q) + c) * l_sh, lse, mask=live)
         else:
             heads = (kv_head * GROUP + c // S_Q).to(gl.int64)
