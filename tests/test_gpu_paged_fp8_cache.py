@@ -113,3 +113,20 @@ def test_fp8_caches_on_a_forced_cudnn_decode_are_refused_by_name():
     step, scales = _fp8(_step([100, 200], 4, seed=4), torch.float8_e4m3fn)
     with pytest.raises(UnsupportedError, match="k_cache: torch.float8_e4m3fn caches decode through the Triton"):
         _run("cuda", step, scales, torch.float8_e4m3fn, decode_kernel="cudnn")
+
+
+@pytest.mark.parametrize("s_q", [1, 4], ids=["one-token", "mtp-4"])
+@pytest.mark.parametrize("q_scale", [2.0**17, 2.0**-20], ids=["q-past-float16s-range", "q-under-float16s-normals"])
+def test_fp8_decode_reads_queries_of_any_bfloat16_magnitude(q_scale, s_q):
+    """bf16 queries far above float16's largest value, or far below its smallest normal one, with
+    the softmax scale bringing the scores back to their usual size, over FP8 caches: the kernel's
+    dots (in float16 for several query tokens) must neither overflow such queries nor flush them
+    (the reference backend computes in float32)."""
+    q, k, v, table, lengths = _step([3000, 700], 64, s_q=s_q, seed=21)
+    q = (q.float() * q_scale).to(torch.bfloat16)
+    step, scales = _fp8((q, k, v, table, lengths), torch.float8_e4m3fn)
+    scale = D**-0.5 / q_scale
+    got, schedule = _run("cuda", step, scales, torch.float8_e4m3fn, scale=scale)
+    want, _ = _run("cpu", step, scales, torch.float8_e4m3fn, scale=scale)
+    assert schedule.kernel == "triton"
+    assert torch.isfinite(got).all() and rel_err(got, want) < 1.5e-2, schedule

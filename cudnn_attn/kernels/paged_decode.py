@@ -233,6 +233,20 @@ def _kernels() -> Any:
     import triton.language as tl
 
     @triton.jit
+    def into_half(q, scale_log2):
+        """``q`` in float16, its largest magnitude brought into [2^14, 2^15) by a power of two
+        (exact: a bf16 value has 8 significant bits, float16 11), and the scores' scale carrying
+        the inverse power. FP8 tiles then widen to float16 in one instruction per pair of
+        values, against three to bfloat16 (through float16)."""
+        qf = q.to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(qf), 1), 0)
+        exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(amax))
+        shift = tl.minimum(tl.maximum(exponent - 14, -126), 126)  # both powers normal floats
+        down = ((127 - shift) << 23).to(tl.float32, bitcast=True)  # 2^-shift, built exactly
+        up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
+        return (qf * down).to(tl.float16), scale_log2 * up
+
+    @triton.jit
     def decode(
         q_ptr,
         q_sb,
@@ -296,6 +310,8 @@ def _kernels() -> Any:
             m = tl.load(sink_ptr + heads, mask=live & (split == 0), other=float("-inf")) * 1.4426950408889634
             total = tl.where(m > float("-inf"), 1.0, 0.0)
         acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        if KV_FP8 and S_Q > 1:  # the dots in float16 (K, V and P widen to q.dtype below): 1.1-1.2x
+            q, scale_log2 = into_half(q, scale_log2)  # with one token, 1.2x slower (H200)
         cache_head = kv_head.to(tl.int64) * c_sh
         steps = (tl.maximum(end - start, 0) + BLOCK_N - 1) // BLOCK_N
         for i in range(0, steps):
@@ -308,7 +324,7 @@ def _kernels() -> Any:
             else:
                 inside = valid[:, None] & (d < HEAD_DIM)[None, :]
             k = tl.load(k_ptr + offsets, mask=inside, other=0.0)
-            if KV_FP8:  # widened in registers: the cache's bytes are read once, in 8 bits
+            if KV_FP8:  # widened in registers (to q.dtype): the cache's bytes are read once, in 8 bits
                 k = k.to(q.dtype)
             s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_R, BLOCK_N], log2 units
             if S_Q == 1:
