@@ -14,6 +14,10 @@ A transfer as small as the layer's own is launch-bound and would flatter small s
 rates (a copy and a sum of the K/V bytes) are reported beside, as ``pct_of_small_rate``. Every
 column is checked against a float32 computation of the same attention.
 
+The process holds more than three CUDA graphs, as a server does: from a process's fourth
+graph on, every graph kernel node costs the device more (on an H200, 0.18-0.39 us a node;
+docs/benchmarks.md), and these figures are that state's.
+
 The GPU's SM clock is read after each timed sample and reported beside every figure (median and
 range, in MHz; NVML's average over its last sample period, so it places a figure roughly; read
 through ``nvidia-ml-py``): a decode layer at these small shapes takes time in step with the SM
