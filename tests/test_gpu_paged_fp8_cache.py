@@ -115,18 +115,38 @@ def test_fp8_caches_on_a_forced_cudnn_decode_are_refused_by_name():
         _run("cuda", step, scales, torch.float8_e4m3fn, decode_kernel="cudnn")
 
 
+FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
 @pytest.mark.parametrize("s_q", [1, 4], ids=["one-token", "mtp-4"])
-@pytest.mark.parametrize("q_scale", [2.0**17, 2.0**-20], ids=["q-past-float16s-range", "q-under-float16s-normals"])
-def test_fp8_decode_reads_queries_of_any_bfloat16_magnitude(q_scale, s_q):
+@pytest.mark.parametrize("q_scale", [2.0**17, 2.0**-24], ids=["q-past-float16s-range", "q-under-float16s-normals"])
+def test_fp8_decode_reads_queries_of_any_bfloat16_magnitude(q_scale, s_q, kv_format):
     """bf16 queries far above float16's largest value, or far below its smallest normal one, with
     the softmax scale bringing the scores back to their usual size, over FP8 caches: the kernel's
     dots (in float16 for several query tokens) must neither overflow such queries nor flush them
     (the reference backend computes in float32)."""
     q, k, v, table, lengths = _step([3000, 700], 64, s_q=s_q, seed=21)
     q = (q.float() * q_scale).to(torch.bfloat16)
-    step, scales = _fp8((q, k, v, table, lengths), torch.float8_e4m3fn)
+    step, scales = _fp8((q, k, v, table, lengths), FORMATS[kv_format])
     scale = D**-0.5 / q_scale
-    got, schedule = _run("cuda", step, scales, torch.float8_e4m3fn, scale=scale)
-    want, _ = _run("cpu", step, scales, torch.float8_e4m3fn, scale=scale)
+    got, schedule = _run("cuda", step, scales, FORMATS[kv_format], scale=scale)
+    want, _ = _run("cpu", step, scales, FORMATS[kv_format], scale=scale)
     assert schedule.kernel == "triton"
     assert torch.isfinite(got).all() and rel_err(got, want) < 1.5e-2, schedule
+
+
+def test_fp8_multi_token_decode_scales_each_query_row_on_its_own():
+    """One query head holds a value 2^60 times its others' size, in a dimension where every key is
+    0 (so its scores are ordinary): the float16 dots bring each query row into range by its own
+    power of two, so the other heads of its GQA group keep their values (one power for the whole
+    tile would flush them to zero and give them uniform attention)."""
+    q, k, v, table, lengths = _step([3000, 700], 64, s_q=4, seed=22)
+    k[..., 5] = 0
+    q[:, 0, :, 5] = 2.0**60
+    step, scales = _fp8((q, k, v, table, lengths), torch.float8_e4m3fn)
+    got, schedule = _run("cuda", step, scales, torch.float8_e4m3fn)
+    want, _ = _run("cpu", step, scales, torch.float8_e4m3fn)
+    assert schedule.kernel == "triton"
+    others = slice(1, None)  # head 0's own row keeps only the 2^60 (its other values flushed)
+    assert torch.isfinite(got).all() and rel_err(got[:, others], want[:, others]) < 1.5e-2, schedule
