@@ -246,6 +246,77 @@ def test_bad_runs_and_constructions_are_refused():
         cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="nonsense")
 
 
+BAD_CONSTRUCTIONS = {
+    "scale text": (dict(scale="x"), "scale: 'x'; must be None"),
+    "scale list": (dict(scale=[1.0]), "scale: \\[1.0\\]; must be None"),
+    "scale past float": (dict(scale=10**400), "scale: 1000.*; must be None"),
+    "scale nan": (dict(scale=float("nan")), "scale: nan; must be None"),
+    "decode_kernel list": (dict(decode_kernel=["cudnn"]), "decode_kernel: \\['cudnn'\\]; allowed None"),
+    "kv_layout list": (dict(kv_layout=["NHPD"]), "kv_layout: \\['NHPD'\\]; allowed"),
+    "pack text": (dict(pack="no"), "pack: 'no'; must be None, True or False"),
+    "autotune text": (dict(autotune="x"), "autotune: 'x'; must be True or False"),
+    "cuda_graph None": (dict(cuda_graph=None), "cuda_graph: None; must be True or False"),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_CONSTRUCTIONS, ids=list(BAD_CONSTRUCTIONS))
+def test_bad_constructor_options_are_refused_naming_them(bad):
+    """Each option of the wrong type or value is a ValidationError naming it (before: ValueError,
+    TypeError or OverflowError from float(), a list's 'unhashable type', or silently accepted)."""
+    options, message = BAD_CONSTRUCTIONS[bad]
+    with pytest.raises(ValidationError, match=f"PagedAttention: {message}"):
+        cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, **options)
+
+
+def test_a_cpu_device_of_any_spelling_runs():
+    """``device="cpu:0"`` (torch places every CPU tensor on plain "cpu"): every run was refused."""
+    q, k_cache, v_cache, table, lengths = make_step([37, 64], pages_per_seq=4)
+    want = expected(q, k_cache, v_cache, table, lengths)
+    for device in ("cpu:0", torch.device("cpu", 0), "cpu"):
+        attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device=device)
+        attn.plan(table, lengths)
+        assert rel_err(attn.run(q, k_cache, v_cache), want) < 1e-2
+
+
+def test_plans_lengths_on_a_device_other_than_cpu_or_cuda_are_refused_by_name():
+    _, _, _, table, lengths = make_step([37, 64], pages_per_seq=4)
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, device="cpu")
+    with pytest.raises(ValidationError, match="seq_lens_kv: on meta; PagedAttention plans from CPU or CUDA"):
+        attn.plan(table, lengths.to("meta"))
+    with pytest.raises(ValidationError, match="q_lens: on meta"):
+        attn.plan(table, lengths, q_lens=torch.ones(2, dtype=torch.int32, device="meta"))
+    with pytest.raises(ValidationError, match="page_table: on meta"):
+        attn.plan(table.to("meta"), lengths)
+
+
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "cuda_graph"])
+def test_an_out_that_overlaps_itself_or_requires_grad_is_refused_by_name(prefill, cuda_graph):
+    """torch's in-place write refused these with a RuntimeError; after a good out passed, a bad one
+    of the same shape must still be refused (the checks skip geometries already seen)."""
+    q, k_cache, v_cache, table, lengths = make_step([37, 64], pages_per_seq=4)
+    options = dict(max_batch=2, max_pages_per_seq=4, cuda_graph=True) if cuda_graph else {}
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, **options)
+    attn.plan(table, lengths, q_lens=torch.tensor([3, 5], dtype=torch.int32) if prefill else None)
+    q = q[0, :, 0].expand(8, HQ, D).contiguous() if prefill else q
+    attn.run(q, k_cache, v_cache, out=torch.empty_like(q))
+    expanded = torch.zeros(1, *q.shape[1:], dtype=q.dtype).expand(q.shape)
+    with pytest.raises(ValidationError, match="out: strides .* make elements overlap"):
+        attn.run(q, k_cache, v_cache, out=expanded)
+    with pytest.raises(ValidationError, match="out: a leaf tensor that requires grad"):
+        attn.run(q, k_cache, v_cache, out=torch.zeros_like(q, requires_grad=True))
+
+
+def test_a_prefill_step_without_new_tokens_gives_an_empty_output_every_time():
+    """q_lens all 0 and q of 0 tokens: the first run refused the empty q, a later one (its
+    checks skipped) ran; now every run gives [0, H, D]."""
+    q, k_cache, v_cache, table, lengths = make_step([37, 64], pages_per_seq=4)
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16)
+    attn.plan(table, lengths, q_lens=torch.zeros(2, dtype=torch.int32))
+    for _ in range(2):
+        assert attn.run(q[0, :, :0].transpose(0, 1), k_cache, v_cache).shape == (0, HQ, D)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a host without a CUDA GPU")
 @pytest.mark.parametrize("device", ["cuda", "cuda:1", torch.device("cuda", 0)])
 def test_a_cuda_device_on_a_host_without_one_is_refused_naming_it(device):

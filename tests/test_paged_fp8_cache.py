@@ -71,6 +71,8 @@ def test_what_fp8_caches_cannot_take_is_named():
         attn.run(q, k8, v8, k_scale=torch.tensor(0.5))
     with pytest.raises(ValidationError, match="v_scale: -1.0; expected a finite float > 0"):
         attn.run(q, k8, v8, v_scale=-1.0)
+    with pytest.raises(ValidationError, match="k_scale: 1000.*; expected a finite float > 0"):
+        attn.run(q, k8, v8, k_scale=10**400)  # was float()'s OverflowError
     plain = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16)
     plain.plan(table, lengths)
     with pytest.raises(ValidationError, match="k_scale: 0.5; scales apply to FP8 caches"):

@@ -107,6 +107,18 @@ def test_warm_needs_the_step_geometry():
     attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, max_batch=2, max_pages_per_seq=2)
     with pytest.raises(ValidationError, match="s_q: \\(1, 17\\); decode takes 1..16"):
         attn.warm(40, s_q=(1, 17))
+    for counts in (dict(s_q=4), dict(prefill_tokens=64), dict(s_q=None), dict(s_q="14")):
+        name, given = next(iter(counts.items()))  # not torch's "'int' object is not iterable"
+        with pytest.raises(ValidationError, match=f"{name}: {given!r}; expected a tuple of ints"):
+            attn.warm(40, **counts)
+
+
+def test_warm_reads_counts_given_as_any_iterable_once():
+    """A generator of counts was read by the checks and left empty for the steps: nothing warmed."""
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, max_batch=2, max_pages_per_seq=2)
+    assert len(attn.warm(40, s_q=(n for n in (1, 2)), prefill_tokens=[8])) == len(
+        attn.warm(40, s_q=(1, 2), prefill_tokens=(8,))
+    )
 
 
 SERVE = """

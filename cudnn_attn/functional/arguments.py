@@ -9,7 +9,6 @@ variants, never dense memory (``causal_from_mask``).
 from __future__ import annotations
 
 import math
-import numbers
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 
 from ..core.dtypes import FLOATING_IO, dtype_name
+from ..core.finite import finite_real
 from ..core.mask import Causal, default_scale
 from ..errors import ValidationError, shown
 
@@ -165,9 +165,7 @@ def check_arguments(
         problems.append(f"attn_mask: dtype {mask.dtype}; expected bool or a floating dtype")
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
         problems.append(f"dropout_p: {shown(dropout_p)}; expected a probability 0 <= p < 1")
-    if scale is not None and (
-        not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not math.isfinite(_as_float(scale))
-    ):
+    if scale is not None and not finite_real(scale):
         problems.append(f"scale: {shown(scale)}; expected a finite float or None")
     for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
         if name == "is_causal" and isinstance(flag, Causal):
@@ -274,13 +272,6 @@ def _plain_subclasses() -> tuple[type, ...]:
 
 
 _PLAIN_SUBCLASSES = _plain_subclasses()
-
-
-def _as_float(value: Any) -> float:
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf
 
 
 def materialised(t: torch.Tensor) -> torch.Tensor:

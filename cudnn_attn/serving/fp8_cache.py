@@ -13,13 +13,13 @@ element is ``scale * stored`` (a descale), one float per cache.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from ..core.dtypes import FP8
-from ..errors import ValidationError
+from ..core.finite import finite_real
+from ..errors import ValidationError, shown
 
 UNIT_SCALES = (1.0, 1.0)  # k_scale, v_scale of 16-bit caches (and FP8 ones stored unscaled)
 
@@ -38,8 +38,8 @@ def check_scales(fp8: bool, k_scale: Any, v_scale: Any) -> tuple[float, float]:
                 f"{name}: {kind}; expected a float (FlashInfer's and vLLM's convention: a tensor "
                 "would cost a host sync per layer)"
             )
-        elif not math.isfinite(value) or value <= 0:
-            problems.append(f"{name}: {value!r}; expected a finite float > 0")
+        elif not finite_real(value) or value <= 0:
+            problems.append(f"{name}: {shown(value)}; expected a finite float > 0")
         elif value != 1.0 and not fp8:
             problems.append(
                 f"{name}: {value!r}; scales apply to FP8 caches (kv_dtype=torch.float8_e4m3fn or "

@@ -35,10 +35,11 @@ from typing import Any
 
 import torch
 
+from ..core.finite import finite_real
 from ..core.mask import default_scale
 from ..core.score_inputs import check_sinks, sink_token
 from ..core.sink_fold import add_sink
-from ..errors import UnsupportedError, ValidationError
+from ..errors import UnsupportedError, ValidationError, shown
 from ..kernels import mla_decode, paged_decode
 from ..kernels.lse_merge import merge_partials
 from ..log import logger as log
@@ -152,14 +153,23 @@ class PagedAttention:
         kv_dtype = dtype if kv_dtype is None else kv_dtype
         if kv_dtype != dtype and not is_fp8(kv_dtype):
             problems.append(f"kv_dtype: {kv_dtype}; expected None (dtype's), torch.float8_e4m3fn or float8_e5m2")
-        if kv_layout not in LAYOUTS:
+        if not isinstance(kv_layout, str) or kv_layout not in LAYOUTS:
             problems.append(f"kv_layout: {kv_layout!r}; allowed 'NHPD' or 'NPHD'")
         for name, limit in (("max_batch", max_batch), ("max_pages_per_seq", max_pages_per_seq), ("splits", splits)):
             if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
                 problems.append(f"{name}: {limit!r}; must be None or an int >= 1")
-        if decode_kernel is not None and decode_kernel not in DECODE_KERNELS:
+        if decode_kernel is not None and (not isinstance(decode_kernel, str) or decode_kernel not in DECODE_KERNELS):
             allowed = " or ".join(repr(name) for name in DECODE_KERNELS)
             problems.append(f"decode_kernel: {decode_kernel!r}; allowed None, {allowed}")
+        for name, flag, optional in (
+            ("cuda_graph", cuda_graph, False),
+            ("autotune", autotune, False),
+            ("pack", pack, True),
+        ):
+            if not isinstance(flag, bool) and not (optional and flag is None):
+                problems.append(f"{name}: {flag!r}; must be {'None, ' if optional else ''}True or False")
+        if scale is not None and not finite_real(scale):
+            problems.append(f"scale: {shown(scale)}; must be None (1/sqrt(head_dim)) or a finite number")
         if cuda_graph and (max_batch is None or max_pages_per_seq is None):
             problems.append("cuda_graph: True needs max_batch and max_pages_per_seq (the buffers' fixed sizes)")
         if problems:
@@ -268,7 +278,7 @@ class PagedAttention:
             sources = attn.warm(num_pages=64, s_q=(1, 4))
             ```
         """
-        warming.check(self, num_pages, s_q, prefill_tokens)
+        s_q, prefill_tokens = warming.check(self, num_pages, s_q, prefill_tokens)
         warming.run_steps(self, num_pages, s_q, prefill_tokens)
         self._tables.step = None
         return [getattr(run.plan, "source", "reference") for run in self._calls.runs.values()]
@@ -475,6 +485,8 @@ class PagedAttention:
         Prefill chunks bring query rows enough to fill the GPU: no split, no packing. FP8
         caches (``fp8_scales``) are read through a compact 16-bit copy of the step's pages."""
         tokens, num_pages = q.shape[0], k_cache.shape[0]
+        if tokens == 0:  # a step without new tokens (q_lens all 0): nothing to attend from
+            return out if out is not None else q.new_empty(0, q.shape[1], self.head_dim_v)
         longest = self._tables.longest_chunk(tokens, step)
         derived = self._tables.get(("prefill", tokens, longest, num_pages), step)
         self.schedule = derived["schedule"]

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from ..core.problem import TensorSpec
+from ..core.tensor_checks import overlaps
 from ..errors import UnsupportedError, ValidationError
 from .step import Step, canonical_device
 
@@ -47,6 +49,9 @@ def check_plan(attn: Any, page_table: Any, seq_lens_kv: Any, q_lens: Any) -> tor
             problems.append(f"{name}: {type(t).__name__}; expected an int32 tensor")
         elif t.dtype != torch.int32 or t.dim() != rank:
             problems.append(f"{name}: {t.dtype} of shape {list(t.shape)}; expected a {rank}-D int32 tensor")
+    for name, t, _ in given + ([("q_lens", q_lens, 1)] if q_lens is not None else []):
+        if t.device.type not in ("cpu", "cuda"):
+            problems.append(f"{name}: on {t.device}; PagedAttention plans from CPU or CUDA tensors")
     if problems:
         raise ValidationError(problems, context="PagedAttention.plan")
     batch, pages = page_table.shape
@@ -61,8 +66,11 @@ def check_plan(attn: Any, page_table: Any, seq_lens_kv: Any, q_lens: Any) -> tor
     if attn.max_pages_per_seq is not None and pages > attn.max_pages_per_seq:
         problems.append(f"page_table: {pages} pages per sequence, above max_pages_per_seq={attn.max_pages_per_seq}")
     device = attn.device if attn.device is not None else page_table.device
-    if attn.device is not None and page_table.device.type != "cpu" and page_table.device != device:
-        problems.append(f"page_table: on {page_table.device}; this PagedAttention runs on {device}")
+    for name, t in (("page_table", page_table), ("seq_lens_kv", seq_lens_kv), ("q_lens", q_lens)):
+        # host tensors are copied to the step's device; a GPU tensor must be on it already
+        if t is not None and t.device.type != "cpu" and t.device != device:
+            runs = "this PagedAttention runs" if attn.device is not None else "the page table is"
+            problems.append(f"{name}: on {t.device}; {runs} on {device}")
     if not problems and not page_table.is_cuda:
         limit = pages * attn.page_size
         negative = page_table < 0
@@ -123,8 +131,9 @@ def geometry_of(q: Any, k_cache: Any, v_cache: Any, out: Any) -> tuple | None:
         return None
     if out is not None and type(out) is not tensor:
         return None
-    given = (q, k_cache, v_cache) if out is None else (q, k_cache, v_cache, out)
-    return tuple((t.shape, t.dtype, t.device, t.stride(-1)) for t in given)
+    key = tuple((t.shape, t.dtype, t.device, t.stride(-1)) for t in (q, k_cache, v_cache))
+    # out's whole layout and grad: an expanded view or a leaf that requires grad is refused by name
+    return key if out is None else (*key, (out.shape, out.dtype, out.device, out.stride(), out.requires_grad))
 
 
 def _check_run(attn: Any, q: Any, k_cache: Any, v_cache: Any, out: Any, step: Step) -> None:
@@ -188,5 +197,15 @@ def _check_run(attn: Any, q: Any, k_cache: Any, v_cache: Any, out: Any, step: St
     shape = [*q.shape[:-1], attn.head_dim_v]
     if out is not None and (not isinstance(out, torch.Tensor) or list(out.shape) != shape or out.dtype != q.dtype):
         problems.append(f"out: expected a {q.dtype} tensor of shape {shape}")
+    elif out is not None:
+        if out.device != q.device:
+            problems.append(f"out: on {out.device}; q is on {q.device}")
+        if overlaps(TensorSpec.of(out)):
+            problems.append(
+                f"out: strides {list(out.stride())} for shape {list(out.shape)} make elements overlap (an "
+                "expanded view?); run() writes every element: give it a tensor of its own memory"
+            )
+        if out.requires_grad and out.is_leaf:
+            problems.append("out: a leaf tensor that requires grad; run() writes into it in place: pass out.detach()")
     if problems:
         raise ValidationError(problems, context="PagedAttention.run")

@@ -356,8 +356,11 @@ def geometry(tensors: dict[str, torch.Tensor]) -> tuple:
 
 
 def canonical_device(device: Any) -> torch.device:
-    """One spelling per device: a bare "cuda" is the current CUDA device."""
+    """One spelling per device: a bare "cuda" is the current CUDA device, "cpu:0" the CPU (as
+    torch places every CPU tensor)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cpu":
+        return torch.device("cpu")
     return device

@@ -7,7 +7,8 @@ each packed token count (and, without CUDA graphs, each chunk bucket up to it).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,20 +20,29 @@ if TYPE_CHECKING:
     from .paged_attention import PagedAttention
 
 
-def check(attention: PagedAttention, num_pages: int, s_q: tuple[int, ...], prefill_tokens: tuple[int, ...]) -> None:
-    """Every problem with ``warm``'s arguments, in one ``ValidationError``."""
+def check(
+    attention: PagedAttention, num_pages: int, s_q: Any, prefill_tokens: Any
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``warm``'s counts as tuples (an iterator read once), or every problem with its arguments in
+    one ``ValidationError``."""
     problems = []
     if attention.max_batch is None or attention.max_pages_per_seq is None:
         problems.append("max_batch: warm() needs max_batch and max_pages_per_seq (the step geometry to plan for)")
-    for name, values in (("s_q", s_q), ("prefill_tokens", prefill_tokens)):
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in values):
-            problems.append(f"{name}: {values!r}; expected ints >= 1")
+    counts = []
+    for name, given in (("s_q", s_q), ("prefill_tokens", prefill_tokens)):
+        values = tuple(given) if isinstance(given, Iterable) and not isinstance(given, (str, bytes)) else None
+        if values is None or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in values):
+            shown = given if values is None else values
+            problems.append(f"{name}: {shown!r}; expected a tuple of ints >= 1, such as (1, 4)")
+        counts.append(values or ())
+    s_q, prefill_tokens = counts
     if any(n > MAX_QUERY_TOKENS for n in s_q if isinstance(n, int)):
         problems.append(f"s_q: {s_q!r}; decode takes 1..{MAX_QUERY_TOKENS} query tokens")
     if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
         problems.append(f"num_pages: {num_pages!r}; must be an int >= 1")
     if problems:
         raise ValidationError(problems, context="PagedAttention.warm")
+    return s_q, prefill_tokens
 
 
 def run_steps(attention: PagedAttention, num_pages: int, s_q: tuple[int, ...], prefill_tokens: tuple[int, ...]) -> None:
