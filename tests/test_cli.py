@@ -218,6 +218,17 @@ def test_usage_errors_exit_2(capsys, tmp_path):
         (["bench", "--packed"], "go with --context-parallel"),
         (["bench", "--cp-mode", "all_gather"], "go with --context-parallel"),
         (["bench", "--page", "16"], "--page goes with --serving"),
+        # a section that runs by itself, beside another: the others were dropped without a word
+        (["bench", "--serving", "--mla"], "--serving runs by itself; drop --mla"),
+        (["bench", "--serving", "--dtype", "fp8"], "--dtype fp8 runs by itself; drop --serving"),
+        (["bench", "--serving", "--grid"], "--serving runs by itself; drop --grid"),
+        (["bench", "--serving", "--stack"], "--serving runs by itself; drop --stack"),
+        (["bench", "--serving", "b=2,h=4"], "--serving runs by itself; drop shapes"),
+        # a --json file that cannot be written, before any work (FileNotFoundError, IsADirectoryError)
+        (["cache", "ls", "--json", str(tmp_path / "missing" / "x.json")], "--json"),
+        (["cache", "ls", "--json", str(tmp_path)], "a directory; give a file to write"),
+        (["info", "--json", str(tmp_path / "missing" / "x.json")], "no directory"),
+        (["bench", "--serving", "--json", str(tmp_path / "missing" / "y.json")], "no directory"),
     ]
     for argv, message in cases:
         assert commands.main(argv) == 2, argv

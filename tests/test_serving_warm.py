@@ -45,11 +45,24 @@ def test_a_serving_shape_reads_every_key():
         ("paged,dtype=fp32", "dtype: 'fp32'"),
         ("paged,layout=BHSD", "layout: 'BHSD'"),
         ("paged,page=0", "page: 0"),
+        # passed parse before, and failed only once a GPU built the step (or not at all)
+        ("paged,sq=17", "sq: 17; decode takes 1..16"),
+        ("paged,sq=0", "sq: 0; decode takes 1..16"),
+        ("paged,sq=", "sq: none; decode takes"),
+        ("paged,h=32,hkv=3", "hkv: 3 does not divide h=32"),
+        ("paged,prefill=-1", "prefill: -1; token counts must be >= 1"),
+        ("paged,graph=maybe", "graph: 'maybe'; a flag is bare"),
     ],
 )
 def test_bad_serving_shapes_are_refused_naming_the_key(text, message):
     with pytest.raises(ValidationError, match=message):
         serving_shapes.parse(text)
+
+
+def test_a_serving_shapes_label_names_a_layout_other_than_nhpd():
+    assert serving_shapes.parse("paged").label() != serving_shapes.parse("paged,layout=NPHD").label()
+    assert "NPHD" in serving_shapes.parse("paged,layout=NPHD").label()
+    assert serving_shapes.parse("paged,graph=0").graph is False and serving_shapes.parse("paged,graph").graph
 
 
 def test_the_command_needs_a_gpu_and_checks_serving_shapes_first(capsys):

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..errors import ValidationError
 from ..serving.paged_attention import LAYOUTS, PagedAttention
+from ..serving.paged_checks import MAX_QUERY_TOKENS
 from .shapes import DTYPES, parse_value
 
 MARKER = "paged"
@@ -40,7 +41,8 @@ class ServingShape:
         )
         return (
             f"paged-h{self.h}/{self.hkv}-d{self.d}-page{self.page}-b{self.batch}x{self.pages}-"
-            f"cache{self.num_pages}-{self.dtype}-{'-'.join(steps)}{'-graph' if self.graph else ''}"
+            f"cache{self.num_pages}-{self.dtype}{'' if self.layout == 'NHPD' else '-' + self.layout}-"
+            f"{'-'.join(steps)}{'-graph' if self.graph else ''}"
         )
 
     @property
@@ -89,7 +91,10 @@ def parse(text: str) -> ServingShape:
         try:
             parsed = parse_value(current, value)
         except ValueError:
-            problems.append(f"{name}: {value!r} is not a number (lists are '/'-separated: sq=1/4)")
+            if isinstance(current, bool):
+                problems.append(f"{name}: {value!r}; a flag is bare ({name}) or {name}=1/0, true/false, yes/no")
+            else:
+                problems.append(f"{name}: {value!r} is not a number (lists are '/'-separated: sq=1/4)")
             continue
         shape = replace(shape, **{name: parsed})
     if shape.dtype not in DTYPES:
@@ -99,6 +104,14 @@ def parse(text: str) -> ServingShape:
     for name in ("h", "hkv", "d", "page", "batch", "pages", "cache"):
         if getattr(shape, name) < (0 if name == "cache" else 1):
             problems.append(f"{name}: {getattr(shape, name)}; must be >= 1")
+    if not problems and shape.h % shape.hkv:
+        problems.append(f"hkv: {shape.hkv} does not divide h={shape.h}")
+    if not shape.sq or any(not 1 <= n <= MAX_QUERY_TOKENS for n in shape.sq):
+        problems.append(
+            f"sq: {'/'.join(map(str, shape.sq)) or 'none'}; decode takes 1..{MAX_QUERY_TOKENS} query tokens"
+        )
+    if any(n < 1 for n in shape.prefill):
+        problems.append(f"prefill: {'/'.join(map(str, shape.prefill))}; token counts must be >= 1")
     if problems:
         raise ValidationError(problems, context=f"serving shape {text!r}")
     return shape

@@ -76,11 +76,17 @@ class Shape:
         return default_scale(self.d)
 
 
+FLAG_WORDS = ("", "1", "true", "yes", "on", "0", "false", "no", "off")
+
+
 def parse_value(current: Any, text: str) -> Any:
     """``text`` as the type of ``current`` (a flag, an int, a ``/``-separated tuple of ints, a
     string); raises ValueError for a number that is not one. A bare key is a set flag."""
     if isinstance(current, bool):
-        return text.strip().lower() in ("", "1", "true", "yes", "on")
+        flag = text.strip().lower()
+        if flag not in FLAG_WORDS:
+            raise ValueError(f"{text!r} is not a flag value")
+        return flag in ("", "1", "true", "yes", "on")
     if isinstance(current, tuple):
         return tuple(int(v) for v in text.split("/") if v.strip())
     if isinstance(current, int):
@@ -110,7 +116,8 @@ def parse(text: str) -> Shape:
         try:
             parsed = parse_value(current, str(value))
         except ValueError:
-            problems.append(f"{name}: {value!r} is not a number")
+            kind = f"a flag (bare, or {name}=1/0, true/false, yes/no)" if isinstance(current, bool) else "a number"
+            problems.append(f"{name}: {value!r} is not {kind}")
             continue
         shape = replace(shape, **{name: parsed})
     if shape.dtype not in DTYPES:

@@ -63,7 +63,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def requested(args: argparse.Namespace) -> list[str]:
-    """The sections this command line runs, named as the report and ``charts`` name them."""
+    """The sections this command line runs, named as the report and ``charts`` name them. A
+    section that runs by itself, asked for beside anything else, is a usage error rather than
+    the others dropped."""
+    alone = ["--dtype fp8"] * (args.dtype == "fp8") + ["--context-parallel"] * (args.context_parallel is not None)
+    alone += [_flag(name) for name in ALONE if getattr(args, name)]
+    others = ["shapes"] * bool(args.shapes) + ["--grid"] * args.grid
+    others += [_flag(name) for name in (*TARGETS, "overhead", "cold_start") if getattr(args, name)]
+    if len(alone) > 1 or (alone and others):
+        raise usage(
+            f"cudnn-attn bench: {alone[0]} runs by itself; drop {', '.join(alone[1:] + others)} "
+            "(or run each in a command of its own)"
+        )
     if args.dtype == "fp8":
         return ["fp8"]
     if args.context_parallel is not None:
@@ -74,6 +85,10 @@ def requested(args: argparse.Namespace) -> list[str]:
     names = ["attention"] if _shapes(args) else []
     names += [name for name in TARGETS if getattr(args, name)]
     return names + ["overhead"] * args.overhead + ["cold_start"] * args.cold_start
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def _shapes(args: argparse.Namespace) -> list[Shape]:

@@ -12,18 +12,20 @@ Example::
 
 from __future__ import annotations
 
+import os
 import sys
 
 from ..bench.charts import NoChartError
-from ..bench.reports import write_json
+from ..bench.reports import STDOUT, write_json
 from ..errors import ValidationError
 from . import bench_command, info, parser, store
-from .failures import CommandError
+from .failures import CommandError, usage
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser.build().parse_args(argv)
     try:
+        _check_json_target(args)
         if args.command == "info":
             report = info.collect()
             if args.json:
@@ -41,6 +43,22 @@ def main(argv: list[str] | None = None) -> int:
         command = " ".join(filter(None, (args.command, getattr(args, "action", None))))
         print(f"cudnn-attn {command}: {error}", file=sys.stderr)
         return 2
+
+
+def _check_json_target(args) -> None:  # type: ignore[no-untyped-def]
+    """A ``--json`` file that cannot be written is a usage error before any work (a bench may run
+    for minutes), not an ``OSError`` at the end."""
+    target = getattr(args, "json", None)
+    if not target or target == STDOUT:
+        return
+    command = " ".join(filter(None, (args.command, getattr(args, "action", None))))
+    folder = os.path.dirname(os.path.abspath(target))
+    if os.path.isdir(target):
+        raise usage(f"cudnn-attn {command}: --json {target}: a directory; give a file to write")
+    if not os.path.isdir(folder):
+        raise usage(f"cudnn-attn {command}: --json {target}: no directory {folder} to write it in")
+    if not os.access(folder, os.W_OK) or (os.path.exists(target) and not os.access(target, os.W_OK)):
+        raise usage(f"cudnn-attn {command}: --json {target}: not writable")
 
 
 def _bench(args) -> int:  # type: ignore[no-untyped-def]
