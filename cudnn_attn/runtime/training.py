@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..errors import UnsupportedError
 from . import backend_choice
 
 Tensors = tuple[torch.Tensor | None, ...]
@@ -59,4 +60,41 @@ class _Trained(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        return (None, *ctx.call.backward(ctx.saved_tensors, ctx.state, grads, ctx.needs_input_grad[1:]))
+        # Under create_graph=True autograd records the backward's own ops, and a door's backward
+        # (fused kernels, or torch ops around them) is no graph of its second derivative: run it
+        # unrecorded, and refuse by name a derivative of its gradients instead of a wrong one.
+        with torch.no_grad():
+            found = ctx.call.backward(ctx.saved_tensors, ctx.state, grads, ctx.needs_input_grad[1:])
+        if torch.is_grad_enabled():
+            found = _first_order_only(found, ctx.saved_tensors)
+        return (None, *found)
+
+
+def _first_order_only(found: Tensors, saved: Tensors) -> Tensors:
+    """``found``'s gradients as the outputs of a node over the saved inputs, whose backward refuses."""
+    given = [g for g in found if g is not None]
+    inputs = [t for t in saved if t is not None and t.requires_grad]
+    if not given or not inputs:
+        return found
+    marked = iter(_FirstOrderOnly.apply(len(given), *given, *inputs))
+    return tuple(None if g is None else next(marked) for g in found)
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Gradients returned under ``create_graph=True``: the same values, whose own gradient is
+    refused with ``UnsupportedError`` (torch's fused attention kernels refuse it too)."""
+
+    @staticmethod
+    def forward(ctx, count: int, *tensors):  # type: ignore[override]
+        return tuple(g.view_as(g) for g in tensors[:count])  # the rest: the inputs they depend on
+
+    @staticmethod
+    def backward(ctx, *_):  # type: ignore[override]
+        raise UnsupportedError(
+            [
+                "create_graph: a gradient of cudnn_attn's attention was differentiated again (double "
+                "backward); its backward gives first-order gradients only"
+            ],
+            context="attention backward",
+            alternatives=["torch.nn.functional.scaled_dot_product_attention under the math backend"],
+        )
