@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedError, ValidationError
+from ..errors import UnsupportedError, ValidationError, shown
+from .finite import finite_real
 from .mask import Causal, window_band
 
 CONTEXT = "varlen_sdpa"
@@ -88,7 +89,13 @@ def resolve(
             f"causal: {causal!r} with is_causal: {is_causal!r}; give one: causal (FlashAttention's) aligns the "
             "mask bottom-right per sequence, is_causal (torch's) top-left"
         )
-    if softmax_scale is not None and scale is not None and softmax_scale != scale:
+    bad_scales = [
+        f"{name}: {shown(value)}; expected a finite float or None"
+        for name, value in (("softmax_scale", softmax_scale), ("scale", scale))
+        if value is not None and not finite_real(value)
+    ]
+    problems += bad_scales
+    if not bad_scales and softmax_scale is not None and scale is not None and softmax_scale != scale:
         problems.append(f"softmax_scale: {softmax_scale!r} with scale: {scale!r}; give one (they are one argument)")
     left, right = _window(window_size, problems)
     if problems:
@@ -131,9 +138,9 @@ def same_lengths(cu_seqlens_q: Any, cu_seqlens_k: Any) -> bool:
     if not (isinstance(cu_seqlens_q, torch.Tensor) and isinstance(cu_seqlens_k, torch.Tensor)):
         return False
     on_cpu = cu_seqlens_q.device.type == cu_seqlens_k.device.type == "cpu"
-    if not on_cpu or cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dtype != cu_seqlens_k.dtype:
+    if not on_cpu or cu_seqlens_q.shape != cu_seqlens_k.shape:
         return False
-    return bool(torch.equal(cu_seqlens_q, cu_seqlens_k))
+    return bool(torch.equal(cu_seqlens_q.long(), cu_seqlens_k.long()))  # int32 and int64 alike
 
 
 def _flag(value: Any, name: str, problems: list[str]) -> bool:

@@ -329,7 +329,7 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     """``[L, E]``, ``[H, L, E]`` or ``[N, ..., H, L, E]`` as ``[B, H, L, E]`` (a view where it can be)."""
     if t.dim() <= 3:
         return t[(None,) * (4 - t.dim())]
-    return t.reshape(-1, *t.shape[-3:])
+    return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])  # not -1: a dim of 0 leaves it undefined
 
 
 def _restore(rank: int, lead: torch.Size) -> Restore:

@@ -71,6 +71,16 @@ def score_terms_sdpa(
     band (``window``: the left bound W, key j visible iff j > i - W; ``right_bound``)."""
     if sinks is not None:
         check_sinks(sinks, q.shape[1], q.device)
+    unseeing = q.shape[2] - k.shape[2]
+    if causal is Causal.BOTTOM_RIGHT and unseeing > 0:
+        # More queries than keys under the bottom-right diagonal: the first L - S rows see no key
+        # (0, as torch gives them; a sink weighs no value), the rest make a square problem, where
+        # the two diagonals are one.
+        rows = None if bias is None or bias.shape[-2] == 1 else bias[..., unseeing:, :]
+        seen = score_terms_sdpa(
+            q[:, :, unseeing:], k, v, rows, scale, Causal.TOP_LEFT, dropout_p, sinks, softcap, window, right_bound
+        )
+        return torch.cat([seen.new_zeros(*seen.shape[:2], unseeing, seen.shape[3]), seen], dim=2)
     options = ScoreOptions(
         attn_scale=scale, causal=causal, sliding_window=window, right_bound=right_bound, dropout_p=float(dropout_p)
     )
