@@ -108,6 +108,8 @@ class Attention(nn.Module):
             num_kv_heads = num_heads
         if fp8 and dropout:
             problems.append(f"dropout: {dropout}; FP8 attention (fp8=True) takes no dropout")
+        if fp8 and dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+            problems.append(f"dtype: {dtype}; fp8=True attends from float16 or bfloat16 activations")
         if fp8 and (sinks or window is not None or softcap is not None):
             problems.append("fp8: True with sinks, window or softcap; FP8 attention takes none of them here")
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
@@ -149,6 +151,12 @@ class Attention(nn.Module):
         problems = self._input_problems(x)
         if problems:
             raise ValidationError(problems, context="Attention")
+        if self.fp8 and attn_mask is not None:
+            raise UnsupportedError(
+                ["attn_mask: fp8=True attention takes no mask tensor (cuDNN's FP8 op has no bias)"],
+                context="Attention",
+                alternatives=["causal=True (or is_causal=True)", "fp8=False"],
+            )
         if x.dim() == 2:  # unbatched [S, E], as torch's nn.MultiheadAttention takes it
             return self.forward(x.unsqueeze(0), attn_mask, is_causal).squeeze(0)
         b, s, _ = x.shape
@@ -196,6 +204,11 @@ class Attention(nn.Module):
             problems.append(f"x: dtype {dtype_name(x.dtype)}; the layer's parameters are {dtype_name(weight.dtype)}")
         if x.device != weight.device:
             problems.append(f"x: on {x.device}; the layer's parameters are on {weight.device}")
+        if self.fp8 and x.dtype not in (torch.float16, torch.bfloat16):
+            problems.append(
+                f"x: dtype {dtype_name(x.dtype)}; fp8=True attends from float16 or bfloat16 activations "
+                "(layer.to(torch.bfloat16))"
+            )
         return problems
 
     def extra_repr(self) -> str:

@@ -170,6 +170,20 @@ def test_attention_module_with_sinks_window_and_softcap_matches_plain_torch():
             Attention(64, 4, **bad)
 
 
+def test_an_fp8_attention_module_names_what_it_cannot_attend_from_in_its_own_terms():
+    """These were sdpa_fp8's errors about query/key/value (the layer's x), on every forward of a
+    float32 layer that construction had let through."""
+    with pytest.raises(cudnn_attn.ValidationError, match="Attention: dtype: torch.float32; fp8=True attends"):
+        Attention(64, 4, causal=True, fp8=True, dtype=torch.float32)
+    layer = Attention(64, 4, causal=True, fp8=True)  # float32 parameters, to be cast later
+    with pytest.raises(cudnn_attn.ValidationError, match="Attention: x: dtype float32; fp8=True attends"):
+        layer(torch.randn(2, 16, 64))
+    layer = layer.to(torch.bfloat16)
+    mask = torch.ones(16, 16, dtype=torch.bool)
+    with pytest.raises(cudnn_attn.UnsupportedError, match="Attention: attn_mask: fp8=True attention takes no mask"):
+        layer(torch.randn(2, 16, 64, dtype=torch.bfloat16), attn_mask=mask)
+
+
 def test_attention_module_rejects_bad_head_counts():
     with pytest.raises(cudnn_attn.ValidationError, match="num_kv_heads"):
         Attention(64, 4, num_kv_heads=3)
