@@ -77,11 +77,16 @@ class _ProblemList:
 
     def renamed(self, names: Mapping[str, str], context: str | None = None) -> Any:
         """The same error with each line's leading argument renamed by ``names`` (how a
-        wrapper makes errors speak of its own arguments)."""
-        lines = []
+        wrapper makes errors speak of its own arguments); a name mapped to ``""`` is an inner
+        detail whose line is dropped where another line remains."""
+        lines, details = [], []
         for line in self.problems:
             argument, colon, rest = line.partition(":")
-            lines.append(f"{names[argument]}{colon}{rest}" if colon and argument in names else line)
+            if colon and names.get(argument) == "":
+                details.append(line)
+            else:
+                lines.append(f"{names[argument]}{colon}{rest}" if colon and argument in names else line)
+        lines = lines or details
         extra = {"alternatives": getattr(self, "alternatives", ())} if isinstance(self, UnsupportedError) else {}
         return type(self)(lines, context, **extra)  # type: ignore[call-arg]
 

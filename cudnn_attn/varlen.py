@@ -255,7 +255,7 @@ def varlen_attention(
     if dropout_p > 0:
         options.rng = (torch.randint(0, 2**62, (1,), dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
     if sinks is not None:
-        check_sinks(sinks, q.shape[1], q.device)
+        check_sinks(sinks, q.shape[1], q.device, context=context)
         if dropout_p:
             raise UnsupportedError(["dropout_p with sinks: not supported yet"], context=context)
     if softcap is not None:

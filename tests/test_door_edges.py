@@ -94,3 +94,17 @@ def test_a_lower_right_causal_mask_with_more_queries_than_keys_runs_beside_sinks
     got = cudnn_attn.sdpa(q, k, v, attn_mask=mask, **options)
     assert rel_err(got, _lower_right(q, k, v, **oracle)) < 1e-5
     assert torch.equal(got[:, :, :2], torch.zeros_like(got[:, :, :2]))
+
+
+def test_refusals_around_sinks_name_sdpas_and_varlens_own_arguments():
+    """Were 'generate_stats' and 'sink_token' (inner names) under backend('torch'), and varlen's
+    sink errors carried no 'varlen_sdpa:'."""
+    from cudnn_attn.errors import UnsupportedError
+
+    q = _randn(1, 2, 4, 8)
+    with cudnn_attn.backend("torch"), pytest.raises(UnsupportedError) as refused:
+        cudnn_attn.sdpa(q, q, q, sinks=torch.zeros(2))
+    assert refused.value.problems == ["sinks: torch's SDPA kernel has no attention sinks"]
+    packed, cu = _randn(8, 2, 16), torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValidationError, match="^varlen_sdpa: sinks: shape \\[3\\]"):
+        cudnn_attn.varlen_sdpa(packed, packed, packed, cu, cu, 8, 8, sinks=torch.zeros(3))

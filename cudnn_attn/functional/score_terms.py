@@ -34,6 +34,10 @@ from . import score_terms_runs as runs
 from .arguments import ARGUMENT_NAMES, batched, causal_kind, check_arguments
 from .softcap_split import CausalSplit, SplitCall, causal_split
 
+# The score terms' own inner names: the sink is sdpa's sinks, and the statistics it needs are
+# no argument of sdpa (a backend refusing them refuses the sinks, said once).
+SCORE_TERM_NAMES = {**ARGUMENT_NAMES, "sink_token": "sinks", "generate_stats": ""}
+
 
 def sdpa_with_score_terms(
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks, softcap, window_size=(-1, -1)
@@ -50,7 +54,7 @@ def sdpa_with_score_terms(
     try:
         out = run(query, key, value, bias, scale, causal, float(dropout_p), sinks, softcap, window, right)
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
-        raise error.renamed(ARGUMENT_NAMES, context="sdpa") from None
+        raise error.renamed(SCORE_TERM_NAMES, context="sdpa") from None
     return restore(out)
 
 
