@@ -63,15 +63,15 @@ class RecordingKey:
         try:
             of = self._of
             # None is the commonest argument (unused keywords): kept inline, as are mask scalars.
+            mask = arguments["mask"]
+            if isinstance(mask.get("attn_scale"), torch.Tensor):
+                # a torch tensor scale is read by value when the graph is built: a key by geometry
+                # would hand the next graph this one's scale (and reading the value per call syncs)
+                raise _UnkeyedError
             part = (
                 method,
                 tuple([a if (a := arguments[n]) is None else of(a, recording) for n in names]),
-                tuple(
-                    [
-                        (k, (type(v), v) if type(v) in _SCALARS else of(v, recording))
-                        for k, v in arguments["mask"].items()
-                    ]
-                ),
+                tuple([(k, (type(v), v) if type(v) in _SCALARS else of(v, recording)) for k, v in mask.items()]),
             )
         except _UnkeyedError:
             self.keyed = False

@@ -23,6 +23,13 @@ def as_torch(value: Any) -> torch.Tensor | None:
     return None
 
 
+def writable(value: Any) -> bool:
+    """False for an array its library marks read-only (NumPy's ``flags.writeable``: a read-only
+    memory map, which a write would crash the process on)."""
+    flags = getattr(value, "flags", None)
+    return bool(getattr(flags, "writeable", True))
+
+
 def to_kind(tensor: torch.Tensor, like: Any) -> Any:
     """``tensor`` as the kind of array ``like`` is (torch stays torch)."""
     if like is None or isinstance(like, torch.Tensor):

@@ -154,6 +154,8 @@ class Runner:
                 if slot in self._loose
                 else _mismatch(out, self._out_expect[slot], spec)
             )
+            if out.requires_grad and out.is_leaf:
+                mismatch = "a leaf tensor that requires grad; an output is written in place (pass out.detach())"
             if mismatch:
                 raise ShapeMismatchError([f"out[{self.outputs[0].name}]: {mismatch}"], context=self.name)
             values[slot] = out
@@ -183,6 +185,10 @@ class Runner:
             slot = self._slot[handle]
             if tensor is None:
                 mismatch = "not a tensor"
+            elif not interop.writable(value):
+                mismatch = "a read-only array; an output is written"
+            elif tensor.requires_grad and tensor.is_leaf:
+                mismatch = "a leaf tensor that requires grad; an output is written in place (pass out.detach())"
             elif slot in self._loose:
                 mismatch = interop.ragged_mismatch(tensor, handle.spec)
             else:

@@ -1,0 +1,59 @@
+"""The Graph API at edges a user hit on the CPU: a torch tensor scale read by value (a rebuilt
+graph reused the first graph's), outputs that cannot be written (a read-only NumPy memory map
+crashed the process; a leaf that requires grad raised torch's RuntimeError)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import cudnn_attn
+from cudnn_attn.errors import ShapeMismatchError
+
+
+def _attention(q, k, v, scale):
+    return torch.softmax(q.double() @ k.double().transpose(-1, -2) * scale, -1) @ v.double()
+
+
+def test_each_graph_with_a_torch_tensor_scale_attends_with_its_own_scale():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 16, generator=gen) for _ in range(3))
+    for scale in (0.1, 0.9, 0.1):
+        with cudnn_attn.Graph() as g:
+            g.sdpa(q, k, v, attn_scale=torch.tensor(scale))
+        out = g(q, k, v)
+        out = out[0] if isinstance(out, tuple) else out
+        assert (out.double() - _attention(q, k, v, scale)).abs().max() < 1e-5, scale
+
+
+def test_an_output_that_cannot_be_written_is_refused_naming_it(tmp_path):
+    q = torch.randn(1, 2, 16, 16)
+    with cudnn_attn.Graph() as g:
+        g.sdpa(q, q, q)
+    path = tmp_path / "o.bin"
+    np.zeros((1, 2, 16, 16), np.float32).tofile(path)
+    read_only = np.memmap(path, np.float32, mode="r", shape=(1, 2, 16, 16))
+    with pytest.raises(ShapeMismatchError, match="out\\[O\\]: a read-only array"):
+        g(q, out=read_only)
+    with pytest.raises(ShapeMismatchError, match="out\\[O\\]: a leaf tensor that requires grad"):
+        g(q, out=torch.zeros(1, 2, 16, 16, requires_grad=True))
+    writable = np.zeros((1, 2, 16, 16), np.float32)
+    g(q, out=writable)
+    assert np.abs(writable).sum() > 0
+
+
+def test_a_frontend_graph_refuses_a_read_only_output_in_its_variant_pack(tmp_path):
+    import cudnn_attn as cudnn
+
+    tensors = [torch.randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    path = tmp_path / "o.bin"
+    np.zeros((1, 2, 16, 16), np.float32).tofile(path)
+    read_only = np.memmap(path, np.float32, mode="r", shape=(1, 2, 16, 16))
+    graph = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
+    q, k, v = (graph.tensor_like(t) for t in tensors)
+    o, _ = graph.sdpa(q=q, k=k, v=v, is_inference=True)
+    o.set_output(True)
+    graph.build([cudnn.heur_mode.A])
+    with pytest.raises(ShapeMismatchError, match="a read-only array"):
+        graph.execute({q: tensors[0], k: tensors[1], v: tensors[2], o: read_only}, None)
