@@ -57,3 +57,35 @@ def test_a_frontend_graph_refuses_a_read_only_output_in_its_variant_pack(tmp_pat
     graph.build([cudnn.heur_mode.A])
     with pytest.raises(ShapeMismatchError, match="a read-only array"):
         graph.execute({q: tensors[0], k: tensors[1], v: tensors[2], o: read_only}, None)
+
+
+def test_a_ragged_tensor_bound_with_fewer_rows_than_its_offsets_place_is_refused_naming_it():
+    """The frontend's ragged (THD) form: q's memory held 4 of 16 tokens and the run read the
+    missing rows as zeros (and dropped output rows past an output's end) without a word."""
+    import cudnn_attn as cudnn
+    from cudnn_attn.errors import ValidationError
+
+    b, h, s, d = 2, 2, 16, 16
+    lengths = torch.tensor([8, 8], dtype=torch.int32).view(b, 1, 1, 1)
+    graph = cudnn.pygraph(io_data_type=cudnn.data_type.HALF)
+    offsets = graph.tensor(dim=[b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+    strides = [s * h * d, d, h * d, 1]
+    q, k, v = (graph.tensor(dim=[b, h, s, d], stride=strides, ragged_offset=offsets) for _ in range(3))
+    seq_q, seq_kv = (
+        graph.tensor(dim=[b, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32) for _ in range(2)
+    )
+    o, _ = graph.sdpa(q=q, k=k, v=v, is_inference=True, use_padding_mask=True, seq_len_q=seq_q, seq_len_kv=seq_kv)
+    o.set_output(True).set_ragged_offset(offsets)
+    graph.build([cudnn.heur_mode.A])
+    starts = torch.tensor([0, 8 * h * d, 16 * h * d], dtype=torch.int32).view(-1, 1, 1, 1)
+    x = torch.randn(16, h, d, generator=torch.Generator().manual_seed(0)).half()
+    pack = {k: x, v: x, offsets: starts, seq_q: lengths, seq_kv: lengths}
+    with pytest.raises(
+        ValidationError, match="offsets \\[0, 256\\] place a sequence outside q \\(128 elements bound\\)"
+    ):
+        graph.execute({**pack, q: x[:4].clone(), o: torch.zeros(16, h, d, dtype=torch.half)}, None)
+    with pytest.raises(ValidationError, match="place a sequence outside o"):
+        graph.execute({**pack, q: x, o: torch.zeros(12, h, d, dtype=torch.half)}, None)
+    out = torch.zeros(16, h, d, dtype=torch.half)
+    graph.execute({**pack, q: x, o: out}, None)  # the whole memory: runs
+    assert out[8:].abs().sum() > 0

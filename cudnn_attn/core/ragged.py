@@ -112,12 +112,15 @@ def _packed_highs(flat: torch.Tensor, lengths: torch.Tensor | None, span: int, s
 def packed_offset_problems(p: AttentionProblem, inputs: Mapping, outputs: Mapping) -> list[str]:
     """Offsets (on the host) that would place a packed tensor's sequence past the memory bound."""
     found = []
-    for role in (role for role in packed_roles(p) if _shaped_otherwise(p, role)):  # the others: offset_value_problems
+    for role in packed_roles(p):
         offsets, target = inputs.get(offset_role(role)), inputs.get(role, outputs.get(role))
         if not isinstance(offsets, torch.Tensor) or not isinstance(target, torch.Tensor):
             continue
         lengths = inputs.get(sequence_lengths(role))
-        span = memory_span(target)
+        span, spec = memory_span(target), getattr(p, role)
+        if not _shaped_otherwise(p, role) and span >= (spec.shape[0] - 1) * spec.stride[0] + sequence_extent(spec):
+            continue  # memory for the graph's whole dims: offset_value_problems judges the offsets
+        # (a tensor holding fewer rows than its graph tensor's dims: bounded by what it holds)
         given = offsets.reshape(-1).to(torch.int64)
         high = _packed_highs(given, lengths if isinstance(lengths, torch.Tensor) else None, span, getattr(p, role))
         bad = given[:-1][(given[:-1] < 0) | (given[:-1] > high)]
