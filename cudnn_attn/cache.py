@@ -71,6 +71,8 @@ class PlanCache:
             for name, value in (("maxsize", maxsize), ("max_bytes", max_bytes))
             if isinstance(value, bool) or not isinstance(value, int) or value < 1
         ]
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            problems.append(f"path: {path!r}; expected a directory path (str or os.PathLike) or None")
         if problems:
             raise ValidationError(problems, context="PlanCache")
         self.maxsize = maxsize

@@ -24,7 +24,7 @@ from typing import Any
 from .cache import PlanCache, default_cache
 from .core.dtypes import data_type
 from .core.problem import AttentionProblem
-from .errors import GraphStateError
+from .errors import GraphStateError, ValidationError
 from .frontend import options, plans, serialized, tensors
 from .frontend.declared import DeclaredIO, mark_outputs
 from .frontend.execute import execute_at_index, execute_pack
@@ -138,7 +138,9 @@ class Graph:
         self.declared = (list(inputs or ()), list(outputs or ())) if inputs is not None or outputs is not None else None
         self._io: DeclaredIO | None = None
         self.backend = backend
-        self.autotune = autotune_default() if autotune is None else bool(autotune)
+        if autotune is not None and not isinstance(autotune, bool):  # bool("false") is True
+            raise ValidationError([f"autotune: {autotune!r}; expected True, False or None"], context="Graph")
+        self.autotune = autotune_default() if autotune is None else autotune
         self.cache = cache if cache is not None else default_cache()
         self.handle = handle
         self.name = name or "graph"

@@ -88,7 +88,17 @@ def default_path() -> Path | None:
     value = os.environ.get(ENV)
     if value == "":
         return None
-    return Path(value).expanduser() if value else DEFAULT_DIR.expanduser()
+    return expanded(Path(value) if value else DEFAULT_DIR)
+
+
+def expanded(path: Path) -> Path:
+    """``path`` with ``~`` expanded where the home directory can be found; as given otherwise (a
+    container's user without a home: the store is then refused as unusable, with a warning, rather
+    than every graph raising RuntimeError)."""
+    try:
+        return path.expanduser()
+    except RuntimeError:
+        return path
 
 
 def _plain(value: Any) -> Any:
@@ -135,7 +145,7 @@ class PlanStore:
     """Files of built plans under one private directory."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path).expanduser()
+        self.path = expanded(Path(path))
         self._warned: str | None = None  # the last refusal logged, so one reason is not logged on every call
 
     # ---- safety -------------------------------------------------------------------------

@@ -89,3 +89,35 @@ def test_a_ragged_tensor_bound_with_fewer_rows_than_its_offsets_place_is_refused
     out = torch.zeros(16, h, d, dtype=torch.half)
     graph.execute({**pack, q: x, o: out}, None)  # the whole memory: runs
     assert out[8:].abs().sum() > 0
+
+
+def test_settings_of_the_wrong_type_are_refused_and_numpy_scales_taken():
+    """bool("false") turned tuning on; PlanCache(path=5) was a TypeError; a NumPy float scale was
+    refused while a 0-d tensor was taken."""
+    from cudnn_attn.cache import PlanCache
+    from cudnn_attn.errors import ValidationError
+
+    with pytest.raises(ValidationError, match="Graph: autotune: 'false'; expected True, False or None"):
+        cudnn_attn.Graph(autotune="false")
+    with pytest.raises(ValidationError, match="set_autotune: enabled: 'no'"):
+        cudnn_attn.set_autotune("no")
+    with pytest.raises(ValidationError, match="PlanCache: path: 5; expected a directory path"):
+        PlanCache(path=5)
+    q = torch.randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(3))
+    with cudnn_attn.Graph() as g:
+        g.sdpa(q, q, q, attn_scale=np.float32(0.25))
+    out = g(q)
+    assert (out.double() - _attention(q, q, q, 0.25)).abs().max() < 1e-5
+
+
+def test_a_store_directory_under_an_unknown_home_leaves_graphs_running(tmp_path):
+    """'~nosuchuser/x' (or a container user without a home) made every Graph raise RuntimeError."""
+    import os
+    import subprocess
+    import sys
+
+    script = "import torch, cudnn_attn\nq = torch.randn(1, 2, 16, 16)\nwith cudnn_attn.Graph() as g: g.sdpa(q, q, q)\nprint(tuple(g(q).shape))"
+    env = {**os.environ, "CUDNN_ATTN_CACHE_DIR": "~nosuchuser-of-this-host/plans"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "(1, 2, 16, 16)"

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
+from ..core.finite import finite_real
 from ..core.mask import MAX_LENGTH, Causal, ScoreOptions
 from ..errors import shown
 from .handles import TensorHandle
@@ -255,17 +256,13 @@ def _scale(value: Any, errors: list[str]) -> float | None:
             errors.append(f"attn_scale: tensor of shape {list(value.shape)}; give a float or a one-element real tensor")
             return None
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # NumPy's reals too
         errors.append(f"attn_scale: {shown(value)}; expected a finite float")
         return None
-    try:
-        scale = float(value)
-    except OverflowError:  # ints beyond float range
-        scale = math.inf
-    if not math.isfinite(scale):
+    if not finite_real(value):
         errors.append(f"attn_scale: {shown(value)}; must be a finite float")
         return None
-    return scale
+    return float(value)
 
 
 def _alignment_name(value: Any) -> str | None:

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from ...errors import ValidationError
+
 log = logging.getLogger("cudnn_attn.autotune")
 
 ENV = "CUDNN_ATTN_AUTOTUNE"
@@ -59,6 +61,8 @@ def set_autotune(enabled: bool | None) -> None:
         ```
     """
     global _default
+    if enabled is not None and not isinstance(enabled, bool):  # bool("no") is True
+        raise ValidationError([f"enabled: {enabled!r}; expected True, False or None"], context="set_autotune")
     _default = enabled
 
 
