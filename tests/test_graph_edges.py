@@ -121,3 +121,20 @@ def test_a_store_directory_under_an_unknown_home_leaves_graphs_running(tmp_path)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "(1, 2, 16, 16)"
+
+
+def test_a_tensor_given_twice_in_a_variant_pack_is_refused():
+    """By its handle and by its uid: the last binding won, silently (attention ran on K, K, V)."""
+    import cudnn_attn as cudnn
+
+    tensors = [torch.randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    graph = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
+    q, k, v = (graph.tensor_like(t) for t in tensors)
+    o, _ = graph.sdpa(q=q, k=k, v=v, is_inference=True)
+    o.set_output(True)
+    graph.build([cudnn.heur_mode.A])
+    out = torch.empty_like(tensors[0])
+    with pytest.raises(ShapeMismatchError, match=f"uid {q.get_uid()}\\): given twice in the variant pack"):
+        graph.execute({q: tensors[0], q.get_uid(): tensors[1], k: tensors[1], v: tensors[2], o: out}, None)
+    graph.execute({q: tensors[0], k: tensors[1], v: tensors[2], o: out}, None)
+    assert (out.double() - _attention(*tensors, 16**-0.5)).abs().max() < 1e-5

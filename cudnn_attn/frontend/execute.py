@@ -74,12 +74,21 @@ def variant_pack_of(
     outputs: dict[Any, Any] = {}
     unknown: list[str] = []
     read = set(recording.inputs)
+    keys: dict[Any, Any] = {}  # handle -> the first key that named it
     for key, value in variant_pack.items():
         handle = resolve(recording, key)
         if handle is None:
             if key is not None:
                 unknown.append(f"{key!r}: not a tensor of this graph (keys: handles, names or uids)")
             continue
+        if handle in keys:  # by handle and by uid (or name): which one was meant is not known
+            first = keys[handle]
+            unknown.append(
+                f"{handle.name} (uid {handle.get_uid()}): given twice in the variant pack "
+                f"(as {_key_text(first)} and as {_key_text(key)})"
+            )
+            continue
+        keys[handle] = key
         if handle.ragged_offset is None:  # a ragged tensor is bound by its memory as it is
             value = interop.same_memory_view(value, stand_in.get(handle, handle).spec)
         if isinstance(handle, InputHandle):
@@ -95,3 +104,9 @@ def variant_pack_of(
             [f"{name}: missing from the variant pack (outputs are written in place)" for name in missing]
         )
     return inputs, outputs
+
+
+def _key_text(key: Any) -> str:
+    if isinstance(key, int):
+        return f"uid {key}"
+    return f"name {key!r}" if isinstance(key, str) else "its handle"
