@@ -92,9 +92,9 @@ def default_path() -> Path | None:
 
 
 def expanded(path: Path) -> Path:
-    """``path`` with ``~`` expanded where the home directory can be found; as given otherwise (a
-    container's user without a home: the store is then refused as unusable, with a warning, rather
-    than every graph raising RuntimeError)."""
+    """``path`` with ``~`` expanded; where the home directory cannot be found (a container's user
+    without one), ``path`` as given: ``PlanStore`` then refuses it, with a warning, rather than
+    every graph raising RuntimeError (or a literal ``./~`` being made)."""
     try:
         return path.expanduser()
     except RuntimeError:
@@ -147,6 +147,8 @@ class PlanStore:
     def __init__(self, path: str | os.PathLike):
         self.path = expanded(Path(path))
         self._warned: str | None = None  # the last refusal logged, so one reason is not logged on every call
+        # A "~" left unexpanded names no directory: refused, never made under the working directory.
+        self._homeless = str(self.path).startswith("~")
 
     # ---- safety -------------------------------------------------------------------------
 
@@ -167,6 +169,8 @@ class PlanStore:
 
     def _check_directory(self, create: bool) -> bool:
         """True if the directory is there and safe, False if absent (and not created); else UnsafeStoreError."""
+        if self._homeless:
+            raise UnsafeStoreError(f"plan store {self.path}: its home directory cannot be found")
         try:
             info = os.stat(self.path)
         except FileNotFoundError:

@@ -108,3 +108,20 @@ def test_refusals_around_sinks_name_sdpas_and_varlens_own_arguments():
     packed, cu = _randn(8, 2, 16), torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(ValidationError, match="^varlen_sdpa: sinks: shape \\[3\\]"):
         cudnn_attn.varlen_sdpa(packed, packed, packed, cu, cu, 8, 8, sinks=torch.zeros(3))
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 1, 1, 7), (1, 2, 1, 7), (1, 2, 9, 7)], ids=str)
+def test_the_lower_right_split_keeps_a_bias_broadcast_over_the_queries(bias_shape):
+    """A bias of one row (broadcast over the queries) was dropped by the split into rows that see
+    no key and a square problem; a bias of every row is cut with the rows."""
+    from cudnn_attn.core.mask import Causal
+    from cudnn_attn.functional.score_terms import score_terms_sdpa
+
+    q, k, v = _randn(1, 2, 9, 8), _randn(1, 2, 7, 8, seed=1), _randn(1, 2, 7, 8, seed=2)
+    bias, sinks = _randn(*bias_shape, seed=4), torch.tensor([0.3, -0.5])
+    got = score_terms_sdpa(q, k, v, bias, 8**-0.5, Causal.BOTTOM_RIGHT, 0.0, sinks)
+    scores = q.double() @ k.double().transpose(-1, -2) * 8**-0.5 + bias.double()
+    seen = torch.arange(7)[None, :] <= torch.arange(9)[:, None] - 2
+    scores = torch.cat([scores.masked_fill(~seen, -math.inf), sinks.double().view(1, 2, 1, 1).expand(1, 2, 9, 1)], -1)
+    want = torch.softmax(scores, -1)[..., :7] @ v.double()
+    assert rel_err(got, want) < 1e-5

@@ -55,3 +55,12 @@ def test_first_order_gradients_of_the_score_terms_still_check_against_finite_dif
 def test_plain_attention_keeps_torchs_double_backward():
     """Plain float64 attention runs torch's own SDPA here, whose math kernel differentiates twice."""
     assert torch.autograd.gradgradcheck(lambda q, k, v: cudnn_attn.sdpa(q, k, v, is_causal=True), _inputs(2))
+
+
+def test_a_jacobian_vector_product_through_the_gradients_is_refused_not_zero():
+    """torch.autograd.functional.jvp differentiates the gradients with respect to the incoming
+    gradient: with the backward unrecorded it came back as zeros, silently."""
+    q, k, v = _inputs(3)
+    tangents = tuple(torch.ones_like(t) for t in (q, k, v))
+    with pytest.raises(UnsupportedError, match="create_graph"):
+        torch.autograd.functional.jvp(DOORS["softcap"], (q, k, v), tangents)

@@ -121,6 +121,18 @@ def test_a_store_directory_under_an_unknown_home_leaves_graphs_running(tmp_path)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "(1, 2, 16, 16)"
+    assert not any(tmp_path.iterdir())  # no literal "./~..." store made under the working directory
+
+
+def test_an_output_that_requires_grad_is_taken_outside_grad_mode():
+    """torch's out= takes a leaf that requires grad under no_grad or inference_mode; so do these."""
+    q = torch.randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(5))
+    with cudnn_attn.Graph() as g:
+        g.sdpa(q, q, q)
+    out = torch.zeros(1, 2, 16, 16, requires_grad=True)
+    with torch.no_grad():
+        g(q, out=out)
+    assert (out.detach().double() - _attention(q, q, q, 16**-0.5)).abs().max() < 1e-5
 
 
 def test_a_tensor_given_twice_in_a_variant_pack_is_refused():

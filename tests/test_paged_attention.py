@@ -305,6 +305,8 @@ def test_an_out_that_overlaps_itself_or_requires_grad_is_refused_by_name(prefill
         attn.run(q, k_cache, v_cache, out=expanded)
     with pytest.raises(ValidationError, match="out: a leaf tensor that requires grad"):
         attn.run(q, k_cache, v_cache, out=torch.zeros_like(q, requires_grad=True))
+    with torch.no_grad():  # as torch's out= takes it there
+        attn.run(q, k_cache, v_cache, out=torch.zeros_like(q, requires_grad=True))
 
 
 def test_a_prefill_step_without_new_tokens_gives_an_empty_output_every_time():

@@ -80,7 +80,7 @@ def score_terms_sdpa(
         # More queries than keys under the bottom-right diagonal: the first L - S rows see no key
         # (0, as torch gives them; a sink weighs no value), the rest make a square problem, where
         # the two diagonals are one.
-        rows = None if bias is None or bias.shape[-2] == 1 else bias[..., unseeing:, :]
+        rows = None if bias is None else bias if bias.shape[-2] == 1 else bias[..., unseeing:, :]
         seen = score_terms_sdpa(
             q[:, :, unseeing:], k, v, rows, scale, Causal.TOP_LEFT, dropout_p, sinks, softcap, window, right_bound
         )

@@ -154,7 +154,7 @@ class Runner:
                 if slot in self._loose
                 else _mismatch(out, self._out_expect[slot], spec)
             )
-            if out.requires_grad and out.is_leaf:
+            if out.requires_grad and out.is_leaf and torch.is_grad_enabled():  # as torch's out= refuses it
                 mismatch = "a leaf tensor that requires grad; an output is written in place (pass out.detach())"
             if mismatch:
                 raise ShapeMismatchError([f"out[{self.outputs[0].name}]: {mismatch}"], context=self.name)
@@ -187,7 +187,7 @@ class Runner:
                 mismatch = "not a tensor"
             elif not interop.writable(value):
                 mismatch = "a read-only array; an output is written"
-            elif tensor.requires_grad and tensor.is_leaf:
+            elif tensor.requires_grad and tensor.is_leaf and torch.is_grad_enabled():
                 mismatch = "a leaf tensor that requires grad; an output is written in place (pass out.detach())"
             elif slot in self._loose:
                 mismatch = interop.ragged_mismatch(tensor, handle.spec)

@@ -66,14 +66,16 @@ class _Trained(torch.autograd.Function):
         with torch.no_grad():
             found = ctx.call.backward(ctx.saved_tensors, ctx.state, grads, ctx.needs_input_grad[1:])
         if torch.is_grad_enabled():
-            found = _first_order_only(found, ctx.saved_tensors)
+            found = _first_order_only(found, (*ctx.saved_tensors, *grads))
         return (None, *found)
 
 
-def _first_order_only(found: Tensors, saved: Tensors) -> Tensors:
-    """``found``'s gradients as the outputs of a node over the saved inputs, whose backward refuses."""
+def _first_order_only(found: Tensors, sources: Tensors) -> Tensors:
+    """``found``'s gradients as the outputs of a node over what they derive from (the saved
+    inputs and the incoming gradients, which a Jacobian-vector product differentiates through),
+    whose backward refuses."""
     given = [g for g in found if g is not None]
-    inputs = [t for t in saved if t is not None and t.requires_grad]
+    inputs = [t for t in sources if t is not None and t.requires_grad]
     if not given or not inputs:
         return found
     marked = iter(_FirstOrderOnly.apply(len(given), *given, *inputs))

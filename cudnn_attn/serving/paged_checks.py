@@ -133,7 +133,8 @@ def geometry_of(q: Any, k_cache: Any, v_cache: Any, out: Any) -> tuple | None:
         return None
     key = tuple((t.shape, t.dtype, t.device, t.stride(-1)) for t in (q, k_cache, v_cache))
     # out's whole layout and grad: an expanded view or a leaf that requires grad is refused by name
-    return key if out is None else (*key, (out.shape, out.dtype, out.device, out.stride(), out.requires_grad))
+    grad = out is not None and out.requires_grad and torch.is_grad_enabled()
+    return key if out is None else (*key, (out.shape, out.dtype, out.device, out.stride(), grad))
 
 
 def _check_run(attn: Any, q: Any, k_cache: Any, v_cache: Any, out: Any, step: Step) -> None:
@@ -205,7 +206,7 @@ def _check_run(attn: Any, q: Any, k_cache: Any, v_cache: Any, out: Any, step: St
                 f"out: strides {list(out.stride())} for shape {list(out.shape)} make elements overlap (an "
                 "expanded view?); run() writes every element: give it a tensor of its own memory"
             )
-        if out.requires_grad and out.is_leaf:
+        if out.requires_grad and out.is_leaf and torch.is_grad_enabled():  # as torch's out= refuses it
             problems.append("out: a leaf tensor that requires grad; run() writes into it in place: pass out.detach()")
     if problems:
         raise ValidationError(problems, context="PagedAttention.run")
