@@ -47,6 +47,15 @@ def _offsets(handle: InputHandle | OutputHandle) -> int | None:
     return None if offsets is None else offsets.made_index
 
 
+def _scale_key(value: Any) -> Hashable:
+    """A torch tensor ``attn_scale`` is read by value when the graph is built: keyed by its value
+    (a key by geometry handed the next graph this one's scale). One on a GPU is not keyed, as
+    reading it on every call would sync."""
+    if type(value) is torch.Tensor and value.device.type == "cpu" and value.numel() == 1:
+        return ("scale", float(value))
+    raise _UnkeyedError
+
+
 class RecordingKey:
     """Grows by one part per recorded op; ``tensors`` are the distinct tensors seen, in order."""
 
@@ -63,15 +72,22 @@ class RecordingKey:
         try:
             of = self._of
             # None is the commonest argument (unused keywords): kept inline, as are mask scalars.
-            mask = arguments["mask"]
-            if isinstance(mask.get("attn_scale"), torch.Tensor):
-                # a torch tensor scale is read by value when the graph is built: a key by geometry
-                # would hand the next graph this one's scale (and reading the value per call syncs)
-                raise _UnkeyedError
             part = (
                 method,
                 tuple([a if (a := arguments[n]) is None else of(a, recording) for n in names]),
-                tuple([(k, (type(v), v) if type(v) in _SCALARS else of(v, recording)) for k, v in mask.items()]),
+                tuple(
+                    [
+                        (
+                            k,
+                            (type(v), v)
+                            if type(v) in _SCALARS
+                            else _scale_key(v)
+                            if k == "attn_scale"
+                            else of(v, recording),
+                        )
+                        for k, v in arguments["mask"].items()
+                    ]
+                ),
             )
         except _UnkeyedError:
             self.keyed = False

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -256,11 +255,8 @@ def _scale(value: Any, errors: list[str]) -> float | None:
             errors.append(f"attn_scale: tensor of shape {list(value.shape)}; give a float or a one-element real tensor")
             return None
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # NumPy's reals too
+    if not finite_real(value):  # NumPy's reals taken as floats are
         errors.append(f"attn_scale: {shown(value)}; expected a finite float")
-        return None
-    if not finite_real(value):
-        errors.append(f"attn_scale: {shown(value)}; must be a finite float")
         return None
     return float(value)
 
