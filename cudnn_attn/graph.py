@@ -678,7 +678,8 @@ class Graph:
 
         Returns:
             The one output, or a tuple of the outputs in node order (``(O, Stats)``,
-            ``(dQ, dK, dV)``, ...).
+            ``(dQ, dK, dV)``, ...): ``g.outputs``. An output a tensor of the caller's receives
+            (``dSink_token=t``, ``dBias=t``, ``rng_dump=t``) is written into it, not returned.
 
         Raises:
             ShapeMismatchError: an input missing, extra, or of another geometry than the
@@ -740,7 +741,9 @@ class Graph:
 
     def serialize(self, *, as_bytes: bool = False, include_kernels: bool = True) -> Any:
         """The built graph as bytes ``deserialize`` reads back (``frontend/serialized.py``); a list of
-        byte values unless ``as_bytes``, as the frontend returns. ``include_kernels`` is accepted."""
+        byte values unless ``as_bytes``, as the frontend returns. ``include_kernels`` is accepted.
+        A tensor given to receive an output (``dSink_token=t``) is not in the bytes: the read-back
+        graph returns that output."""
         data = serialized.serialize(self)
         return data if as_bytes else list(data)
 
@@ -842,8 +845,9 @@ class Graph:
 
     @property
     def outputs(self) -> list[OutputHandle]:
-        """The output handles the graph produces (those not marked ``set_output(False)``)."""
-        return [h for node in self.nodes for h in node.outputs.values() if h.is_output]
+        """The output handles a call returns, in order: those produced (not marked
+        ``set_output(False)``) but for those a tensor of the caller's receives (``dSink_token=t``)."""
+        return [h for node in self.nodes for h in node.outputs.values() if h.is_output and h.receiver is None]
 
     def nbytes(self) -> int:
         """Bytes of device and host memory this graph's plans hold (workspaces, prepared buffers)."""

@@ -33,6 +33,8 @@ class StandIn:
         self.name, self.spec = handle.name, spec
         self.is_output = getattr(handle, "is_output", False)
         self.ragged_offset = getattr(handle, "ragged_offset", None)
+        receiver = getattr(handle, "receiver", None)  # the caller's tensor, while it fits
+        self.receiver = receiver if receiver is not None and spec == handle.spec else None
 
 
 def overridden_runner(

@@ -10,7 +10,15 @@ import torch
 
 from ..core.constructors import default_o, default_stats, like
 from ..core.mask import default_scale
-from ..core.problem import AttentionProblem, KVCacheLayout, Op, TensorSpec, contiguous_strides, strides_like
+from ..core.problem import (
+    AttentionProblem,
+    KVCacheLayout,
+    Op,
+    TensorSpec,
+    contiguous_strides,
+    device_name,
+    strides_like,
+)
 from ..core.roles import (
     BACKWARD_INPUTS,
     FP8_AMAXES,
@@ -70,6 +78,11 @@ def assemble_problem(node: Node, dtypes: dict[str, torch.dtype | None]) -> Atten
     if missing_inputs(node):
         return None
     q = specs["q"]
+    for handle in node.outputs.values():
+        if handle.receiver is not None and device_name(handle.receiver.device) != q.device:
+            node.errors.append(
+                f"{node.argument(handle.port)}: on {handle.receiver.device}; it receives an output on q's {q.device}"
+            )
     parsed = node.parsed
     assert parsed is not None, "assembled after the node's keywords are parsed"
     options = parsed.options

@@ -238,6 +238,8 @@ class OutputHandle(TensorHandle):
         self.stride: tuple[int, ...] | None = None
         self.dtype: torch.dtype | None = None
         self.built_spec: TensorSpec | None = None  # known once the graph is built
+        # The caller's tensor given to receive it (``dSink_token=t``): written in place, not returned.
+        self.receiver: torch.Tensor | None = None
 
     @property
     def spec(self) -> TensorSpec | None:

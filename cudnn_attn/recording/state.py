@@ -90,8 +90,8 @@ class Recording:
 
     def caller_output(self, node: Node, role: str, given: Any) -> None:
         """The frontend's caller-made output (``dBias=``): ``node``'s output ``role`` takes the
-        geometry of ``given`` (a tensor handle of this graph, or a tensor), and ``execute`` finds
-        that output under ``given``'s handle, name or uid."""
+        geometry of ``given``. A tensor handle of this graph: ``execute`` finds that output under
+        its handle, name or uid. A tensor: every run writes it in place."""
         output = node.outputs[role]
         if isinstance(given, InputHandle) and given.recording is self:
             spec = given.spec
@@ -101,7 +101,12 @@ class Recording:
             if tensor is None:
                 node.errors.append(f"{node.argument(role)}: {type(given).__name__}; expected a tensor of this graph")
                 return
+            if not interop.writable(given):
+                node.errors.append(f"{node.argument(role)}: a read-only array; it receives an output")
+            elif tensor.requires_grad:
+                node.errors.append(f"{node.argument(role)}: requires grad; it is written in place (pass t.detach())")
             spec = TensorSpec.of(tensor)
+            output.receiver = tensor  # each run writes it, as the caller's torch tensor
         output.dim, output.stride, output.dtype = spec.shape, spec.stride, spec.dtype
         output.marked = output.is_output = True
 

@@ -5,7 +5,7 @@ expected geometry as plain tuples, each node's inputs and outputs as slots in on
 A steady-state call then does a few tuple comparisons per tensor and calls the plans.
 
 The runner knows the graph's handles only as keys with a ``name`` and a ``spec`` (outputs
-also ``is_output``), and its nodes only as their plans and input/output handles by role:
+also ``is_output`` and ``receiver``), and its nodes only as their plans and input/output handles by role:
 what a handle or a node is belongs to the recording layer above.
 """
 
@@ -71,10 +71,8 @@ class Runner:
             )
             slots = tuple(i for _, i in ins) + tuple(i for _, i, _ in outs) if uids else None
             self._steps.append((node.plan, dict(node.runtime), ins, outs, uids, slots))
-        self.outputs = [h for node in nodes for h in node.outputs.values() if h.is_output]
-        self._no_outputs = [None] * (len(self._specs) - len(inputs))
-        self._returned = [slot[h] for h in self.outputs]
         self._slot = slot
+        self._take_outputs([h for node in nodes for h in node.outputs.values()], len(inputs))
         # Tensors whose sequences are placed by ragged offsets: bound by their memory (interop.ragged_mismatch).
         self._loose = frozenset(i for h, i in slot.items() if getattr(h, "ragged_offset", None) is not None)
         self._single = self._single_direct_step(len(inputs))
@@ -89,8 +87,19 @@ class Runner:
         for i, h in enumerate(node_outputs, len(inputs)):
             slot[h] = i
         runner._slot = slot
-        runner.outputs = [h for h in node_outputs if h.is_output]
+        runner._take_outputs(node_outputs, len(inputs))
         return runner
+
+    def _take_outputs(self, node_outputs: list[Any], first: int) -> None:
+        """The outputs a run returns, and each run's output slots before binding: empty, but for
+        those the caller's tensors receive (``dSink_token=t``), which are written and not returned."""
+        self._produced = [h for h in node_outputs if h.is_output]  # what an ``out`` mapping may name
+        self.outputs = [h for h in self._produced if h.receiver is None]
+        self._returned = [self._slot[h] for h in self.outputs]
+        self._no_outputs = [None] * (len(self._specs) - first)
+        for h in node_outputs:
+            if h.receiver is not None:
+                self._no_outputs[self._slot[h] - first] = h.receiver
 
     # ---- binding ---------------------------------------------------------------------------
 
@@ -161,8 +170,8 @@ class Runner:
             values[slot] = out
             return
         if isinstance(out, Mapping):
-            by_name = {h.name: h for h in self.outputs}
-            outputs = set(self.outputs)
+            by_name = {h.name: h for h in self._produced}
+            outputs = set(self._produced)
             pairs: list[tuple[Any, Any]] = [(by_name.get(k) if isinstance(k, str) else k, v) for k, v in out.items()]
             if any(h is None or h not in outputs for h, _ in pairs):
                 raise ShapeMismatchError([f"out: keys must be output names ({', '.join(by_name)}) or handles"])
