@@ -96,6 +96,29 @@ def test_a_lower_right_causal_mask_with_more_queries_than_keys_runs_beside_sinks
     assert torch.equal(got[:, :, :2], torch.zeros_like(got[:, :, :2]))
 
 
+@pytest.mark.parametrize("terms", ["sinks", "softcap"])
+def test_the_lower_right_split_runs_under_torch_compile_as_eagerly(terms):
+    """The compiled path refused it, naming use_causal_mask_bottom_right, where the eager one ran."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    leaves = [_randn(1, 2, 9, 8).requires_grad_(), *(_randn(1, 2, 7, 8, seed=s).requires_grad_() for s in (1, 2))]
+    options = dict(sinks=torch.tensor([0.3, -0.5])) if terms == "sinks" else dict(softcap=2.0)
+    with pytest.warns(UserWarning):
+        mask = causal_lower_right(9, 7)
+
+    def attend(q, k, v):
+        return cudnn_attn.sdpa(q, k, v, attn_mask=mask, **options)
+
+    torch._dynamo.reset()
+    eager, compiled = attend(*leaves), torch.compile(attend, fullgraph=True, backend="aot_eager")(*leaves)
+    assert torch.equal(eager, compiled)
+    d_out = _randn(*eager.shape, seed=5)
+    for want, got in zip(torch.autograd.grad(eager, leaves, d_out), torch.autograd.grad(compiled, leaves, d_out)):
+        assert torch.equal(want, got)
+    if terms == "sinks":
+        assert rel_err(compiled, _lower_right(*leaves, sinks=options["sinks"])) < 1e-5
+
+
 def test_refusals_around_sinks_name_sdpas_and_varlens_own_arguments():
     """Were 'generate_stats' and 'sink_token' (inner names) under backend('torch'), and varlen's
     sink errors carried no 'varlen_sdpa:'."""

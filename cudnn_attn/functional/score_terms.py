@@ -75,16 +75,11 @@ def score_terms_sdpa(
     band (``window``: the left bound W, key j visible iff j > i - W; ``right_bound``)."""
     if sinks is not None:
         check_sinks(sinks, q.shape[1], q.device)
-    unseeing = q.shape[2] - k.shape[2]
-    if causal is Causal.BOTTOM_RIGHT and unseeing > 0:
-        # More queries than keys under the bottom-right diagonal: the first L - S rows see no key
-        # (0, as torch gives them; a sink weighs no value), the rest make a square problem, where
-        # the two diagonals are one.
-        rows = None if bias is None else bias if bias.shape[-2] == 1 else bias[..., unseeing:, :]
-        seen = score_terms_sdpa(
-            q[:, :, unseeing:], k, v, rows, scale, Causal.TOP_LEFT, dropout_p, sinks, softcap, window, right_bound
-        )
-        return torch.cat([seen.new_zeros(*seen.shape[:2], unseeing, seen.shape[3]), seen], dim=2)
+    rows = _unseeing_rows_split(
+        score_terms_sdpa, q, k, v, bias, scale, causal, dropout_p, sinks, softcap, window, right_bound
+    )
+    if rows is not None:
+        return rows
     options = ScoreOptions(
         attn_scale=scale, causal=causal, sliding_window=window, right_bound=right_bound, dropout_p=float(dropout_p)
     )
@@ -99,6 +94,18 @@ def score_terms_sdpa(
     # backward reuses the forward's mask through the same seed and offset.
     rng = (torch.randint(0, 2**62, (1,), dtype=torch.int64), torch.zeros(1, dtype=torch.int64)) if dropout_p else None
     return differentiable(_ScoreTermsCall(options, modifier, rng, sinks), q, k, v, bias, sinks)
+
+
+def _unseeing_rows_split(run, q, k, v, bias, scale, causal, *rest) -> torch.Tensor | None:
+    """More queries than keys under the bottom-right diagonal, as ``run`` computes them: the first
+    L - S rows see no key (0, as torch gives them; a sink weighs no value), the rest make a
+    square problem, where the two diagonals are one. None for any other call."""
+    unseeing = q.shape[2] - k.shape[2]
+    if causal is not Causal.BOTTOM_RIGHT or unseeing <= 0:
+        return None
+    rows = None if bias is None else bias if bias.shape[-2] == 1 else bias[..., unseeing:, :]
+    seen = run(q[:, :, unseeing:], k, v, rows, scale, Causal.TOP_LEFT, *rest)
+    return torch.cat([seen.new_zeros(*seen.shape[:2], unseeing, seen.shape[3]), seen], dim=2)
 
 
 def clear() -> None:
@@ -154,6 +161,11 @@ def compiled_score_terms_sdpa(
         check_sinks(sinks, q.shape[1], q.device)
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))):
         softcap_modifier(softcap, ScoreOptions(), 1, 1)  # raises its ValidationError; a number is checked in the op
+    rows = _unseeing_rows_split(
+        compiled_score_terms_sdpa, q, k, v, bias, scale, causal, dropout_p, sinks, softcap, window, right_bound
+    )
+    if rows is not None:
+        return rows
     sink = None if sinks is None else sinks.reshape(1, -1, 1, 1).to(torch.float32).contiguous()
     seed = offset = None
     if dropout_p:
