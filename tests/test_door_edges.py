@@ -56,7 +56,8 @@ def test_varlen_softcap_takes_equal_lengths_given_in_two_integer_dtypes():
     q = _randn(24, 4, 16)
     cu = torch.tensor([0, 5, 16, 24], dtype=torch.int32)
     same = cudnn_attn.varlen_sdpa(q, q, q, cu, cu, 11, 11, softcap=3.0, causal=True)
-    assert torch.equal(cudnn_attn.varlen_sdpa(q, q, q, cu, cu.long(), 11, 11, softcap=3.0, causal=True), same)
+    # Not bitwise: a loaded CPU's math library may split its sums over fewer threads on a later call.
+    assert rel_err(cudnn_attn.varlen_sdpa(q, q, q, cu, cu.long(), 11, 11, softcap=3.0, causal=True), same) < 1e-6
 
 
 def _lower_right(q, k, v, sinks=None, left=None):
@@ -111,10 +112,10 @@ def test_the_lower_right_split_runs_under_torch_compile_as_eagerly(terms):
 
     torch._dynamo.reset()
     eager, compiled = attend(*leaves), torch.compile(attend, fullgraph=True, backend="aot_eager")(*leaves)
-    assert torch.equal(eager, compiled)
+    assert rel_err(compiled, eager) < 1e-6
     d_out = _randn(*eager.shape, seed=5)
     for want, got in zip(torch.autograd.grad(eager, leaves, d_out), torch.autograd.grad(compiled, leaves, d_out)):
-        assert torch.equal(want, got)
+        assert rel_err(got, want) < 1e-6
     if terms == "sinks":
         assert rel_err(compiled, _lower_right(*leaves, sinks=options["sinks"])) < 1e-5
 
