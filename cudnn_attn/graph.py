@@ -27,7 +27,7 @@ from .core.problem import AttentionProblem
 from .errors import GraphStateError, ValidationError
 from .frontend import options, plans, serialized, tensors
 from .frontend.declared import DeclaredIO, mark_outputs
-from .frontend.execute import execute_at_index, execute_pack
+from .frontend.execute import execute_at_index, execute_pack, ordered_pack
 from .ops.cudnn.autotune import enabled_by_default as autotune_default
 from .recording import ops_table, state
 from .recording.build import runner_for
@@ -145,7 +145,13 @@ class Graph:
         self.handle = handle
         self.name = name or "graph"
         declared_key = tuple(map(tuple, self.declared)) if self.declared is not None else None
-        self.recording = state.Recording(self.name, (self.backend, self.autotune, *self._dtypes.values(), declared_key))
+        # The frontend's graphs lay out outputs as it does (packed, virtual until marked).
+        frontend_outputs = self.virtual_outputs or declared_key is not None
+        self.recording = state.Recording(
+            self.name,
+            (self.backend, self.autotune, *self._dtypes.values(), declared_key, frontend_outputs),
+            frontend_outputs=frontend_outputs,
+        )
         if declared_key is not None and not all(isinstance(e, (str, int)) for part in declared_key for e in part):
             self.recording.key.keyed = False  # tensors named by object: built in full every time
         self._runner: Runner | None = None
@@ -219,21 +225,24 @@ class Graph:
         spec = tensors.described_spec(dim, stride, data_type, io_dtype, is_pass_by_value, name, device)
         return tensors.described(self.recording, spec, name, is_pass_by_value, uid, ragged_offset)
 
-    def tensor_like(self, template: Any, name: str = "") -> InputHandle:
+    def tensor_like(self, template: Any, name: str = "", is_virtual: bool = False) -> InputHandle:
         """An input with ``template``'s geometry (the frontend's ``graph.tensor_like``).
 
         Args:
             template: a torch tensor, a DLPack array, or a graph tensor (an input, or an output
-                whose dims and data type are set).
+                whose dims and data type are set); a pass-by-value graph tensor's copy is one too.
             name: the input's name; the template's (or ``"tensor"``) by default.
+            is_virtual: virtual tensors link the frontend's other ops; refused.
 
         Returns:
             The input's handle.
 
         Raises:
             ValidationError: ``template`` is none of those.
+            UnsupportedError: ``is_virtual``.
             GraphStateError: the graph is already built.
         """
+        tensors.refuse_unsupported(is_virtual, None, 1, context="Graph.tensor_like")
         return tensors.like(self.recording, template, name)
 
     # ---- ops -----------------------------------------------------------------------------------
@@ -697,6 +706,33 @@ class Graph:
             )
         return runner(args, handle, stream, out, workspace)
 
+    def set_io_tuples(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
+        """The frontend's wrapper call: the order in which positional calls take the inputs and
+        return the outputs, as ``Graph(inputs=, outputs=)`` gives it (``frontend/declared.py``).
+
+        Args:
+            inputs: names (``"SDPA::q"`` or a ``set_name``), uids, graph tensors, or, before the
+                build, the torch tensors given to the ops.
+            outputs: likewise (``"SDPA::O"``, ``"SDPA::Stats"``, ...).
+
+        Raises:
+            ValidationError: not lists, or an entry that names no input or produced output.
+        """
+        if not isinstance(inputs, (list, tuple)) or not isinstance(outputs, (list, tuple)):
+            raise ValidationError(
+                [
+                    f"set_io_tuples: inputs and outputs must be lists or tuples (got {type(inputs).__name__}, "
+                    f"{type(outputs).__name__})"
+                ],
+                context=self.name,
+            )
+        self.declared = (list(inputs), list(outputs))
+        if not self.recording.built:  # taken at the build, as Graph(inputs=, outputs=) is
+            self.recording.key.keyed = False  # the recording's key did not include them: built in full
+            self.recording.frontend_outputs = True
+            return
+        self._io = DeclaredIO(self.recording, *self.declared, context=self.name)
+
     def run_roles(self, inputs: dict[str, Any], outputs: dict[str, Any]) -> None:
         """Run a one-node graph on tensors named by role, unchecked (``Runner.run_roles``): the
         library's packed (varlen) path, which checks geometry itself and serves every token
@@ -784,7 +820,8 @@ class Graph:
         tensor_uids: Any = None,
     ) -> None:
         """``execute`` with candidate plan ``index`` (built on first use) instead of the chosen one."""
-        execute_at_index(self, self._other_runners(), variant_pack, workspace, index, handle)
+        pack = ordered_pack(variant_pack, tensor_uids, self.name)
+        execute_at_index(self, self._other_runners(), pack, workspace, index, handle)
 
     def execute(
         self,
@@ -794,22 +831,25 @@ class Graph:
         override_uids: Any = None,
         override_shapes: Any = None,
         override_strides: Any = None,
-        *,
         tensor_uids: Any = None,
+        *,
         stream: Any = None,
     ) -> None:
         """The frontend's run: every tensor of the graph, inputs and outputs, given in one dict.
 
         Args:
             variant_pack: every input and every produced output of the graph, keyed by handle,
-                name or uid; outputs are written in place. ``None`` keys are ignored.
+                name or uid; outputs are written in place. ``None`` keys are ignored, as are
+                virtual outputs (bindings the graph does not use, as in the frontend). With
+                ``tensor_uids``: the buffers alone, a list in their order.
             workspace: a device buffer of at least ``get_workspace_size()`` bytes, or None.
             handle: a handle to run with.
             override_uids: with ``is_override_shape_enabled=True``: the uids whose dims and
                 strides this run overrides.
             override_shapes: their dims, in ``override_uids``' order.
             override_strides: their strides, likewise.
-            tensor_uids: the frontend's keyword, accepted.
+            tensor_uids: the frontend's ordered form: one distinct uid per buffer of
+                ``variant_pack`` (a list or tuple).
             stream: a torch stream or raw ``cudaStream_t`` int; the current stream by default.
 
         Raises:
@@ -833,7 +873,8 @@ class Graph:
             ```
         """
         overrides = (override_uids, override_shapes, override_strides)
-        execute_pack(self, self._other_runners(), variant_pack, workspace, handle, overrides, stream)
+        pack = ordered_pack(variant_pack, tensor_uids, self.name)
+        execute_pack(self, self._other_runners(), pack, workspace, handle, overrides, stream)
 
     def _other_runners(self) -> dict[Hashable, Any]:
         return self.__dict__.setdefault("_others", {})  # by plan index or override; most graphs never need it

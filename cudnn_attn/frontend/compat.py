@@ -1,8 +1,8 @@
 """The cuDNN frontend's module-level spellings (``cudnn_attn.heur_mode``, ``create_handle``, ...),
 so drop-in code (``import cudnn_attn as cudnn``) runs unchanged.
 
-Enums: ``heur_mode``, ``diagonal_alignment``, ``attention_implementation`` and
-``build_plan_policy`` carry the frontend's member names. They are this library's own classes, as
+Enums: ``heur_mode``, ``diagonal_alignment``, ``attention_implementation``,
+``build_plan_policy``, ``cuda_graph_retention`` and ``scalar_type`` carry the frontend's member names. They are this library's own classes, as
 ``data_type`` is (it maps to torch dtypes, which the frontend's cannot), so the package imports
 and runs without the frontend; every keyword that takes one matches members by ``.name``, so the
 frontend's own members (``cudnn.diagonal_alignment.BOTTOM_RIGHT``) are accepted beside ours.
@@ -106,6 +106,41 @@ class build_plan_policy(enum.Enum):  # noqa: N801 - the frontend's spelling
 
     HEURISTICS_CHOICE = "HEURISTICS_CHOICE"
     ALL = "ALL"
+
+
+class cuda_graph_retention(enum.Enum):  # noqa: N801 - the frontend's spelling
+    """The frontend's CUDA-graph retention choices (``pygraph(cuda_graph_retention=...)``).
+
+    Both are accepted: what a graph keeps for CUDA-graph replays is the library's own business here.
+
+    Example:
+        ```python
+        import cudnn_attn as cudnn
+
+        g = cudnn.pygraph(cuda_graph_retention=cudnn.cuda_graph_retention.PER_GRAPH)
+        ```
+    """
+
+    NONE = "NONE"
+    PER_GRAPH = "PER_GRAPH"
+
+
+class scalar_type(enum.Enum):  # noqa: N801 - the frontend's spelling
+    """The frontend's kinds of score-modifier scalar (``graph.tensor_scalar(value, scalar_type)``).
+
+    Both are accepted: either way the value is part of the plan's key here.
+
+    Example:
+        ```python
+        import cudnn_attn as cudnn
+
+        def halved(graph, scores):
+            return graph.mul(a=scores, b=graph.tensor_scalar(0.5, cudnn.scalar_type.COMPILE_TIME_CONST))
+        ```
+    """
+
+    COMPILE_TIME_CONST = "COMPILE_TIME_CONST"
+    RUNTIME_PARAM = "RUNTIME_PARAM"
 
 
 class Handle:

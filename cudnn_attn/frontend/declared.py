@@ -2,7 +2,8 @@
 is declared by name.
 
 Entries name tensors as the frontend does: ``"<node>::<argument>"`` (``"SDPA::q"``,
-``"d_sdpa::dO"``), a name given with ``set_name``, a uid, or the graph tensor itself. Positional
+``"d_sdpa::dO"``, ``"SDPA::O"``), a name given with ``set_name``, a uid, the graph tensor itself,
+or the torch tensor the op was given (the frontend's DLPack map). Positional
 calls take the inputs in the declared order and return the declared outputs (one tensor, or a
 tuple); a dict call fills the rest by name and returns the dict with the outputs added.
 """
@@ -12,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import ShapeMismatchError, ValidationError
+from ..core.roles import ROLES
+from ..errors import ShapeMismatchError, ValidationError, shown
 from ..recording.handles import InputHandle, OutputHandle, TensorHandle
 from ..recording.state import Recording
 
@@ -31,13 +33,14 @@ def _named(recording: Recording, entry: Any) -> TensorHandle | None:
         return entry if entry.recording is recording else None
     if isinstance(entry, int) and not isinstance(entry, bool):
         return recording.uids.get(entry)
-    if not isinstance(entry, str):
-        return None
+    if not isinstance(entry, str):  # a tensor given to an op is that op's input (until the build forgets it)
+        return recording.by_identity.get(id(entry)) if hasattr(entry, "__dlpack__") else None
     node_name, _, argument = entry.partition("::")
     for node in recording.nodes:
         if argument and node.name == node_name:
             for role, handle in [*node.inputs.items(), *node.outputs.items()]:
-                if argument in (role, node.argument(role)):
+                # An output is also known by its frontend name: "SDPA::O", "SDPA::Stats", "bwd::dQ".
+                if argument in (role, node.argument(role), getattr(ROLES.get(role), "output", None)):
                     return handle
     handles = [*recording.inputs, *(h for node in recording.nodes for h in node.outputs.values())]
     return next((h for h in handles if h.name == entry), None)
@@ -65,12 +68,16 @@ class DeclaredIO:
             for entry in entries:
                 handle = resolve(recording, entry)
                 if not isinstance(handle, kind):
-                    problems.append(f"{argument}: {entry!r} names no {argument[:-1]} of this graph")
+                    problems.append(f"{argument}: {shown(entry)} names no {argument[:-1]} of this graph")
+                elif isinstance(handle, OutputHandle) and not handle.is_output:
+                    problems.append(f"{argument}: {shown(entry)} is virtual (set_output(False)); it is not produced")
+                elif handle in into:
+                    problems.append(f"{argument}: {shown(entry)} is declared twice")
                 else:
                     into.append(handle)  # type: ignore[arg-type]
         if problems:
             raise ValidationError(problems, context=context)
-        self.names = {h: str(e) for h, e in zip([*self.inputs, *self.outputs], [*inputs, *outputs])}
+        self.names = {h: _key(h, e) for h, e in zip([*self.inputs, *self.outputs], [*inputs, *outputs])}
         self.recording = recording
 
     def call(self, run: Any, args: tuple, out: Any) -> Any:
@@ -103,3 +110,9 @@ class DeclaredIO:
         for handle, tensor in zip(self.outputs, self._by_output(produced)):
             result.setdefault(self.names[handle], tensor)
         return result
+
+
+def _key(handle: TensorHandle, entry: Any) -> str:
+    """The key a dict call's result names a declared tensor by: the entry as given, or, for a
+    tensor handle or a torch tensor, the graph tensor's name."""
+    return entry if isinstance(entry, str) else str(entry) if isinstance(entry, int) else handle.name

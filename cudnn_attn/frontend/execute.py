@@ -11,13 +11,38 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from typing import Any
 
-from ..errors import ShapeMismatchError, ValidationError
+from ..errors import ShapeMismatchError, ValidationError, shown
 from ..recording.handles import InputHandle
 from ..runtime import interop
 from .declared import resolve
 from .overrides import check_overridden, overridden_runner
 from .plans import runner_at
 from .port import GraphPort
+
+
+def ordered_pack(variant_pack: Any, tensor_uids: Any, context: str) -> Any:
+    """The frontend's ordered form, ``execute([buffers], ws, tensor_uids=[uids])``, as a pack by
+    uid; ``variant_pack`` as it is without ``tensor_uids``."""
+    if tensor_uids is None:
+        return variant_pack
+    problems = []
+    if not isinstance(tensor_uids, (list, tuple)) or not all(
+        isinstance(u, int) and not isinstance(u, bool) for u in tensor_uids
+    ):
+        problems.append(f"tensor_uids: {shown(tensor_uids)}; expected a list or tuple of tensor uids (ints)")
+    elif len(set(tensor_uids)) != len(tensor_uids):
+        twice = sorted({u for u in tensor_uids if tensor_uids.count(u) > 1})
+        problems.append(f"tensor_uids: uids {twice} given more than once")
+    if not isinstance(variant_pack, (list, tuple)):
+        problems.append(
+            f"variant_pack: {type(variant_pack).__name__} beside tensor_uids; the ordered form takes the buffers "
+            "as a list in tensor_uids' order (or give a dict without tensor_uids)"
+        )
+    elif not problems and len(variant_pack) != len(tensor_uids):
+        problems.append(f"variant_pack: {len(variant_pack)} buffers for {len(tensor_uids)} tensor_uids")
+    if problems:
+        raise ValidationError(problems, context=context)
+    return dict(zip(tensor_uids, variant_pack))
 
 
 def execute_pack(
@@ -89,13 +114,12 @@ def variant_pack_of(
             )
             continue
         keys[handle] = key
+        # A tensor of the graph no node reads, or a virtual output, is not bound, as in the frontend.
+        if handle not in read if isinstance(handle, InputHandle) else not getattr(handle, "is_output", False):
+            continue
         if handle.ragged_offset is None:  # a ragged tensor is bound by its memory as it is
             value = interop.same_memory_view(value, stand_in.get(handle, handle).spec)
-        if isinstance(handle, InputHandle):
-            if handle in read:  # a tensor of the graph no node reads is not bound, as in the frontend
-                inputs[handle] = value
-        else:
-            outputs[handle] = value
+        (inputs if isinstance(handle, InputHandle) else outputs)[handle] = value
     if unknown:
         raise ShapeMismatchError(unknown, context="execute")
     missing = [h.name for h in graph.outputs if h not in outputs]

@@ -19,11 +19,13 @@ from ..runtime import interop
 from .options import frontend_tensor_options
 
 
-def refuse_unsupported(is_virtual: Any, reordering_type: Any, ragged_offset_multiplier: Any) -> None:
+def refuse_unsupported(
+    is_virtual: Any, reordering_type: Any, ragged_offset_multiplier: Any, context: str = "Graph.tensor"
+) -> None:
     """``UnsupportedError`` for the descriptor flags of ``graph.tensor`` not taken here."""
     unsupported = frontend_tensor_options(is_virtual, reordering_type, ragged_offset_multiplier)
     if unsupported:
-        raise UnsupportedError(unsupported, context="Graph.tensor")
+        raise UnsupportedError(unsupported, context=context)
 
 
 def described_spec(
@@ -83,7 +85,9 @@ def like(recording: Recording, template: Any, name: str) -> InputHandle:
     """``Graph.tensor_like``'s input: ``template``'s geometry (a tensor, a DLPack array or a graph tensor)."""
     recording.check_open("tensor_like")
     if isinstance(template, TensorHandle):
-        return recording.made_input(handle_spec(template), name or template.name, None)
+        handle = recording.made_input(handle_spec(template), name or template.name, None)
+        handle.is_pass_by_value = template.is_pass_by_value  # as the frontend copies it
+        return handle
     tensor = interop.as_torch(template)
     if tensor is None:
         raise ValidationError(

@@ -137,7 +137,12 @@ def assemble_problem(node: Node, dtypes: dict[str, torch.dtype | None]) -> Atten
 
 def output_spec(handle: Any, default: TensorSpec) -> TensorSpec:
     """An output's geometry: its defaults, then whatever set_dim/set_stride/set_data_type said.
-    Validation checks that the result is a layout an output can have."""
+    Validation checks that the result is a layout an output can have. In the frontend's graphs
+    an output whose layout is not set is packed row-major (BHSD for O and the gradients), as the
+    frontend materializes it, whatever q's layout; a ragged one keeps q's (THD) layout, which its
+    offsets place."""
+    if handle.recording.frontend_outputs and handle.ragged_offset is None:
+        default = TensorSpec.contiguous(default.shape, default.dtype, default.device)
     shape = handle.dim if handle.dim is not None else default.shape
     if handle.stride is not None:
         stride = handle.stride

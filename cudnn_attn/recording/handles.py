@@ -29,6 +29,9 @@ class RecordingPort(Protocol):
     def built(self) -> bool: ...
 
     @property
+    def frontend_outputs(self) -> bool: ...
+
+    @property
     def key(self) -> Keyed: ...
 
     def new_uid(self, handle: Any) -> int: ...
@@ -181,10 +184,13 @@ class InputHandle(TensorHandle):
         return self
 
     def set_dim(self, dim: Any) -> InputHandle:
-        """Set the input's dims (strides become row-major); returns self."""
+        """Set the input's dims; returns self. The strides stay as they are, as the frontend's
+        ``set_dim`` leaves them (a BSHD tensor described with BHSD dims keeps its layout); they
+        become row-major only where the rank changes, since the old ones no longer fit."""
         self.recording.check_open(f"{self._name}.set_dim")
         shape = int_tuple(dim, f"{self._name}.set_dim")
-        self._spec = TensorSpec(shape, contiguous_strides(shape), self._spec.dtype, self._spec.device)
+        strides = self._spec.stride if len(shape) == len(self._spec.shape) else contiguous_strides(shape)
+        self._spec = TensorSpec(shape, strides, self._spec.dtype, self._spec.device)
         return self
 
     def set_stride(self, stride: Any) -> InputHandle:
@@ -245,6 +251,35 @@ class OutputHandle(TensorHandle):
     def spec(self) -> TensorSpec | None:
         """The output's geometry, known once the graph is built (None before)."""
         return self.built_spec
+
+    # Before the build the frontend's getters answer what the setters said, as the frontend's do.
+
+    def get_dim(self) -> list[int] | None:
+        """The output's dims: once built, as built; before, as ``set_dim`` said (None if it did not)."""
+        if self.built_spec is None:
+            return None if self.dim is None else list(self.dim)
+        return super().get_dim()
+
+    def get_stride(self) -> list[int] | None:
+        """The output's strides: once built, as built; before, as ``set_stride`` said (None if it did not)."""
+        if self.built_spec is None:
+            return None if self.stride is None else list(self.stride)
+        return super().get_stride()
+
+    def get_data_type(self) -> torch.dtype | None:
+        """The output's dtype: once built, as built; before, as ``set_data_type`` said (None if it did not)."""
+        if self.built_spec is None:
+            return self.dtype
+        return super().get_data_type()
+
+    def get_is_virtual(self) -> bool:
+        """Whether the output is not produced: once built, as built; before, as ``set_output``
+        said, and in the frontend's graphs an output not yet marked is virtual, as there."""
+        if self.recording.built:
+            return not self.is_output
+        if self.marked is not None:
+            return not self.marked
+        return self.recording.frontend_outputs
 
     def _check_open(self, what: str) -> None:
         if self.recording.built:

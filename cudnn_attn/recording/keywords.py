@@ -304,11 +304,11 @@ def _window(given: MaskKeywords, errors: list[str]) -> int | None:
         errors.append(
             f"sliding_window_length: {shown(window)} disagrees with diagonal_band_left_bound={shown(left)}; give one"
         )
-    value = window if window is not None else left
+    value, name = (window, "sliding_window_length") if window is not None else (left, "diagonal_band_left_bound")
     if value is None:
         return None
     if not _is_int(value) or not 1 <= value <= MAX_LENGTH:
-        errors.append(f"sliding_window_length: {shown(value)}; must be an int >= 1 (and <= {MAX_LENGTH})")
+        errors.append(f"{name}: {shown(value)}; must be an int >= 1 (and <= {MAX_LENGTH})")  # the one given
         return None
     return value
 
