@@ -173,6 +173,32 @@ def test_cache_ls_json_to_a_file_and_to_stdout(private_store, tmp_path, capsys):
         assert json.loads(capsys.readouterr().out)["path"] == str(private_store.path)
 
 
+def test_cache_ls_lists_headers_of_another_format(private_store, capsys):
+    """Checksum-valid plan files whose header fields have other types (another version's store)
+    are listed and flagged, what can be read shown, the rest unknown (it was a traceback)."""
+    headers = {
+        "a": {"platform": "H100/9.19", "describe": "sdpa b1 h2 s64", "variant": "fwd"},
+        "b": {"platform": {"gpu": "H100", "cudnn": [9, 19]}, "describe": None, "choice": "engine 3"},
+        "c": {"platform": {"gpu": "H100", "cudnn": 91900}, "describe": "sdpa b2", "variant": {"x": 1}},
+        "d": {"platform": {"gpu": "H100", "cudnn": 91900}, "describe": "sdpa b4", "variant": "fwd", "choice": {}},
+    }
+    for name, header in headers.items():
+        assert private_store.save(name * 64, header, b"blob")
+    assert commands.main(["cache", "ls", "--json", "-"]) == 0
+    rows = {row["file"][0]: row for row in json.loads(capsys.readouterr().out)["plans"]}
+    assert rows["a"]["plan"] == "sdpa b1 h2 s64" and rows["a"]["gpu"] == rows["a"]["cudnn"] == "?"
+    assert rows["b"]["gpu"] == "H100" and rows["b"]["plan"] == rows["b"]["cudnn"] == rows["b"]["engine"] == "?"
+    assert rows["c"]["cudnn"] == 91900 and rows["c"]["variant"] == "?"
+    for name, fields in {"a": ["platform"], "b": ["platform.cudnn", "describe", "choice"], "c": ["variant"]}.items():
+        assert not rows[name]["ok"] and all(field in rows[name]["problem"] for field in fields), rows[name]
+    assert rows["d"]["ok"] and rows["d"]["problem"] is None and rows["d"]["engine"] == "?"
+    assert commands.main(["cache", "ls"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("4 plan(s)") and len(lines) == 5
+    assert sum("FOREIGN (header of another format" in line for line in lines) == 3
+    assert any(line.strip().startswith("d" * 12) and "H100 cuDNN 91900" in line for line in lines)
+
+
 @pytest.fixture
 def gpu_machine(monkeypatch):
     """A machine that claims a GPU and a loadable cuDNN (nothing here may then touch the device)."""

@@ -36,26 +36,70 @@ def run(args: argparse.Namespace) -> int:
             return 0
     print(f"{store.path}: {len(rows)} plan(s)")
     for r in rows:
-        status = "" if r["ok"] else f"  DAMAGED ({r['problem']}; ignored, rewritten on next build)"
+        kind = "FOREIGN" if (r["problem"] or "").startswith(_FOREIGN) else "DAMAGED"
+        status = "" if r["ok"] else f"  {kind} ({r['problem']}; ignored, rewritten on next build)"
         size = "?" if r["bytes"] is None else r["bytes"]
         print(f"  {r['file'][:12]}  {r['plan']:<52} {r['variant']:<9} {r['gpu']} cuDNN {r['cudnn']}  {size} B{status}")
     return 0
 
 
+_FOREIGN = "header of another format"
+_UNKNOWN = "?"
+
+
 def _row(listed: Any) -> dict[str, Any]:
+    """One plan file's line. A header another version of the library wrote may hold other types
+    (a platform that is a string, a describe that is null): those fields show as unknown, and the
+    entry is flagged, since the store's own ``load`` ignores it (its platform never matches)."""
     header = listed.entry.header if listed.entry else {}
-    platform = header.get("platform") or {}
+    odd: list[str] = []
+    platform = _record(header, "platform", odd)
+    fields = {
+        "plan": _scalar(header, "describe", odd),
+        "variant": _scalar(header, "variant", odd),
+        "engine": _scalar(_record(header, "choice", odd), "name", odd, "choice."),
+        "gpu": _scalar(platform, "gpu", odd, "platform."),
+        "cudnn": _scalar(platform, "cudnn", odd, "platform."),
+    }
+    problem = listed.problem
+    if listed.entry is not None and odd:
+        problem = f"{_FOREIGN}: {', '.join(odd)}"
     return {
         "file": listed.path.name,
-        "ok": listed.entry is not None,
+        "ok": listed.entry is not None and not odd,
         "bytes": listed.size,
-        "problem": listed.problem,
-        "plan": header.get("describe", "?"),
-        "variant": header.get("variant", "?"),
-        "engine": (header.get("choice") or {}).get("name", "?"),
-        "gpu": platform.get("gpu", "?"),
-        "cudnn": platform.get("cudnn", "?"),
+        "problem": problem,
+        **fields,
     }
+
+
+def _record(header: dict[str, Any], name: str, odd: list[str]) -> dict[str, Any]:
+    """``header[name]`` where it is a JSON object; empty (its fields unknown) where it is absent
+    or of another type (noted in ``odd``)."""
+    if name not in header:
+        return {}
+    value = header[name]
+    if isinstance(value, dict):
+        return value
+    odd.append(f"{name} is {_json_type(value)}")
+    return {}
+
+
+def _scalar(record: dict[str, Any], name: str, odd: list[str], prefix: str = "") -> str | int | float:
+    """``record[name]`` where it is a string or a number (a table cell); ``?`` where it is absent
+    or of another type (noted in ``odd``)."""
+    if name not in record:
+        return _UNKNOWN
+    value = record[name]
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return value
+    odd.append(f"{prefix}{name} is {_json_type(value)}")
+    return _UNKNOWN
+
+
+def _json_type(value: Any) -> str:
+    kinds = {type(None): "null", bool: "a boolean", str: "a string", dict: "an object", list: "a list"}
+    return kinds.get(type(value), "a number")
 
 
 def _warm(args: argparse.Namespace) -> int:

@@ -28,6 +28,9 @@ transformers' FlashAttention path, padding stays a mask over tokens, never a den
   transformers' positional window whenever the real tokens are contiguous (left or right padding).
 - anything else (custom mask functions, chunked attention, a 4-D mask passed in): ``token_mask``
   builds transformers' dense boolean mask and the layers run ``cudnn_attn.sdpa`` with it.
+- what varlen does not take (soft-capping while decoding or over a static cache, dropout beside
+  sinks or soft-capping, float64): one ``cudnn_attn.sdpa`` call, the token mask or the packed
+  runs becoming a dense boolean mask in the layer (causal over the real keys, per sequence).
 
 ``token_mask`` returns ``None`` (nothing beyond ``is_causal``), a ``[B, M]`` tensor of
 per-token sequence ids (bool for padding; integers for packed runs; 0 = padding, consecutive
@@ -46,10 +49,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..core.dtypes import FLOATING_IO
-from ..errors import UnsupportedError
+from ..errors import UnsupportedError, ValidationError
 from ..functional import sdpa
-from ..functional.arguments import autocast_inputs
+from ..functional.arguments import TORCH_FLOATING, autocast_inputs
 from ..varlen import varlen_attention
 from .transformers_packing import CONTEXT, Packing, find_packing, packed_mask
 
@@ -172,14 +174,16 @@ def attention_forward(
     packing = None
     if softcap is None or query.shape[2] == key.shape[2]:
         packing = find_packing(attention_mask, kwargs, query.shape[0], query.shape[2], key.shape[2], causal)
-    elif softcap is not None and attention_mask is None and kwargs.get("cu_seq_lens_q") is not None:
+    elif attention_mask is None and kwargs.get("cu_seq_lens_q") is not None:
         # Caller-packed sequences decoding from a cache (continuous batching): soft-capping runs
         # densely (the packed path takes it top-left only), one mask over the packed row.
-        packed = find_packing(None, kwargs, query.shape[0], query.shape[2], key.shape[2], causal)
-        assert packed is not None
-        mask = packed_mask(packed, query.shape[2], key.shape[2], causal, window)
-        return sdpa(query, key, value, attn_mask=mask, **options).transpose(1, 2).contiguous(), None
-    if softcap is not None and (packing is None or options["dropout_p"]):
+        packing = find_packing(None, kwargs, query.shape[0], query.shape[2], key.shape[2], causal)
+        assert packing is not None
+        return _packed_dense(query, key, value, packing, causal, window, options), None
+    dense = not _varlen_runs(query, options)
+    if packing is not None and dense and attention_mask is None:  # cu_seq_lens or restarting position ids
+        return _packed_dense(query, key, value, packing, causal, window, options), None
+    if dense or (softcap is not None and packing is None):
         return _dense_terms(query, key, value, attention_mask, causal, window, options), None
     if packing is None:
         return _unpadded(query, key, value, causal, window, options), None
@@ -249,11 +253,20 @@ def _window(sliding_window: int | None, key_length: int) -> int | None:
     return int(sliding_window) - 1
 
 
-def _dense_window(causal: bool, window: int | None, q_len: int, k_len: int, options: dict) -> bool:
-    """Whether a windowed layer runs as one dense call with ``window_size``: a whole causal
-    sequence (its windows measure from the top-left diagonal). With dropout it stays on the
-    packed path, where the transformers GPU tests measured it."""
-    return window is not None and causal and q_len == k_len and not options["dropout_p"]
+def _varlen_runs(query: torch.Tensor, options: dict) -> bool:
+    """Whether the packed (varlen) door runs this layer: it takes no dropout beside sinks or
+    soft-capping, and no float64 on a GPU (cuDNN has no double-precision path), where ``sdpa``
+    runs float64 on torch's kernel. The others take one dense call with a boolean mask; float64
+    does on every device, so the CPU runs the path a GPU runs."""
+    if options["dropout_p"] and (options.get("sinks") is not None or options.get("softcap") is not None):
+        return False
+    return query.dtype != torch.float64
+
+
+def _dense_window(causal: bool, window: int | None, q_len: int, k_len: int) -> bool:
+    """Whether a windowed layer can run as one dense call with ``window_size``: a whole causal
+    sequence (its windows measure from the top-left diagonal)."""
+    return window is not None and causal and q_len == k_len
 
 
 def _unpadded(query, key, value, causal: bool, window: int | None, options: dict) -> torch.Tensor:
@@ -261,7 +274,8 @@ def _unpadded(query, key, value, causal: bool, window: int | None, options: dict
     if window is None and (not causal or q_len in (1, k_len)):
         out = sdpa(query, key, value, is_causal=causal and q_len > 1, **options)
         return out.transpose(1, 2).contiguous()
-    if window is not None and _dense_window(causal, window, q_len, k_len, options):
+    # With dropout a window stays on the packed path, where the transformers GPU tests measured it.
+    if window is not None and _dense_window(causal, window, q_len, k_len) and not options["dropout_p"]:
         out = sdpa(query, key, value, is_causal=True, window_size=(window, 0), **options)
         return out.transpose(1, 2).contiguous()
     batch, device = query.shape[0], query.device
@@ -273,22 +287,26 @@ def _unpadded(query, key, value, causal: bool, window: int | None, options: dict
 def _dense_terms(
     query, key, value, tokens: torch.Tensor | None, causal: bool, window: int | None, options: dict
 ) -> torch.Tensor:
-    """Soft-capped layers (Gemma-2) the packed path cannot take: ``cudnn_attn.sdpa`` with
-    ``softcap`` (whose causal mask lives in the score modifier). Padding, packed runs and windows
-    become a dense boolean ``[B, 1, Q, K]`` mask: the packed path takes soft-capping only
-    top-left (not while decoding with a cache, where each sequence's diagonal sits elsewhere) and
-    without dropout. The queries are the last ``Q`` keys."""
+    """Layers the packed path cannot take, as one ``cudnn_attn.sdpa`` call: soft-capping (Gemma-2;
+    the packed path takes it only top-left, not while decoding with a cache, where each
+    sequence's diagonal sits elsewhere), dropout beside sinks or soft-capping, float64. Padding,
+    packed runs and windows become a dense boolean ``[B, 1, Q, K]`` mask. ``tokens`` (what
+    ``token_mask`` returned, or None) covers the keys up to the last query; keys after them (a
+    static cache's empty slots) are left out, so the queries are the last of the remaining keys."""
     batch, _, q_len, _ = query.shape
+    if tokens is not None:  # as find_packing checks a token mask
+        if tokens.shape[1] > key.shape[2] or (causal and tokens.shape[1] < q_len):
+            reason = f"covers {tokens.shape[1]} keys; the layer has {key.shape[2]} keys and {q_len} queries"
+            raise ValidationError([f"attention_mask: {reason}"], context=CONTEXT)
+        key, value = key[:, :, : tokens.shape[1]], value[:, :, : tokens.shape[1]]
     k_len = key.shape[2]
     if tokens is None and window is None and (not causal or q_len in (1, k_len)):
         return sdpa(query, key, value, is_causal=causal and q_len > 1, **options).transpose(1, 2).contiguous()
-    if tokens is None and window is not None and _dense_window(causal, window, q_len, k_len, options):
+    if tokens is None and window is not None and _dense_window(causal, window, q_len, k_len):
         out = sdpa(query, key, value, is_causal=True, window_size=(window, 0), **options)
         return out.transpose(1, 2).contiguous()
     _log.debug(
-        "softcap with padding, packed runs or a window: a dense [B, 1, Q, K] mask (%d x %d)",
-        q_len,
-        k_len,
+        "padding, packed runs or a window beside what varlen lacks: a dense [B, 1, Q, K] mask (%d x %d)", q_len, k_len
     )
     device = query.device
     col = torch.arange(k_len, device=device)
@@ -300,10 +318,26 @@ def _dense_terms(
         allowed &= col > row - (window + 1)
     allowed = allowed.expand(batch, 1, q_len, k_len)
     if tokens is not None:
-        ids = F.pad(tokens, (0, max(0, k_len - tokens.shape[1])))[:, :k_len].to(torch.int64)
-        allowed = allowed & (ids != 0)[:, None, None, :] & (ids[:, k_len - q_len :, None] == ids[:, None, :])[:, None]
+        ids = tokens.to(torch.int64)
+        allowed = allowed & (ids != 0)[:, None, None, :]
+        if causal:  # the queries are the last keys: each sees its own sequence's (cross-attention's see every real key)
+            allowed = allowed & (ids[:, k_len - q_len :, None] == ids[:, None, :])[:, None]
     allowed = allowed | ~allowed.any(-1, keepdim=True)  # padding queries: any finite row (their output is unused)
     return sdpa(query, key, value, attn_mask=allowed, **options).transpose(1, 2).contiguous()
+
+
+def _packed_dense(query, key, value, packing: Packing, causal: bool, window: int | None, options: dict) -> torch.Tensor:
+    """Caller-packed sequences (``cu_seq_lens_*`` keywords, restarting position ids) the packed
+    path cannot take: one dense boolean mask over the packed row, each sequence by itself, causal
+    aligned bottom-right. A batch of several rows is read as one, as ``_packed`` reads it (the
+    keywords count tokens over the flattened batch)."""
+    batch, heads, q_len, _ = query.shape
+    k_len = key.shape[2]
+    if batch > 1:
+        query, key, value = (x.transpose(0, 1).reshape(1, x.shape[1], -1, x.shape[3]) for x in (query, key, value))
+    mask = packed_mask(packing, batch * q_len, batch * k_len, causal, window)
+    out = sdpa(query, key, value, attn_mask=mask, **options)  # [1, H, B * Q, D_v]
+    return out.transpose(1, 2).reshape(batch, q_len, heads, out.shape[-1])
 
 
 def _packed(query, key, value, packing: Packing, causal: bool, window: int | None, options: dict) -> torch.Tensor:
@@ -357,10 +391,10 @@ def _gather(x: torch.Tensor, rows: tuple[torch.Tensor, ...] | None) -> torch.Ten
 
 def _refuse_unsupported(query: torch.Tensor, mask: Any, softcap: float | None, kwargs: dict) -> None:
     reasons = []
-    if query.dtype not in FLOATING_IO:
+    if query.dtype not in TORCH_FLOATING:
         reasons.append(
             f"query: dtype {str(query.dtype).removeprefix('torch.')}; cudnn_attn attends in float16, "
-            "bfloat16 or float32 (load the model with dtype=torch.bfloat16)"
+            "bfloat16, float32 or float64 (load the model with dtype=torch.bfloat16)"
         )
     if kwargs.get("position_bias") is not None:
         reasons.append("position_bias: a per-layer position bias is not supported")
