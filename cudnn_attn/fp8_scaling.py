@@ -13,13 +13,24 @@ history is that site's.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .errors import UnsupportedError, ValidationError
 from .kernels.fp8_cast import TENSORS, advance_history, amax_qkv, quantise_qkv, scale_buffer, scale_view, scales_for
 
+# The history's tensors, as a state dict names them: (key, attribute).
+_STATE = (
+    ("amaxes", "amaxes"),
+    ("current", "_current"),
+    ("slot", "_slot"),
+    ("scales", "_scales"),
+    ("grad_amaxes", "grad_amaxes"),
+)
 
-class Fp8Scaling:
+
+class Fp8Scaling(torch.nn.Module):
     """Delayed FP8 scaling: the amax history of one attention site's Q, K and V.
 
     Pass it as ``sdpa_fp8(..., scaling=)``: each call scales Q, K and V by the largest amax of
@@ -28,7 +39,10 @@ class Fp8Scaling:
     current amaxes. A tensor whose magnitude outgrows its history is saturated on that call.
     The history lives on the device and advances there: after one call outside capture, calls
     can be captured in a CUDA graph. Keep one per attention site (``nn.Attention(fp8=True)``
-    does); ``backward="fp8"`` keeps the gradients' histories here too.
+    does); ``backward="fp8"`` keeps the gradients' histories here too. It is a module without
+    parameters whose history is its ``state_dict``'s extra state, so a model's checkpoint
+    resumes with the scales it left off with (as TransformerEngine keeps its FP8 metadata);
+    the history follows the tensors to another device on their next call.
 
     Args:
         history: how many calls' amaxes decide the scale (>= 1).
@@ -53,6 +67,7 @@ class Fp8Scaling:
     def __init__(self, history: int = 16):
         if isinstance(history, bool) or not isinstance(history, int) or history < 1:
             raise ValidationError([f"history: {history!r}; must be an int >= 1"], context="Fp8Scaling")
+        super().__init__()
         self.history = history
         self.amaxes: torch.Tensor | None = None  # [3, history]
         self.calls = 0  # calls made eagerly or captured (a replay is not counted)
@@ -63,20 +78,57 @@ class Fp8Scaling:
         self.grad_amaxes: torch.Tensor | None = None  # [4, history]
         self.grad_calls = 0
 
+    def get_extra_state(self) -> dict[str, Any]:
+        """The history as a ``state_dict`` holds it (``torch.save`` keeps its tensors' devices)."""
+        state: dict[str, Any] = {"history": self.history, "calls": self.calls, "grad_calls": self.grad_calls}
+        state.update({key: getattr(self, attribute) for key, attribute in _STATE})
+        return state
+
+    def set_extra_state(self, state: Any) -> None:
+        """Resume from ``get_extra_state``'s history (``load_state_dict`` calls it)."""
+        keys = {"history", "calls", "grad_calls", *(key for key, _ in _STATE)}
+        if not isinstance(state, dict) or set(state) != keys:
+            raise ValidationError(["state: not an Fp8Scaling's history (its keys differ)"], context="Fp8Scaling")
+        if state["history"] != self.history:
+            raise ValidationError(
+                [f"state: a history of {state['history']} calls; this one keeps {self.history}"], context="Fp8Scaling"
+            )
+        self.calls, self.grad_calls = int(state["calls"]), int(state["grad_calls"])
+        for key, attribute in _STATE:
+            value = state[key]
+            setattr(self, attribute, None if value is None else value.detach().clone())
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        missing = args[2]  # (local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if prefix + "_extra_state" in missing:  # a 16-bit layer's weights: the history starts afresh
+            missing.remove(prefix + "_extra_state")
+
+    def _follow(self, device: torch.device) -> None:
+        """Move the history to ``device`` (a model moved, or a checkpoint loaded elsewhere)."""
+        for _, attribute in _STATE:
+            value = getattr(self, attribute)
+            if value is not None and value.device != device:
+                _refuse_capture(device, "the history lies on another device; run one call before capture")
+                setattr(self, attribute, value.to(device))
+
     def gradient_scales(self, device: torch.device) -> torch.Tensor | None:
         """Scales for dQ, dK, dV and dS from their amax history ([4]); None before the first
         backward (no history yet: the caller measures the amaxes first)."""
         _refuse_capture(device, "the FP8 backward's gradient history advances on the host")
-        if self.grad_amaxes is None or self.grad_amaxes.device != device or self.grad_calls == 0:
+        if self.grad_amaxes is None or self.grad_calls == 0:
             return None
+        self._follow(device)
+        assert self.grad_amaxes is not None
         return scales_for(self.grad_amaxes.amax(dim=1))
 
     def record_gradients(self, amaxes: list[torch.Tensor]) -> None:
         """This backward's amaxes of dQ, dK, dV and dS (float32 [1, 1, 1, 1] each)."""
         device = amaxes[0].device
-        if self.grad_amaxes is None or self.grad_amaxes.device != device:
+        if self.grad_amaxes is None:
             self.grad_amaxes = torch.zeros(len(amaxes), self.history, dtype=torch.float32, device=device)
             self.grad_calls = 0
+        self._follow(device)
         self.grad_amaxes[:, self.grad_calls % self.history] = torch.cat([a.reshape(1) for a in amaxes])
         self.grad_calls += 1
 
@@ -84,7 +136,9 @@ class Fp8Scaling:
         """Q, K, V in E4M3 under the history's scales, with the scales used and their descales
         (``[3, SCALE_STRIDE]``, this call's own tensors); this call's amaxes join the history."""
         device = tensors[0].device
-        if self.amaxes is None or self.amaxes.device != device:
+        if self.amaxes is not None:
+            self._follow(device)
+        if self.amaxes is None:
             _refuse_capture(device, "an Fp8Scaling's first call measures its amaxes; run one call before capture")
             self.amaxes = torch.zeros(TENSORS, self.history, dtype=torch.float32, device=device)
             self._current = torch.zeros(TENSORS, dtype=torch.float32, device=device)

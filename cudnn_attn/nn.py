@@ -62,7 +62,7 @@ class Attention(nn.Module):
             head, zeros at first, in every softmax denominator.
         window: a causal sliding window of this many tokens, the query's own included
             (transformers' ``sliding_window``; ``sdpa(window_size=(window - 1, 0))``); needs
-            ``causal=True``.
+            ``causal=True``; a call's ``attn_mask`` replaces it, as it replaces the causal mask.
         softcap: logit soft-capping (Gemma-2): scores ``softcap * tanh(s / softcap)``.
         device: the parameters' device.
         dtype: the parameters' dtype (float16 or bfloat16 for cuDNN on a GPU).
@@ -137,7 +137,8 @@ class Attention(nn.Module):
             x: ``[B, S, embed_dim]``, or unbatched ``[S, embed_dim]`` (as ``nn.MultiheadAttention``
                 takes it), in the parameters' dtype and on their device.
             attn_mask: a bool (True takes part) or additive mask broadcastable to
-                ``[B, num_heads, S, S]``; replaces the causal mask.
+                ``[B, num_heads, S, S]``; replaces the causal mask and the sliding window, as
+                torch's ``attn_mask`` replaces ``is_causal`` (put them in the mask to keep them).
             is_causal: overrides the layer's ``causal`` for this call.
 
         Returns:
@@ -172,7 +173,7 @@ class Attention(nn.Module):
             terms["sinks"] = self.sinks
         if self.softcap is not None:
             terms["softcap"] = self.softcap
-        if self.window is not None and causal:
+        if self.window is not None and causal and attn_mask is None:  # a mask replaces both (forward's doc)
             terms["window_size"] = (self.window - 1, 0)
         try:
             o = sdpa(
@@ -188,6 +189,11 @@ class Attention(nn.Module):
         except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
             raise _in_layer_terms(error) from None
         return self.out(o.transpose(1, 2).reshape(b, s, h * d))
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        if self.fp8_scaling is None:  # an FP8 layer's weights: its amax history means nothing here
+            state_dict.pop(prefix + "fp8_scaling._extra_state", None)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def _input_problems(self, x: Any) -> list[str]:
         """What is wrong with ``x`` for this layer (before the projection's own matmul errors)."""

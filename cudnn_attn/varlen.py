@@ -104,7 +104,7 @@ def varlen_sdpa(
             wherever a sequence has as many queries as keys; give one of them.
         window_size: ``(left, right)``: query ``i`` of a sequence with ``L`` queries and ``S``
             keys keeps keys ``i + S - L - left .. i + S - L + right``, FlashAttention's
-            bottom-right band, whether or not ``causal`` is given (-1: no bound on that side; a
+            bottom-right band, whether or not ``causal`` is given (any negative: no bound on that side; a
             right bound of 0 is causal, and ``causal=True`` sets it to 0). Beside ``is_causal``
             the band is measured from the top-left diagonal (``i - left .. i``).
         softcap: logit soft-capping, scores ``cap * tanh(s / cap)`` (Gemma-2's); None or 0.0: off.
@@ -461,6 +461,11 @@ def _check(
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             problems.append(f"{name}: {type(t).__name__}; expected a torch tensor")
+        elif t.is_nested:
+            problems.append(
+                f"{name}: a nested tensor; varlen takes packed [tokens, heads, head_dim] tensors with cu_seqlens "
+                "(cudnn_attn.sdpa takes nested ones)"
+            )
         elif t.dim() != 3:
             problems.append(f"{name}: shape {list(t.shape)}; expected packed [tokens, heads, head_dim]")
         elif t.shape[0] == 0:  # refused whether or not a plan of this geometry exists

@@ -81,7 +81,8 @@ class PackedRoundTrip:
 class Refusal:
     """A call every rank must refuse alike. ``per_rank``: rank -> overrides of the base call's
     arguments (``seq``, ``heads``, ``dtype``, ``dims``, ``mode``, ``layout``, ``enable_gqa``,
-    ``cu``: packed documents' lengths in units of W tokens, or ``"float"``; ``window``; ``sinks``: a shape)."""
+    ``cu``: packed documents' lengths in units of W tokens, or ``"float"``; ``window``; ``sinks``: a shape;
+    ``dims`` may also be ``"nested"`` or ``"meta"``; ``max_seqlen``)."""
 
     id: str
     expected: str  # the error class's name
@@ -330,12 +331,17 @@ def _refusal(case: Refusal, rank: int, world: int, device: torch.device, index: 
     sinks = None if call["sinks"] is None else torch.zeros(call["sinks"], device=device)
 
     def tensor(heads: int) -> torch.Tensor:
+        if call["dims"] == "nested":  # no sizes to read: refused by name, on every rank
+            return torch.nested.nested_tensor([torch.randn(heads, n, 16) for n in (3, 5)], dtype=dtype)
+        if call["dims"] == "meta":
+            return torch.empty(1, heads, call["seq"], 16, dtype=dtype, device="meta")
         if call["dims"] == 3:  # packed [T, H, D]: a shard, or the whole sequence for shard()
             tokens = int(cu[-1]) if case.op == "shard" and cu is not None else call["seq"]
             return torch.randn(tokens, heads, 16).to(device, dtype)
         return torch.randn(1, heads, call["seq"], 16).to(device, dtype)
 
     seq_dim = 0 if call["dims"] == 3 else 2
+    extra = {"max_seqlen": call["max_seqlen"]} if "max_seqlen" in call else {}
     try:
         if case.op == "shard":
             shard(tensor(call["heads"]), seq_dim=seq_dim, layout=call["layout"], cu_seqlens=cu)
@@ -353,6 +359,7 @@ def _refusal(case: Refusal, rank: int, world: int, device: torch.device, index: 
                 cu_seqlens=cu,
                 window_size=call["window"],
                 sinks=sinks,
+                **extra,
             )
     except Exception as error:
         return {"raised": type(error).__name__, "message": str(error)}

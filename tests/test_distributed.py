@@ -117,6 +117,14 @@ REFUSALS = [
     Refusal(
         "unshard-unequal-shards", "ValidationError", "differs across ranks", per_rank={0: {"seq": 6}}, op="unshard"
     ),
+    # A nested tensor has no sizes to read: each was torch's RuntimeError on its rank, the others waiting.
+    Refusal("nested-shards", "UnsupportedError", "q: a nested (ragged) tensor", call={"dims": "nested"}),
+    Refusal("nested-on-one-rank", "UnsupportedError", "q: a nested", per_rank={0: {"dims": "nested"}}),
+    Refusal(
+        "unshard-nested-on-one-rank", "ValidationError", "x: a nested", per_rank={1: {"dims": "nested"}}, op="unshard"
+    ),
+    Refusal("meta-shards", "ValidationError", "q: on meta", call={"dims": "meta"}),
+    Refusal("dense-max_seqlen", "ValidationError", "max_seqlen: -3 without cu_seqlens", call={"max_seqlen": -3}),
     # Packed documents, windows and sinks (base packed call: 2 documents of 6W tokens, shards of 12).
     *(
         Refusal(name, expected, text, call={"dims": 3, "seq": 12, "cu": [6, 6], **call}, per_rank=per_rank)

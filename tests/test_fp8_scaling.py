@@ -63,6 +63,30 @@ def test_the_module_keeps_its_own_history():
     assert layer.fp8_scaling is not None and layer.fp8_scaling.calls == 1
 
 
+def test_a_checkpoint_resumes_with_the_history_it_left_off_with():
+    """The history was no part of state_dict: a model resumed from a checkpoint scaled by fresh
+    amaxes, 5.4% away from the run it resumed."""
+    torch.manual_seed(3)
+    layer = cudnn_attn.nn.Attention(64, 4, fp8=True, causal=True, dtype=torch.bfloat16)
+    for scale in (20.0, 5.0, 1.0):  # a history whose largest amax is not the next call's
+        layer(randn(2, 16, 64).bfloat16() * scale)
+    resumed = cudnn_attn.nn.Attention(64, 4, fp8=True, causal=True, dtype=torch.bfloat16)
+    resumed.load_state_dict(layer.state_dict())
+    x = randn(2, 16, 64, generator=torch.Generator().manual_seed(9))
+    plain = cudnn_attn.nn.Attention(64, 4, causal=True, dtype=torch.bfloat16)
+    plain.load_state_dict(layer.state_dict())  # a 16-bit layer takes an FP8 layer's weights, and back
+    fresh = cudnn_attn.nn.Attention(64, 4, fp8=True, causal=True, dtype=torch.bfloat16)
+    fresh.load_state_dict(plain.state_dict())
+    assert resumed.fp8_scaling is not None and layer.fp8_scaling is not None
+    assert resumed.fp8_scaling.calls == layer.fp8_scaling.calls == 3
+    assert torch.equal(resumed(x), layer(x))
+    assert not torch.equal(fresh(x), layer(x))  # the history is what made them equal
+    assert "fp8_scaling._extra_state" in layer.state_dict()
+    assert "fp8_scaling._extra_state" not in cudnn_attn.nn.Attention(64, 4).state_dict()
+    with pytest.raises(ValidationError, match="a history of 16 calls; this one keeps 4"):
+        cudnn_attn.Fp8Scaling(history=4).load_state_dict(layer.fp8_scaling.state_dict())
+
+
 def test_bad_scaling_arguments_are_named():
     with pytest.raises(ValidationError, match="history"):
         cudnn_attn.Fp8Scaling(history=0)

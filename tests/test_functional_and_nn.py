@@ -170,6 +170,24 @@ def test_attention_module_with_sinks_window_and_softcap_matches_plain_torch():
             Attention(64, 4, **bad)
 
 
+def test_a_mask_replaces_a_windowed_layers_causal_mask_as_the_documented_torch_equivalent():
+    """A window layer given attn_mask stayed causal (its window's right bound of 0): a
+    bidirectional block came out causal, 0.73 away from the layer's documented torch form."""
+    torch.manual_seed(2)
+    module = Attention(32, 4, causal=True, window=3)
+    x = torch.randn(2, 6, 32)
+    mask = torch.ones(6, 6, dtype=torch.bool)
+    b, s, _ = x.shape
+    q, k, v = (t.transpose(1, 2) for t in module.qkv(x).view(b, s, 12, 8).split([4, 4, 4], dim=2))
+    o = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), mask)
+    expected = module.out(o.float().transpose(1, 2).reshape(b, s, 32))
+    assert rel_err(module(x, attn_mask=mask), expected) < 1e-5
+    rows, cols = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    band = (cols <= rows) & (cols > rows - 3)  # without a mask: causal, 3 tokens
+    o = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), band)
+    assert rel_err(module(x), module.out(o.float().transpose(1, 2).reshape(b, s, 32))) < 1e-5
+
+
 def test_an_fp8_attention_module_names_what_it_cannot_attend_from_in_its_own_terms():
     """These were sdpa_fp8's errors about query/key/value (the layer's x), on every forward of a
     float32 layer that construction had let through."""

@@ -96,6 +96,23 @@ def test_queries_and_keys_of_different_lengths_bottom_right():
     assert out[4:].abs().sum() == 0  # the third sequence has no keys
 
 
+def test_flash_attention_reads_any_negative_window_bound_as_none_and_a_numpy_zero_softcap_as_off():
+    """(-2, 0), (-5, -5) and softcap=np.float32(0) were refused; FlashAttention takes them."""
+    import numpy as np
+
+    q, k, v, cu, _ = packed([5, 7], [5, 7], seed=6)
+    call = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7, max_seqlen_k=7)
+    causal = cudnn_attn.varlen_sdpa(q, k, v, causal=True, **call)
+    full = cudnn_attn.varlen_sdpa(q, k, v, **call)
+    assert torch.equal(cudnn_attn.varlen_sdpa(q, k, v, window_size=(-2, 0), **call), causal)
+    assert torch.equal(cudnn_attn.varlen_sdpa(q, k, v, window_size=(-5, -5), **call), full)
+    assert torch.equal(cudnn_attn.varlen_sdpa(q, k, v, softcap=np.float32(0.0), **call), full)
+    assert rel_err(full, per_sequence(q, k, v, cu, cu, scale=32**-0.5)) < 1e-2
+    nested = torch.nested.nested_tensor([torch.randn(5, 4, 32), torch.randn(7, 4, 32)], layout=torch.jagged)
+    with pytest.raises(ValidationError, match="q: a nested tensor; varlen takes packed"):
+        cudnn_attn.varlen_sdpa(nested, k, v, **call)
+
+
 def test_tokens_past_the_last_sequence_are_zero_and_unread():
     q, k, v, cu_q, cu_k = packed([4, 7], [4, 7], extra=5, seed=4)
     q[-5:], k[-5:], v[-5:] = float("nan"), float("nan"), float("nan")
@@ -146,7 +163,7 @@ def test_other_bad_arguments_are_named():
     with pytest.raises(ValidationError, match="q: shape"):
         cudnn_attn.varlen_sdpa(q[None], k, v, cu_q, cu_k, 8, 8, enable_gqa=True)
     with pytest.raises(ValidationError, match="window_size"):
-        cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 8, enable_gqa=True, window_size=(-2, 0))
+        cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 8, enable_gqa=True, window_size=(-2,))
     with pytest.raises(ValidationError, match="window_size"):  # right bounds run (FlashAttention's band)
         cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 8, enable_gqa=True, window_size=(4, 3.0))
 

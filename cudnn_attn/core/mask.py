@@ -68,17 +68,26 @@ class ScoreOptions:
         return self.has_band or self.padding
 
 
+def unbounded_window(window_size: object) -> bool:
+    """Whether ``window_size`` is FlashAttention's "no window": two ints, both negative."""
+    return (
+        isinstance(window_size, (tuple, list))
+        and len(window_size) == 2
+        and all(isinstance(w, int) and not isinstance(w, bool) and w < 0 for w in window_size)
+    )
+
+
 def window_band(window_size: object, causal: Causal) -> tuple[Causal, int | None, int | None]:
     """FlashAttention's ``window_size=(left, right)`` (query i keeps keys ``i - left .. i + right``,
-    -1: no bound) beside ``causal``, as ``(causal, sliding_window, right_bound)``: a right bound of
+    any negative: no bound, as FlashAttention reads it) beside ``causal``, as ``(causal, sliding_window, right_bound)``: a right bound of
     0 is causal (top-left where ``causal`` names no alignment). Raises ``ValueError`` naming what
     is wrong (the doors re-raise it as their ``ValidationError``)."""
     if (
         not isinstance(window_size, (tuple, list))
         or len(window_size) != 2
-        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
     ):
-        raise ValueError(f"window_size: {window_size!r}; expected (left, right), each an int >= -1")
+        raise ValueError(f"window_size: {window_size!r}; expected (left, right), each an int (negative: no bound)")
     left, right = int(window_size[0]), int(window_size[1])
     if right > 0 and causal is not Causal.NONE:
         raise ValueError(f"window_size: right bound {right} with a causal mask (which is a right bound of 0)")

@@ -24,6 +24,7 @@ cuDNN's attention cannot take (arbitrary ALiBi slopes, a paged ``block_table``) 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Real
 from typing import Any
 
 import torch
@@ -124,7 +125,10 @@ def resolve(
         window_right=right if right > 0 else None,
         window_bottom_right=aligned == "bottom_right" and not masked and (left >= 0 or right > 0),
         scale=softmax_scale if softmax_scale is not None else scale,
-        softcap=None if softcap is None or (type(softcap) in (int, float) and softcap == 0) else softcap,
+        # FlashAttention's 0.0 is "off", whatever number type holds it (NumPy's included).
+        softcap=None
+        if softcap is None or (isinstance(softcap, Real) and not isinstance(softcap, bool) and softcap == 0)
+        else softcap,
         deterministic=flags["deterministic"],
         returns=returns,
     )

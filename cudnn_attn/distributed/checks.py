@@ -99,6 +99,10 @@ def checked(
         )
         if not local and packed:
             local = cu_problems(cu_seqlens, m.world, layout, q.shape[0], max_seqlen)
+        elif not local and max_seqlen is not None:
+            local = [
+                f"max_seqlen: {shown(max_seqlen)} without cu_seqlens; it bounds packed documents (dense shards take none)"
+            ]
         if not local:
             local = _score_term_problems(q, window_size, sinks)
     resolved = _resolved(q, scale, is_causal, window_size, lengths, m, layout) if not local else None
@@ -106,7 +110,7 @@ def checked(
     def fields() -> list[Field]:
         made = []
         for name, t in (("q", q), ("k", k), ("v", v)):
-            shape = t.shape if isinstance(t, torch.Tensor) else ()
+            shape = t.shape if isinstance(t, torch.Tensor) and not t.is_nested else ()
             made += shape_fields(name, shape)
             made.append(dtype_field(name, t.dtype if isinstance(t, torch.Tensor) else torch.uint8))
         ok = resolved is not None
@@ -148,7 +152,10 @@ def _checksum(lengths: tuple[int, ...] | None) -> int:
 
 
 def _geometry(t: Any) -> tuple:
-    return (t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else (type(t),)
+    if not isinstance(t, torch.Tensor):
+        return (type(t),)
+    # A nested tensor has no sizes to read: keyed by its kind, it is refused by name below.
+    return ("nested", t.dtype, t.device) if t.is_nested else (t.shape, t.dtype, t.device)
 
 
 def _unsupported(q: Any, k: Any, v: Any, window_size: Any) -> list[str]:
@@ -222,7 +229,9 @@ def _problems(q, k, v, m: Members, is_causal, scale, mode, enable_gqa, layout, w
     if len({q.device, k.device, v.device}) > 1:
         problems.append(f"k/v: on {k.device}/{v.device}; q is on {q.device}, put them on one device")
     backend = str(dist.get_backend(m.group))
-    if not q.is_cuda and "gloo" not in backend:
+    if q.device.type not in ("cpu", "cuda"):  # meta, ...: no collective moves them
+        problems.append(f"q: on {q.device}; shards live on a CUDA device (NCCL) or the CPU (gloo)")
+    elif not q.is_cuda and "gloo" not in backend:
         problems.append(f"q: on {q.device}; the group's backend {backend!r} moves CUDA tensors only")
     elif q.is_cuda and "nccl" not in backend:
         problems.append(f"q: on {q.device}; CUDA shards need an NCCL group (the group's backend is {backend!r})")

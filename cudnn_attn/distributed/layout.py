@@ -129,7 +129,12 @@ def unshard(
         ```
     """
     m = members(group, "unshard")
-    seq_dim = _checked(x, _default_dim(seq_dim, cu_seqlens), layout, "unshard")
+    try:
+        seq_dim = _checked(x, _default_dim(seq_dim, cu_seqlens), layout, "unshard")
+    except ValidationError as error:  # raised on every rank alike: the others would wait in the gather
+        placeholder = [*shape_fields("x", ()), dtype_field("x", torch.uint8), Field("seq_dim", -1)]
+        agree(m, None, error.problems, [*placeholder, Field("cu_seqlens: checksum of the lengths", -1)], "unshard")
+        raise
     local = []
     docs = None
     if cu_seqlens is not None:
@@ -174,6 +179,8 @@ def _checked(x: Any, seq_dim: Any, layout: Any, context: str) -> int:
     problems = layout_problems(layout)
     if not isinstance(x, torch.Tensor):
         problems.append(f"x: {type(x).__name__}; expected a torch tensor")
+    elif x.is_nested:
+        problems.append("x: a nested (ragged) tensor; give dense shards, or packed [T, H, D] ones with cu_seqlens")
     elif isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or not -x.dim() <= seq_dim < x.dim():
         problems.append(f"seq_dim: {shown(seq_dim)}; expected a dimension of x's {x.dim()}")
     if problems:

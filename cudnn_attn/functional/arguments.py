@@ -17,7 +17,7 @@ import torch
 
 from ..core.dtypes import FLOATING_IO, dtype_name
 from ..core.finite import finite_real
-from ..core.mask import Causal, default_scale
+from ..core.mask import Causal, default_scale, unbounded_window
 from ..errors import ValidationError, shown
 
 # What torch's SDPA takes; float64 runs on torch's own kernel (ops/torch/reasons.py).
@@ -227,7 +227,7 @@ def score_term_problems(sinks: Any, softcap: Any, window_size: Any, query: torch
     problems = []
     if window_size is not None and not _is_window(window_size):
         problems.append(
-            f"window_size: {shown(window_size)}; expected a (left, right) pair of ints >= -1 (-1: no bound), or None"
+            f"window_size: {shown(window_size)}; expected a (left, right) pair of ints (negative: no bound), or None"
         )
     if softcap is not None and (
         isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap <= 0
@@ -252,16 +252,16 @@ def _is_window(window_size: Any) -> bool:
     return (
         isinstance(window_size, (tuple, list))
         and len(window_size) == 2
-        and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
+        and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
     )
 
 
 def score_terms_given(sinks: Any, softcap: Any, window_size: Any) -> bool:
-    """Whether a call takes the score-terms path: any of the three given (a window of
-    ``(-1, -1)`` or None is no window; anything else, malformed included, is checked there)."""
+    """Whether a call takes the score-terms path: any of the three given (None or two negative
+    bounds is no window; anything else, malformed included, is checked there)."""
     if sinks is not None or softcap is not None:
         return True
-    return window_size is not None and not (_is_window(window_size) and tuple(window_size) == (-1, -1))
+    return window_size is not None and not unbounded_window(window_size)
 
 
 def _plain_subclasses() -> tuple[type, ...]:

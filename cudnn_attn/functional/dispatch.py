@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.mask import unbounded_window
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
 from ..ops.dispatch import select_call
 from ..ops.torch.call import Call
@@ -220,11 +221,9 @@ def _eager_on_4d(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
 
 
 def _windowed(window_size: object) -> bool:
-    """Whether ``window_size`` asks for a band: anything but ``(-1, -1)`` or None (a malformed
-    value is refused by name on the score-terms path)."""
-    if window_size is None:
-        return False
-    return not isinstance(window_size, (tuple, list)) or tuple(window_size) != (-1, -1)
+    """Whether ``window_size`` asks for a band: anything but None or two negative bounds
+    (``(-1, -1)``; a malformed value is refused by name on the score-terms path)."""
+    return window_size is not None and not unbounded_window(window_size)
 
 
 def _clear_graphs() -> None:
