@@ -28,7 +28,17 @@ from .errors import ShapeMismatchError, UnsupportedError, ValidationError, shown
 from .fp8_scaling import Fp8Scaling
 from .fp8_tensor import Fp8Tensor
 from .functional.arguments import ARGUMENT_NAMES, check_arguments, materialised
-from .kernels.fp8_cast import E4M3, E4M3_MAX, amax_qkv, from_fp8, quantise_qkv, scale_view
+from .kernels.fp8_cast import (
+    E4M3,
+    E4M3_MAX,
+    amax_qkv,
+    finite_amaxes,
+    from_fp8,
+    quantise_qkv,
+    reciprocal_scale,
+    scale_view,
+    scales_for,
+)
 from .runtime.prepared import PreparedRun, prepare
 from .runtime.training import differentiable
 
@@ -142,9 +152,8 @@ def sdpa_fp8(
         if fp8_out:
             out8, descale_o = forward(*batch, bool(is_causal), attn_scale, scaling, fp8_out=True)
             return Fp8Tensor(out8[0] if unbatched else out8, descale_o)
-        out = differentiable(_Fp8Call(bool(is_causal), attn_scale, scaling, fp8_backward), *batch)
-        if out_dtype is not None and out_dtype != out.dtype:
-            out = out.to(out_dtype)
+        call = _Fp8Call(bool(is_causal), attn_scale, scaling, fp8_backward, out_dtype)
+        out = differentiable(call, *batch)
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:  # the graph's words for q, k, v
         raise error.renamed(ARGUMENT_NAMES, context="sdpa_fp8") from None
     return out[0] if unbatched else out
@@ -295,20 +304,28 @@ def forward(
     scaling: Fp8Scaling | None = None,
     keep: dict[str, Any] | None = None,
     fp8_out: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> Any:
-    """O in the inputs' dtype; with ``keep``, what the FP8 backward needs is put there. With
-    ``fp8_out``, O in E4M3 and its descale (V's, 0-d) instead."""
+    """O in ``out_dtype`` (the inputs' by default); with ``keep``, what the FP8 backward needs is
+    put there. With ``fp8_out``, O in E4M3 and its descale (V's, 0-d) instead."""
     inputs = tuple(materialised(x) for x in (query, key, value))
     if scaling is not None:
-        (q8, k8, v8), used, descales = scaling.quantise_qkv(inputs)
+        (q8, k8, v8), used, descales = scaling.stage(inputs)
     else:  # current scaling: one pass for the three amaxes, one for the three casts
         (q8, k8, v8), used, descales = quantise_qkv(inputs, amaxes=amax_qkv(inputs))
     descale_q, descale_k, descale_v = (scale_view(descales, i) for i in range(3))
     scale_o = scale_view(used, 2)  # V's scale: |O| <= max|V|, so O under it never saturates
     softmax = _softmax_scales(query.device)
-    results = _run_forward(
-        q8, k8, v8, descale_q, descale_k, descale_v, is_causal, attn_scale, scale_o, softmax, stats=keep is not None
-    )
+    try:
+        results = _run_forward(
+            q8, k8, v8, descale_q, descale_k, descale_v, is_causal, attn_scale, scale_o, softmax, stats=keep is not None
+        )
+    except BaseException:
+        if scaling is not None:  # a refused call leaves the history as it was
+            scaling.discard()
+        raise
+    if scaling is not None:
+        scaling.commit()
     out8 = results[0]
     if keep is not None:
         keep.update(
@@ -326,7 +343,7 @@ def forward(
         )
     if fp8_out:
         return out8, descale_v.reshape(())
-    return from_fp8(out8, descale_v, query.dtype)
+    return from_fp8(out8, descale_v, out_dtype or query.dtype)  # one rounding, into the dtype asked for
 
 
 def _run_forward(
@@ -346,7 +363,7 @@ def _run_forward(
     where asked for). ``softmax``: P's descale and scale, default the device's constants."""
     descale_s, scale_s = softmax if softmax is not None else _softmax_scales(q8.device)
     if scale_o is None:
-        scale_o = torch.reciprocal(descale_v)
+        scale_o = reciprocal_scale(descale_v)  # a descale of 0 (V all zeros) gives O of zeros, not NaN
     args = (q8, k8, v8, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o)
     return tuple(_forward_run(args, is_causal, attn_scale, stats=stats).run_ordered(args))
 
@@ -392,20 +409,25 @@ class _Fp8Call:
 
     non_differentiable: tuple[int, ...] = ()
 
-    def __init__(self, is_causal: bool, attn_scale: float, scaling: Any, fp8_backward: bool):
+    def __init__(
+        self, is_causal: bool, attn_scale: float, scaling: Any, fp8_backward: bool, out_dtype: torch.dtype | None
+    ):
         self.is_causal, self.attn_scale, self.scaling, self.fp8_backward = is_causal, attn_scale, scaling, fp8_backward
+        self.out_dtype = out_dtype  # O's, when not the inputs': dequantised into it in one rounding
         self.gradient_scales: torch.Tensor | None = None  # the FP8 backward's, set by its first run
 
     def forward(self, inputs: tuple) -> tuple[tuple[torch.Tensor], tuple, None]:
         query, key, value = inputs
+        self.input_dtype = query.dtype
+        call = (query, key, value, self.is_causal, self.attn_scale, self.scaling)
         if not self.fp8_backward:
-            return (forward(query, key, value, self.is_causal, self.attn_scale, self.scaling),), inputs, None
+            return (forward(*call, out_dtype=self.out_dtype),), inputs, None
         keep: dict[str, Any] = {}
-        out = forward(query, key, value, self.is_causal, self.attn_scale, self.scaling, keep=keep)
+        out = forward(*call, keep=keep, out_dtype=self.out_dtype)
         return (out,), tuple(keep[name] for name in _FP8_SAVED), None
 
     def backward(self, saved: tuple, state: None, grads: tuple, needs: tuple[bool, ...]) -> tuple:
-        d_out = grads[0]
+        d_out = grads[0].to(self.input_dtype)  # the gradients are the inputs' dtype, whatever O's
         if self.fp8_backward:
             kept = dict(zip(_FP8_SAVED, saved), is_causal=self.is_causal, attn_scale=self.attn_scale)
             # A retained graph differentiated again is the same derivative: it reuses the
@@ -451,12 +473,10 @@ def gradients(
         results = _run_backward(saved, do8, descale_do, scales)
     else:
         scales = scaling.gradient_scales(d_out.device)
-        if scales is None:  # no history yet: measure this backward's amaxes first
-            scaling.record_gradients(
-                list(_run_backward(saved, do8, descale_do, torch.ones(4, device=d_out.device))[3:])
-            )
-            scales = scaling.gradient_scales(d_out.device)
-            assert scales is not None
+        if scales is None:  # no history yet: measure this backward's amaxes first (not recorded:
+            # the history keeps one backward per forward, the real pass's below)
+            measured = _run_backward(saved, do8, descale_do, torch.ones(4, device=d_out.device))[3:]
+            scales = scales_for(finite_amaxes(torch.cat([a.reshape(1) for a in measured])))
         results = _run_backward(saved, do8, descale_do, scales)
         scaling.record_gradients(list(results[3:]))
     return [from_fp8(g8, (1.0 / scales[i]).reshape(1, 1, 1, 1), dtype) for i, g8 in enumerate(results[:3])], scales

@@ -18,7 +18,16 @@ from typing import Any
 import torch
 
 from .errors import UnsupportedError, ValidationError
-from .kernels.fp8_cast import TENSORS, advance_history, amax_qkv, quantise_qkv, scale_buffer, scale_view, scales_for
+from .kernels.fp8_cast import (
+    TENSORS,
+    advance_history,
+    amax_qkv,
+    finite_amaxes,
+    quantise_qkv,
+    scale_buffer,
+    scale_view,
+    scales_for,
+)
 
 # The history's tensors, as a state dict names them: (key, attribute).
 _STATE = (
@@ -129,12 +138,21 @@ class Fp8Scaling(torch.nn.Module):
             self.grad_amaxes = torch.zeros(len(amaxes), self.history, dtype=torch.float32, device=device)
             self.grad_calls = 0
         self._follow(device)
-        self.grad_amaxes[:, self.grad_calls % self.history] = torch.cat([a.reshape(1) for a in amaxes])
+        # An overflowing backward's inf or NaN is not recorded: it would set the scales of the next ones.
+        self.grad_amaxes[:, self.grad_calls % self.history] = finite_amaxes(torch.cat([a.reshape(1) for a in amaxes]))
         self.grad_calls += 1
 
     def quantise_qkv(self, tensors: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """Q, K, V in E4M3 under the history's scales, with the scales used and their descales
         (``[3, SCALE_STRIDE]``, this call's own tensors); this call's amaxes join the history."""
+        staged = self.stage(tensors)
+        self.commit()
+        return staged
+
+    def stage(self, tensors: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """``quantise_qkv`` with this call's amaxes held aside: ``commit`` folds them into the
+        history once the call has run, ``discard`` forgets them if it failed (a refused call
+        must not set the scales of the calls after it)."""
         device = tensors[0].device
         if self.amaxes is not None:
             self._follow(device)
@@ -145,16 +163,27 @@ class Fp8Scaling(torch.nn.Module):
             self._slot = torch.zeros(1, dtype=torch.int32, device=device)
             self._scales = scale_buffer(device)
             self._current.copy_(amax_qkv(tensors))  # no history yet: this call's own amaxes
-            advance_history(self.amaxes, self._current, self._slot, self._scales)
-            record = None  # already in the history
+            self._scales[:, 0] = scales_for(self._current)
+            record = None  # measured already
         else:
             record = self._current
-        assert self._current is not None and self._slot is not None and self._scales is not None
-        quantised, used, descales = quantise_qkv(tensors, scales=self._scales, record=record)
-        if record is not None:
-            advance_history(self.amaxes, self._current, self._slot, self._scales)
+        assert self._current is not None and self._scales is not None
+        return quantise_qkv(tensors, scales=self._scales, record=record)
+
+    def commit(self) -> None:
+        """Fold the staged call's amaxes into the history (inf and NaN are not recorded)."""
+        assert self.amaxes is not None and self._current is not None and self._slot is not None
+        assert self._scales is not None
+        advance_history(self.amaxes, self._current, self._slot, self._scales)
         self.calls += 1
-        return quantised, used, descales
+
+    def discard(self) -> None:
+        """Forget the staged call's amaxes: a first call leaves no history at all."""
+        if self.calls == 0:
+            for _, attribute in _STATE[:4]:
+                setattr(self, attribute, None)
+        elif self._current is not None:
+            self._current.zero_()
 
     def quantise(self, tensors: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each of Q, K, V in E4M3 and the descale that undoes its scale (float32 [1, 1, 1, 1])."""

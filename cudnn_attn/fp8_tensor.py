@@ -10,12 +10,14 @@ it in 16) are then not paid at all. The real value of element ``i`` is
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
+from .core.dtypes import dtype_name
+from .errors import ValidationError, shown
 from .fp8_scaling import current_scale
-from .kernels.fp8_cast import from_fp8, to_fp8
+from .kernels.fp8_cast import from_fp8, reciprocal_scale, to_fp8
 
 
 class Fp8Tensor(NamedTuple):
@@ -58,9 +60,14 @@ class Fp8Tensor(NamedTuple):
 
         Returns:
             The ``Fp8Tensor``.
+
+        Raises:
+            ValidationError: ``x`` not such a tensor (or empty, without a scale), ``scale`` not
+                one float element on x's device.
         """
+        _check_quantise(x, scale)
         used = current_scale(x) if scale is None else scale.detach().float().reshape(1, 1, 1, 1)
-        return cls(to_fp8(x.detach(), used), (1.0 / used).reshape(()))
+        return cls(to_fp8(x.detach(), used), reciprocal_scale(used).reshape(()))
 
     def dequantise(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The real values, ``data * descale`` in float32 arithmetic.
@@ -85,3 +92,23 @@ class Fp8Tensor(NamedTuple):
 
     def __repr__(self) -> str:
         return f"Fp8Tensor(shape={list(self.data.shape)}, dtype={self.data.dtype}, descale={self.descale!r})"
+
+
+QUANTISED_FROM = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_quantise(x: Any, scale: Any) -> None:
+    problems = []
+    if not isinstance(x, torch.Tensor):
+        problems.append(f"x: {type(x).__name__}; expected a torch tensor")
+    elif x.dtype not in QUANTISED_FROM:
+        problems.append(f"x: dtype {dtype_name(x.dtype)}; expected float16, bfloat16 or float32")
+    elif scale is None and x.numel() == 0:
+        problems.append(f"x: shape {list(x.shape)} is empty; its current scale needs an amax (give scale=)")
+    if scale is not None:
+        if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or not scale.is_floating_point():
+            problems.append(f"scale: {shown(scale)}; expected a float tensor of one element")
+        elif isinstance(x, torch.Tensor) and scale.device != x.device:
+            problems.append(f"scale: on {scale.device}; x is on {x.device}")
+    if problems:
+        raise ValidationError(problems, context="Fp8Tensor.quantise")

@@ -165,8 +165,11 @@ class Attention(nn.Module):
         qkv = self.qkv(x).view(b, s, h + 2 * h_kv, d)
         q, k, v = (t.transpose(1, 2) for t in qkv.split([h, h_kv, h_kv], dim=2))
         causal = self.causal if is_causal is None else is_causal
-        if self.fp8:
-            o = sdpa_fp8(q, k, v, attn_mask, is_causal=causal, enable_gqa=h_kv != h, scaling=self.fp8_scaling)
+        if self.fp8 and x.numel() > 0:  # an empty batch or sequence has no amax: the 16-bit path below
+            try:
+                o = sdpa_fp8(q, k, v, attn_mask, is_causal=causal, enable_gqa=h_kv != h, scaling=self.fp8_scaling)
+            except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
+                raise _in_layer_terms(error) from None
             return self.out(o.transpose(1, 2).reshape(b, s, h * d))
         terms: dict[str, Any] = {}
         if self.sinks is not None:

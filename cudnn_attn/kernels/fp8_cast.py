@@ -49,11 +49,33 @@ def scale_view(buffer: torch.Tensor, i: int) -> torch.Tensor:
     return buffer[i, :1].view(1, 1, 1, 1)
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def scales_for(amaxes: torch.Tensor) -> torch.Tensor:
-    """448 / amax per element, 1 where the amax is 0."""
-    # An all-zero tensor keeps scale 1 (any scale would do; 0 would divide by zero). A true
-    # division (``448 / tensor`` is a reciprocal times 448 in torch), as the CUDA kernels do.
-    return torch.where(amaxes > 0, torch.full_like(amaxes, E4M3_MAX) / amaxes, torch.ones_like(amaxes))
+    """448 / amax per element, as TransformerEngine computes it: 1 where the amax is 0 or not
+    finite, and at most float32's largest where the amax is tiny."""
+    # An all-zero tensor keeps scale 1 (any scale would do; 0 would divide by zero); an inf or
+    # NaN amax too, so one overflowing element saturates rather than zeroing (scale 0) the whole
+    # tensor into NaN. A tiny amax (below ~1e-36) would overflow the scale to inf, then 0 * inf
+    # = NaN: it is clamped. A true division (``448 / tensor`` is a reciprocal times 448 in
+    # torch), as the CUDA kernels do.
+    usable = (amaxes > 0) & (amaxes <= FLOAT32_MAX)
+    divided = torch.full_like(amaxes, E4M3_MAX) / torch.where(usable, amaxes, torch.ones_like(amaxes))
+    return torch.where(usable, divided.clamp(max=FLOAT32_MAX), torch.ones_like(amaxes))
+
+
+def finite_amaxes(amaxes: torch.Tensor) -> torch.Tensor:
+    """``amaxes`` with inf and NaN as 0: what a delayed-scaling history records, so one
+    overflowing call does not set the scale of the calls after it."""
+    return torch.where(amaxes <= FLOAT32_MAX, amaxes, torch.zeros_like(amaxes))
+
+
+def reciprocal_scale(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale``, and 1 where ``scale`` is 0 or not finite (a descale of 0: every real value
+    is 0, and any scale writes them as 0; dividing would give inf, then 0 * inf = NaN)."""
+    usable = (scale.abs() > 0) & (scale.abs() <= FLOAT32_MAX)
+    return torch.where(usable, torch.ones_like(scale) / torch.where(usable, scale, torch.ones_like(scale)), 1.0)
 
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,7 +113,7 @@ def quantise_qkv(
     kernels = _launchable(*tensors)
     if kernels is None:
         used[:, 0] = scales[:, 0] if scales is not None else scales_for(amaxes)  # type: ignore[arg-type]
-        descales[:, 0] = torch.ones_like(used[:, 0]) / used[:, 0]
+        descales[:, 0] = reciprocal_scale(used[:, 0])
         if record is not None:
             torch.maximum(record, torch.stack([_amax(x) for x in tensors]), out=record)
         return [_cast(x, used[i, 0]) for i, x in enumerate(tensors)], used, descales
@@ -134,13 +156,13 @@ def amax_qkv(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 def advance_history(history: torch.Tensor, current: torch.Tensor, slot: torch.Tensor, scales: torch.Tensor) -> None:
-    """Delayed scaling, one step on the device: ``current`` (float32 ``[3]``, this call's amaxes)
-    goes into ``history`` (``[3, H]``) at column ``slot`` (int32 ``[1]``, then advanced), ``current``
-    is zeroed, and ``scales[i, 0]`` becomes ``448 / max(history[i])`` (1 if that is 0)."""
+    """Delayed scaling, one step on the device: ``current`` (float32 ``[3]``, this call's amaxes;
+    inf and NaN recorded as 0) goes into ``history`` (``[3, H]``) at column ``slot`` (int32 ``[1]``,
+    then advanced), ``current`` is zeroed, and ``scales[i, 0]`` becomes ``scales_for(max(history[i]))``."""
     kernels = _launchable(history)
     if kernels is None:
         column = int(slot.item())
-        history[:, column] = current
+        history[:, column] = finite_amaxes(current)
         current.zero_()
         scales[:, 0] = scales_for(history.amax(dim=1))
         slot.fill_((column + 1) % history.shape[1])
@@ -255,14 +277,20 @@ def _kernels() -> Any:
             which, block, x_ptr, out_ptr, n = 1, pid - end_q, k_ptr, k8_ptr, n_k
         else:
             which, block, x_ptr, out_ptr, n = 2, pid - end_k, v_ptr, v8_ptr, n_v
-        if FROM_AMAX:
+        if FROM_AMAX:  # scales_for's rules: 1 for 0, inf or NaN; at most float32's largest
             amax = tl.load(source_ptr + which)
-            scale = tl.where(amax > 0, tl.math.div_rn(limit, tl.where(amax > 0, amax, 1.0)), 1.0)
+            usable = (amax > 0) & (amax <= 3.4028234663852886e38)
+            scale = tl.where(
+                usable, tl.minimum(tl.math.div_rn(limit, tl.where(usable, amax, 1.0)), 3.4028234663852886e38), 1.0
+            )
         else:
             scale = tl.load(source_ptr + which * stride)
         if block == 0:  # one program per tensor reports the scale it used and its descale
             tl.store(used_ptr + which * stride, scale)
-            tl.store(descale_ptr + which * stride, tl.math.div_rn(1.0, scale))
+            usable = (tl.abs(scale) > 0) & (tl.abs(scale) <= 3.4028234663852886e38)  # reciprocal_scale's rule
+            tl.store(
+                descale_ptr + which * stride, tl.where(usable, tl.math.div_rn(1.0, tl.where(usable, scale, 1.0)), 1.0)
+            )
         offsets = block * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < n
         x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
@@ -290,6 +318,7 @@ def _kernels() -> Any:
         columns = tl.arange(0, SPAN)
         for which in tl.static_range(3):
             amax = tl.load(current_ptr + which)
+            amax = tl.where(amax <= 3.4028234663852886e38, amax, 0.0)  # inf and NaN are not recorded
             # The rest of the row, read before this call's amax is written into it.
             rest = tl.load(
                 history_ptr + which * length + columns, mask=(columns < length) & (columns != slot), other=0.0
@@ -297,9 +326,8 @@ def _kernels() -> Any:
             top = tl.maximum(tl.max(rest, axis=0), amax)
             tl.store(history_ptr + which * length + slot, amax)
             tl.store(current_ptr + which, 0.0)
-            tl.store(
-                scale_ptr + which * stride, tl.where(top > 0, tl.math.div_rn(limit, tl.where(top > 0, top, 1.0)), 1.0)
-            )
+            scale = tl.math.div_rn(limit, tl.where(top > 0, top, 1.0))
+            tl.store(scale_ptr + which * stride, tl.where(top > 0, tl.minimum(scale, 3.4028234663852886e38), 1.0))
         tl.store(slot_ptr, (slot + 1) % length)
 
     @triton.jit
