@@ -124,3 +124,24 @@ def test_one_shape_bench_prints_fmha_v2_style_lines():
     assert "Elapsed: 1172.3 us, 468.9 TFLOP/s, 458.0 GB/s" in text
     assert "Checks: FAILED" in text.split("torch flash")[1]  # NaN never passes
     assert "not run: no kernel" in text
+
+
+def test_choosing_a_backend_names_every_backend_and_prints_what_it_states(capsys):
+    """The page spoke of "two backends", its table left out "torch", and a comment stated an
+    error without the "torch" name that the error lists."""
+    from cudnn_attn.ops import BACKEND_NAMES, BACKENDS
+
+    text = (Path(__file__).parent.parent / "docs" / "choosing_a_backend.md").read_text()
+    assert re.findall(r'^\| `"(\w+)"`', text, re.M) == [n for n in BACKEND_NAMES if n != "auto"] + ["auto"]
+    assert f"one of {['no', 'one', 'two', 'three', 'four'][len(BACKENDS)]} backends" in text
+    namespace: dict = {"__name__": "__main__"}
+    stated_blocks = 0
+    for mark, code in re.findall(r"(?:^(<!-- [^\n]* -->)\n)?^```python\n(.*?)^```", text, re.M | re.S):
+        if mark:  # a GPU block
+            continue
+        exec(compile(code, "choosing_a_backend.md", "exec"), namespace)  # noqa: S102
+        printed = capsys.readouterr().out
+        for stated in re.findall(r"print\(error\)  # (.*)$", code, re.M):
+            stated_blocks += 1
+            assert printed.startswith(stated.removesuffix(" ...")), (stated, printed)
+    assert stated_blocks == 2

@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -299,6 +300,22 @@ def panels(report: dict[str, Any]) -> list[Panel]:
     if not drawn:
         raise NoChartError("the report has no figures to draw")
     return drawn
+
+
+def format_problem(path: str) -> str | None:
+    """Why ``savefig`` would not write a chart at ``path`` as named (matplotlib reads the format
+    from the extension, refuses one it does not write and appends ``.png`` where there is none),
+    or None. Needs matplotlib (the ``plot`` extra)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    extension = os.path.splitext(path)[1][1:].lower()
+    known = ", ".join("." + name for name in formats)
+    if not extension:
+        return f"no file extension to name the image format; end it in .png (matplotlib writes {known})"
+    if extension not in formats:
+        return f"'.{extension}' is no image format matplotlib writes ({known}); a PNG chart ends in .png"
+    return None
 
 
 def draw(report: dict[str, Any], path: str, dpi: int = 100) -> None:

@@ -6,6 +6,7 @@ sq, skv, d (both head dims), dv, dtype (fp16|bf16), layout (BHSD|BSHD), causal, 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -94,10 +95,29 @@ def parse_value(current: Any, text: str) -> Any:
     return text.strip()
 
 
+def range_problems(shape: Shape, names: Mapping[str, str] | None = None) -> list[str]:
+    """Where ``shape``'s numbers are out of range, one line each, naming the key (or
+    ``names[key]``: the flag or key the caller gave it by). Found before any GPU is looked for:
+    a bad number is a usage error, never torch's "negative dimension" at the first tensor."""
+    names = names or {}
+    problems = []
+    for key in ("b", "h", "sq", "skv", "d"):  # an empty batch or sequence measures nothing
+        if getattr(shape, key) < 1:
+            problems.append(f"{names.get(key, key)}: {getattr(shape, key)}; must be >= 1")
+    for key, same in (("hkv", "h"), ("dv", "d")):
+        if getattr(shape, key) < 0:
+            problems.append(f"{names.get(key, key)}: {getattr(shape, key)}; must be >= 1 (or 0: as {same})")
+    if not problems and shape.h % shape.h_kv:
+        problems.append(f"{names.get('hkv', 'hkv')}: {shape.h_kv} does not divide {names.get('h', 'h')}={shape.h}")
+    return list(dict.fromkeys(problems))  # s=0 (sq and skv) said once
+
+
 def parse(text: str) -> Shape:
-    """``"b=2,h=16,s=4096,d=128,causal"`` -> Shape; raises ValidationError naming bad keys."""
+    """``"b=2,h=16,s=4096,d=128,causal"`` -> Shape; raises ValidationError naming bad keys and
+    numbers out of range."""
     known = {f.name: f.type for f in fields(Shape)}
     values: dict[str, Any] = {}
+    given: dict[str, str] = {}  # sq and skv by the key that set them last
     problems = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, value = part.partition("=")
@@ -105,7 +125,9 @@ def parse(text: str) -> Shape:
         if name == "s":
             for side in ("sq", "skv"):
                 values[side] = value
+                given[side] = "s"
             continue
+        given.pop(name, None)
         if name not in known:
             problems.append(f"{name}: unknown shape key; use {', '.join(['s', *known])}")
             continue
@@ -124,6 +146,7 @@ def parse(text: str) -> Shape:
         problems.append(f"dtype: {shape.dtype!r}; allowed fp16, bf16")
     if shape.layout not in ("BHSD", "BSHD"):
         problems.append(f"layout: {shape.layout!r}; allowed BHSD, BSHD")
+    problems += range_problems(shape, given)
     if problems:
         raise ValidationError(problems, context=f"shape {text!r}")
     return shape

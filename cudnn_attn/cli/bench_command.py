@@ -17,7 +17,8 @@ from typing import Any
 
 from ..bench import charts
 from ..bench.reports import STDOUT, read_json, write_json
-from ..bench.shapes import STANDARD_GRID, Shape, parse
+from ..bench.shapes import STANDARD_GRID, Shape, parse, range_problems
+from ..errors import ValidationError
 from . import parser
 from .failures import environment, needs_gpu, usage
 
@@ -40,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
         raise usage("cudnn-attn bench: --cp-mode and --packed go with --context-parallel GPUS")
     if args.page is not None and not args.serving:
         raise usage("cudnn-attn bench: --page goes with --serving")
+    _check_numbers(args)
     sections = requested(args)
     if args.plot:
         missing = [name for name in sections if name not in charts.CHARTED]
@@ -49,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
                 "(--json keeps every figure)"
             )
         _needs_matplotlib()
+        _check_plot_format(args.plot)
     if "batching" in sections:
         _needs_continuous_batching()
     needs_gpu("bench")
@@ -60,6 +63,53 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         charts.draw(report, args.plot)
     return 0
+
+
+# The flag each number of the flags' shape comes from, as its errors name it.
+FLAGS = {
+    "b": "-b/--batch",
+    "h": "-h/--heads",
+    "hkv": "--kv-heads",
+    "sq": "-s/--seq",
+    "skv": "-s/--seq",
+    "d": "-d/--head-dim",
+}
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """The number flags, checked before a GPU is looked for (a bad number is a usage error on
+    every machine), whichever section reads them; shape strings are checked as they are parsed."""
+    problems = range_problems(_flag_shape(args), FLAGS)
+    gpus = args.context_parallel
+    if gpus is not None and gpus < 1:
+        problems.append(f"--context-parallel: {gpus}; give the number of GPUs to shard over (>= 1)")
+    elif gpus is not None and args.seq >= 1 and args.seq % (2 * gpus):  # the ring's zigzag: 2 chunks per rank
+        problems.append(f"-s/--seq: {args.seq}; --context-parallel {gpus} needs a multiple of {2 * gpus}")
+    if problems:
+        raise ValidationError(problems)
+
+
+def _flag_shape(args: argparse.Namespace) -> Shape:
+    """The shape the number flags describe (what runs when no shape is given)."""
+    return Shape(
+        b=args.batch,
+        h=args.heads,
+        hkv=args.kv_heads,
+        sq=args.seq,
+        skv=args.seq,
+        d=args.head_dim,
+        dtype=args.dtype,
+        causal=args.causal,
+        bwd=args.bwd,
+    )
+
+
+def _check_plot_format(path: str) -> None:
+    """A ``--plot`` name matplotlib would refuse (or rename) is a usage error before anything is
+    measured, not a ``ValueError`` from ``savefig`` at the end."""
+    problem = charts.format_problem(path)
+    if problem:
+        raise usage(f"cudnn-attn bench: --plot {path}: {problem}")
 
 
 def requested(args: argparse.Namespace) -> list[str]:
@@ -98,19 +148,7 @@ def _shapes(args: argparse.Namespace) -> list[Shape]:
         return [parse(s) for s in args.shapes]
     if any(getattr(args, name) for name in TARGETS):
         return []  # the sections bring their own shapes
-    return [
-        Shape(
-            b=args.batch,
-            h=args.heads,
-            hkv=args.kv_heads,
-            sq=args.seq,
-            skv=args.seq,
-            d=args.head_dim,
-            dtype=args.dtype,
-            causal=args.causal,
-            bwd=args.bwd,
-        )
-    ]
+    return [_flag_shape(args)]
 
 
 def _redraw(args: argparse.Namespace) -> int:
@@ -130,6 +168,7 @@ def _redraw(args: argparse.Namespace) -> int:
     except charts.NoChartError as error:
         raise usage(f"cudnn-attn bench: --plot-from {args.plot_from}: {error}") from error
     _needs_matplotlib()
+    _check_plot_format(args.plot)
     charts.draw(report, args.plot)
     return 0
 

@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -25,7 +26,7 @@ from .failures import CommandError, usage
 def main(argv: list[str] | None = None) -> int:
     args = parser.build().parse_args(argv)
     try:
-        _check_json_target(args)
+        _check_targets(args)
         if args.command == "info":
             report = info.collect()
             if args.json:
@@ -45,20 +46,35 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _check_json_target(args) -> None:  # type: ignore[no-untyped-def]
-    """A ``--json`` file that cannot be written is a usage error before any work (a bench may run
-    for minutes), not an ``OSError`` at the end."""
-    target = getattr(args, "json", None)
-    if not target or target == STDOUT:
-        return
+def _check_targets(args) -> None:  # type: ignore[no-untyped-def]
+    """A ``--json`` or ``--plot`` file that cannot be written is a usage error before any work (a
+    bench may run for minutes), not an ``OSError`` at the end."""
     command = " ".join(filter(None, (args.command, getattr(args, "action", None))))
-    folder = os.path.dirname(os.path.abspath(target))
+    for flag, target in (("--json", getattr(args, "json", None)), ("--plot", getattr(args, "plot", None))):
+        if target and not (flag == "--json" and target == STDOUT):
+            _check_writable(f"cudnn-attn {command}: {flag} {target}", target)
+
+
+def _check_writable(where: str, target: str) -> None:
+    """``target`` opened as the command will write it. ``os.access`` cannot tell: it says yes to
+    root everywhere, /proc included. Opened to append, an existing file is left as it is, and a
+    file the check made is removed again."""
     if os.path.isdir(target):
-        raise usage(f"cudnn-attn {command}: --json {target}: a directory; give a file to write")
+        raise usage(f"{where}: a directory; give a file to write")
+    folder = os.path.dirname(os.path.abspath(target))
     if not os.path.isdir(folder):
-        raise usage(f"cudnn-attn {command}: --json {target}: no directory {folder} to write it in")
-    if not os.access(folder, os.W_OK) or (os.path.exists(target) and not os.access(target, os.W_OK)):
-        raise usage(f"cudnn-attn {command}: --json {target}: not writable")
+        raise usage(f"{where}: no directory {folder} to write it in")
+    existed = os.path.lexists(target)
+    if existed and not os.path.isfile(target):  # a device or a pipe: opening one may block or consume
+        return
+    try:
+        with open(target, "a"):
+            pass
+    except OSError as error:
+        raise usage(f"{where}: cannot be written ({error.strerror or error})") from error
+    if not existed:
+        with contextlib.suppress(OSError):
+            os.remove(target)
 
 
 def _bench(args) -> int:  # type: ignore[no-untyped-def]

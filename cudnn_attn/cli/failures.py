@@ -20,8 +20,8 @@ exit status:
   0  done
   1  environment error: no CUDA GPU or no loadable cuDNN library where one is needed, the plan
      store off or refused, matplotlib missing for --plot
-  2  usage error: bad arguments, a shape or a file that cannot be read, a bench section that
-     --plot has no chart for"""
+  2  usage error: bad arguments, a shape or a file that cannot be read, a --json or --plot
+     file that cannot be written, a bench section that --plot has no chart for"""
 
 
 class CommandError(Exception):

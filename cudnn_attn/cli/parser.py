@@ -129,7 +129,8 @@ def bench() -> argparse.ArgumentParser:
         "--plot",
         metavar="PNG",
         help="draw every section run as a PNG chart, spreads as error bars (needs the plot "
-        "extra); a section without a chart is a usage error",
+        "extra; the extension names the format: .png, or .svg, .pdf, ...); a section without a chart is a usage "
+        "error",
     )
     bench.add_argument(
         "--plot-from",
