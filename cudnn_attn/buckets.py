@@ -27,7 +27,7 @@ from .core.finite import finite_real
 from .core.mask import Causal, ScoreOptions, default_scale
 from .core.problem import TensorSpec
 from .errors import UnsupportedError, ValidationError, shown
-from .ops import BACKEND_NAMES
+from .ops import BACKEND_NAMES, LENGTHS_BACKEND_NAMES
 from .runtime.keyed import KeyedCache
 from .runtime.prepared import PreparedRun, prepare
 
@@ -89,12 +89,12 @@ class BucketedAttention:
             )
         problems = []
         backend = graph_options.get("backend", "auto")
-        allowed = ", ".join(repr(name) for name in BACKEND_NAMES if name != "torch")
-        if isinstance(backend, str) and backend == "torch":  # refused at every call else
+        allowed = ", ".join(map(repr, LENGTHS_BACKEND_NAMES))
+        if backend in BACKEND_NAMES and backend not in LENGTHS_BACKEND_NAMES:  # refused at every call else
             raise UnsupportedError(
-                ["backend: 'torch'; torch's SDPA kernel takes no per-sequence lengths, which every request needs"],
+                [f"backend: {backend!r}; its kernel takes no per-sequence lengths, which every request needs"],
                 context=CONTEXT,
-                alternatives=[f"backend={name}" for name in allowed.split(", ")],
+                alternatives=[f"backend={name!r}" for name in LENGTHS_BACKEND_NAMES],
             )
         if not isinstance(backend, str) or backend not in BACKEND_NAMES:
             problems.append(f"backend: {shown(backend)}; allowed {allowed}")

@@ -487,7 +487,6 @@ FUNCTIONAL_ARGUMENTS = {
     "rank-mismatch": ("query", "key", "value"),
     "gqa-not-dividing": ("query", "key", "value", "enable_gqa"),
     "heads-without-gqa": ("query", "key", "value", "enable_gqa"),
-    "headdim-0": ("query", "key"),
 }
 PAGED_ARGUMENTS = {
     "cache-": ("k",),
@@ -3248,7 +3247,6 @@ def _functional_malformed(rng, gen, req: FunctionalRequest) -> Case:
             "batch-mismatch",
             "gqa-not-dividing",
             "heads-without-gqa",
-            "headdim-0",
             "mask-shape",
             "mask-int",
             "mask-rank5",
@@ -3317,24 +3315,26 @@ def _functional_malformed(rng, gen, req: FunctionalRequest) -> Case:
             args[1] = randn(gen, 2, *req.shape_k, dtype=dt)
             args[2] = randn(gen, 2, *req.shape_v, dtype=dt)
             label = "rank-mismatch"
-        else:
-            nb = req.shape_q[0] + 1
+        else:  # batches that differ and do not broadcast (torch broadcasts a batch of 1)
+            nq = max(req.shape_q[0], 2)
+            args[0] = randn(gen, nq, *req.shape_q[1:], dtype=dt)
+            nb = nq + 1
             args[1], args[2] = randn(gen, nb, *req.shape_k[1:], dtype=dt), randn(gen, nb, *req.shape_v[1:], dtype=dt)
+            kw.pop("attn_mask", None)
     elif m == "gqa-not-dividing":
         hq = req.shape_q[-3]
         hk = 3 if hq % 3 else 5
         args[1] = randn(gen, *req.shape_k[:-3], hk, *req.shape_k[-2:], dtype=dt)
         args[2] = randn(gen, *req.shape_v[:-3], hk, *req.shape_v[-2:], dtype=dt)
         kw["enable_gqa"] = True
-    elif m == "heads-without-gqa":
-        hq = req.shape_q[-3]
-        hk = 1 if hq > 1 else 2
+    elif m == "heads-without-gqa":  # head counts that differ and do not broadcast (torch broadcasts 1)
+        hq = max(req.shape_q[-3], 2)
+        args[0] = randn(gen, *req.shape_q[:-3], hq, *req.shape_q[-2:], dtype=dt)
+        hk = hq + 1
         args[1] = randn(gen, *req.shape_k[:-3], hk, *req.shape_k[-2:], dtype=dt)
         args[2] = randn(gen, *req.shape_v[:-3], hk, *req.shape_v[-2:], dtype=dt)
         kw.pop("enable_gqa", None)
         kw.pop("attn_mask", None)
-    elif m == "headdim-0":
-        args = [randn(gen, *req.shape_q[:-1], 0, dtype=dt), randn(gen, *req.shape_k[:-1], 0, dtype=dt), v]
     elif m.startswith("mask-"):
         kw.pop("is_causal", None)
         ell, s = req.shape_q[-2], req.shape_k[-2]
@@ -3353,7 +3353,8 @@ def _functional_malformed(rng, gen, req: FunctionalRequest) -> Case:
             kw.pop("dropout_p", None)  # the check reads no keep-mask
             expect = VALID
     elif m == "scale-bad":
-        name, value = pick(rng, [x for x in BAD_SCALES if x[0] != "bool"])  # scale=True: an ``either`` case
+        # torch's SDPA takes any float scale (inf and NaN too) and True: refused here only what it refuses
+        name, value = pick(rng, [x for x in BAD_SCALES if x[0] not in ("bool", "nan", "inf", "-inf")])
         kw["scale"] = value
         label = f"scale={name}"
     elif m == "causal-bad":
@@ -3362,7 +3363,10 @@ def _functional_malformed(rng, gen, req: FunctionalRequest) -> Case:
         kw["is_causal"] = value
         label = f"is_causal={name}"
     elif m == "dropout-bad":
-        name, value = pick(rng, BAD_PROBS[:-2] + [("10**400", 10**400), ("tensor2", torch.ones(2))])
+        # dropout_p=1.0 torch takes (all dropped: zeros)
+        name, value = pick(
+            rng, [x for x in BAD_PROBS[:-2] if x[0] != "1.0"] + [("10**400", 10**400), ("tensor2", torch.ones(2))]
+        )
         if name == "bool":
             name, value = "-1", -1
         kw["dropout_p"] = value

@@ -9,6 +9,7 @@ variants, never dense memory (``causal_from_mask``).
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,6 @@ from typing import Any
 import torch
 
 from ..core.dtypes import FLOATING_IO, dtype_name
-from ..core.finite import finite_real
 from ..core.mask import Causal, default_scale, unbounded_window
 from ..errors import ValidationError, shown
 
@@ -112,14 +112,17 @@ def _subclass_problem(name: str, t: torch.Tensor) -> str:
     )
 
 
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla")
+
+
 def autocast_inputs(query: Any, key: Any, value: Any, attn_mask: Any) -> tuple[Any, Any, Any, Any]:
     """The inputs as torch's SDPA sees them under ``torch.autocast``: every floating tensor but
     float64 cast to the autocast dtype (torch's lower-precision op list), masks included."""
     # torch's one-call check first: reading query.device costs more than the whole check.
     if not torch._C._is_any_autocast_enabled() or not isinstance(query, torch.Tensor):
         return query, key, value, attn_mask
-    if not torch.is_autocast_enabled(query.device.type):
-        return query, key, value, attn_mask
+    if query.device.type not in AUTOCAST_DEVICES or not torch.is_autocast_enabled(query.device.type):
+        return query, key, value, attn_mask  # torch asks no autocast of meta and other devices
     dtype = torch.get_autocast_dtype(query.device.type)
 
     def cast(t: Any) -> Any:
@@ -163,10 +166,10 @@ def check_arguments(
         problems.append(f"attn_mask: {type(attn_mask).__name__}; expected a torch tensor (bool or float) or None")
     if mask is not None and mask.dtype != torch.bool and not mask.dtype.is_floating_point:
         problems.append(f"attn_mask: dtype {mask.dtype}; expected bool or a floating dtype")
-    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
-        problems.append(f"dropout_p: {shown(dropout_p)}; expected a probability 0 <= p < 1")
-    if scale is not None and not finite_real(scale):
-        problems.append(f"scale: {shown(scale)}; expected a finite float or None")
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p <= 1.0:
+        problems.append(f"dropout_p: {shown(dropout_p)}; expected a probability 0 <= p <= 1")
+    if scale is not None and not _scalar(scale):
+        problems.append(f"scale: {shown(scale)}; expected a float (or a one-element tensor) or None")
     for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
         if name == "is_causal" and isinstance(flag, Causal):
             continue  # a variant read from a CausalBias mask
@@ -177,6 +180,43 @@ def check_arguments(
         problems += _geometry_problems(query, key, value, mask, bool(enable_gqa))
     if problems:
         raise ValidationError(problems, context="sdpa")
+
+
+def broadcast_batch_and_heads(
+    query: Any, key: Any, value: Any, enable_gqa: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """query, key and value expanded (views) over the batch and head dims torch's SDPA
+    broadcasts (a size of 1 against n, as its matmuls broadcast them); None where they agree
+    already, or do not broadcast (the checks then name what differs). With enable_gqa the
+    heads are left as they are, as torch leaves them."""
+    tensors = (query, key, value)
+    if not all(type(t) is torch.Tensor for t in tensors) or not query.dim() == key.dim() == value.dim() >= 3:
+        return None
+    if query.shape[:-2] == key.shape[:-2] == value.shape[:-2]:
+        return None
+    heads = [t.shape[-3] for t in tensors]
+    try:
+        batch = torch.broadcast_shapes(*(t.shape[:-3] for t in tensors))
+        # With enable_gqa torch groups heads and broadcasts none (it refuses counts that do not divide).
+        shared = None if enable_gqa else torch.broadcast_shapes(*((h,) for h in heads))[0]
+    except RuntimeError:
+        return None
+    q, k, v = (t.expand(*batch, t.shape[-3] if shared is None else shared, *t.shape[-2:]) for t in tensors)
+    return None if (q.shape, k.shape, v.shape) == tuple(t.shape for t in tensors) else (q, k, v)
+
+
+def _scalar(value: Any) -> bool:
+    """A scale torch's SDPA takes: any real number (inf and NaN included, as there), or a
+    one-element real tensor, which it reads as a float."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
+    if not isinstance(value, numbers.Real):
+        return False
+    try:  # 10**400 is a real number no float holds (torch refuses it too)
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 def _geometry_problems(query, key, value, mask, enable_gqa: bool) -> list[str]:
@@ -204,9 +244,6 @@ def _geometry_problems(query, key, value, mask, enable_gqa: bool) -> list[str]:
             problems.append(f"{name}: {h} heads do not divide query's {h_q} (enable_gqa=True needs H_kv to divide H_q)")
         if t.shape[:-3] != query.shape[:-3]:
             problems.append(f"{name}: batch {list(t.shape[:-3])} differs from query's {list(query.shape[:-3])}")
-    for name, t in (("query", query), ("value", value)):
-        if t.shape[-1] == 0:
-            problems.append(f"{name}: head dim 0 (shape {list(t.shape)}); head dims must be >= 1")
     if key.shape[-1] != query.shape[-1]:
         problems.append(f"key: head dim {key.shape[-1]} differs from query's {query.shape[-1]}; they must match")
     if value.shape[-2] != key.shape[-2]:
@@ -278,8 +315,14 @@ def materialised(t: torch.Tensor) -> torch.Tensor:
     """``t`` in a layout cuDNN reads: torch's SDPA takes any strides, the kernels need a
     contiguous head dim and no broadcast (stride-0) dims."""
     if t.stride(-1) != 1 and t.shape[-1] != 1 or any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
-        return t.contiguous()
+        return dense(t)
     return t
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` row-major: ``contiguous()`` keeps an empty tensor's strides (torch calls every empty
+    tensor contiguous), which the layout checks would refuse."""
+    return t.clone(memory_format=torch.contiguous_format) if t.numel() == 0 else t.contiguous()
 
 
 def mask_as_bias(attn_mask: torch.Tensor, q: torch.Tensor, s_kv: int) -> torch.Tensor:
@@ -293,7 +336,7 @@ def mask_as_bias(attn_mask: torch.Tensor, q: torch.Tensor, s_kv: int) -> torch.T
     if attn_mask.shape[-1] != s_kv:  # keys are never broadcast in a cuDNN bias
         attn_mask = attn_mask.expand(*attn_mask.shape[:-1], s_kv)
     if attn_mask.stride(-1) != 1 or any(st == 0 and n > 1 for st, n in zip(attn_mask.stride(), attn_mask.shape)):
-        attn_mask = attn_mask.contiguous()
+        attn_mask = dense(attn_mask)
     return attn_mask
 
 
@@ -310,7 +353,8 @@ def batched(
         query, key, value = (_as_4d(t) for t in (query, key, value))
         if attn_mask is not None and attn_mask.dim() > 3 and len(lead) > 1:
             # broadcast over the caller's batch dims, then flattened with them
-            attn_mask = attn_mask.expand(*lead, *attn_mask.shape[-3:]).reshape(-1, *attn_mask.shape[-3:])
+            flat = math.prod(lead)  # not -1: ambiguous for an empty mask
+            attn_mask = attn_mask.expand(*lead, *attn_mask.shape[-3:]).reshape(flat, *attn_mask.shape[-3:])
     query, key, value = (materialised(t) for t in (query, key, value))
     scale = float(scale) if scale is not None else default_scale(query.shape[-1])
     bias = None if attn_mask is None else mask_as_bias(attn_mask, query, key.shape[-2])

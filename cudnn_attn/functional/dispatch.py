@@ -35,6 +35,7 @@ from .arguments import (
     ARGUMENT_NAMES,
     autocast_inputs,
     batched,
+    broadcast_batch_and_heads,
     causal_from_mask,
     causal_kind,
     check_arguments,
@@ -121,7 +122,7 @@ def sdpa(
             ``causal_lower_right(L, S)`` (cuDNN's top-left and bottom-right causal masks, no
             memory read). With ``is_causal`` too, both apply (as torch 2.13's CPU and flash
             kernels apply them; its documentation and math kernel refuse the pair).
-        dropout_p: probability of dropping an attention weight, ``0 <= p < 1``. Applied whenever
+        dropout_p: probability of dropping an attention weight, ``0 <= p <= 1``. Applied whenever
             it is > 0 (pass 0.0 at inference, as with torch); the seed is drawn from torch's
             default generator (``torch.manual_seed`` repeats it), the backward reuses the mask.
         is_causal: top-left causal mask: query ``i`` sees keys ``j <= i``.
@@ -181,6 +182,9 @@ def sdpa(
         out = sdpa_eager.run(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if out is not None:
             return out
+        wide = broadcast_batch_and_heads(query, key, value, enable_gqa)  # size-1 dims torch broadcasts
+        if wide is not None:
+            query, key, value = wide
         check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         # Another rank ([L, E], [H, L, E], [N, ..., H, L, E]) or scalars of other types: the same
         # door on the call's 4-D views, not the compile op (whose dispatch costs host time).

@@ -25,7 +25,14 @@ from ..runtime.keyed import KeyedCache
 from ..runtime.prepared import PreparedRun
 from ..runtime.training import differentiable
 from . import problems
-from .arguments import ARGUMENT_NAMES, causal_kind, check_arguments, mask_as_bias, materialised
+from .arguments import (
+    ARGUMENT_NAMES,
+    broadcast_batch_and_heads,
+    causal_kind,
+    check_arguments,
+    mask_as_bias,
+    materialised,
+)
 
 MAX_ENTRIES = 512
 _prepared = KeyedCache(MAX_ENTRIES)  # flat key -> Prepared, or torch's kernel running the call
@@ -87,6 +94,14 @@ def run(
 def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, train) -> Any:
     """Check the call in full and choose its engine: torch's kernel running the call, or a
     ``Prepared`` with its forward graph (the backward's comes with the first backward)."""
+    if broadcast_batch_and_heads(query, key, value, enable_gqa) is not None:  # torch broadcasts size-1 dims
+
+        def broadcast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> Any:
+            wide = broadcast_batch_and_heads(q, k, v, enable_gqa)
+            assert wide is not None, "the same signature broadcasts alike"
+            return run(*wide, mask, dropout_p, is_causal, scale, enable_gqa)
+
+        return broadcast
     check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     causal = causal_kind(is_causal)
     call = Call(query, key, value, attn_mask, float(dropout_p), causal, scale, enable_gqa, train)

@@ -4,7 +4,16 @@
 from __future__ import annotations
 
 from .base import Backend, Plan
-from .dispatch import BACKEND_NAMES, BACKENDS, get_backend, select
+from .dispatch import BACKEND_NAMES, BACKENDS, LENGTHS_BACKEND_NAMES, get_backend, select
 from .reference.backend import ReferenceBackend
 
-__all__ = ["Backend", "Plan", "ReferenceBackend", "get_backend", "select", "BACKEND_NAMES", "BACKENDS"]
+__all__ = [
+    "Backend",
+    "Plan",
+    "ReferenceBackend",
+    "get_backend",
+    "select",
+    "BACKEND_NAMES",
+    "BACKENDS",
+    "LENGTHS_BACKEND_NAMES",
+]

@@ -37,6 +37,8 @@ from .torch.call import Call
 
 BACKENDS = ("cudnn", "reference", "torch")
 BACKEND_NAMES = ("auto", *BACKENDS)
+# The backend names whose graphs take per-sequence lengths (padding masks): torch's kernel takes none.
+LENGTHS_BACKEND_NAMES = tuple(name for name in BACKEND_NAMES if name != "torch")
 
 # The backends "auto" tries for a problem (a Graph's node, a varlen or serving call), in order. The
 # reference is no fallback for CUDA tensors: it is slow, and a GPU user asks for it by name.
@@ -190,7 +192,8 @@ def select_call(call: Call, requested: str, torch_op: bool = True) -> CallChoice
     if stands_in:  # torch's own kernel choice, but its CPU flash kernel gives NaN for a scale < 0
         math = not call.scale_positive
     else:  # on the CPU, or for a scale <= 0, its exact math kernel
-        math = not call.on_gpu or reasons.NON_POSITIVE_SCALE in passed
+        math = not call.on_gpu or any(r in passed for r in (reasons.NON_POSITIVE_SCALE, reasons.DEGENERATE))
+        math = math or reasons.NON_FINITE_SCALE in passed
     run = kernel.TorchKernel(why, call.dropout_p, call.causal, call.scale, call.enable_gqa, math)
     return CallChoice(None, run, as_graph=stands_in)
 

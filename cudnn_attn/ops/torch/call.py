@@ -6,6 +6,7 @@ key), so reading it costs nothing on a steady-state call.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,18 @@ class Call:
 
     @property
     def scale_positive(self) -> bool:
-        return self.scale is None or float(self.scale) > 0
+        """A scale the kernels compute with: None, or finite and > 0 (torch takes inf and NaN too)."""
+        return self.scale is None or 0 < float(self.scale) < math.inf
+
+    @property
+    def scale_finite(self) -> bool:
+        return self.scale is None or math.isfinite(float(self.scale))
+
+    @property
+    def degenerate(self) -> bool:
+        """A head dim of 0 or ``dropout_p=1``: torch's answer (uniform weights, all zeros) is
+        exact and no kernel's business."""
+        return self.query.shape[-1] == 0 or self.value.shape[-1] == 0 or self.dropout_p >= 1
 
     def describe(self) -> str:
         """The call's geometry and flags, for the dispatch's log and errors."""

@@ -40,7 +40,8 @@ def reasons(call: Call) -> list[str]:
         (not query.is_cuda, f"device={query.device}: the op runs CUDA tensors"),
         (call.attn_mask is not None, "attn_mask: the op is taken without a mask"),
         (bool(call.dropout_p), f"dropout_p={call.dropout_p:g}: the op is taken without dropout"),
-        (not call.scale_positive, "scale <= 0: cuDNN's kernels give NaN there"),
+        (not call.scale_positive, "scale <= 0 or not finite: cuDNN's kernels give NaN there"),
+        (call.degenerate, "a head dim of 0 or dropout_p=1"),
         (autotune_default(), "autotuning on: the op takes cuDNN's heuristic plan"),
         (
             query.dtype not in (torch.float16, torch.bfloat16) or not query.dtype == key.dtype == value.dtype,

@@ -67,10 +67,9 @@ class TorchKernel:
 
 
 def shape_problems(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool) -> list[str]:
-    """The geometry torch's kernel needs and the graphs check themselves (head dims, lengths, heads)."""
+    """The geometry torch's kernel needs and the graphs check themselves (head dims, lengths, heads);
+    a head dim of 0 it takes (the mean of the values)."""
     problems = []
-    if query.shape[-1] == 0 or value.shape[-1] == 0:
-        problems.append(f"query: head dim {query.shape[-1]} (value {value.shape[-1]}); head dims must be >= 1")
     if key.shape[-1] != query.shape[-1]:
         problems.append(f"key: head dim {key.shape[-1]} differs from query's {query.shape[-1]}")
     if value.shape[-2] != key.shape[-2]:

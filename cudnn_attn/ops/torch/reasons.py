@@ -28,7 +28,14 @@ FLOAT32_FORWARD = "float32 on a GPU: torch's float32 kernel measured 1.2-2.3x fa
 # Seen on an H100 with cuDNN 9.19 (GPU fuzz campaign): NaN for any scale below 0 and for 0 at most
 # lengths; torch 2.13's CPU flash kernel gives NaN for a negative scale with a causal mask. torch's
 # math kernel is exact for every scale.
-NON_POSITIVE_SCALE = "scale <= 0: cuDNN's kernels give NaN there (torch's math kernel is exact)"
+NON_POSITIVE_SCALE = "scale <= 0 or not finite: cuDNN's kernels give NaN there (torch's math kernel is exact)"
+
+# torch takes inf and NaN scales (its answer is NaN); the graphs are keyed by a finite scale.
+NON_FINITE_SCALE = "a scale that is inf or NaN: torch's math kernel computes it as torch does"
+
+# torch takes these and answers them exactly (the mean of the values; zeros); cuDNN's kernels
+# take no head dim of 0 and divide by 1 - p.
+DEGENERATE = "a head dim of 0 or dropout_p=1: torch's math kernel answers these exactly"
 
 # Measured on a 2-core CPU (torch 2.13, causal B1 H8 d64, docs/benchmarks.md): the reference
 # backend ran 5-35x slower than torch's CPU kernel, which computes the same plain attention.
@@ -66,6 +73,7 @@ def cudnn_lacks(
 def cudnn(call: Call, asked: bool) -> list[str]:
     """Why cuDNN's graphs pass ``call`` over (``asked``: the block named cuDNN)."""
     found = [NON_POSITIVE_SCALE] if call.on_gpu and not call.scale_positive else []
+    found += [DEGENERATE] if call.degenerate else []
     found += cudnn_lacks(
         call.query.dtype, call.on_gpu, call.query.shape[-2], call.key.shape[-2], call.dropout_p, call.causal, call.train
     )
@@ -75,7 +83,9 @@ def cudnn(call: Call, asked: bool) -> list[str]:
 def reference(call: Call, asked: bool) -> list[str]:
     """Why the reference backend's graphs pass ``call`` over: what cuDNN lacks, judged as on the
     CPU (so one kernel runs it on every device), and under "auto" every plain CPU call."""
-    found = cudnn_lacks(
+    found = [DEGENERATE] if call.degenerate else []
+    found += [NON_FINITE_SCALE] if not call.scale_finite else []
+    found += cudnn_lacks(
         call.query.dtype, False, call.query.shape[-2], call.key.shape[-2], call.dropout_p, call.causal, call.train
     )
     if not asked and not found and not call.on_gpu:

@@ -1,0 +1,121 @@
+"""Calls torch's SDPA takes that the drop-in refused or computed otherwise (a fuzzer against
+torch 2.13 found them): size-1 batch and head dims torch broadcasts, dropout_p=1, scales that
+are tensors, bools, inf or NaN, a head dim of 0, empty inputs of any strides, meta inputs under
+autocast, and the reference backend under autocast. Each is checked against torch's own call."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import rel_err
+
+import cudnn_attn
+
+F = torch.nn.functional.scaled_dot_product_attention
+
+
+def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _both(q, k, v, **kw):
+    """Ours and torch's output and gradients, on fresh leaves of the same values."""
+    found = []
+    for attend in (cudnn_attn.sdpa, F):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = attend(*leaves, **kw)
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out), allow_unused=True)
+        found.append((out, grads))
+    return found
+
+
+SHAPES = {
+    "kv-one-head": ((2, 4, 3, 8), (2, 1, 5, 8), (2, 1, 5, 8)),
+    "kv-batch-one": ((2, 4, 3, 8), (1, 4, 5, 8), (1, 4, 5, 8)),
+    "q-one-head": ((1, 1, 3, 8), (1, 4, 5, 8), (1, 4, 5, 8)),
+    "five-d": ((3, 2, 4, 3, 8), (1, 2, 1, 5, 8), (3, 1, 1, 5, 8)),
+}
+
+
+@pytest.mark.parametrize("shapes", SHAPES.values(), ids=SHAPES.keys())
+def test_size_one_batch_and_head_dims_broadcast_as_torchs(shapes):
+    """Refused before: "key: 1 heads differ from query's 4" / "batch [1] differs"."""
+    q, k, v = (randn(*s, seed=i) for i, s in enumerate(shapes))
+    (ours, our_grads), (theirs, their_grads) = _both(q, k, v)
+    assert ours.shape == theirs.shape and rel_err(ours, theirs) < 1e-5
+    assert all(rel_err(a, b) < 1e-5 for a, b in zip(our_grads, their_grads))
+
+
+def test_heads_that_neither_match_nor_broadcast_are_still_refused():
+    q, k = randn(1, 4, 3, 8, seed=1), randn(1, 3, 5, 8, seed=2)
+    with pytest.raises(cudnn_attn.ValidationError, match="key: 3 heads"):
+        cudnn_attn.sdpa(q, k, k)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(dropout_p=1.0), dict(scale=torch.tensor(0.5)), dict(scale=True)],
+    ids=["dropout-1", "tensor-scale", "bool-scale"],
+)
+def test_scalars_torch_takes_are_taken_and_computed_as_torch(kw):
+    """Refused before (dropout_p must be < 1; scale a finite float)."""
+    q, k, v = (randn(1, 2, 3, 8, seed=10 + i) for i in range(3))
+    (ours, our_grads), (theirs, their_grads) = _both(q, k, v, **kw)
+    assert torch.allclose(ours, theirs, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(our_grads, their_grads))
+
+
+@pytest.mark.parametrize("scale", [math.inf, math.nan], ids=["inf", "nan"])
+def test_a_scale_that_is_not_finite_is_taken_and_gives_nan_as_torchs(scale):
+    """torch computes it (its kernels disagree on the result; its math kernel gives NaN); it was
+    refused here. Ours runs on torch's math kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (randn(1, 2, 3, 8, seed=20 + i) for i in range(3))
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = F(q, k, v, scale=scale)
+    assert torch.equal(cudnn_attn.sdpa(q, k, v, scale=scale).isnan(), expected.isnan())
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_a_head_dim_of_zero_gives_the_mean_of_the_values(backend):
+    q, k, v = randn(1, 2, 3, 0, seed=1), randn(1, 2, 5, 0, seed=2), randn(1, 2, 5, 4, seed=3)
+    with cudnn_attn.backend(backend):
+        out = cudnn_attn.sdpa(q, k, v)
+    assert rel_err(out, F(q, k, v)) < 1e-6 and rel_err(out[0, :, 0], v.mean(2)[0]) < 1e-6
+
+
+def test_empty_inputs_of_any_strides_and_empty_masks_over_more_batch_dims():
+    q = randn(1, 1, 3, 4, seed=1)
+    k, v = randn(1, 1, 0, 8, seed=2)[..., ::2], randn(1, 1, 0, 4, seed=3)
+    assert torch.equal(cudnn_attn.sdpa(q, k, v), F(q, k, v))
+    assert torch.equal(cudnn_attn.sdpa(q, v, v, attn_mask=torch.zeros(1)), F(q, v, v, attn_mask=torch.zeros(1)))
+    q5, kv5 = randn(2, 1, 1, 3, 8, seed=4), randn(2, 1, 1, 0, 8, seed=5)
+    mask = torch.zeros(1, 1, 3, 0)
+    assert torch.equal(cudnn_attn.sdpa(q5, kv5, kv5, attn_mask=mask), F(q5, kv5, kv5, attn_mask=mask))
+
+
+def test_meta_inputs_under_autocast_give_torchs_shape():
+    m = torch.empty(1, 1, 3, 8, device="meta")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = cudnn_attn.sdpa(m, m, m)
+    assert out.shape == (1, 1, 3, 8) and out.device.type == "meta"
+
+
+@pytest.mark.parametrize("kw", [dict(window_size=(15, 15)), dict(softcap=1e4)], ids=["window", "softcap"])
+def test_the_reference_backend_is_unchanged_by_an_enclosing_autocast(kw):
+    """Its forward's matmuls ran in bf16 under autocast and its backward's (outside) in float32:
+    dq off by 1.3 at scale 10, gradients up to 1e22 at larger logits."""
+    q, k, v = (randn(1, 1, n, 16, seed=n, dtype=torch.bfloat16) for n in (4, 16, 17))
+    k = k[:, :, :16]
+
+    def run(autocast: bool):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v[:, :, :16])]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = cudnn_attn.sdpa(*leaves, scale=10.0, **kw)
+        return (out, *torch.autograd.grad(out, leaves, torch.ones_like(out)))
+
+    for plain, cast in zip(run(False), run(True)):
+        assert torch.equal(plain, cast)
