@@ -39,6 +39,21 @@ _STATE = (
 )
 
 
+# get_extra_state's layout: a header (format, history, calls, gradient calls, whether the forward
+# and the gradient histories exist, the next slot), then the amaxes [3, H], this call's amaxes [3],
+# the scales [3] and the gradient amaxes [4, H].
+_FORMAT = 1.0
+_HEADER = 7
+
+
+def _into(held: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    """``value`` written into ``held`` where it has the same shape (its device and dtype kept),
+    else ``value`` itself as a new tensor (moved to the tensors' device on their next call)."""
+    if held is not None and held.shape == value.shape:
+        return held.copy_(value)
+    return value.clone()
+
+
 class Fp8Scaling(torch.nn.Module):
     """Delayed FP8 scaling: the amax history of one attention site's Q, K and V.
 
@@ -87,25 +102,48 @@ class Fp8Scaling(torch.nn.Module):
         self.grad_amaxes: torch.Tensor | None = None  # [4, history]
         self.grad_calls = 0
 
-    def get_extra_state(self) -> dict[str, Any]:
-        """The history as a ``state_dict`` holds it (``torch.save`` keeps its tensors' devices)."""
-        state: dict[str, Any] = {"history": self.history, "calls": self.calls, "grad_calls": self.grad_calls}
-        state.update({key: getattr(self, attribute) for key, attribute in _STATE})
-        return state
+    def get_extra_state(self) -> torch.Tensor:
+        """The history as a ``state_dict`` holds it: one float64 CPU tensor (safetensors, which
+        Hugging Face and accelerate save with, takes tensors only), laid out by ``_HEADER``."""
+        h = self.history
+        forward, backward = self.amaxes is not None, self.grad_amaxes is not None
+        header = [_FORMAT, h, self.calls, self.grad_calls, forward, backward]
+        header.append(float(self._slot.item()) if forward and self._slot is not None else 0.0)
+        parts = [torch.tensor(header, dtype=torch.float64)]
+        if forward:
+            assert self.amaxes is not None and self._current is not None and self._scales is not None
+            parts += [self.amaxes.flatten(), self._current.flatten(), self._scales[:, 0]]
+        else:
+            parts.append(torch.zeros(3 * h + 6, dtype=torch.float64))
+        parts.append(self.grad_amaxes.flatten() if backward else torch.zeros(4 * h, dtype=torch.float64))  # type: ignore[union-attr]
+        return torch.cat([part.detach().double().cpu() for part in parts])
 
     def set_extra_state(self, state: Any) -> None:
-        """Resume from ``get_extra_state``'s history (``load_state_dict`` calls it)."""
-        keys = {"history", "calls", "grad_calls", *(key for key, _ in _STATE)}
-        if not isinstance(state, dict) or set(state) != keys:
-            raise ValidationError(["state: not an Fp8Scaling's history (its keys differ)"], context="Fp8Scaling")
-        if state["history"] != self.history:
+        """Resume from ``get_extra_state``'s history (``load_state_dict`` calls it). Tensors the
+        history already has are written in place, so a CUDA graph captured with them reads it."""
+        h = self.history
+        if not isinstance(state, torch.Tensor) or state.dim() != 1 or state.numel() < _HEADER:
+            raise ValidationError(["state: not an Fp8Scaling's history"], context="Fp8Scaling")
+        header = [float(x) for x in state[:_HEADER]]
+        if header[0] != _FORMAT or state.numel() != _HEADER + 7 * int(header[1]) + 6:
+            raise ValidationError(["state: not an Fp8Scaling's history (another layout)"], context="Fp8Scaling")
+        if int(header[1]) != h:
             raise ValidationError(
-                [f"state: a history of {state['history']} calls; this one keeps {self.history}"], context="Fp8Scaling"
+                [f"state: a history of {int(header[1])} calls; this one keeps {h}"], context="Fp8Scaling"
             )
-        self.calls, self.grad_calls = int(state["calls"]), int(state["grad_calls"])
-        for key, attribute in _STATE:
-            value = state[key]
-            setattr(self, attribute, None if value is None else value.detach().clone())
+        self.calls, self.grad_calls = int(header[2]), int(header[3])
+        body = state[_HEADER:].float()
+        amaxes, current, scales, grads = body.split([3 * h, 3, 3, 4 * h])
+        if header[4]:
+            self.amaxes = _into(self.amaxes, amaxes.view(3, h))
+            self._current = _into(self._current, current)
+            self._slot = _into(self._slot, torch.tensor([int(header[6])], dtype=torch.int32))
+            buffer = scale_buffer("cpu")
+            buffer[:, 0] = scales
+            self._scales = _into(self._scales, buffer)
+        else:
+            self.amaxes = self._current = self._slot = self._scales = None
+        self.grad_amaxes = _into(self.grad_amaxes, grads.view(4, h)) if header[5] else None
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
         super()._load_from_state_dict(state_dict, prefix, *args)

@@ -223,7 +223,9 @@ class Graph:
         tensors.refuse_unsupported(is_virtual, reordering_type, ragged_offset_multiplier)
         io_dtype = self._dtypes["io_data_type"]  # a tensor's type when it is given none
         spec = tensors.described_spec(dim, stride, data_type, io_dtype, is_pass_by_value, name, device)
-        return tensors.described(self.recording, spec, name, is_pass_by_value, uid, ragged_offset)
+        handle = tensors.described(self.recording, spec, name, is_pass_by_value, uid, ragged_offset)
+        handle.strides_given = stride is not None
+        return handle
 
     def tensor_like(self, template: Any, name: str = "", is_virtual: bool = False) -> InputHandle:
         """An input with ``template``'s geometry (the frontend's ``graph.tensor_like``).
@@ -718,6 +720,8 @@ class Graph:
         Raises:
             ValidationError: not lists, or an entry that names no input or produced output.
         """
+        # After the build the outputs keep the layout they were built with (this library's Graph:
+        # q's); Graph(inputs=, outputs=) declares them before, where unset ones are packed.
         if not isinstance(inputs, (list, tuple)) or not isinstance(outputs, (list, tuple)):
             raise ValidationError(
                 [

@@ -87,6 +87,25 @@ def test_a_checkpoint_resumes_with_the_history_it_left_off_with():
         cudnn_attn.Fp8Scaling(history=4).load_state_dict(layer.fp8_scaling.state_dict())
 
 
+def test_the_history_saves_with_safetensors_and_loads_in_place(tmp_path):
+    """A dict as extra state broke safetensors (Hugging Face's and accelerate's default format);
+    loading into a history that exists writes its tensors in place (a captured graph reads them)."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    layer = cudnn_attn.nn.Attention(64, 4, fp8=True, causal=True, dtype=torch.bfloat16)
+    for scale in (8.0, 1.0):
+        layer(randn(2, 16, 64, generator=torch.Generator().manual_seed(int(scale))) * scale)
+    safetensors.save_file(layer.state_dict(), tmp_path / "layer.safetensors")
+    resumed = cudnn_attn.nn.Attention(64, 4, fp8=True, causal=True, dtype=torch.bfloat16)
+    resumed(randn(2, 16, 64, generator=torch.Generator().manual_seed(5)))  # a history of its own first
+    held = resumed.fp8_scaling.amaxes
+    resumed.load_state_dict(safetensors.load_file(tmp_path / "layer.safetensors"))
+    assert resumed.fp8_scaling.amaxes is held and torch.equal(held, layer.fp8_scaling.amaxes)
+    x = randn(2, 16, 64, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(resumed(x), layer(x))
+    with pytest.raises(ValidationError, match="not an Fp8Scaling's history"):
+        cudnn_attn.Fp8Scaling().set_extra_state({"history": 16})
+
+
 def test_bad_scaling_arguments_are_named():
     with pytest.raises(ValidationError, match="history"):
         cudnn_attn.Fp8Scaling(history=0)

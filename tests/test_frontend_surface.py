@@ -176,3 +176,10 @@ def test_the_frontends_enums_are_spelled_here_too():
     for name in ("cuda_graph_retention", "scalar_type"):
         assert {m.name for m in getattr(cudnn, name)} == {m for m in dir(getattr(fe, name)) if m.isupper()}
     cudnn.pygraph(cuda_graph_retention=cudnn.cuda_graph_retention.PER_GRAPH)
+
+
+def test_set_dim_after_default_strides_makes_them_the_new_dims_row_major():
+    """Strides that were only a default (none given) stayed, overlapping, after set_dim."""
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
+    assert g.tensor(dim=[1, 1, 1, 1]).set_dim([B, H, S, D]).get_stride() == [H * S * D, S * D, D, 1]
+    assert g.tensor(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1]).set_dim([B, H, S, D]).get_stride() == [1, 1, 1, 1]

@@ -4,6 +4,10 @@ returns what the recording returned (``(dQ, dK, dV)``), as the method's docstrin
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -140,3 +144,50 @@ def test_a_receiver_that_cannot_be_written_is_refused_by_name(receiver, message)
     with pytest.raises(cudnn_attn.ValidationError, match=message):
         with cudnn_attn.Graph() as g:
             g.sdpa_backward(q, k, v, o, o, stats, sink_token=sink, dSink_token=receiver, attn_scale=SCALE)
+
+
+def test_a_receiver_that_requires_grad_is_refused_after_a_build_of_the_same_geometry():
+    """The refusal was skipped where the recording adopted an earlier graph's build."""
+    q, k, v, sink, o, stats = _forward(seed=80)
+    for receiver in (torch.zeros(1, H, 1, 1), torch.zeros(1, H, 1, 1, requires_grad=True)):
+        build = pytest.raises(cudnn_attn.ValidationError) if receiver.requires_grad else contextlib.nullcontext()
+        with build:
+            with cudnn_attn.Graph() as g:
+                g.sdpa_backward(q, k, v, o, o, stats, sink_token=sink, dSink_token=receiver, attn_scale=SCALE)
+
+
+def test_a_graph_gone_leaves_no_receiver_alive():
+    """A kept build held the first graph's receiving tensor (a [B, H, S, S] dBias on the GPU)."""
+    q, k, v = (randn(B, H, S, D, seed=90 + i) for i in range(3))
+    bias = randn(1, H, S, S, seed=93)
+    with cudnn_attn.Graph() as fwd:
+        fwd.sdpa(q, k, v, attn_bias=bias, attn_scale=SCALE, generate_stats=True)
+    o, stats = fwd(q, k, v, bias)
+
+    def graph_and_its_receiver():
+        d_bias = torch.zeros_like(bias)
+        with cudnn_attn.Graph() as g:
+            g.sdpa_backward(q, k, v, o, o, stats, attn_bias=bias, dBias=d_bias, attn_scale=SCALE)
+        return g, weakref.ref(d_bias)
+
+    g, receiver = graph_and_its_receiver()
+    del g
+    gc.collect()
+    assert receiver() is None
+
+
+def test_a_declared_graph_returns_a_receiver_among_its_outputs():
+    """A declared graph whose node wrote a receiver raised a bare KeyError (its outputs shifted)."""
+    q, k, v, sink, o, stats = _forward(seed=100)
+    d_o = randn(B, H, S, D, seed=109)
+    d_sink = torch.full((1, H, 1, 1), float("nan"))
+    for outputs in (["dQ", "dK", "dV"], ["dQ", "dK", "dV", "dSink_token"]):
+        with cudnn_attn.Graph(inputs=[q, k, v, o, d_o, stats, sink], outputs=outputs) as g:
+            g.sdpa_backward(
+                q, k, v, o, d_o, stats, sink_token=sink, dSink_token=d_sink, attn_scale=SCALE, use_causal_mask=True
+            )
+        got = g(q, k, v, o, d_o, stats, sink)
+        assert [t.shape for t in got[:3]] == [q.shape] * 3
+        if len(outputs) == 4:
+            assert got[3] is d_sink
+    assert rel_err(d_sink, _sink_gradient(q, k, v, sink, d_o)) < 1e-5

@@ -92,10 +92,14 @@ class DeclaredIO:
         return results[0] if len(results) == 1 else tuple(results)
 
     def _by_output(self, produced: Any) -> list[Any]:
-        order = [h for node in self.recording.nodes for h in node.outputs.values() if h.is_output]
+        """The declared outputs from a run's returned ones (a caller's receiving tensor, which a
+        run writes and does not return, stands for its output)."""
+        order = [
+            h for node in self.recording.nodes for h in node.outputs.values() if h.is_output and h.receiver is None
+        ]
         produced = produced if isinstance(produced, tuple) else (produced,)
         by_handle = dict(zip(order, produced))
-        return [by_handle[h] for h in self.outputs]
+        return [h.receiver if h.receiver is not None else by_handle[h] for h in self.outputs]
 
     def _call_with_dict(self, run: Any, given: Mapping[Any, Any]) -> dict[Any, Any]:
         inputs: dict[Any, Any] = {}

@@ -33,8 +33,14 @@ class StandIn:
         self.name, self.spec = handle.name, spec
         self.is_output = getattr(handle, "is_output", False)
         self.ragged_offset = getattr(handle, "ragged_offset", None)
-        receiver = getattr(handle, "receiver", None)  # the caller's tensor, while it fits
-        self.receiver = receiver if receiver is not None and spec == handle.spec else None
+        self.receiver = getattr(handle, "receiver", None)  # the caller's tensor: it must still fit
+        if self.receiver is not None and spec != handle.spec:
+            raise ValidationError(
+                [
+                    f"{handle.name}: the override changes the geometry of the tensor given to receive it "
+                    "(written otherwise into a temporary); record the graph with a receiver of the new geometry"
+                ]
+            )
 
 
 def overridden_runner(

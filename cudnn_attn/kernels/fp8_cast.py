@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import types
 from typing import Any
 
@@ -197,7 +198,8 @@ def _cast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().abs().amax().float()
+    """``max |x|`` ignoring NaN, as the CUDA kernels' max reduction does (inf is kept)."""
+    return x.detach().abs().nan_to_num(nan=0.0, posinf=math.inf).amax().float()
 
 
 def _is_dense(x: torch.Tensor) -> bool:
@@ -242,7 +244,7 @@ def _kernels() -> Any:
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < n
         x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(x * tl.load(scale_ptr), -limit), limit)
+        y = tl.clamp(x * tl.load(scale_ptr), -limit, limit, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN
         tl.store(out_ptr + offsets, y.to(tl.float8e4nv), mask=inside)
         if RECORD:  # amaxes are >= 0: float atomic max is exact
             tl.atomic_max(amax_ptr, tl.max(tl.abs(x), axis=0))
@@ -294,7 +296,7 @@ def _kernels() -> Any:
         offsets = block * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < n
         x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(x * scale, -limit), limit)
+        y = tl.clamp(x * scale, -limit, limit, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as _cast
         tl.store(out_ptr + offsets, y.to(tl.float8e4nv), mask=inside)
         if RECORD:
             tl.atomic_max(record_ptr + which, tl.max(tl.abs(x), axis=0))

@@ -170,6 +170,8 @@ class InputHandle(TensorHandle):
         self.template = template  # the data of a template tensor, for build-time value checks
         self.made_index: int | None = None  # its place among handles made with tensor()/tensor_like()
         self.alias_of: OutputHandle | None = None  # made by the caller to receive an op's output (dBias=)
+        # Whether the strides were given (a tensor's, or stride=/set_stride), not row-major by default.
+        self.strides_given = True
 
     @property
     def spec(self) -> TensorSpec:
@@ -184,12 +186,13 @@ class InputHandle(TensorHandle):
         return self
 
     def set_dim(self, dim: Any) -> InputHandle:
-        """Set the input's dims; returns self. The strides stay as they are, as the frontend's
-        ``set_dim`` leaves them (a BSHD tensor described with BHSD dims keeps its layout); they
-        become row-major only where the rank changes, since the old ones no longer fit."""
+        """Set the input's dims; returns self. Strides that were given stay as they are, as the
+        frontend's ``set_dim`` leaves them (a BSHD tensor described with BHSD dims keeps its
+        layout); default ones, or ones of another rank, become the new dims' row-major strides."""
         self.recording.check_open(f"{self._name}.set_dim")
         shape = int_tuple(dim, f"{self._name}.set_dim")
-        strides = self._spec.stride if len(shape) == len(self._spec.shape) else contiguous_strides(shape)
+        kept = self.strides_given and len(shape) == len(self._spec.shape)
+        strides = self._spec.stride if kept else contiguous_strides(shape)  # a default follows the dims
         self._spec = TensorSpec(shape, strides, self._spec.dtype, self._spec.device)
         return self
 
@@ -200,6 +203,7 @@ class InputHandle(TensorHandle):
         if len(strides) != len(self._spec.shape):
             raise ValidationError([f"{self._name}.set_stride: {len(strides)} strides for {len(self._spec.shape)} dims"])
         self._spec = TensorSpec(self._spec.shape, strides, self._spec.dtype, self._spec.device)
+        self.strides_given = True
         return self
 
     def set_data_type(self, data_type: Any) -> InputHandle:

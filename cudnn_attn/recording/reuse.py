@@ -76,6 +76,8 @@ class RecordedBuild:
 
 def recorded(recording: Recording, runner: Runner) -> RecordedBuild | None:
     """A built recording, for later recordings of the same calls to adopt (None: not kept)."""
+    if any(h.receiver is not None for node in recording.nodes for h in node.outputs.values()):
+        return None  # kept, its runner would keep the caller's receiving tensors alive with it
     inputs = list(recording.inputs)
     position = {h: i for i, h in enumerate(inputs)}
     outputs = {h: i for i, h in enumerate(h for node in recording.nodes for h in node.outputs.values())}
