@@ -13,6 +13,7 @@ history is that site's.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -108,14 +109,15 @@ class Fp8Scaling(torch.nn.Module):
         h = self.history
         forward, backward = self.amaxes is not None, self.grad_amaxes is not None
         header = [_FORMAT, h, self.calls, self.grad_calls, forward, backward]
-        header.append(float(self._slot.item()) if forward and self._slot is not None else 0.0)
-        parts = [torch.tensor(header, dtype=torch.float64)]
+        slot = self._slot if forward and self._slot is not None and self._slot.device.type != "meta" else None
+        header.append(float(slot.item()) if slot is not None else 0.0)  # a meta history has no values
+        parts = [torch.tensor(header, dtype=torch.float64, device="cpu")]  # not a default device's (meta)
         if forward:
             assert self.amaxes is not None and self._current is not None and self._scales is not None
             parts += [self.amaxes.flatten(), self._current.flatten(), self._scales[:, 0]]
         else:
-            parts.append(torch.zeros(3 * h + 6, dtype=torch.float64))
-        parts.append(self.grad_amaxes.flatten() if backward else torch.zeros(4 * h, dtype=torch.float64))  # type: ignore[union-attr]
+            parts.append(torch.zeros(3 * h + 6, dtype=torch.float64, device="cpu"))
+        parts.append(self.grad_amaxes.flatten() if backward else torch.zeros(4 * h, dtype=torch.float64, device="cpu"))  # type: ignore[union-attr]
         return torch.cat([part.detach().double().cpu() for part in parts])
 
     def set_extra_state(self, state: Any) -> None:
@@ -124,9 +126,16 @@ class Fp8Scaling(torch.nn.Module):
         h = self.history
         if not isinstance(state, torch.Tensor) or state.dim() != 1 or state.numel() < _HEADER:
             raise ValidationError(["state: not an Fp8Scaling's history"], context="Fp8Scaling")
+        if state.dtype != torch.float64:  # a cast state rounds its counts (1001 calls read as 1000)
+            raise ValidationError([f"state: {state.dtype}; an Fp8Scaling's history is float64"], context="Fp8Scaling")
         header = [float(x) for x in state[:_HEADER]]
-        if header[0] != _FORMAT or state.numel() != _HEADER + 7 * int(header[1]) + 6:
+        integral = all(math.isfinite(x) and x == int(x) for x in header[1:])
+        if header[0] != _FORMAT or not integral or state.numel() != _HEADER + 7 * int(header[1]) + 6:
             raise ValidationError(["state: not an Fp8Scaling's history (another layout)"], context="Fp8Scaling")
+        if not 0 <= header[6] < max(header[1], 1):  # the next column a call writes, on the device
+            raise ValidationError(
+                [f"state: slot {int(header[6])} outside a history of {int(header[1])}"], context="Fp8Scaling"
+            )
         if int(header[1]) != h:
             raise ValidationError(
                 [f"state: a history of {int(header[1])} calls; this one keeps {h}"], context="Fp8Scaling"
@@ -137,7 +146,7 @@ class Fp8Scaling(torch.nn.Module):
         if header[4]:
             self.amaxes = _into(self.amaxes, amaxes.view(3, h))
             self._current = _into(self._current, current)
-            self._slot = _into(self._slot, torch.tensor([int(header[6])], dtype=torch.int32))
+            self._slot = _into(self._slot, torch.tensor([int(header[6])], dtype=torch.int32, device="cpu"))
             buffer = scale_buffer("cpu")
             buffer[:, 0] = scales
             self._scales = _into(self._scales, buffer)

@@ -104,6 +104,16 @@ def test_the_history_saves_with_safetensors_and_loads_in_place(tmp_path):
     assert torch.equal(resumed(x), layer(x))
     with pytest.raises(ValidationError, match="not an Fp8Scaling's history"):
         cudnn_attn.Fp8Scaling().set_extra_state({"history": 16})
+    state = layer.fp8_scaling.get_extra_state()
+    for bad, message in (
+        (state.float(), "float32; an Fp8Scaling's history is float64"),
+        (torch.cat([state[:1], torch.tensor([float("nan")], dtype=torch.float64), state[2:]]), "another layout"),
+        (torch.cat([state[:6], torch.tensor([99.0], dtype=torch.float64), state[7:]]), "slot 99 outside"),
+    ):
+        with pytest.raises(ValidationError, match=message):
+            cudnn_attn.Fp8Scaling().set_extra_state(bad)
+    with torch.device("meta"):  # a model made on the meta device still states its history
+        assert cudnn_attn.nn.Attention(64, 4, fp8=True).state_dict()["fp8_scaling._extra_state"].device.type == "cpu"
 
 
 def test_bad_scaling_arguments_are_named():

@@ -119,3 +119,27 @@ def test_the_reference_backend_is_unchanged_by_an_enclosing_autocast(kw):
 
     for plain, cast in zip(run(False), run(True)):
         assert torch.equal(plain, cast)
+
+
+def test_broadcast_dims_run_under_torch_compile_as_eagerly():
+    """The broadcast step ran on the eager path only: compiled, the call was refused."""
+    q, k, v = randn(2, 4, 3, 8, seed=1), randn(2, 1, 5, 8, seed=2), randn(1, 1, 5, 8, seed=3)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b, c: cudnn_attn.sdpa(a, b, c), fullgraph=True, backend="aot_eager")
+    assert rel_err(compiled(q, k, v), F(q, k, v)) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "kw, reason",
+    [
+        (dict(scale=math.inf), "a scale that is inf or NaN"),
+        (dict(dropout_p=1.0), "dropout_p=1: cuDNN's dropout scales by 1 / \\(1 - p\\)"),
+    ],
+    ids=["inf-scale", "dropout-1"],
+)
+def test_a_cudnn_block_refuses_what_cudnn_cannot_run_naming_why(kw, reason):
+    """An inf scale was a ValidationError there ("give a finite float"); the degenerate calls'
+    reason named neither case."""
+    x = randn(1, 2, 3, 8, seed=4, dtype=torch.bfloat16)
+    with cudnn_attn.backend("cudnn"), pytest.raises(cudnn_attn.UnsupportedError, match=reason):
+        cudnn_attn.sdpa(x, x, x, **kw)

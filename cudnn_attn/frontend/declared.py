@@ -91,15 +91,17 @@ class DeclaredIO:
         results = self._by_output(produced)
         return results[0] if len(results) == 1 else tuple(results)
 
-    def _by_output(self, produced: Any) -> list[Any]:
+    def _by_output(self, produced: Any, redirected: Mapping[Any, Any] | None = None) -> list[Any]:
         """The declared outputs from a run's returned ones (a caller's receiving tensor, which a
-        run writes and does not return, stands for its output)."""
+        run writes and does not return, stands for its output; ``redirected``: the run's ``out``
+        by handle, which took its place)."""
         order = [
             h for node in self.recording.nodes for h in node.outputs.values() if h.is_output and h.receiver is None
         ]
         produced = produced if isinstance(produced, tuple) else (produced,)
         by_handle = dict(zip(order, produced))
-        return [h.receiver if h.receiver is not None else by_handle[h] for h in self.outputs]
+        redirected = redirected or {}
+        return [by_handle[h] if h.receiver is None else redirected.get(h, h.receiver) for h in self.outputs]
 
     def _call_with_dict(self, run: Any, given: Mapping[Any, Any]) -> dict[Any, Any]:
         inputs: dict[Any, Any] = {}
@@ -111,7 +113,7 @@ class DeclaredIO:
             (outputs if isinstance(handle, OutputHandle) else inputs)[handle] = value
         produced = run(inputs, outputs or None)
         result = dict(given)
-        for handle, tensor in zip(self.outputs, self._by_output(produced)):
+        for handle, tensor in zip(self.outputs, self._by_output(produced, outputs)):
             result.setdefault(self.names[handle], tensor)
         return result
 

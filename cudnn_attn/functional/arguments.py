@@ -112,17 +112,15 @@ def _subclass_problem(name: str, t: torch.Tensor) -> str:
     )
 
 
-AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla")
-
-
 def autocast_inputs(query: Any, key: Any, value: Any, attn_mask: Any) -> tuple[Any, Any, Any, Any]:
     """The inputs as torch's SDPA sees them under ``torch.autocast``: every floating tensor but
     float64 cast to the autocast dtype (torch's lower-precision op list), masks included."""
     # torch's one-call check first: reading query.device costs more than the whole check.
     if not torch._C._is_any_autocast_enabled() or not isinstance(query, torch.Tensor):
         return query, key, value, attn_mask
-    if query.device.type not in AUTOCAST_DEVICES or not torch.is_autocast_enabled(query.device.type):
-        return query, key, value, attn_mask  # torch asks no autocast of meta and other devices
+    kind = query.device.type
+    if not torch.amp.is_autocast_available(kind) or not torch.is_autocast_enabled(kind):
+        return query, key, value, attn_mask  # meta and other devices have no autocast to ask about
     dtype = torch.get_autocast_dtype(query.device.type)
 
     def cast(t: Any) -> Any:

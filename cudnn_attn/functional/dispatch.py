@@ -182,9 +182,10 @@ def sdpa(
         out = sdpa_eager.run(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if out is not None:
             return out
-        wide = broadcast_batch_and_heads(query, key, value, enable_gqa)  # size-1 dims torch broadcasts
-        if wide is not None:
-            query, key, value = wide
+    wide = broadcast_batch_and_heads(query, key, value, enable_gqa)  # size-1 dims torch broadcasts
+    if wide is not None:
+        query, key, value = wide
+    if not torch.compiler.is_compiling():
         check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         # Another rank ([L, E], [H, L, E], [N, ..., H, L, E]) or scalars of other types: the same
         # door on the call's 4-D views, not the compile op (whose dispatch costs host time).

@@ -94,12 +94,16 @@ def run(
 def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, train) -> Any:
     """Check the call in full and choose its engine: torch's kernel running the call, or a
     ``Prepared`` with its forward graph (the backward's comes with the first backward)."""
-    if broadcast_batch_and_heads(query, key, value, enable_gqa) is not None:  # torch broadcasts size-1 dims
+    wide = broadcast_batch_and_heads(query, key, value, enable_gqa)
+    if wide is not None:  # torch broadcasts size-1 dims: the shapes once per signature
+        shapes = [t.shape for t in wide]
+        copy = query.is_cuda  # torch's fused CUDA kernels are never given stride-0 inputs by torch itself
 
         def broadcast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> Any:
-            wide = broadcast_batch_and_heads(q, k, v, enable_gqa)
-            assert wide is not None, "the same signature broadcasts alike"
-            return run(*wide, mask, dropout_p, is_causal, scale, enable_gqa)
+            q, k, v = (t.expand(shape) for t, shape in zip((q, k, v), shapes))
+            if copy:
+                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            return run(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
 
         return broadcast
     check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)

@@ -240,6 +240,10 @@ def _kernels() -> Any:
     import triton.language as tl
 
     @triton.jit
+    def _nan_as_zero(a):
+        return tl.where(a == a, a, 0.0)  # NaN skipped by every amax, as _amax skips it (a block all NaN too)
+
+    @triton.jit
     def quantise(x_ptr, out_ptr, scale_ptr, amax_ptr, n, limit, RECORD: tl.constexpr, BLOCK: tl.constexpr):
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < n
@@ -247,7 +251,7 @@ def _kernels() -> Any:
         y = tl.clamp(x * tl.load(scale_ptr), -limit, limit, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN
         tl.store(out_ptr + offsets, y.to(tl.float8e4nv), mask=inside)
         if RECORD:  # amaxes are >= 0: float atomic max is exact
-            tl.atomic_max(amax_ptr, tl.max(tl.abs(x), axis=0))
+            tl.atomic_max(amax_ptr, tl.max(_nan_as_zero(tl.abs(x)), axis=0))
 
     @triton.jit
     def quantise_qkv(
@@ -299,7 +303,7 @@ def _kernels() -> Any:
         y = tl.clamp(x * scale, -limit, limit, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as _cast
         tl.store(out_ptr + offsets, y.to(tl.float8e4nv), mask=inside)
         if RECORD:
-            tl.atomic_max(record_ptr + which, tl.max(tl.abs(x), axis=0))
+            tl.atomic_max(record_ptr + which, tl.max(_nan_as_zero(tl.abs(x)), axis=0))
 
     @triton.jit
     def amax_qkv(q_ptr, k_ptr, v_ptr, n_q, n_k, n_v, end_q, end_k, out_ptr, BLOCK: tl.constexpr):
@@ -312,7 +316,7 @@ def _kernels() -> Any:
             which, block, x_ptr, n = 2, pid - end_k, v_ptr, n_v
         offsets = block * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offsets, mask=offsets < n, other=0.0).to(tl.float32)
-        tl.atomic_max(out_ptr + which, tl.max(tl.abs(x), axis=0))
+        tl.atomic_max(out_ptr + which, tl.max(_nan_as_zero(tl.abs(x)), axis=0))
 
     @triton.jit
     def advance_history(history_ptr, current_ptr, slot_ptr, scale_ptr, length, limit, stride, SPAN: tl.constexpr):

@@ -192,8 +192,8 @@ def select_call(call: Call, requested: str, torch_op: bool = True) -> CallChoice
     if stands_in:  # torch's own kernel choice, but its CPU flash kernel gives NaN for a scale < 0
         math = not call.scale_positive
     else:  # on the CPU, or for a scale <= 0, its exact math kernel
-        math = not call.on_gpu or any(r in passed for r in (reasons.NON_POSITIVE_SCALE, reasons.DEGENERATE))
-        math = math or reasons.NON_FINITE_SCALE in passed
+        exact = (reasons.NON_POSITIVE_SCALE, reasons.NON_FINITE_SCALE, *reasons.DEGENERATE)
+        math = not call.on_gpu or any(r in passed for r in exact)
     run = kernel.TorchKernel(why, call.dropout_p, call.causal, call.scale, call.enable_gqa, math)
     return CallChoice(None, run, as_graph=stands_in)
 

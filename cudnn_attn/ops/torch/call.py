@@ -46,8 +46,7 @@ class Call:
 
     @property
     def degenerate(self) -> bool:
-        """A head dim of 0 or ``dropout_p=1``: torch's answer (uniform weights, all zeros) is
-        exact and no kernel's business."""
+        """A head dim of 0 or ``dropout_p=1`` (``reasons.degenerate`` says which)."""
         return self.query.shape[-1] == 0 or self.value.shape[-1] == 0 or self.dropout_p >= 1
 
     def describe(self) -> str:

@@ -41,7 +41,7 @@ def reasons(call: Call) -> list[str]:
         (call.attn_mask is not None, "attn_mask: the op is taken without a mask"),
         (bool(call.dropout_p), f"dropout_p={call.dropout_p:g}: the op is taken without dropout"),
         (not call.scale_positive, "scale <= 0 or not finite: cuDNN's kernels give NaN there"),
-        (call.degenerate, "a head dim of 0 or dropout_p=1"),
+        (call.degenerate, "a head dim of 0 or dropout_p=1: torch's math kernel answers it"),
         (autotune_default(), "autotuning on: the op takes cuDNN's heuristic plan"),
         (
             query.dtype not in (torch.float16, torch.bfloat16) or not query.dtype == key.dtype == value.dtype,

@@ -33,9 +33,12 @@ NON_POSITIVE_SCALE = "scale <= 0 or not finite: cuDNN's kernels give NaN there (
 # torch takes inf and NaN scales (its answer is NaN); the graphs are keyed by a finite scale.
 NON_FINITE_SCALE = "a scale that is inf or NaN: torch's math kernel computes it as torch does"
 
-# torch takes these and answers them exactly (the mean of the values; zeros); cuDNN's kernels
-# take no head dim of 0 and divide by 1 - p.
-DEGENERATE = "a head dim of 0 or dropout_p=1: torch's math kernel answers these exactly"
+# torch takes these and answers them exactly; cuDNN's kernels take neither.
+ZERO_HEAD_DIM = (
+    "a head dim of 0: cuDNN's kernels take head dims >= 8 (torch's math kernel gives the mean of the values)"
+)
+ALL_DROPPED = "dropout_p=1: cuDNN's dropout scales by 1 / (1 - p) (torch's math kernel gives zeros)"
+DEGENERATE = (ZERO_HEAD_DIM, ALL_DROPPED)
 
 # Measured on a 2-core CPU (torch 2.13, causal B1 H8 d64, docs/benchmarks.md): the reference
 # backend ran 5-35x slower than torch's CPU kernel, which computes the same plain attention.
@@ -73,17 +76,24 @@ def cudnn_lacks(
 def cudnn(call: Call, asked: bool) -> list[str]:
     """Why cuDNN's graphs pass ``call`` over (``asked``: the block named cuDNN)."""
     found = [NON_POSITIVE_SCALE] if call.on_gpu and not call.scale_positive else []
-    found += [DEGENERATE] if call.degenerate else []
+    found += [NON_FINITE_SCALE] if not call.scale_finite and not found else []
+    found += degenerate(call)
     found += cudnn_lacks(
         call.query.dtype, call.on_gpu, call.query.shape[-2], call.key.shape[-2], call.dropout_p, call.causal, call.train
     )
     return [r for r in found if r not in SERVES_WORSE] if asked else found
 
 
+def degenerate(call: Call) -> list[str]:
+    """The degenerate calls torch answers and no kernel should: a head dim of 0, dropout_p=1."""
+    found = [ZERO_HEAD_DIM] if call.query.shape[-1] == 0 or call.value.shape[-1] == 0 else []
+    return found + ([ALL_DROPPED] if call.dropout_p >= 1 else [])
+
+
 def reference(call: Call, asked: bool) -> list[str]:
     """Why the reference backend's graphs pass ``call`` over: what cuDNN lacks, judged as on the
     CPU (so one kernel runs it on every device), and under "auto" every plain CPU call."""
-    found = [DEGENERATE] if call.degenerate else []
+    found = degenerate(call)
     found += [NON_FINITE_SCALE] if not call.scale_finite else []
     found += cudnn_lacks(
         call.query.dtype, False, call.query.shape[-2], call.key.shape[-2], call.dropout_p, call.causal, call.train
