@@ -60,12 +60,16 @@ def test_a_sink_gradient_tensor_is_written_by_every_run_and_not_returned():
     assert rel_err(d_sink, _sink_gradient(q2, k2, v2, sink2, d_o)) < 1e-5
 
 
-def test_a_bias_gradient_tensor_and_an_out_mapping_that_redirects_it():
-    q, k, v = (randn(B, H, S, D, seed=30 + i) for i in range(3))
-    bias = randn(1, H, S, S, seed=33)
+def _biased_forward(seed: int):
+    q, k, v = (randn(B, H, S, D, seed=seed + i) for i in range(3))
+    bias = randn(1, H, S, S, seed=seed + 3)
     with cudnn_attn.Graph() as fwd:
         fwd.sdpa(q, k, v, attn_bias=bias, attn_scale=SCALE, generate_stats=True)
-    o, stats = fwd(q, k, v, bias)
+    return (q, k, v, bias, *fwd(q, k, v, bias))
+
+
+def test_a_bias_gradient_tensor_and_an_out_mapping_that_redirects_it():
+    q, k, v, bias, o, stats = _biased_forward(seed=30)
     d_o = randn(B, H, S, D, seed=34)
     d_bias = torch.full_like(bias, float("nan"))
     with cudnn_attn.Graph() as bwd:
@@ -158,11 +162,7 @@ def test_a_receiver_that_requires_grad_is_refused_after_a_build_of_the_same_geom
 
 def test_a_graph_gone_leaves_no_receiver_alive():
     """A kept build held the first graph's receiving tensor (a [B, H, S, S] dBias on the GPU)."""
-    q, k, v = (randn(B, H, S, D, seed=90 + i) for i in range(3))
-    bias = randn(1, H, S, S, seed=93)
-    with cudnn_attn.Graph() as fwd:
-        fwd.sdpa(q, k, v, attn_bias=bias, attn_scale=SCALE, generate_stats=True)
-    o, stats = fwd(q, k, v, bias)
+    q, k, v, bias, o, stats = _biased_forward(seed=90)
 
     def graph_and_its_receiver():
         d_bias = torch.zeros_like(bias)

@@ -20,6 +20,7 @@ from test_transformers_integration import (  # noqa: E402
     WINDOW,
     batch,
     calls,  # noqa: F401  (the fixture)
+    encoder_errors,
     gemma2_models,
     gpt_oss_models,
 )
@@ -210,36 +211,5 @@ def test_float64_encoder_and_cross_attention_match_sdpa():
 
     if int(transformers.__version__.split(".")[0]) < 5:
         pytest.skip("BERT and BART build their masks with transformers' mask registry from transformers 5 on")
-    ids, mask = batch("right")
-    real = mask.bool()
-    torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, max_position_embeddings=64)
-    bert = transformers.BertModel(
-        transformers.BertConfig(
-            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, **common
-        ),
-        add_pooling_layer=False,
-    )
-    bart = transformers.BartForConditionalGeneration(
-        transformers.BartConfig(
-            d_model=64,
-            encoder_layers=1,
-            decoder_layers=1,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=128,
-            decoder_ffn_dim=128,
-            **common,
-        )
-    )
-    for model, run, rows in (
-        (bert, lambda m: m(ids, attention_mask=mask).last_hidden_state, real),
-        (bart, lambda m: m(ids, attention_mask=mask, decoder_input_ids=ids[:, :7]).logits, slice(None)),
-    ):
-        model = model.to(torch.float64).eval()
-        model.set_attn_implementation("sdpa")
-        ours = copy.deepcopy(model)
-        ours.set_attn_implementation(NAME)
-        with torch.no_grad():
-            err = rel_err(run(ours)[rows], run(model)[rows])
-        assert err < TOLERANCE[torch.float64], f"{type(model).__name__}: rel_err {err:.3e}"
+    for name, err in encoder_errors(torch.float64, 2).items():
+        assert err < TOLERANCE[torch.float64], f"{name}: rel_err {err:.3e}"
