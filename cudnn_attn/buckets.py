@@ -90,7 +90,7 @@ class BucketedAttention:
         problems = []
         backend = graph_options.get("backend", "auto")
         allowed = ", ".join(map(repr, LENGTHS_BACKEND_NAMES))
-        if backend in BACKEND_NAMES and backend not in LENGTHS_BACKEND_NAMES:  # refused at every call else
+        if isinstance(backend, str) and backend in BACKEND_NAMES and backend not in LENGTHS_BACKEND_NAMES:
             raise UnsupportedError(
                 [f"backend: {backend!r}; its kernel takes no per-sequence lengths, which every request needs"],
                 context=CONTEXT,

@@ -183,3 +183,9 @@ def test_set_dim_after_default_strides_makes_them_the_new_dims_row_major():
     g = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
     assert g.tensor(dim=[1, 1, 1, 1]).set_dim([B, H, S, D]).get_stride() == [H * S * D, S * D, D, 1]
     assert g.tensor(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1]).set_dim([B, H, S, D]).get_stride() == [1, 1, 1, 1]
+
+
+def test_a_copy_of_a_default_strided_tensor_keeps_its_strides_a_default():
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
+    copy = g.tensor_like(g.tensor(dim=[1, 1, 1, 1]))
+    assert copy.set_dim([B, H, S, D]).get_stride() == [H * S * D, S * D, D, 1]

@@ -87,6 +87,7 @@ def like(recording: Recording, template: Any, name: str) -> InputHandle:
     if isinstance(template, TensorHandle):
         handle = recording.made_input(handle_spec(template), name or template.name, None)
         handle.is_pass_by_value = template.is_pass_by_value  # as the frontend copies it
+        handle.strides_given = getattr(template, "strides_given", True)  # a default stays one
         return handle
     tensor = interop.as_torch(template)
     if tensor is None:

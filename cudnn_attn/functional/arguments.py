@@ -167,7 +167,7 @@ def check_arguments(
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p <= 1.0:
         problems.append(f"dropout_p: {shown(dropout_p)}; expected a probability 0 <= p <= 1")
     if scale is not None and not _scalar(scale):
-        problems.append(f"scale: {shown(scale)}; expected a float (or a one-element tensor) or None")
+        problems.append(f"scale: {shown(scale)}; expected a float (or a 0-d tensor) or None")
     for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
         if name == "is_causal" and isinstance(flag, Causal):
             continue  # a variant read from a CausalBias mask
@@ -204,10 +204,10 @@ def broadcast_batch_and_heads(
 
 
 def _scalar(value: Any) -> bool:
-    """A scale torch's SDPA takes: any real number (inf and NaN included, as there), or a
-    one-element real tensor, which it reads as a float."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
+    """A scale torch's SDPA takes: any real number (inf and NaN included, as there), or a 0-d
+    real tensor, which it reads as a float."""
+    if isinstance(value, torch.Tensor):  # 0-d, as torch reads it (a [1] tensor it refuses)
+        return value.dim() == 0 and not value.is_complex() and value.dtype != torch.bool
     if not isinstance(value, numbers.Real):
         return False
     try:  # 10**400 is a real number no float holds (torch refuses it too)
