@@ -76,7 +76,9 @@ class Graph:
         heuristics: the pythonic graph's heuristic modes; accepted (cuDNN mode A, FALLBACK behind).
         workspace_alloc: the pythonic graph's flag; accepted (workspaces are allocated here).
         backend: ``"auto"`` (cuDNN for CUDA tensors, the reference backend for CPU tensors),
-            ``"cudnn"`` or ``"reference"`` (the pure-PyTorch backend, on any device).
+            ``"cudnn"``, ``"reference"`` (the pure-PyTorch backend, on any device) or
+            ``"torch"`` (torch's SDPA kernel, for the problems it takes; the others are refused
+            naming what it lacks).
         autotune: time every candidate cuDNN plan at build and keep the fastest; None follows
             ``cudnn_attn.set_autotune`` and ``CUDNN_ATTN_AUTOTUNE=1``.
         cache: the ``PlanCache`` to take plans from; ``default_cache()`` by default.

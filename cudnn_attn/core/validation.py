@@ -49,6 +49,8 @@ def _dt(spec: TensorSpec) -> str:
 
 def problems(p: AttentionProblem) -> list[str]:
     """Everything structurally wrong with ``p``; empty when it is well formed."""
+    if torch.compiler.is_compiling():  # dynamo traces through the cache wrapper, and warns it did
+        return list(_problems.__wrapped__(p))
     return list(_problems(p))
 
 
