@@ -30,14 +30,8 @@ from .kernels.fp8_cast import (
     scales_for,
 )
 
-# The history's tensors, as a state dict names them: (key, attribute).
-_STATE = (
-    ("amaxes", "amaxes"),
-    ("current", "_current"),
-    ("slot", "_slot"),
-    ("scales", "_scales"),
-    ("grad_amaxes", "grad_amaxes"),
-)
+# The history's tensors: the forward's four, then the gradients' amaxes.
+_TENSORS = ("amaxes", "_current", "_slot", "_scales", "grad_amaxes")
 
 
 # get_extra_state's layout: a header (format, history, calls, gradient calls, whether the forward
@@ -117,7 +111,8 @@ class Fp8Scaling(torch.nn.Module):
             parts += [self.amaxes.flatten(), self._current.flatten(), self._scales[:, 0]]
         else:
             parts.append(torch.zeros(3 * h + 6, dtype=torch.float64, device="cpu"))
-        parts.append(self.grad_amaxes.flatten() if backward else torch.zeros(4 * h, dtype=torch.float64, device="cpu"))  # type: ignore[union-attr]
+        grads = self.grad_amaxes
+        parts.append(grads.flatten() if grads is not None else torch.zeros(4 * h, dtype=torch.float64, device="cpu"))
         return torch.cat([part.detach().double().cpu() for part in parts])
 
     def set_extra_state(self, state: Any) -> None:
@@ -162,7 +157,7 @@ class Fp8Scaling(torch.nn.Module):
 
     def _follow(self, device: torch.device) -> None:
         """Move the history to ``device`` (a model moved, or a checkpoint loaded elsewhere)."""
-        for _, attribute in _STATE:
+        for attribute in _TENSORS:
             value = getattr(self, attribute)
             if value is not None and value.device != device:
                 _refuse_capture(device, "the history lies on another device; run one call before capture")
@@ -174,7 +169,8 @@ class Fp8Scaling(torch.nn.Module):
         _refuse_capture(device, "the FP8 backward's gradient history advances on the host")
         if self.grad_amaxes is None or self.grad_calls == 0:
             return None
-        self._follow(device)
+        if self.grad_amaxes.device != device:
+            self._follow(device)
         assert self.grad_amaxes is not None
         return scales_for(self.grad_amaxes.amax(dim=1))
 
@@ -184,7 +180,8 @@ class Fp8Scaling(torch.nn.Module):
         if self.grad_amaxes is None:
             self.grad_amaxes = torch.zeros(len(amaxes), self.history, dtype=torch.float32, device=device)
             self.grad_calls = 0
-        self._follow(device)
+        elif self.grad_amaxes.device != device:
+            self._follow(device)
         # An overflowing backward's inf or NaN is not recorded: it would set the scales of the next ones.
         self.grad_amaxes[:, self.grad_calls % self.history] = finite_amaxes(torch.cat([a.reshape(1) for a in amaxes]))
         self.grad_calls += 1
@@ -201,7 +198,7 @@ class Fp8Scaling(torch.nn.Module):
         history once the call has run, ``discard`` forgets them if it failed (a refused call
         must not set the scales of the calls after it)."""
         device = tensors[0].device
-        if self.amaxes is not None:
+        if self.amaxes is not None and self.amaxes.device != device:  # one comparison a steady call
             self._follow(device)
         if self.amaxes is None:
             _refuse_capture(device, "an Fp8Scaling's first call measures its amaxes; run one call before capture")
@@ -227,7 +224,7 @@ class Fp8Scaling(torch.nn.Module):
     def discard(self) -> None:
         """Forget the staged call's amaxes: a first call leaves no history at all."""
         if self.calls == 0:
-            for _, attribute in _STATE[:4]:
+            for attribute in _TENSORS[:4]:
                 setattr(self, attribute, None)
         elif self._current is not None:
             self._current.zero_()

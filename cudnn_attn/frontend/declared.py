@@ -79,6 +79,10 @@ class DeclaredIO:
             raise ValidationError(problems, context=context)
         self.names = {h: _key(h, e) for h, e in zip([*self.inputs, *self.outputs], [*inputs, *outputs])}
         self.recording = recording
+        # What a run returns, in order (the receivers' outputs it writes instead): known once built.
+        self.returned = [
+            h for node in recording.nodes for h in node.outputs.values() if h.is_output and h.receiver is None
+        ]
 
     def call(self, run: Any, args: tuple, out: Any) -> Any:
         """``run(mapping, out)`` runs the graph on inputs by handle and returns its outputs in node order."""
@@ -95,11 +99,8 @@ class DeclaredIO:
         """The declared outputs from a run's returned ones (a caller's receiving tensor, which a
         run writes and does not return, stands for its output; ``redirected``: the run's ``out``
         by handle, which took its place)."""
-        order = [
-            h for node in self.recording.nodes for h in node.outputs.values() if h.is_output and h.receiver is None
-        ]
         produced = produced if isinstance(produced, tuple) else (produced,)
-        by_handle = dict(zip(order, produced))
+        by_handle = dict(zip(self.returned, produced))
         redirected = redirected or {}
         return [by_handle[h] if h.receiver is None else redirected.get(h, h.receiver) for h in self.outputs]
 

@@ -180,10 +180,8 @@ def check_arguments(
         raise ValidationError(problems, context="sdpa")
 
 
-def broadcast_batch_and_heads(
-    query: Any, key: Any, value: Any, enable_gqa: Any
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """query, key and value expanded (views) over the batch and head dims torch's SDPA
+def broadcast_shapes(query: Any, key: Any, value: Any, enable_gqa: Any) -> list[torch.Size] | None:
+    """The shapes query, key and value take over the batch and head dims torch's SDPA
     broadcasts (a size of 1 against n, as its matmuls broadcast them); None where they agree
     already, or do not broadcast (the checks then name what differs). With enable_gqa the
     heads are left as they are, as torch leaves them."""
@@ -199,8 +197,18 @@ def broadcast_batch_and_heads(
         shared = None if enable_gqa else torch.broadcast_shapes(*((h,) for h in heads))[0]
     except RuntimeError:
         return None
-    q, k, v = (t.expand(*batch, t.shape[-3] if shared is None else shared, *t.shape[-2:]) for t in tensors)
-    return None if (q.shape, k.shape, v.shape) == tuple(t.shape for t in tensors) else (q, k, v)
+    shapes = [torch.Size((*batch, t.shape[-3] if shared is None else shared, *t.shape[-2:])) for t in tensors]
+    return None if shapes == [t.shape for t in tensors] else shapes
+
+
+Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def broadcast(tensors: Triple, shapes: list[torch.Size]) -> Triple:
+    """query, key and value expanded to ``shapes``: views, copied on CUDA (torch never hands its
+    fused CUDA kernels stride-0 inputs; the graphs copy them in any case)."""
+    q, k, v = (t.expand(shape) for t, shape in zip(tensors, shapes))
+    return (q.contiguous(), k.contiguous(), v.contiguous()) if q.is_cuda else (q, k, v)
 
 
 def _scalar(value: Any) -> bool:

@@ -35,7 +35,8 @@ from .arguments import (
     ARGUMENT_NAMES,
     autocast_inputs,
     batched,
-    broadcast_batch_and_heads,
+    broadcast,
+    broadcast_shapes,
     causal_from_mask,
     causal_kind,
     check_arguments,
@@ -182,9 +183,9 @@ def sdpa(
         out = sdpa_eager.run(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if out is not None:
             return out
-    wide = broadcast_batch_and_heads(query, key, value, enable_gqa)  # size-1 dims torch broadcasts
-    if wide is not None:
-        query, key, value = wide
+    shapes = broadcast_shapes(query, key, value, enable_gqa)  # size-1 dims torch broadcasts
+    if shapes is not None:
+        query, key, value = broadcast((query, key, value), shapes)
     if not torch.compiler.is_compiling():
         check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         # Another rank ([L, E], [H, L, E], [N, ..., H, L, E]) or scalars of other types: the same

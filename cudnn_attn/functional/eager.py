@@ -27,7 +27,8 @@ from ..runtime.training import differentiable
 from . import problems
 from .arguments import (
     ARGUMENT_NAMES,
-    broadcast_batch_and_heads,
+    broadcast,
+    broadcast_shapes,
     causal_kind,
     check_arguments,
     mask_as_bias,
@@ -94,18 +95,13 @@ def run(
 def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, train) -> Any:
     """Check the call in full and choose its engine: torch's kernel running the call, or a
     ``Prepared`` with its forward graph (the backward's comes with the first backward)."""
-    wide = broadcast_batch_and_heads(query, key, value, enable_gqa)
-    if wide is not None:  # torch broadcasts size-1 dims: the shapes once per signature
-        shapes = [t.shape for t in wide]
-        copy = query.is_cuda  # torch's fused CUDA kernels are never given stride-0 inputs by torch itself
+    shapes = broadcast_shapes(query, key, value, enable_gqa)
+    if shapes is not None:  # torch broadcasts size-1 dims: the shapes found once per signature
 
-        def broadcast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> Any:
-            q, k, v = (t.expand(shape) for t, shape in zip((q, k, v), shapes))
-            if copy:
-                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-            return run(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
+        def broadcast_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> Any:
+            return run(*broadcast((q, k, v), shapes), mask, dropout_p, is_causal, scale, enable_gqa)
 
-        return broadcast
+        return broadcast_run
     check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     causal = causal_kind(is_causal)
     call = Call(query, key, value, attn_mask, float(dropout_p), causal, scale, enable_gqa, train)

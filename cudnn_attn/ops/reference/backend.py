@@ -76,7 +76,13 @@ class ReferencePlan:
         handle: Any = None,
         dropout_keep: torch.Tensor | None = None,
     ) -> None:
-        with _without_autocast(self.problem.q.device):  # the reference computes in compute_dtype, as asked
+        if not torch._C._is_any_autocast_enabled():  # the one-call check: nearly every call
+            self._run(inputs, outputs, dropout_keep)
+            return
+        kind = torch.device(self.problem.q.device).type
+        # Under a caller's autocast its float32 matmuls ran in bf16 in the forward and in float32 in
+        # the backward (outside the block): the backward's probabilities were no longer normalised.
+        with torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else contextlib.nullcontext():
             self._run(inputs, outputs, dropout_keep)
 
     def _run(self, inputs: RunInputs, outputs: Mapping[str, torch.Tensor], dropout_keep: torch.Tensor | None) -> None:
@@ -344,13 +350,3 @@ def gather_pages(
     b, n, page_size, h, d = pages.shape
     tokens = pages.reshape(b, n * page_size, h, d)[:, :s_kv]
     return tokens.transpose(1, 2)
-
-
-def _without_autocast(device: str) -> Any:
-    """Autocast off around the reference's math: under a caller's ``torch.autocast`` its float32
-    matmuls ran in bf16 in the forward and in float32 in the backward (outside the block), so
-    the backward's probabilities were no longer normalised (gradients off by 1e22)."""
-    kind = torch.device(device).type
-    if kind in ("cpu", "cuda") and torch._C._is_any_autocast_enabled():
-        return torch.autocast(kind, enabled=False)
-    return contextlib.nullcontext()

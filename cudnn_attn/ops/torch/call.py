@@ -44,11 +44,6 @@ class Call:
     def scale_finite(self) -> bool:
         return self.scale is None or math.isfinite(float(self.scale))
 
-    @property
-    def degenerate(self) -> bool:
-        """A head dim of 0 or ``dropout_p=1`` (``reasons.degenerate`` says which)."""
-        return self.query.shape[-1] == 0 or self.value.shape[-1] == 0 or self.dropout_p >= 1
-
     def describe(self) -> str:
         """The call's geometry and flags, for the dispatch's log and errors."""
         q, k = self.query, self.key

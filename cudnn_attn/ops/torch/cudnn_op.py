@@ -25,6 +25,7 @@ from ...core.mask import Causal
 from ..cudnn.autotune import enabled_by_default as autotune_default
 from ..cudnn.workarounds import nan_backward_reason
 from .call import Call
+from .reasons import ZERO_HEAD_DIM
 
 WHERE = "cudnn_attn.sdpa"
 
@@ -41,7 +42,7 @@ def reasons(call: Call) -> list[str]:
         (call.attn_mask is not None, "attn_mask: the op is taken without a mask"),
         (bool(call.dropout_p), f"dropout_p={call.dropout_p:g}: the op is taken without dropout"),
         (not call.scale_positive, "scale <= 0 or not finite: cuDNN's kernels give NaN there"),
-        (call.degenerate, "a head dim of 0 or dropout_p=1: torch's math kernel answers it"),
+        (query.shape[-1] == 0 or value.shape[-1] == 0, ZERO_HEAD_DIM),  # dropout_p=1: refused above
         (autotune_default(), "autotuning on: the op takes cuDNN's heuristic plan"),
         (
             query.dtype not in (torch.float16, torch.bfloat16) or not query.dtype == key.dtype == value.dtype,
