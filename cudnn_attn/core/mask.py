@@ -79,9 +79,10 @@ def unbounded_window(window_size: object) -> bool:
 
 def window_band(window_size: object, causal: Causal) -> tuple[Causal, int | None, int | None]:
     """FlashAttention's ``window_size=(left, right)`` (query i keeps keys ``i - left .. i + right``,
-    any negative: no bound, as FlashAttention reads it) beside ``causal``, as ``(causal, sliding_window, right_bound)``: a right bound of
-    0 is causal (top-left where ``causal`` names no alignment). Raises ``ValueError`` naming what
-    is wrong (the doors re-raise it as their ``ValidationError``)."""
+    any negative: no bound, as FlashAttention reads it) beside ``causal``, as
+    ``(causal, sliding_window, right_bound)``: a right bound of 0 is causal (top-left where
+    ``causal`` names no alignment). Raises ``ValueError`` naming what is wrong (the doors
+    re-raise it as their ``ValidationError``)."""
     if (
         not isinstance(window_size, (tuple, list))
         or len(window_size) != 2

@@ -100,9 +100,8 @@ def checked(
         if not local and packed:
             local = cu_problems(cu_seqlens, m.world, layout, q.shape[0], max_seqlen)
         elif not local and max_seqlen is not None:
-            local = [
-                f"max_seqlen: {shown(max_seqlen)} without cu_seqlens; it bounds packed documents (dense shards take none)"
-            ]
+            why = "it bounds packed documents (dense shards take none)"
+            local = [f"max_seqlen: {shown(max_seqlen)} without cu_seqlens; {why}"]
         if not local:
             local = _score_term_problems(q, window_size, sinks)
     resolved = _resolved(q, scale, is_causal, window_size, lengths, m, layout) if not local else None

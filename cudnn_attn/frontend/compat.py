@@ -2,10 +2,11 @@
 so drop-in code (``import cudnn_attn as cudnn``) runs unchanged.
 
 Enums: ``heur_mode``, ``diagonal_alignment``, ``attention_implementation``,
-``build_plan_policy``, ``cuda_graph_retention`` and ``scalar_type`` carry the frontend's member names. They are this library's own classes, as
-``data_type`` is (it maps to torch dtypes, which the frontend's cannot), so the package imports
-and runs without the frontend; every keyword that takes one matches members by ``.name``, so the
-frontend's own members (``cudnn.diagonal_alignment.BOTTOM_RIGHT``) are accepted beside ours.
+``build_plan_policy``, ``cuda_graph_retention`` and ``scalar_type`` carry the frontend's member
+names. They are this library's own classes, as ``data_type`` is (it maps to torch dtypes, which
+the frontend's cannot), so the package imports and runs without the frontend; every keyword that
+takes one matches members by ``.name``, so the frontend's own members
+(``cudnn.diagonal_alignment.BOTTOM_RIGHT``) are accepted beside ours.
 ``heur_mode`` and ``build_plan_policy`` are accepted and need not change: the library asks cuDNN
 for mode A with FALLBACK behind it and builds the plan the heuristics choose.
 
