@@ -257,7 +257,7 @@ def test_fp8_backward_on_cudnn_close_to_bf16_gradients():
         grads = torch.autograd.grad(out, (q, k, v), d_out)
         for got, want in zip(grads, expected):
             assert rel_err(got, want) < 0.12
-        assert scaling.grad_calls == call + 2
+        assert scaling.grad_calls == call + 1  # the first backward measures its amaxes once, recording one entry
 
 
 def test_a_retained_fp8_backward_on_cudnn_runs_again_with_the_same_gradients():
