@@ -332,7 +332,7 @@ def _refusal(case: Refusal, rank: int, world: int, device: torch.device, index: 
 
     def tensor(heads: int) -> torch.Tensor:
         if call["dims"] == "nested":  # no sizes to read: refused by name, on every rank
-            return torch.nested.nested_tensor([torch.randn(heads, n, 16) for n in (3, 5)], dtype=dtype)
+            return torch.nested.nested_tensor([torch.randn(heads, n, 16) for n in (3, 5)], dtype=dtype, device=device)
         if call["dims"] == "meta":
             return torch.empty(1, heads, call["seq"], 16, dtype=dtype, device="meta")
         if call["dims"] == 3:  # packed [T, H, D]: a shard, or the whole sequence for shard()
