@@ -43,6 +43,25 @@ def test_paged_graph_runs_in_the_order_of_its_method_parameters():
     assert rel_err(out, expected) < 1e-2
 
 
+def test_paged_graph_takes_sdpas_sink_token_and_tensor_scale():
+    """The paged node takes the scale and sink keywords of sdpa (a graph-tensor attn_scale and
+    sink_token were left out of its inputs: a KeyError at build)."""
+    q = randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(3))
+    k_dense, k_cache, table = _paged(seed=4)
+    lengths = torch.tensor([24, 11], dtype=torch.int32)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0]).view(1, 4, 1, 1)
+    with cudnn_attn.Graph() as g:
+        scale = g.tensor(name="scale", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=torch.float32)
+        g.sdpa_with_paged_cache(q, k_cache, k_cache, table, seq_len_kv=lengths, attn_scale=scale, sink_token=sinks)
+    out = g(q, k_cache, table, lengths, torch.full((1, 1, 1, 1), 0.3), sinks)
+    k64 = k_dense.double().repeat_interleave(2, dim=1)
+    scores = q.double() @ k64.transpose(-1, -2) * 0.3
+    scores[1, :, :, 11:] = -math.inf
+    logits = torch.cat([scores, sinks.double().expand(2, 4, 1, 1)], dim=-1)
+    expected = torch.softmax(logits, dim=-1)[..., :-1] @ k64
+    assert rel_err(out, expected) < 1e-2
+
+
 def test_positional_order_is_each_methods_parameter_order_whatever_the_keyword_order():
     q, k, v = (randn(2, 2, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
     bias = randn(1, 2, 8, 8)

@@ -252,6 +252,31 @@ def test_paged_cpu_still_refuses_a_bad_page_a_sequence_reads():
         attn.run(q, k_cache, v_cache)
 
 
+def test_the_paged_graph_on_the_cpu_takes_padding_in_the_slots_no_sequence_reads():
+    """The Graph's paged node takes the tables PagedAttention takes (-1 or a page past the cache
+    past a sequence's length), as a GPU does; a bad page a sequence reads is still refused."""
+    gen = torch.Generator().manual_seed(24)
+    k_cache, v_cache = (torch.randn(6, 2, 4, 16, generator=gen) for _ in range(2))  # NHPD, as the oracle reads
+    q = torch.randn(2, 4, 1, 16, generator=gen)
+    lengths = torch.tensor([7, 10], dtype=torch.int32)
+    table = torch.tensor([[0, 1, -1, -1], [2, 3, 4, 99]], dtype=torch.int32)
+    with cudnn_attn.Graph() as g:
+        g.sdpa_with_paged_cache(q, k_cache, v_cache, table, seq_len_kv=lengths, kv_cache_layout="NHPD")
+    expected = paged_oracle(q, k_cache, v_cache, table.clamp(0, 5), lengths, 16**-0.5)
+    assert rel_err(g(q, k_cache, v_cache, table, lengths), expected) < TOLERANCE[torch.float32]
+    with pytest.raises(ValidationError, match=r"page_table_k: page indices \[-1\] out of range"):
+        g(q, k_cache, v_cache, torch.tensor([[0, -1, 5, 5], [2, 3, 4, 99]], dtype=torch.int32), lengths)
+
+
+@pytest.mark.parametrize("given", ["page_table", "seq_lens_kv", "q_lens"])
+def test_plan_names_an_argument_that_is_not_a_tensor(given):
+    attn = cudnn_attn.PagedAttention(4, 2, 16, 4, dtype=torch.bfloat16)
+    arguments = {"page_table": torch.tensor([[0, 1]], dtype=torch.int32), "seq_lens_kv": torch.tensor([3]).int()}
+    arguments[given] = [1]
+    with pytest.raises(ValidationError, match=f"{given}: list; expected an int32 tensor"):
+        attn.plan(arguments["page_table"], arguments["seq_lens_kv"], q_lens=arguments.get("q_lens"))
+
+
 # ---- GPU: the same windows lowered to cuDNN, against the reference ---------------------------
 
 

@@ -316,3 +316,21 @@ def test_stats_of_a_sequence_with_no_keys_are_minus_infinity_as_on_the_reference
     assert torch.equal(stats_gpu[0].cpu(), stats_cpu[0]) and bool(torch.isneginf(stats_gpu[0]).all())
     assert o_gpu[0].abs().sum() == 0
     assert rel_err(stats_gpu[1], stats_cpu[1]) < 1e-3 and rel_err(o_gpu[1], o_cpu[1]) < 2e-2
+
+
+def test_paged_graph_with_sink_token_and_tensor_scale_matches_the_reference():
+    q = randn(2, 8, 1, 64, seed=23)
+    cache = randn(8, 16, 2, 64, seed=24)
+    table = torch.tensor([[3, 0, 6, 1], [5, 2, 7, 4]], device="cuda", dtype=torch.int32)
+    lengths = torch.tensor([64, 30], device="cuda", dtype=torch.int32)
+    sinks = torch.randn(1, 8, 1, 1, generator=torch.Generator().manual_seed(25)).cuda()
+    scale = torch.full((1, 1, 1, 1), 0.2, device="cuda")
+
+    def build(backend):
+        with cudnn_attn.Graph(backend=backend) as g:
+            s = g.tensor(name="scale", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=torch.float32)
+            g.sdpa_with_paged_cache(q, cache, cache, table, seq_len_kv=lengths, attn_scale=s, sink_token=sinks)
+        return g
+
+    (got,), (expected,) = both(build, (q, cache, table, lengths, scale, sinks))
+    assert rel_err(got, expected) < TOL[torch.bfloat16]

@@ -135,12 +135,14 @@ def value_problems(p: AttentionProblem, data: Mapping[str, torch.Tensor]) -> lis
 def _read_entries(
     p: AttentionProblem, role: str, table: torch.Tensor, data: Mapping[str, torch.Tensor]
 ) -> torch.Tensor:
-    """The page-table entries a run reads: all of a table, or of a packed one (ragged offsets)
-    each sequence's own entries, as many as its length needs where the lengths are at hand."""
+    """The page-table entries a run reads: each sequence's row (of a packed table, its own
+    entries through the ragged offsets), as many as its length needs where the lengths are at
+    hand; the slots past them are padding that no run reads (-1, a page past the cache)."""
     offsets = data.get(f"{role}_offset")
-    if role not in p.offset_tensors or offsets is None or table.dim() != 4:
-        return table.detach().reshape(-1).to("cpu", torch.int64)
-    rows = gather_rows(table.detach().cpu(), offsets.detach().cpu(), None).reshape(table.shape[0], -1)
+    if role in p.offset_tensors and offsets is not None and table.dim() == 4:
+        rows = gather_rows(table.detach().cpu(), offsets.detach().cpu(), None).reshape(table.shape[0], -1)
+    else:
+        rows = table.detach().cpu().reshape(table.shape[0], -1)
     lengths = data.get("seq_len_kv")
     if lengths is not None and p.page_size:
         pages = (lengths.detach().reshape(-1, 1).to("cpu", torch.int64) + p.page_size - 1) // p.page_size

@@ -140,6 +140,8 @@ PAGED_INPUTS = (
     "bias",
     "dropout_seed",
     "dropout_offset",
+    "scale_tensor",
+    "sink_token",
     *SCORE_INPUTS,
     *FORWARD_OFFSETS,
 )

@@ -50,7 +50,7 @@ def check_plan(attn: Any, page_table: Any, seq_lens_kv: Any, q_lens: Any) -> tor
         elif t.dtype != torch.int32 or t.dim() != rank:
             problems.append(f"{name}: {t.dtype} of shape {list(t.shape)}; expected a {rank}-D int32 tensor")
     for name, t, _ in given + ([("q_lens", q_lens, 1)] if q_lens is not None else []):
-        if t.device.type not in ("cpu", "cuda"):
+        if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "cuda"):
             problems.append(f"{name}: on {t.device}; PagedAttention plans from CPU or CUDA tensors")
     if problems:
         raise ValidationError(problems, context="PagedAttention.plan")

@@ -341,9 +341,12 @@ def pack_thd(dense: torch.Tensor, lengths: torch.Tensor, tokens: int) -> torch.T
 def gather_pages(
     cache: torch.Tensor, table: torch.Tensor | int, layout: KVCacheLayout | None, s_kv: int
 ) -> torch.Tensor:
-    """A paged cache and its page table -> dense [B, H_kv, S_kv, D]."""
+    """A paged cache and its page table -> dense [B, H_kv, S_kv, D]. Indices are clamped into
+    the cache, as a GPU clamps them: the slots past a sequence's length may hold padding (-1, a
+    page past the cache), and the pages it does read were checked where the values were at hand."""
     table = _as_tensor(table)
     table = table.reshape(table.shape[0], -1).to(device=cache.device, dtype=torch.int64)
+    table = table.clamp(0, cache.shape[0] - 1)
     pages = cache[table]  # [B, n, P, H, D] (NPHD) or [B, n, H, P, D] (NHPD)
     if layout is KVCacheLayout.NHPD:
         pages = pages.transpose(2, 3)  # -> [B, n, P, H, D]
