@@ -15,13 +15,13 @@ Equivalent plain torch::
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
 from .core.dtypes import dtype_name
+from .core.finite import finite_real, integer
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError, shown
 from .fp8 import sdpa_fp8
 from .fp8_scaling import Fp8Scaling
@@ -112,10 +112,11 @@ class Attention(nn.Module):
             problems.append(f"dtype: {dtype}; fp8=True attends from float16 or bfloat16 activations")
         if fp8 and (sinks or window is not None or softcap is not None):
             problems.append("fp8: True with sinks, window or softcap; FP8 attention takes none of them here")
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        if window is not None and (not integer(window) or window < 1):
             problems.append(f"window: {window!r}; expected an int >= 1 (tokens, the query's own included)")
         if window is not None and not causal:
             problems.append("window: a sliding window needs causal=True (it is a left bound beside the causal mask)")
+        problems += _factory_problems(causal, bias, device, dtype)
         if problems:
             raise ValidationError(problems, context="Attention")
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
@@ -150,6 +151,8 @@ class Attention(nn.Module):
             UnsupportedError: a call this GPU or cuDNN cannot run.
         """
         problems = self._input_problems(x)
+        if is_causal is not None and not _flag(is_causal):
+            problems.append(f"is_causal: {shown(is_causal)}; expected True, False or None (the layer's causal)")
         if problems:
             raise ValidationError(problems, context="Attention")
         if self.fp8 and attn_mask is not None:
@@ -228,8 +231,26 @@ class Attention(nn.Module):
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, causal={self.causal}{extra}"
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _flag(value: Any) -> bool:
+    """A yes/no argument as torch's take them: a bool, or the ints 0 and 1 (a string is neither)."""
+    return isinstance(value, (bool, int)) and value in (0, 1)
+
+
+def _factory_problems(causal: Any, bias: Any, device: Any, dtype: Any) -> list[str]:
+    """The flags, device and dtype ``Attention`` is built with, checked by name."""
+    problems = [
+        f"{name}: {shown(v)}; expected True or False"
+        for name, v in (("causal", causal), ("bias", bias))
+        if not _flag(v)
+    ]
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        problems.append(f"dtype: {shown(dtype)}; expected a floating torch dtype (torch.bfloat16, ...) or None")
+    if device is not None:
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError) as error:
+            problems.append(f"device: {shown(device)}; not a torch device ({error})")
+    return problems
 
 
 def _construction_problems(embed_dim: Any, num_heads: Any, num_kv_heads: Any, dropout: Any, softcap: Any) -> list[str]:
@@ -238,18 +259,16 @@ def _construction_problems(embed_dim: Any, num_heads: Any, num_kv_heads: Any, dr
     for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
         if name == "num_kv_heads" and value is None:
             continue
-        if not _is_int(value) or value < 1:
+        if not integer(value) or value < 1:
             problems.append(f"{name}: {shown(value)}; expected an int >= 1")
     sizes_ok = not problems
     if sizes_ok and embed_dim % num_heads:
         problems.append(f"num_heads: {num_heads} does not divide embed_dim={embed_dim}")
     if sizes_ok and num_kv_heads is not None and num_heads % num_kv_heads:
         problems.append(f"num_kv_heads: {num_kv_heads} does not divide num_heads={num_heads}")
-    real = isinstance(dropout, (int, float)) and not isinstance(dropout, bool)
-    if not real or not 0.0 <= dropout < 1.0:
+    if not finite_real(dropout) or not 0.0 <= dropout < 1.0:
         problems.append(f"dropout: {shown(dropout)}; expected a probability 0 <= p < 1")
-    real = isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
-    if softcap is not None and (not real or not math.isfinite(softcap) or softcap <= 0):
+    if softcap is not None and (not finite_real(softcap) or softcap <= 0):
         problems.append(f"softcap: {shown(softcap)}; expected a finite number > 0 or None")
     return problems
 

@@ -40,6 +40,7 @@ import torch
 from .core import varlen_keywords
 from .core.constructors import backward_problem, forward_problem
 from .core.derived import derived
+from .core.finite import integer
 from .core.mask import Causal, ScoreOptions, default_scale
 from .core.problem import AttentionProblem, TensorSpec
 from .core.score_inputs import check_sinks, sink_token
@@ -109,7 +110,9 @@ def varlen_sdpa(
             the band is measured from the top-left diagonal (``i - left .. i``).
         softcap: logit soft-capping, scores ``cap * tanh(s / cap)`` (Gemma-2's); None or 0.0: off.
             On cuDNN 9.19 with causal self-attention only (``cu_seqlens_q is cu_seqlens_k``): it
-            applies no sequence-length mask beside a score modifier, so other calls are refused.
+            applies no sequence-length mask beside a score modifier and misreads one's
+            per-sequence tensors, so other calls are refused by name; the reference backend runs
+            them.
         alibi_slopes: FlashAttention's per-head ALiBi slopes: ``UnsupportedError`` (cuDNN's ALiBi
             takes no slopes; ``Graph.sdpa(use_alibi_mask=True)`` has the standard ones).
         deterministic: a deterministic backward (cuDNN's deterministic algorithm; the forward
@@ -232,6 +235,7 @@ def varlen_attention(
         enable_gqa,
         context,
     )
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)  # NumPy's ints too
     bounded = window_left is not None or window_right is not None
     batch = cu_seqlens_q.shape[0] - 1
     slots = bucket(batch, 1)
@@ -261,15 +265,19 @@ def varlen_attention(
     if softcap is not None:
         if dropout_p:
             raise UnsupportedError(["dropout_p with softcap: not supported yet"], context=context)
-        if options.scores.aligned_bottom_right:  # its diagonal sits per sequence: no one modifier holds it
-            reason = (
-                "softcap with a bottom-right causal mask or window in a packed batch (other query than key lengths)"
-            )
-            raise UnsupportedError([f"{reason}: not supported yet"], context=context)
+        offsets = None
+        if options.scores.aligned_bottom_right:  # each sequence's diagonal: the modifier reads S_kv - S_q
+            offsets = lengths_k - lengths_q
+            options.score_inputs["score_input_0"] = offsets
         try:
             same = varlen_keywords.same_lengths(cu_seqlens_q, cu_seqlens_k)
             options.modifier, options.scores = softcap_modifier(
-                softcap, options.scores, options.max_q, options.max_k, same
+                softcap,
+                options.scores,
+                options.max_q,
+                options.max_k,
+                same,
+                None if offsets is None else TensorSpec.of(offsets),
             )
         except ValidationError as error:
             raise ValidationError(error.problems, context=context) from None
@@ -305,8 +313,10 @@ class _Options:
         self.train = False  # whether the call needs gradients (its stats and backward)
         self.rng: tuple[torch.Tensor, torch.Tensor] | None = None
         self.modifier: ScoreModifier | None = None  # softcap's, holding the causal mask and window
+        self.score_inputs: dict[str, torch.Tensor] = {}  # the modifier's inputs, by role
 
     def inputs(self, **tensors: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        tensors.update(self.score_inputs)
         if self.rng is not None:
             tensors.update(dropout_seed=self.rng[0], dropout_offset=self.rng[1])
         return {role: t for role, t in tensors.items() if t is not None}
@@ -474,26 +484,28 @@ def _check(
         raise ValidationError(problems, context=context)
     if v.shape[0] != k.shape[0]:  # every call: a warm plan reads T_kv from k alone
         problems.append(f"v: {v.shape[0]} tokens differ from k's {k.shape[0]}; packed k and v must share T_kv")
+    if v.shape[1] != k.shape[1]:
+        problems.append(f"v: {v.shape[1]} heads differ from k's {k.shape[1]}; packed k and v must share H_kv")
     if q.shape[1] != k.shape[1] and not enable_gqa:
         problems.append(f"k: {k.shape[1]} heads, q has {q.shape[1]}; pass enable_gqa=True for grouped-query attention")
     if causal not in CAUSAL:
         problems.append(f"causal: {causal!r}; allowed None, 'top_left', 'bottom_right'")
-    if window_left is not None and (not isinstance(window_left, int) or window_left < 0):
+    if window_left is not None and (not integer(window_left) or window_left < 0):
         problems.append(f"window_size: left bound {window_left!r}; must be an int >= 0")
-    if window_right is not None and (not isinstance(window_right, int) or window_right < 1 or causal is not None):
+    if window_right is not None and (not integer(window_right) or window_right < 1 or causal is not None):
         problems.append(
             f"window_size: right bound {window_right!r}; must be an int >= 1, without a causal mask (a right bound of 0)"
         )
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0 <= dropout_p < 1:
         problems.append(f"dropout_p: {dropout_p!r}; must be a float in [0, 1)")
     for name, value in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append(f"{name}: {value!r}; must be an int >= 1")
+        if not integer(value) or value < 0:  # 0: every sequence empty (FlashAttention's zeros)
+            problems.append(f"{name}: {value!r}; must be an int >= 0")
     for name, cu, tokens, longest in (
         ("cu_seqlens_q", cu_q, q.shape[0], max_q),
         ("cu_seqlens_k", cu_k, k.shape[0], max_k),
     ):
-        problems += _cu_problems(name, cu, q.device, tokens, longest if isinstance(longest, int) else None)
+        problems += _cu_problems(name, cu, q.device, tokens, int(longest) if integer(longest) else None)
     if not problems and cu_q.shape != cu_k.shape:
         problems.append(
             f"cu_seqlens_k: {cu_k.shape[0] - 1} sequences, cu_seqlens_q has {cu_q.shape[0] - 1}; "

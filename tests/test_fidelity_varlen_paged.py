@@ -4,6 +4,7 @@ by each sequence's own rows, and page-table padding in slots no sequence reads."
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import ragged_cases
 import torch
@@ -31,9 +32,10 @@ def flash_window_mask(s_q: int, s_k: int, left: int, right: int, causal: bool) -
     return allowed
 
 
-def varlen_oracle(q, k, v, cu_q, cu_k, scale, mask_of) -> torch.Tensor:
-    """float64 attention of each packed sequence alone with the boolean mask ``mask_of(s_q, s_k)``;
-    a row that keeps no key is 0. Groups of query heads share a K/V head (GQA)."""
+def varlen_oracle(q, k, v, cu_q, cu_k, scale, mask_of, softcap=None) -> torch.Tensor:
+    """float64 attention of each packed sequence alone with the boolean mask ``mask_of(s_q, s_k)``
+    (after ``softcap * tanh(s / softcap)``, as FlashAttention caps); a row that keeps no key is 0.
+    Groups of query heads share a K/V head (GQA)."""
     h_q, h_kv = q.shape[1], k.shape[1]
     out = torch.zeros(q.shape[0], h_q, v.shape[-1], dtype=torch.float64)
     for b in range(cu_q.numel() - 1):
@@ -41,6 +43,8 @@ def varlen_oracle(q, k, v, cu_q, cu_k, scale, mask_of) -> torch.Tensor:
         qb = q[sq:eq].double().transpose(0, 1)
         kb, vb = (x[sk:ek].double().transpose(0, 1).repeat_interleave(h_q // h_kv, 0) for x in (k, v))
         scores = (qb @ kb.transpose(1, 2)) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         allowed = mask_of(eq - sq, ek - sk)
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, -1).nan_to_num(0.0)  # rows with no key: 0
@@ -77,17 +81,20 @@ WINDOWS = {
 }
 
 
+@pytest.mark.parametrize("softcap", [None, 2.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize("case", WINDOWS, ids=list(WINDOWS))
-def test_varlen_window_is_flash_attention_bottom_right(case):
+def test_varlen_window_is_flash_attention_bottom_right(case, softcap):
+    """With softcap the capped scores take each sequence's own bottom-right band (the modifier
+    reads every sequence's S_kv - S_q; it was refused)."""
     options = WINDOWS[case]
     left, right = options.get("window_size", (-1, -1))
     causal = bool(options.get("causal"))
     q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, seed=11)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out = cudnn_attn.varlen_sdpa(*leaves, cu_q, cu_k, max(LENGTHS_Q), max(LENGTHS_K), **options)
+    out = cudnn_attn.varlen_sdpa(*leaves, cu_q, cu_k, max(LENGTHS_Q), max(LENGTHS_K), softcap=softcap, **options)
     refs = [x.double().requires_grad_() for x in (q, k, v)]
     expected = varlen_oracle(
-        *refs, cu_q, cu_k, 32**-0.5, lambda s_q, s_k: flash_window_mask(s_q, s_k, left, right, causal)
+        *refs, cu_q, cu_k, 32**-0.5, lambda s_q, s_k: flash_window_mask(s_q, s_k, left, right, causal), softcap
     )
     assert rel_err(out, expected) < TOLERANCE[torch.bfloat16]
     d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(12)).to(out.dtype)
@@ -104,10 +111,21 @@ def test_varlen_window_means_the_same_with_causal_false_written_out():
     assert torch.equal(implicit, explicit)
 
 
-def test_varlen_softcap_with_a_bottom_right_window_is_refused_by_name():
+def test_varlen_takes_flash_attentions_numpy_scalars_and_empty_key_sequences():
     q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, seed=14)
-    with pytest.raises(cudnn_attn.UnsupportedError, match="softcap with a bottom-right"):
-        cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 6, 12, window_size=(2, -1), softcap=20.0)
+    longest_q, longest_k = np.array(LENGTHS_Q).max(), np.array(LENGTHS_K).max()  # NumPy ints
+    got = cudnn_attn.varlen_sdpa(
+        q, k, v, cu_q, cu_k, longest_q, longest_k, softcap=np.float32(20), window_size=(np.int64(2), -1)
+    )
+    assert torch.equal(got, cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 6, 12, softcap=20.0, window_size=(2, -1)))
+    none = cu([0, 0, 0, 0])  # max_seqlen_k=0: every key sequence empty, FlashAttention's zeros
+    assert torch.equal(cudnn_attn.varlen_sdpa(q, k, v, cu_q, none, 6, 0), torch.zeros_like(q))
+
+
+def test_varlen_names_v_with_other_heads_than_k():
+    q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, seed=15)
+    with pytest.raises(ValidationError, match="v: 1 heads differ from k's 2"):
+        cudnn_attn.varlen_sdpa(q, k, v[:, :1], cu_q, cu_k, 6, 12)
 
 
 # ---- item 4: k and v token counts checked on every call ---------------------------------------
@@ -300,6 +318,19 @@ def test_gpu_varlen_bottom_right_window_matches_the_oracle(case):
     expected.backward(d_out.double().cpu())
     for got, want in zip(leaves, refs):
         assert rel_err(got.grad, want.grad) < 2 * TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_softcap_with_per_sequence_bottom_right_bands_names_cudnns_limit():
+    q, k, v, cu_q, cu_k = (x.cuda() for x in packed(LENGTHS_Q, LENGTHS_K, seed=26))
+    with pytest.raises(cudnn_attn.UnsupportedError, match="misreads score_mod tensors that vary by batch"):
+        with cudnn_attn.backend("cudnn"):
+            cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 6, 12, causal=True, softcap=20.0)
+    with cudnn_attn.backend("reference"):  # what the refusal offers, on the same CUDA tensors
+        out = cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 6, 12, causal=True, softcap=20.0)
+    mask = lambda s_q, s_k: flash_window_mask(s_q, s_k, -1, 0, True)  # noqa: E731
+    expected = varlen_oracle(*(x.cpu() for x in (q, k, v)), cu_q.cpu(), cu_k.cpu(), 32**-0.5, mask, 20.0)
+    assert rel_err(out.cpu(), expected) < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.gpu

@@ -207,6 +207,28 @@ def test_attention_module_rejects_bad_head_counts():
         Attention(64, 4, num_kv_heads=3)
 
 
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(causal="false"), "causal: 'false'; expected True or False"),  # a string was truthy: causal
+        (dict(bias="no"), "bias: 'no'"),
+        (dict(dtype=torch.int32), "dtype: torch.int32; expected a floating torch dtype"),
+        (dict(dtype="float16"), "dtype: 'float16'"),
+        (dict(device="nonsense"), "device: 'nonsense'; not a torch device"),
+    ],
+    ids=["causal", "bias", "int-dtype", "string-dtype", "device"],
+)
+def test_attention_module_names_bad_flags_dtypes_and_devices(kw, message):
+    with pytest.raises(cudnn_attn.ValidationError, match=message):
+        Attention(16, 4, **kw)
+
+
+def test_attention_call_names_an_is_causal_that_is_not_a_flag():
+    layer = Attention(16, 4)
+    with pytest.raises(cudnn_attn.ValidationError, match="is_causal: 'no'"):
+        layer(torch.randn(1, 5, 16), is_causal="no")
+
+
 def test_sdpa_compiles_as_one_op_without_graph_breaks():
     torch.manual_seed(0)
     module = Attention(64, 4, causal=True, dtype=torch.bfloat16)

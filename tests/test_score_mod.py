@@ -193,8 +193,12 @@ def test_varlen_softcap_matches_each_sequence_alone(left, with_sinks):
         want = torch.autograd.grad(expected, leaves[:3], d_out[rows].transpose(0, 1).unsqueeze(0).double())
         for name, a, e in zip("qkv", grads, want):
             assert rel_err(a[rows], e[0].transpose(0, 1)) < 1e-5, (i, name)
-    with pytest.raises(cudnn.UnsupportedError, match="bottom-right"):
-        cudnn.varlen.varlen_attention(q, k, v, cu, cu, 12, 12, causal="bottom_right", enable_gqa=True, softcap=3.0)
+    # Equal lengths: each sequence's bottom-right diagonal (read per sequence) is its top-left one.
+    bottom_right = cudnn.varlen.varlen_attention(
+        q, k, v, cu, cu, 12, 12, causal="bottom_right", enable_gqa=True, softcap=3.0
+    )
+    top_left = cudnn.varlen.varlen_attention(q, k, v, cu, cu, 12, 12, causal="top_left", enable_gqa=True, softcap=3.0)
+    assert rel_err(bottom_right, top_left) < 1e-6
 
 
 def test_dropout_with_sinks_softcap_and_a_window_matches_the_oracle():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from conftest import rel_err
@@ -56,8 +57,14 @@ def test_heads_that_neither_match_nor_broadcast_are_still_refused():
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(dropout_p=1.0), dict(scale=torch.tensor(0.5)), dict(scale=True)],
-    ids=["dropout-1", "tensor-scale", "bool-scale"],
+    [
+        dict(dropout_p=1.0),
+        dict(scale=torch.tensor(0.5)),
+        dict(scale=True),
+        dict(dropout_p=torch.tensor(0.0)),
+        dict(dropout_p=np.float32(0.0)),
+    ],
+    ids=["dropout-1", "tensor-scale", "bool-scale", "tensor-dropout", "numpy-dropout"],
 )
 def test_scalars_torch_takes_are_taken_and_computed_as_torch(kw):
     """Refused before (dropout_p must be < 1; scale a finite float)."""

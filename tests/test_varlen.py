@@ -156,7 +156,9 @@ def test_other_bad_arguments_are_named():
     q, k, v, cu_q, cu_k = packed([4, 5], [4, 5], h_kv=2, seed=8)
     with pytest.raises(ValidationError, match="k: 3 heads do not divide q's 4"):  # GQA is inferred when they divide
         cudnn_attn.varlen_sdpa(q, k[:, :1].expand(-1, 3, -1), v[:, :1].expand(-1, 3, -1), cu_q, cu_k, 8, 8)
-    with pytest.raises(ValidationError, match="max_seqlen_k: 0"):
+    with pytest.raises(ValidationError, match="max_seqlen_k: -1; must be an int >= 0"):
+        cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, -1, enable_gqa=True)
+    with pytest.raises(ValidationError, match="cu_seqlens_k: sequence 1 has length 5, above max_seqlen 0"):
         cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 0, enable_gqa=True)
     with pytest.raises(ValidationError, match="q: no tokens"):
         cudnn_attn.varlen_sdpa(q[:0], k, v, cu_q, cu_k, 8, 8, enable_gqa=True)

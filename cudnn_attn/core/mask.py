@@ -9,6 +9,8 @@ import enum
 import math
 from dataclasses import dataclass
 
+from .finite import integer
+
 # cuDNN reads window lengths and sequence lengths as int32.
 MAX_LENGTH = 2**31 - 1
 
@@ -73,7 +75,7 @@ def unbounded_window(window_size: object) -> bool:
     return (
         isinstance(window_size, (tuple, list))
         and len(window_size) == 2
-        and all(isinstance(w, int) and not isinstance(w, bool) and w < 0 for w in window_size)
+        and all(integer(w) and w < 0 for w in window_size)
     )
 
 
@@ -83,11 +85,7 @@ def window_band(window_size: object, causal: Causal) -> tuple[Causal, int | None
     ``(causal, sliding_window, right_bound)``: a right bound of 0 is causal (top-left where
     ``causal`` names no alignment). Raises ``ValueError`` naming what is wrong (the doors
     re-raise it as their ``ValidationError``)."""
-    if (
-        not isinstance(window_size, (tuple, list))
-        or len(window_size) != 2
-        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
-    ):
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(integer(w) for w in window_size):
         raise ValueError(f"window_size: {window_size!r}; expected (left, right), each an int (negative: no bound)")
     left, right = int(window_size[0]), int(window_size[1])
     if right > 0 and causal is not Causal.NONE:

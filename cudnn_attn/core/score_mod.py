@@ -202,14 +202,22 @@ def softcap(cap: float, mask: Expr | None = None, keys_in_bounds: bool = False) 
     return ScoreModifier(forward=capped, backward=backward, name=f"softcap{cap:g}", keys_in_bounds=keys_in_bounds)
 
 
-def band_mask(*, causal: bool, window: int | None, offset: int) -> Expr | None:
+def diagonal_of(row: Expr, offset: int | Expr) -> Expr:
+    """The key column on row ``row``'s diagonal: ``row + offset``."""
+    if isinstance(offset, Expr):
+        return op("add", row, offset)
+    return op("add", row, constant(offset)) if offset else row
+
+
+def band_mask(*, causal: bool, window: int | None, offset: int | Expr) -> Expr | None:
     """The positions a causal mask and/or a sliding window keep, as a boolean expression of the
     row and column indices: key j is kept for query i iff ``j <= i + offset`` (causal) and
-    ``j > i + offset - window``; ``offset`` is 0 top-left, ``S_kv - S_q`` bottom-right."""
+    ``j > i + offset - window``; ``offset`` is 0 top-left, ``S_kv - S_q`` bottom-right, or an
+    expression (each packed sequence's own ``S_kv - S_q``, read from an input)."""
     if not causal and window is None:
         return None
     row, col = op("gen_index", SCORE, value=2), op("gen_index", SCORE, value=3)
-    diagonal = op("add", row, constant(offset)) if offset else row
+    diagonal = diagonal_of(row, offset)
     kept: Expr | None = op("cmp_le", col, diagonal) if causal else None
     if window is not None:
         inside = op("cmp_gt", col, op("sub", diagonal, constant(window)))

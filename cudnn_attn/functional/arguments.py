@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..core.dtypes import FLOATING_IO, dtype_name
+from ..core.finite import integer
 from ..core.mask import Causal, default_scale, unbounded_window
 from ..errors import ValidationError, shown
 
@@ -211,6 +212,14 @@ def broadcast(tensors: Triple, shapes: list[torch.Size]) -> Triple:
     return (q.contiguous(), k.contiguous(), v.contiguous()) if q.is_cuda else (q, k, v)
 
 
+def probability(dropout_p: Any) -> Any:
+    """``dropout_p`` as the float torch's SDPA reads from a real number or a 0-d real tensor (its
+    value checked later); anything else as given, for the checks to name."""
+    if _scalar(dropout_p) and not isinstance(dropout_p, bool):
+        return float(dropout_p)
+    return dropout_p
+
+
 def _scalar(value: Any) -> bool:
     """A scale torch's SDPA takes: any real number (inf and NaN included, as there), or a 0-d
     real tensor, which it reads as a float."""
@@ -292,11 +301,7 @@ def score_term_problems(sinks: Any, softcap: Any, window_size: Any, query: torch
 
 
 def _is_window(window_size: Any) -> bool:
-    return (
-        isinstance(window_size, (tuple, list))
-        and len(window_size) == 2
-        and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
-    )
+    return isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(integer(w) for w in window_size)
 
 
 def score_terms_given(sinks: Any, softcap: Any, window_size: Any) -> bool:

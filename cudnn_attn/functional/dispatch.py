@@ -40,6 +40,7 @@ from .arguments import (
     causal_from_mask,
     causal_kind,
     check_arguments,
+    probability,
 )
 from .compiled import sdpa_forward
 from .nested import nested_sdpa
@@ -165,6 +166,7 @@ def sdpa(
         assert out.shape == (2, 8, 128, 64) and torch.allclose(out, expected, atol=1e-5)
         ```
     """
+    dropout_p = probability(dropout_p)
     try:  # nested tensors take the varlen door (functional/nested.py)
         nested = query.is_nested or key.is_nested or value.is_nested or attn_mask is not None and attn_mask.is_nested
     except AttributeError:
