@@ -52,7 +52,7 @@ def _softcap_modifier(
     plain = ScoreOptions(attn_scale=options.attn_scale, padding=options.padding, dropout_p=options.dropout_p)
     in_bounds = same_lengths and options.causal is Causal.TOP_LEFT
     modifier = score_mod.softcap(cap, mask, keys_in_bounds=in_bounds)
-    if isinstance(offset, score_mod.Expr):
+    if offsets is not None and isinstance(offset, score_mod.Expr):
         modifier = dataclasses.replace(modifier, inputs=(offsets,))
     return modifier, plain
 
