@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -41,7 +42,8 @@ class PlanCache:
 
     Args:
         maxsize: plans kept at most (least recently used dropped first).
-        path: a directory to store built plans in (private to this user), or None.
+        path: a directory to store built plans in (private to this user); None or ``""`` for
+            none (as ``CUDNN_ATTN_CACHE_DIR=""``; the current directory is ``"."``).
         max_bytes: device and host bytes the plans may hold in workspaces and prepared buffers.
 
     Raises:
@@ -75,13 +77,18 @@ class PlanCache:
             problems.append(f"path: {path!r}; expected a directory path (str or os.PathLike) or None")
         if problems:
             raise ValidationError(problems, context="PlanCache")
+        if path == "":  # no store, as the variable's "" says: Path("") would be the working directory
+            path = None
+            off = 'this PlanCache was made with path="" (no store)'
+        else:
+            off = "this PlanCache was made without path="
         self.maxsize = maxsize
         self.max_bytes = max_bytes
         self.path = path
         # Built plans persist here across processes (cuDNN plans; see plan_store.py).
         self.store = PlanStore(path) if path is not None else None
         # Why plans are not stored, said once (log.store_unused) by the first plan that could have been.
-        self.store_off: str | None = None if path is not None else "this PlanCache was made without path="
+        self.store_off: str | None = None if path is not None else off
         lifecycle.track_cache(self)
         self._entries: OrderedDict[Hashable, Any] = OrderedDict()
         self._building: dict[Hashable, Future] = {}
@@ -212,9 +219,11 @@ class PlanCache:
     def clear(self) -> None:
         """Drop every plan and zero the counters; the workspaces plans share on each stream
         (``ops/cudnn/workspace.py``) go back to torch's allocator too."""
-        from .ops.cudnn import workspace
-
-        workspace.release()
+        # Only where it was imported: no workspace exists otherwise, and an import in the clear at
+        # exit (lifecycle) fails, the interpreter shutting down.
+        workspace = sys.modules.get(f"{__package__}.ops.cudnn.workspace")
+        if workspace is not None:
+            workspace.release()
         with self._lock:
             self._entries.clear()
             self._dropped(None)

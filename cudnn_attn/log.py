@@ -34,7 +34,8 @@ def _configure_from_environment() -> None:
     value = os.environ.get(ENV_VAR, "").strip()
     if not value:
         return
-    level = logging.getLevelName(value.upper()) if not value.isdigit() else int(value)
+    # isdecimal, not isdigit: "²" is a digit that int() refuses (and the import would fail with it)
+    level = logging.getLevelName(value.upper()) if not value.isdecimal() else int(value)
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("[cudnn_attn %(levelname)s] %(message)s"))
     logger.addHandler(handler)

@@ -276,8 +276,9 @@ class PlanStore:
                 data = _read_private(file)
             except FileNotFoundError:
                 continue  # removed since the directory was read
-            except (_RefusedFileError, OSError) as error:
-                yield Listed(file, None, None, str(error))
+            except (_RefusedFileError, OSError) as error:  # named by path: the listing shows names cut short
+                reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+                yield Listed(file, None, None, f"{file}: {reason}")
                 continue
             entry = _decode(data)
             yield Listed(file, len(data), entry, None if entry else "truncated, corrupted or not a plan file")
@@ -322,6 +323,47 @@ class PlanStore:
             return []
 
 
+# A header's ``choice``: the plan a build settled on, as ``autotune.Choice.as_record`` writes it. A
+# load makes the Choice again from these fields (of these types); index and name have no default.
+CHOICE_FIELDS: dict[str, tuple[type, ...]] = {
+    "index": (int,),
+    "name": (str,),
+    "engine_id": (int, type(None)),
+    "knobs": (dict,),
+    "tuned": (bool,),
+    "timings_ms": (dict,),
+    "tuning_seconds": (int, float),
+}
+REQUIRED_CHOICE_FIELDS = ("index", "name")
+
+
+def choice_problems(header: dict[str, Any]) -> list[str]:
+    """What keeps ``header["choice"]`` from being a choice a load can use (``["choice.index is
+    absent"]``); empty when it is one. Fields beyond ``CHOICE_FIELDS`` are ignored (a later version's).
+
+    A stored plan with any problem is ignored and rebuilt, and ``cudnn-attn cache ls`` flags it.
+    """
+    if "choice" not in header:
+        return ["choice is absent"]
+    choice = header["choice"]
+    if not isinstance(choice, dict):
+        return [f"choice is {json_type(choice)}"]
+    problems = [f"choice.{name} is absent" for name in REQUIRED_CHOICE_FIELDS if name not in choice]
+    for name, types in CHOICE_FIELDS.items():
+        value = choice.get(name)
+        # bool is an int to isinstance, never to the record: True is no index
+        wrong = not isinstance(value, types) or (isinstance(value, bool) and bool not in types)
+        if name in choice and wrong:
+            problems.append(f"choice.{name} is {json_type(value)}")
+    return problems
+
+
+def json_type(value: Any) -> str:
+    """How JSON calls the type of ``value`` (for a header field of another type than expected)."""
+    kinds = {type(None): "null", bool: "a boolean", str: "a string", dict: "an object", list: "a list"}
+    return kinds.get(type(value), "a number")
+
+
 def _unsafe(info: os.stat_result) -> str | None:
     if hasattr(os, "getuid") and info.st_uid != os.getuid():
         return f"owned by uid {info.st_uid}, not by this user ({os.getuid()})"
@@ -341,19 +383,36 @@ def _read_private(file: Path) -> bytes:
         if error.errno == errno.ELOOP:  # what O_NOFOLLOW gives for a link
             raise _RefusedFileError("a symbolic link, not a regular file") from None
         raise
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
+    try:
+        # Judged on the descriptor before fdopen: fdopen refuses a directory with an error that
+        # names the descriptor's number, not the file.
+        info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise _RefusedFileError(f"not a regular file (mode {info.st_mode:o})")
+            raise _RefusedFileError(f"{_kind(info.st_mode)}, not a regular file")
         problem = _unsafe(info)
         if problem:
             raise _RefusedFileError(problem)
         if info.st_size > MAX_FILE_BYTES:
             raise _RefusedFileError(f"{info.st_size} bytes, over the {MAX_FILE_BYTES} byte limit")
-        data = f.read(MAX_FILE_BYTES + 1)  # bounded: the file may have grown since fstat
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_FILE_BYTES + 1)  # bounded: the file may have grown since fstat
+    finally:
+        os.close(fd)
     if len(data) > MAX_FILE_BYTES:
         raise _RefusedFileError(f"over the {MAX_FILE_BYTES} byte limit")
     return data
+
+
+def _kind(mode: int) -> str:
+    """What a file that is not regular is, in words."""
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), f"a file of mode {mode:o}")
 
 
 # A file: MAGIC, the SHA-256 (64 hex digits) of everything after it, then the header length

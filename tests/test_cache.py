@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,3 +138,25 @@ def test_clear_and_default_cache():
     assert len(cache) == 0 and cache.stats()["hits"] == 0
     with pytest.raises(ValueError):
         PlanCache(maxsize=0)
+
+
+def test_an_empty_path_stores_nothing_as_the_variable_does(tmp_path, monkeypatch):
+    """``path=""`` made the working directory the store: its clear() removed the *.plan files there."""
+    monkeypatch.chdir(tmp_path)
+    mine = tmp_path / "mine.plan"
+    mine.write_text("user data")
+    cache = PlanCache(path="")
+    assert cache.store is None and cache.path is None
+    assert cache.store_unused_reason() == 'this PlanCache was made with path="" (no store)'
+    _build(cache, *_qkv())
+    cache.clear()
+    assert mine.read_text() == "user data" and sorted(p.name for p in tmp_path.iterdir()) == ["mine.plan"]
+    assert PlanCache(path=".").store.path == Path(".")  # the working directory, asked for by name
+
+
+def test_a_cache_alive_at_exit_clears_without_an_import_during_shutdown(tmp_path):
+    """Its clear at exit imported the workspace module: "Exception ignored in atexit callback ...
+    can't register atexit after shutdown" on stderr."""
+    code = "import sys, cudnn_attn\ncache = cudnn_attn.PlanCache()\nassert 'cudnn_attn.ops.cudnn.workspace' not in sys.modules"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0 and done.stderr == "", done.stderr

@@ -180,7 +180,12 @@ def test_cache_ls_lists_headers_of_another_format(private_store, capsys):
         "a": {"platform": "H100/9.19", "describe": "sdpa b1 h2 s64", "variant": "fwd"},
         "b": {"platform": {"gpu": "H100", "cudnn": [9, 19]}, "describe": None, "choice": "engine 3"},
         "c": {"platform": {"gpu": "H100", "cudnn": 91900}, "describe": "sdpa b2", "variant": {"x": 1}},
-        "d": {"platform": {"gpu": "H100", "cudnn": 91900}, "describe": "sdpa b4", "variant": "fwd", "choice": {}},
+        "d": {
+            "platform": {"gpu": "H100", "cudnn": 91900},
+            "describe": "sdpa b4",
+            "variant": "fwd",
+            "choice": {"index": 3, "name": "eng3"},
+        },
     }
     for name, header in headers.items():
         assert private_store.save(name * 64, header, b"blob")
@@ -191,7 +196,7 @@ def test_cache_ls_lists_headers_of_another_format(private_store, capsys):
     assert rows["c"]["cudnn"] == 91900 and rows["c"]["variant"] == "?"
     for name, fields in {"a": ["platform"], "b": ["platform.cudnn", "describe", "choice"], "c": ["variant"]}.items():
         assert not rows[name]["ok"] and all(field in rows[name]["problem"] for field in fields), rows[name]
-    assert rows["d"]["ok"] and rows["d"]["problem"] is None and rows["d"]["engine"] == "?"
+    assert rows["d"]["ok"] and rows["d"]["problem"] is None and rows["d"]["engine"] == "eng3"
     assert commands.main(["cache", "ls"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("4 plan(s)") and len(lines) == 5
@@ -424,6 +429,33 @@ def test_a_section_without_a_chart_is_a_usage_error_before_anything_runs(gpu_mac
     assert commands.main(["bench", "--plot-from", str(path), "--plot", str(tmp_path / "e.png")]) == 2
     assert "no figures to draw" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.png"))
+
+
+MALFORMED_REPORTS = {
+    # a null, a string and a boolean where a number goes: a TypeError from matplotlib, or a chart of strings
+    "null": ({"cold_start": {"cold_s": 1.0, "warm_store_s": None}}, "cold_start"),
+    "string": ({"cold_start": {"cold_s": "x", "warm_store_s": "y"}}, "cold_start"),
+    "boolean": ({"cold_start": {"cold_s": True, "warm_store_s": None}}, "cold_start"),
+    # a low time of 0: chart_kit.rate's ZeroDivisionError
+    "zero": (
+        {"paged_decode": {"columns": {"a": {"gbps": 1.0, "median_us": 1.0, "low_us": 0, "high_us": 1}}}},
+        "paged_decode",
+    ),
+    # met only as the axes are laid out: no positive value on a log scale
+    "nan": ({"naive": {"seqs": {"1": {"timings": {"a": {"median_us": float("nan"), "low_us": 1, "high_us": 2}}}}}}, ""),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED_REPORTS))
+def test_plot_from_values_that_cannot_be_drawn_is_a_usage_error(name, tmp_path, capsys):
+    report, section = MALFORMED_REPORTS[name]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report))
+    assert commands.main(["bench", "--plot-from", str(path), "--plot", str(tmp_path / "r.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cudnn-attn bench: --plot-from {path}: ") and err.count("\n") == 1, err
+    assert f"section '{section}' is not laid out" in err if section else "not laid out as bench writes" in err
+    assert not (tmp_path / "r.png").exists()
 
 
 # ---- --plot-from every committed report ---------------------------------------------------------------

@@ -109,3 +109,28 @@ def test_good_bench_numbers_still_reach_the_gpu_check(flags, monkeypatch, capsys
     argv = ["bench", *flags.split()] if flags.startswith("-") else ["bench", flags]
     assert commands.main(argv) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", ["b=0", "foo=1"])
+def test_shapes_beside_grid_are_checked_before_the_gpu_check(shape, monkeypatch, capsys):
+    """With --grid the shapes were ignored unchecked: "needs a CUDA GPU" (exit 1)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = one_line_usage_error(["bench", "--grid", shape], capsys)
+    assert err.startswith(f"cudnn-attn bench: shape '{shape}': "), err
+
+
+def test_good_shapes_beside_grid_are_refused_not_dropped(gpu_machine, capsys):
+    err = one_line_usage_error(["bench", "--grid", "b=1,h=2,s=64,d=64"], capsys)
+    assert "--grid runs the standard grid of shapes; drop the shapes" in err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("argv", [["info"], ["cache", "ls"]])
+def test_json_that_fails_as_it_is_written_is_one_line(argv, monkeypatch, tmp_path, capsys):
+    """/dev/full opens, and fails at the write: it was an OSError traceback."""
+    monkeypatch.setenv("CUDNN_ATTN_CACHE_DIR", str(tmp_path / "plans"))
+    import cudnn_attn.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "_default", None)
+    err = one_line_usage_error([*argv, "--json", "/dev/full"], capsys)
+    assert err == f"cudnn-attn {' '.join(argv)}: --json /dev/full: cannot be written (No space left on device)\n"

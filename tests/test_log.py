@@ -113,7 +113,7 @@ def test_the_environment_variable_prints_the_line_to_stderr(tmp_path):
     assert lines[0].startswith(prefix) and lines[0].endswith("s"), lines
 
 
-@pytest.mark.parametrize("value", ["", "loud", "debug", "20"])
+@pytest.mark.parametrize("value", ["", "loud", "²", "debug", "20"])
 def test_the_environment_variable_sets_the_level_or_says_it_cannot(monkeypatch, value, capfd):
     """What the import does with each value (run here again, with the logger restored after)."""
     logger = logging.getLogger(LOGGER)
@@ -131,9 +131,9 @@ def test_the_environment_variable_sets_the_level_or_says_it_cannot(monkeypatch, 
         assert added == [] and configured == level and err == ""  # off unless asked
         return
     assert len(added) == 1
-    if value == "loud":
+    if value in ("loud", "²"):
         assert configured == logging.WARNING
-        assert "CUDNN_ATTN_LOG_LEVEL='loud' is not a logging level; use debug, info, warning or error" in err
+        assert f"CUDNN_ATTN_LOG_LEVEL={value!r} is not a logging level; use debug, info, warning or error" in err
     else:
         assert configured == {"debug": logging.DEBUG, "20": logging.INFO}[value] and err == ""
 
@@ -213,3 +213,18 @@ def test_gpu_the_store_not_used_is_said_once_with_the_reason(caplog, tmp_path):
     assert any("truncated, corrupted" in w for w in warnings), warnings
     (record,) = plan_records(caplog)
     assert record.plan_source == "built"
+
+
+def test_a_superscript_digit_is_reported_as_a_bad_value_not_an_import_failure(tmp_path):
+    """A superscript two is a digit to str.isdigit that int() refuses: the import failed with ValueError."""
+    env = {**os.environ, log.ENV_VAR: "²"}
+    done = subprocess.run(
+        [sys.executable, "-c", "import cudnn_attn.log as log; print(log.logger.level)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(logging.WARNING)
+    assert done.stderr.count("is not a logging level") == 1, done.stderr

@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from cudnn_attn.core.problem import AttentionProblem, Causal, Op, TensorSpec
 from cudnn_attn.plan_store import PlanStore, entry_key, signature
 
 PLATFORM = {"gpu": "NVIDIA H200", "arch": [9, 0], "cudnn": 91900, "frontend": "1.32.0"}
+CHOICE = {"index": 0, "name": "eng0", "engine_id": 8, "knobs": {}, "tuned": False, "timings_ms": {}}
 
 
 def problem(**kw):
@@ -138,7 +140,12 @@ def test_cache_ls_and_clear_commands(monkeypatch, tmp_path, capsys):
     key = entry_key(problem(), PLATFORM, "autotuned")
     store.save(
         key,
-        {"platform": PLATFORM, "describe": "sdpa-BHSD-bfloat16", "variant": "autotuned", "choice": {"name": "eng7"}},
+        {
+            "platform": PLATFORM,
+            "describe": "sdpa-BHSD-bfloat16",
+            "variant": "autotuned",
+            "choice": {"index": 0, "name": "eng7"},
+        },
         b"p",
     )
     (tmp_path / ("0" * 64 + ".plan")).write_bytes(b"garbage")
@@ -197,7 +204,7 @@ def listing(capsys) -> list[dict]:
 
 def save_plan(store, variant="heuristic", blob=b"plan"):
     key = entry_key(problem(), PLATFORM, variant)
-    assert store.save(key, {"platform": PLATFORM, "variant": variant}, blob)
+    assert store.save(key, {"platform": PLATFORM, "variant": variant, "choice": CHOICE}, blob)
     return key
 
 
@@ -301,7 +308,7 @@ def test_cache_ls_and_clear_beside_concurrent_writers(cli_store, capsys):
     def write(n):
         for i in range(30):
             key = hashlib.sha256(f"{n}-{i}".encode()).hexdigest()
-            if not PlanStore(cli_store.path).save(key, {"platform": PLATFORM}, b"x" * 20000):
+            if not PlanStore(cli_store.path).save(key, {"platform": PLATFORM, "choice": CHOICE}, b"x" * 20000):
                 failures.append(key)
 
     cli_store.usable()
@@ -413,3 +420,103 @@ def test_cache_warm_with_an_unreadable_file_says_so(cli_store, tmp_path, capsys)
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00")
     assert cli.main(["cache", "warm", "--file", str(tmp_path / "binary.txt")]) == 2
     assert "cannot read --file" in capsys.readouterr().err
+
+
+def test_a_directory_named_like_a_plan_is_named_by_its_path(cli_store, capsys, caplog):
+    """It was listed as "DAMAGED ([Errno 21] Is a directory: 3...)": 3 was fdopen's file descriptor."""
+    key = entry_key(problem(), PLATFORM, "heuristic")
+    cli_store.usable()
+    cli_store.file_for(key).mkdir()
+    (row,) = listing(capsys)
+    assert not row["ok"] and row["problem"] == f"{cli_store.file_for(key)}: a directory, not a regular file"
+    with caplog.at_level(logging.WARNING, logger="cudnn_attn.plan_store"):
+        assert cli_store.load(key, PLATFORM) is None
+    assert "a directory, not a regular file" in caplog.text and "Errno" not in caplog.text
+
+
+# ---- the cuDNN backend's reading of a stored entry --------------------------------------------
+
+# Headers another version (or no version) of the library may have laid out: each is ignored and rebuilt.
+OTHER_CHOICES = {
+    "absent": (None, "choice is absent"),
+    "other keys": ({"engine": 3}, "choice.index is absent, choice.name is absent"),
+    "a list": (["x"], "choice is a list"),
+    "a string index": ({"index": "0", "name": "eng0"}, "choice.index is a string"),
+    "a boolean index": ({"index": True, "name": "eng0"}, "choice.index is a boolean"),
+    "null knobs": ({**CHOICE, "knobs": None}, "choice.knobs is null"),
+}
+
+
+def stored_header(choice, platform=PLATFORM):
+    header = {"platform": platform, "variant": "heuristic", "describe": problem().describe()}
+    return header if choice is None else {**header, "choice": choice}
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    """The cuDNN backend with what needs a GPU replaced: deserializing a plan (``from_blob``, which
+    records what it was given) and building one (``_build``, whose plan ``to_blob`` serializes)."""
+    from cudnn_attn.ops.cudnn import autotune
+    from cudnn_attn.ops.cudnn import backend as cudnn_backend
+
+    backend = cudnn_backend.CudnnBackend()
+    backend.loaded = []
+    backend.built = []
+
+    def from_blob(problem, blob, device_index=None):
+        backend.loaded.append(blob)
+        return SimpleNamespace(problem=problem, source="disk", choice=None)
+
+    def build(problem, lowered, autotune_, device_index):
+        backend.built.append(problem)
+        return SimpleNamespace(problem=problem, source="built", choice=autotune.Choice(index=2, name="eng2"))
+
+    monkeypatch.setattr(backend, "from_blob", from_blob)
+    monkeypatch.setattr(backend, "_build", build)
+    monkeypatch.setattr(backend, "to_blob", lambda plan: b"rebuilt")
+    here = SimpleNamespace(gpu=PLATFORM["gpu"], arch=(9, 0), cudnn=91900, frontend="1.32.0", describe=lambda: "H200")
+    monkeypatch.setattr(cudnn_backend.cudnn_platform, "device_index", lambda device: 0)
+    monkeypatch.setattr(cudnn_backend, "platform", lambda index: here)
+    monkeypatch.setattr(cudnn_backend, "cudnn_handle", lambda index: None)
+    monkeypatch.setattr(cudnn_backend.lowering, "lower", lambda *args, **kwargs: None)
+    backend.record = {**PLATFORM, "graph": cudnn_backend.lowering.GRAPH_REVISION}
+    return backend
+
+
+def test_a_stored_choice_as_the_library_writes_it_loads(store, backend):
+    key = entry_key(problem(), backend.record, "heuristic")
+    assert store.save(key, stored_header({**CHOICE, "from a later version": 1}, backend.record), b"plan")
+    plan = backend._load(problem(), store, key, backend.record, 0)
+    assert backend.loaded == [b"plan"] and plan.source == "disk"
+    assert (plan.choice.index, plan.choice.name, plan.choice.engine_id) == (0, "eng0", 8)
+    assert backend.build(problem(), store=store) is not None and backend.built == []  # from the store
+
+
+@pytest.mark.parametrize("name", list(OTHER_CHOICES))
+def test_a_stored_choice_of_another_layout_is_ignored_warned_and_rebuilt(name, store, backend, caplog):
+    """It raised TypeError or AttributeError outside the load's guard: every build of the problem
+    failed with UnsupportedError, and the file was never rewritten."""
+    choice, said = OTHER_CHOICES[name]
+    key = entry_key(problem(), backend.record, "heuristic")
+    assert store.save(key, stored_header(choice, backend.record), b"plan")
+    with caplog.at_level(logging.WARNING, logger="cudnn_attn.cudnn"):
+        assert backend._load(problem(), store, key, backend.record, 0) is None
+        plan = backend.build(problem(), store=store)
+    assert backend.loaded == []  # a header of another layout is not deserialized
+    assert f"plan store: cannot load {key[:12]} (header of another layout: {said}); rebuilding" in caplog.text
+    assert plan.source == "built" and backend.built == [problem()]
+    rewritten = store.load(key, backend.record)
+    assert rewritten.blob == b"rebuilt" and rewritten.header["choice"]["name"] == "eng2"
+    assert plan_store.choice_problems(rewritten.header) == []
+
+
+@pytest.mark.parametrize("name", list(OTHER_CHOICES))
+def test_cache_ls_flags_a_stored_choice_of_another_layout(name, cli_store, capsys):
+    """Listed as OK, though every load ignored it."""
+    choice, said = OTHER_CHOICES[name]
+    assert cli_store.save(entry_key(problem(), PLATFORM, "a"), stored_header(CHOICE), b"plan")
+    assert cli_store.save(entry_key(problem(), PLATFORM, "b"), stored_header(choice), b"plan")
+    rows = {row["ok"]: row for row in listing(capsys)}
+    assert rows[True]["engine"] == "eng0" and rows[False]["problem"] == f"header of another format: {said}"
+    assert cli.main(["cache", "ls"]) == 0
+    assert f"FOREIGN (header of another format: {said}; ignored" in capsys.readouterr().out

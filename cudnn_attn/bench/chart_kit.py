@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from numbers import Real
 from typing import Any
 
 WIDTH = 0.8  # of each group's slot, shared by its bars
@@ -26,6 +27,13 @@ class Bar:
     value: float
     low: float
     high: float
+
+    def __post_init__(self) -> None:
+        # A report's values arrive unchecked: matplotlib draws strings as categories and fails on null.
+        for name in ("value", "low", "high"):
+            number = getattr(self, name)
+            if isinstance(number, bool) or not isinstance(number, Real):
+                raise TypeError(f"{name} {number!r} is not a number")
 
 
 def spread(value: float, spread_pct: float | None) -> Bar:

@@ -287,19 +287,33 @@ def sections_in(report: dict[str, Any]) -> list[Section]:
     return found
 
 
+# What a hand-edited or foreign report raises in a section's panels or while they are drawn (a null
+# value, a string where a number goes, a low of 0 a rate divides by).
+_MALFORMED = (KeyError, TypeError, AttributeError, ValueError, ArithmeticError)
+
+
 def panels(report: dict[str, Any]) -> list[Panel]:
     """Every panel ``report`` calls for; ``NoChartError`` when there is none."""
+    return [panel for _, panel in _sectioned(report)]
+
+
+def _sectioned(report: dict[str, Any]) -> list[tuple[Section, Panel]]:
+    """Every panel ``report`` calls for, with the section it draws."""
     if not isinstance(report, dict):
         raise NoChartError(f"a report is a JSON object, not {type(report).__name__}")
     drawn = []
     for section in sections_in(report):
         try:
-            drawn += section.panels(report)
-        except (KeyError, TypeError, AttributeError, ValueError) as error:  # a hand-edited or foreign report
-            raise NoChartError(f"section {section.name!r} is not laid out as bench writes it ({error!r})") from error
+            drawn += [(section, panel) for panel in section.panels(report)]
+        except _MALFORMED as error:
+            raise _not_laid_out(section, error) from error
     if not drawn:
         raise NoChartError("the report has no figures to draw")
     return drawn
+
+
+def _not_laid_out(section: Section, error: Exception) -> NoChartError:
+    return NoChartError(f"section {section.name!r} is not laid out as bench writes it ({error!r})")
 
 
 def format_problem(path: str) -> str | None:
@@ -320,7 +334,7 @@ def format_problem(path: str) -> str | None:
 
 def draw(report: dict[str, Any], path: str, dpi: int = 100) -> None:
     """Every section of ``report`` as one PNG at ``path`` (matplotlib: the ``plot`` extra)."""
-    todo = panels(report)  # before matplotlib: a report with no chart fails fast
+    todo = _sectioned(report)  # before matplotlib: a report with no chart fails fast
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
@@ -329,12 +343,20 @@ def draw(report: dict[str, Any], path: str, dpi: int = 100) -> None:
     columns = 1 if len(todo) <= 2 else 2
     rows = math.ceil(len(todo) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(7 * columns if columns > 1 else 10, 3.6 * rows), squeeze=False)
-    for ax, (title, paint) in zip(axes.flat, todo):
-        paint(ax)
-        ax.set_title(title, fontsize=9)
-    for ax in list(axes.flat)[len(todo) :]:
-        ax.set_visible(False)
-    fig.suptitle(f"cudnn-attn bench on {report.get('device', 'an unnamed GPU')}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
+    try:
+        for ax, (section, (title, paint)) in zip(axes.flat, todo):
+            try:  # values are only met here: a null or a string where a number goes
+                paint(ax)
+            except _MALFORMED as error:
+                raise _not_laid_out(section, error) from error
+            ax.set_title(title, fontsize=9)
+        for ax in list(axes.flat)[len(todo) :]:
+            ax.set_visible(False)
+        fig.suptitle(f"cudnn-attn bench on {report.get('device', 'an unnamed GPU')}", fontsize=10)
+        try:  # some values fail only as the axes are laid out (a log scale with no positive value)
+            fig.tight_layout()
+            fig.savefig(path, dpi=dpi)
+        except _MALFORMED as error:
+            raise NoChartError(f"the report is not laid out as bench writes it ({error!r})") from error
+    finally:
+        plt.close(fig)

@@ -16,11 +16,11 @@ import tempfile
 from typing import Any
 
 from ..bench import charts
-from ..bench.reports import STDOUT, read_json, write_json
+from ..bench.reports import STDOUT, read_json
 from ..bench.shapes import STANDARD_GRID, Shape, parse, range_problems
 from ..errors import ValidationError
 from . import parser
-from .failures import environment, needs_gpu, usage
+from .failures import environment, needs_gpu, usage, write_report
 
 ALONE = (
     "serving",
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(sys.stderr) if args.json == STDOUT else contextlib.nullcontext():
         report = _measure(args)
     if args.json:
-        write_json(args.json, report, out)
+        write_report("bench", args.json, report, out)
     if args.plot:
         charts.draw(report, args.plot)
     return 0
@@ -142,10 +142,13 @@ def _flag(name: str) -> str:
 
 
 def _shapes(args: argparse.Namespace) -> list[Shape]:
+    given = [parse(s) for s in args.shapes]  # checked whatever runs: a bad shape is a usage error
     if args.grid:
+        if given:  # both name the shapes to run: one is refused rather than the other dropped
+            raise usage("cudnn-attn bench: --grid runs the standard grid of shapes; drop the shapes (or --grid)")
         return [parse(s) for s in STANDARD_GRID]
-    if args.shapes:
-        return [parse(s) for s in args.shapes]
+    if given:
+        return given
     if any(getattr(args, name) for name in TARGETS):
         return []  # the sections bring their own shapes
     return [_flag_shape(args)]
@@ -165,11 +168,11 @@ def _redraw(args: argparse.Namespace) -> int:
         raise usage(f"cudnn-attn bench: cannot read --plot-from {args.plot_from}: {error}") from error
     try:
         charts.panels(report)  # a report with nothing to draw is refused before matplotlib is asked for
+        _needs_matplotlib()
+        _check_plot_format(args.plot)
+        charts.draw(report, args.plot)  # refuses, as panels does, values only drawing meets
     except charts.NoChartError as error:
         raise usage(f"cudnn-attn bench: --plot-from {args.plot_from}: {error}") from error
-    _needs_matplotlib()
-    _check_plot_format(args.plot)
-    charts.draw(report, args.plot)
     return 0
 
 

@@ -17,10 +17,10 @@ import os
 import sys
 
 from ..bench.charts import NoChartError
-from ..bench.reports import STDOUT, write_json
+from ..bench.reports import STDOUT
 from ..errors import ValidationError
 from . import bench_command, info, parser, store
-from .failures import CommandError, usage
+from .failures import CommandError, usage, write_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "info":
             report = info.collect()
             if args.json:
-                write_json(args.json, report)
+                write_report("info", args.json, report)
             else:
                 print(info.as_text(report))
             return 0

@@ -11,6 +11,9 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any, TextIO
+
+from ..bench.reports import write_json
 from . import versions
 
 OK, ENVIRONMENT, USAGE = 0, 1, 2
@@ -49,3 +52,12 @@ def needs_gpu(what: str) -> None:
     reason = versions.cudnn_missing()
     if reason:
         raise environment(f"cudnn-attn {what}: needs cuDNN: {reason}")
+
+
+def write_report(command: str, dest: str, report: Any, stdout: TextIO | None = None) -> None:
+    """``write_json``; a ``--json`` file that fails as it is written (a full disk, /dev/full, which
+    the check before any work cannot foresee) is a usage error naming it, not a traceback."""
+    try:
+        write_json(dest, report, stdout)
+    except OSError as error:
+        raise usage(f"cudnn-attn {command}: --json {dest}: cannot be written ({error.strerror or error})") from error

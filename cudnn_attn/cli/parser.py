@@ -121,7 +121,9 @@ def bench() -> argparse.ArgumentParser:
     )
     bench.add_argument("--causal", action="store_true", help="causal (top-left) mask")
     bench.add_argument("--bwd", action="store_true", help="time the backward")
-    bench.add_argument("--grid", action="store_true", help="run the standard grid of shapes")
+    bench.add_argument(
+        "--grid", action="store_true", help="run the standard grid of shapes (shapes given beside it are refused)"
+    )
     bench.add_argument(
         "--json", metavar="FILE", help="write every figure as JSON to FILE ('-': stdout; the tables then go to stderr)"
     )

@@ -9,9 +9,10 @@ import time
 from typing import Any
 
 from ..bench.progress import progress
-from ..bench.reports import STDOUT, write_json
+from ..bench.reports import STDOUT
 from ..bench.shapes import parse
-from .failures import environment, needs_gpu, usage
+from ..plan_store import choice_problems, json_type
+from .failures import environment, needs_gpu, usage, write_report
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     except (UnsafeStoreError, OSError) as error:
         raise environment(f"cudnn-attn cache {args.action}: {error}") from error
     if args.json:
-        write_json(args.json, {"path": str(store.path), "plans": rows})
+        write_report("cache ls", args.json, {"path": str(store.path), "plans": rows})
         if args.json == STDOUT:
             return 0
     print(f"{store.path}: {len(rows)} plan(s)")
@@ -49,18 +50,21 @@ _UNKNOWN = "?"
 
 def _row(listed: Any) -> dict[str, Any]:
     """One plan file's line. A header another version of the library wrote may hold other types
-    (a platform that is a string, a describe that is null): those fields show as unknown, and the
-    entry is flagged, since the store's own ``load`` ignores it (its platform never matches)."""
+    (a platform that is a string, a describe that is null) or lack the choice a load reads: those
+    fields show as unknown, and the entry is flagged, since a load ignores it (its platform never
+    matches; a choice it cannot read makes the build rebuild the plan)."""
     header = listed.entry.header if listed.entry else {}
     odd: list[str] = []
     platform = _record(header, "platform", odd)
     fields = {
         "plan": _scalar(header, "describe", odd),
         "variant": _scalar(header, "variant", odd),
-        "engine": _scalar(_record(header, "choice", odd), "name", odd, "choice."),
+        "engine": _scalar(_record(header, "choice", []), "name", []),  # its problems: choice_problems's
         "gpu": _scalar(platform, "gpu", odd, "platform."),
         "cudnn": _scalar(platform, "cudnn", odd, "platform."),
     }
+    if listed.entry is not None:
+        odd += choice_problems(header)
     problem = listed.problem
     if listed.entry is not None and odd:
         problem = f"{_FOREIGN}: {', '.join(odd)}"
@@ -81,7 +85,7 @@ def _record(header: dict[str, Any], name: str, odd: list[str]) -> dict[str, Any]
     value = header[name]
     if isinstance(value, dict):
         return value
-    odd.append(f"{name} is {_json_type(value)}")
+    odd.append(f"{name} is {json_type(value)}")
     return {}
 
 
@@ -93,13 +97,8 @@ def _scalar(record: dict[str, Any], name: str, odd: list[str], prefix: str = "")
     value = record[name]
     if isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return value
-    odd.append(f"{prefix}{name} is {_json_type(value)}")
+    odd.append(f"{prefix}{name} is {json_type(value)}")
     return _UNKNOWN
-
-
-def _json_type(value: Any) -> str:
-    kinds = {type(None): "null", bool: "a boolean", str: "a string", dict: "an object", list: "a list"}
-    return kinds.get(type(value), "a number")
 
 
 def _warm(args: argparse.Namespace) -> int:
@@ -122,7 +121,7 @@ def _warm(args: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(sys.stderr) if args.json == STDOUT else contextlib.nullcontext():
         warmed = _build(servers, shapes, autotune=not args.no_autotune)
     if args.json:
-        write_json(args.json, {"warmed": warmed}, out)
+        write_report("cache warm", args.json, {"warmed": warmed}, out)
     return 0
 
 

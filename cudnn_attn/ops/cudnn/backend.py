@@ -20,7 +20,7 @@ import torch
 
 from ...core.problem import AttentionProblem
 from ...errors import UnsupportedError
-from ...plan_store import PlanStore, entry_key, signature
+from ...plan_store import PlanStore, choice_problems, entry_key, signature
 from . import autotune as autotune_
 from . import capabilities, lowering
 from . import platform as cudnn_platform
@@ -146,11 +146,16 @@ class CudnnBackend:
 
     def _load(self, problem, store, key, record, device_index) -> CudnnPlan | None:
         """The stored plan, deserialized into an empty graph: nothing is validated, lowered to
-        cuDNN or planned (the lowering below only records what running the plan binds)."""
+        cuDNN or planned (the lowering below only records what running the plan binds).
+
+        None (with a warning) for an entry that cannot be used, its header's fields included (a
+        file another version wrote): the build that asked rebuilds the plan and overwrites it.
+        """
         entry = store.load(key, record)
         if entry is None:
             return None
         try:
+            choice = _stored_choice(entry.header)  # first: a header of another layout is not deserialized
             plan = self.from_blob(problem, entry.blob, device_index)
         except Exception as error:  # a plan this cuDNN cannot load: rebuild and overwrite it
             if autotune_.is_out_of_memory(error):
@@ -161,10 +166,7 @@ class CudnnBackend:
                 str(error).splitlines()[0] if str(error) else error,
             )
             return None
-        choice = entry.header.get("choice") or {}
-        plan.choice = autotune_.Choice(
-            **{k: v for k, v in choice.items() if k in autotune_.Choice.__dataclass_fields__}
-        )
+        plan.choice = choice
         plan.source = "disk"
         return plan
 
@@ -206,6 +208,15 @@ class CudnnBackend:
             "describe": plan.problem.describe(),
         }
         store.save(key, header, blob)
+
+
+def _stored_choice(header: dict[str, Any]) -> autotune_.Choice:
+    """The choice a stored plan's header records; ValueError naming what is wrong with it."""
+    problems = choice_problems(header)
+    if problems:
+        raise ValueError(f"header of another layout: {', '.join(problems)}")
+    fields = autotune_.Choice.__dataclass_fields__
+    return autotune_.Choice(**{k: v for k, v in header["choice"].items() if k in fields})
 
 
 def _planned(graph: Any) -> Any:
