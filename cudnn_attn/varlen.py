@@ -236,6 +236,10 @@ def varlen_attention(
         context,
     )
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)  # NumPy's ints too
+    if not cu_seqlens_q.is_cuda:  # host lengths cost nothing to read: the tile spans the longest
+        # sequence, not a generous max_seqlen (the reference's time grows with its square)
+        max_seqlen_q = min(max_seqlen_q, _longest(cu_seqlens_q))
+        max_seqlen_k = min(max_seqlen_k, _longest(cu_seqlens_k))
     bounded = window_left is not None or window_right is not None
     batch = cu_seqlens_q.shape[0] - 1
     slots = bucket(batch, 1)
@@ -447,6 +451,10 @@ def lse_by_token(stats: torch.Tensor, cu_seqlens_q: torch.Tensor, tokens: int) -
     row = (token - cu[seq]).clamp(0, stats.shape[2] - 1)
     lse = stats[seq, :, row, 0]  # [tokens, H]
     return torch.where(covered.unsqueeze(1), lse, float("-inf")).t().contiguous()
+
+
+def _longest(cu_seqlens: torch.Tensor) -> int:
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
 
 def _lengths(cu_seqlens: torch.Tensor, slots: int) -> torch.Tensor:

@@ -122,6 +122,14 @@ def test_varlen_takes_flash_attentions_numpy_scalars_and_empty_key_sequences():
     assert torch.equal(cudnn_attn.varlen_sdpa(q, k, v, cu_q, none, 6, 0), torch.zeros_like(q))
 
 
+def test_a_generous_max_seqlen_on_host_lengths_computes_over_the_longest_sequence():
+    """FlashAttention's callers often pass the model's longest length: on host cu_seqlens the
+    tile spans the longest sequence (a 12-token call at 32768 took minutes on the reference)."""
+    q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, seed=16)
+    generous = cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 32768, 32768, causal=True)
+    assert torch.equal(generous, cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 6, 12, causal=True))
+
+
 def test_varlen_names_v_with_other_heads_than_k():
     q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, seed=15)
     with pytest.raises(ValidationError, match="v: 1 heads differ from k's 2"):
