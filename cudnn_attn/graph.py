@@ -147,12 +147,13 @@ class Graph:
         self.handle = handle
         self.name = name or "graph"
         declared_key = tuple(map(tuple, self.declared)) if self.declared is not None else None
-        # The frontend's graphs lay out outputs as it does (packed, virtual until marked).
-        frontend_outputs = self.virtual_outputs or declared_key is not None
+        # The frontend's graphs follow its rules: outputs packed and virtual until marked, no
+        # scaling where attn_scale is omitted.
+        frontend_rules = self.virtual_outputs or declared_key is not None
         self.recording = state.Recording(
             self.name,
-            (self.backend, self.autotune, *self._dtypes.values(), declared_key, frontend_outputs),
-            frontend_outputs=frontend_outputs,
+            (self.backend, self.autotune, *self._dtypes.values(), declared_key, frontend_rules),
+            frontend_rules=frontend_rules,
         )
         if declared_key is not None and not all(isinstance(e, (str, int)) for part in declared_key for e in part):
             self.recording.key.keyed = False  # tensors named by object: built in full every time
@@ -735,7 +736,7 @@ class Graph:
         self.declared = (list(inputs), list(outputs))
         if not self.recording.built:  # taken at the build, as Graph(inputs=, outputs=) is
             self.recording.key.keyed = False  # the recording's key did not include them: built in full
-            self.recording.frontend_outputs = True
+            self.recording.frontend_rules = True
             return
         self._io = DeclaredIO(self.recording, *self.declared, context=self.name)
 

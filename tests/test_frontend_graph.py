@@ -63,7 +63,7 @@ def test_tensor_takes_the_frontends_signature_and_uids_key_the_variant_pack():
 def test_pygraph_outputs_are_virtual_until_marked_and_graph_outputs_are_not():
     q, k, v = _qkv(2)
     g = cudnn.pygraph()
-    o, stats = g.sdpa(g.tensor_like(q), g.tensor_like(k), g.tensor_like(v), is_inference=False)
+    o, stats = g.sdpa(g.tensor_like(q), g.tensor_like(k), g.tensor_like(v), is_inference=False, attn_scale=D**-0.5)
     o.set_output(True)  # stats never marked: virtual, not produced, not in the pack
     g.build()
     assert [h.name for h in g.outputs] == [o.name] and g.problems[0].stats is None
@@ -213,6 +213,7 @@ def test_a_paged_v_cache_has_its_own_pages_heads_and_head_dim():
         k=k_cache,
         v=v_cache,
         is_inference=True,
+        attn_scale=k.shape[-1] ** -0.5,
         use_padding_mask=True,
         seq_len_q=ones,
         seq_len_kv=lengths,

@@ -71,7 +71,7 @@ def test_jit_and_graph_cache_build_once_per_key_and_return_uids():
 
 def test_plan_helpers_address_the_candidates_of_a_one_node_graph():
     g, q, k, v = _dense_graph(2, 16)
-    o, _ = g.sdpa(q=q, k=k, v=v, generate_stats=False)
+    o, _ = g.sdpa(q=q, k=k, v=v, attn_scale=D**-0.5, generate_stats=False)
     assert g.get_execution_plan_count() == 0  # nothing built yet
     g.build([cudnn.heur_mode.A])
     assert g.get_execution_plan_count() == 1 and g.get_plan_name_at_index(0) == "reference"
@@ -169,6 +169,7 @@ def _thd_graph(b: int, max_s_q: int, s_kv: int, **kwargs):
         q=q,
         k=k,
         v=v,
+        attn_scale=D**-0.5,
         use_padding_mask=True,
         seq_len_q=lengths[0],
         seq_len_kv=lengths[1],
@@ -343,7 +344,7 @@ def test_the_frontends_other_sdpa_keywords_take_their_defaults_and_refuse_the_re
     o, _ = g.sdpa(q=q, k=k, v=v, generate_stats=False, **FRONTEND_DEFAULTS)
     out = torch.empty_like(data[0])
     g.execute({q: data[0], k: data[1], v: data[2], o: out})
-    assert rel_err(out, _attention(*data, D**-0.5)) < 1e-5
+    assert rel_err(out, _attention(*data, 1.0)) < 1e-5  # attn_scale=None: no scaling, as the frontend
     for name, value in (("unfuse_fma", True), ("stats_use_log2", True), ("block_mask", 1)):
         g, q, k, v = _dense_graph(1, 8)
         g.sdpa(q=q, k=k, v=v, generate_stats=False, **{name: value})

@@ -89,6 +89,45 @@ def test_outputs_left_unset_take_the_frontends_packed_layout():
     assert ours(q_t, k_t, v_t).stride() == q_t.stride()
 
 
+def test_an_omitted_attn_scale_is_no_scaling_in_the_frontends_graphs():
+    """The frontend's node multiplies the scores by attn_scale only where one is given (its C++
+    SDPA node; its graph analyzer: "An omitted attn_scale is no scaling (1.0)"): pygraph and the
+    declared Graph scaled by 1/sqrt(d), silently other results. The library's own Graph keeps
+    torch's 1/sqrt(d), as documented."""
+    q, k, v, d_o = (randn(B, H, S, D, seed=60 + i) for i in range(4))
+    unscaled = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=1.0)
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
+    handles = [g.tensor_like(t) for t in (q, k, v)]
+    o, stats = g.sdpa(*handles, generate_stats=True)
+    o.set_output(True)
+    stats.set_output(True)
+    out, lse = torch.empty_like(q), torch.empty(B, H, S, 1)
+    g.execute({**dict(zip(handles, (q, k, v))), o: out, stats: lse})
+    assert rel_err(out, unscaled) < 1e-5
+    bwd = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
+    bound = (q, k, v, out, d_o, lse)
+    inputs = [bwd.tensor_like(t) for t in bound]
+    grads = bwd.sdpa_backward(*inputs)
+    got = [torch.empty_like(t) for t in (q, k, v)]
+    for handle in grads:
+        handle.set_output(True)
+    bwd.execute({**dict(zip(inputs, bound)), **dict(zip(grads, got))})
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(
+        torch.nn.functional.scaled_dot_product_attention(*leaves, scale=1.0), leaves, d_o.double()
+    )
+    assert all(rel_err(a, b) < 1e-5 for a, b in zip(got, want))
+    with cudnn.Graph(inputs=["SDPA::q", "SDPA::k", "SDPA::v"], outputs=["SDPA::O"]) as declared:
+        declared.sdpa(name="SDPA", q=q, k=k, v=v, is_inference=True)
+    assert rel_err(declared(q, k, v), unscaled) < 1e-5
+    with cudnn.Graph() as own:
+        own.sdpa(q, k, v)
+    assert (
+        rel_err(own(q, k, v), torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double()))
+        < 1e-5
+    )
+
+
 def test_the_pythonic_graph_takes_the_frontends_canonical_names_and_set_io_tuples():
     q, k, v = (randn(B, H, S, D, seed=20 + i) for i in range(3))
     with cudnn.Graph(inputs=["SDPA::q", "SDPA::k", "SDPA::v"], outputs=["SDPA::O", "SDPA::Stats"]) as g:

@@ -142,7 +142,7 @@ def test_a_tensor_given_twice_in_a_variant_pack_is_refused():
     tensors = [torch.randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(s)) for s in range(3)]
     graph = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
     q, k, v = (graph.tensor_like(t) for t in tensors)
-    o, _ = graph.sdpa(q=q, k=k, v=v, is_inference=True)
+    o, _ = graph.sdpa(q=q, k=k, v=v, is_inference=True, attn_scale=16**-0.5)
     o.set_output(True)
     graph.build([cudnn.heur_mode.A])
     out = torch.empty_like(tensors[0])

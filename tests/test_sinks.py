@@ -53,7 +53,9 @@ def test_forward_and_backward_with_sinks_match_the_oracle(causal):
     bwd = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
     handles = [bwd.tensor_like(t) for t in (*f32[:3], out, d_o.float(), lse)]
     sink_h, d_sink_h = bwd.tensor_like(f32[3]), bwd.tensor_like(f32[3])
-    grads = bwd.sdpa_backward(*handles, sink_token=sink_h, dSink_token=d_sink_h, use_causal_mask=causal)
+    grads = bwd.sdpa_backward(
+        *handles, sink_token=sink_h, dSink_token=d_sink_h, use_causal_mask=causal, attn_scale=q.shape[-1] ** -0.5
+    )
     for t in grads:
         t.set_output(True)
     got = [torch.full_like(t, float("nan")) for t in f32]

@@ -67,9 +67,13 @@ def _amaxes(node: Node, roles: tuple[str, ...], device: str) -> dict[str, Any]:
     return {role: output_spec(node.outputs[role], default) for role in wanted}
 
 
-def assemble_problem(node: Node, dtypes: dict[str, torch.dtype | None]) -> AttentionProblem | None:
+def assemble_problem(
+    node: Node, dtypes: dict[str, torch.dtype | None], *, frontend_rules: bool = False
+) -> AttentionProblem | None:
     """The node's problem; None when an input's geometry is unknown (a required input missing,
-    or an input coming from a node that failed). Validation judges the result."""
+    or an input coming from a node that failed). Validation judges the result. Under the
+    ``frontend_rules`` an omitted attn_scale is 1, as the frontend's node multiplies by a scale
+    only where one is given; else torch's ``1/sqrt(d)``."""
     specs: dict[str, TensorSpec] = {}
     for role, handle in node.inputs.items():
         if handle.spec is None:
@@ -87,7 +91,8 @@ def assemble_problem(node: Node, dtypes: dict[str, torch.dtype | None]) -> Atten
     assert parsed is not None, "assembled after the node's keywords are parsed"
     options = parsed.options
     if not parsed.scale_given:
-        options = dataclasses.replace(options, attn_scale=default_scale(q.shape[-1] if q.shape else 1))
+        scale = 1.0 if frontend_rules else default_scale(q.shape[-1] if q.shape else 1)
+        options = dataclasses.replace(options, attn_scale=scale)
     common: dict[str, Any] = dict(
         io_dtype=dtypes["io_data_type"],
         intermediate_dtype=dtypes["intermediate_data_type"] or torch.float32,
@@ -141,7 +146,7 @@ def output_spec(handle: Any, default: TensorSpec) -> TensorSpec:
     an output whose layout is not set is packed row-major (BHSD for O and the gradients), as the
     frontend materializes it, whatever q's layout; a ragged one keeps q's (THD) layout, which its
     offsets place."""
-    if handle.recording.frontend_outputs and handle.ragged_offset is None:
+    if handle.recording.frontend_rules and handle.ragged_offset is None:
         default = TensorSpec.contiguous(default.shape, default.dtype, default.device)
     shape = handle.dim if handle.dim is not None else default.shape
     if handle.stride is not None:

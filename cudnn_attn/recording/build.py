@@ -42,7 +42,7 @@ def runner_for(
     if earlier is not None and cache.touch(earlier.cache_keys):
         return reuse.adopt(recording, earlier, handle)
     interpret.interpret_calls(recording)
-    validate_nodes(recording.nodes, dtypes, recording.name)
+    validate_nodes(recording.nodes, dtypes, recording.name, frontend_rules=recording.frontend_rules)
     plan_nodes(recording.nodes, backend, autotune, cache, recording.name)
     recording.inputs = positional_inputs(recording.nodes)
     runner = Runner(recording.name, recording.inputs, recording.nodes, handle)
@@ -52,8 +52,11 @@ def runner_for(
     return runner
 
 
-def validate_nodes(nodes: Sequence[Node], dtypes: dict[str, torch.dtype | None], context: str) -> None:
-    """Assemble and validate each node's problem; raise every problem found at once."""
+def validate_nodes(
+    nodes: Sequence[Node], dtypes: dict[str, torch.dtype | None], context: str, *, frontend_rules: bool = False
+) -> None:
+    """Assemble and validate each node's problem; raise every problem found at once.
+    ``frontend_rules``: the frontend's graph (an omitted attn_scale is no scaling)."""
     if not nodes:
         raise ValidationError(["graph: no ops were recorded; call g.sdpa(...) inside the `with` block"])
     found: list[str] = []
@@ -62,7 +65,7 @@ def validate_nodes(nodes: Sequence[Node], dtypes: dict[str, torch.dtype | None],
     for node in nodes:
         if node.parsed is not None and node.parsed.unsupported:
             continue  # what is not run here is refused as unsupported (plan_nodes), not judged as invalid
-        problem = assemble_problem(node, dtypes)
+        problem = assemble_problem(node, dtypes, frontend_rules=frontend_rules)
         lines = list(node.errors)
         if problem is None:
             lines += [line for line in missing_inputs(node) if line not in lines]

@@ -29,7 +29,7 @@ class RecordingPort(Protocol):
     def built(self) -> bool: ...
 
     @property
-    def frontend_outputs(self) -> bool: ...
+    def frontend_rules(self) -> bool: ...
 
     @property
     def key(self) -> Keyed: ...
@@ -283,7 +283,7 @@ class OutputHandle(TensorHandle):
             return not self.is_output
         if self.marked is not None:
             return not self.marked
-        return self.recording.frontend_outputs
+        return self.recording.frontend_rules
 
     def _check_open(self, what: str) -> None:
         if self.recording.built:

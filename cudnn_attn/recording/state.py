@@ -29,11 +29,12 @@ from .ops_table import STATS, OpSpec
 class Recording:
     """What one graph has recorded so far. ``options`` (backend, autotune, dtypes) start the key."""
 
-    def __init__(self, name: str, options: tuple, frontend_outputs: bool = False):
+    def __init__(self, name: str, options: tuple, frontend_rules: bool = False):
         self.name = name
-        # The frontend's rules for outputs (pygraph, the declared Graph): one whose layout is not
-        # set is packed row-major, as the frontend materializes it; one not yet marked is virtual.
-        self.frontend_outputs = frontend_outputs
+        # The frontend's rules (pygraph, the declared Graph): an output whose layout is not set is
+        # packed row-major, as the frontend materializes it; one not yet marked is virtual; an
+        # omitted attn_scale multiplies by nothing (the library's own Graph takes 1/sqrt(d)).
+        self.frontend_rules = frontend_rules
         self.nodes: list[Node] = []
         self.inputs: list[InputHandle] = []  # in creation order; positional order once built
         self.by_identity: dict[int, InputHandle] = {}  # id(argument) -> its handle
