@@ -26,7 +26,7 @@ from .core.problem import TensorSpec
 from .core.roles import FP8_BACKWARD_AMAXES, FP8_BACKWARD_SCALES, FP8_SCALES
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError, shown
 from .fp8_scaling import Fp8Scaling
-from .fp8_tensor import Fp8Tensor
+from .fp8_tensor import Fp8Tensor, check_fp8_inputs
 from .functional.arguments import ARGUMENT_NAMES, check_arguments, materialised
 from .kernels.fp8_cast import (
     E4M3,
@@ -184,7 +184,7 @@ def _on_fp8_inputs(
 ) -> Any:
     """``sdpa_fp8`` on ``Fp8Tensor`` inputs: no casts in, O in FP8 or dequantised once."""
     tensors = {"query": query, "key": key, "value": value}
-    _check_fp8_inputs(tensors)
+    check_fp8_inputs(tensors)
     if attn_mask is not None:
         raise UnsupportedError(
             ["attn_mask: FP8 attention takes no mask tensor (cuDNN's FP8 op has no bias); use is_causal"],
@@ -227,46 +227,30 @@ def _on_fp8_inputs(
     return from_fp8(out8, descale_v, out_dtype)
 
 
-def _check_fp8_inputs(tensors: dict[str, Any]) -> None:
-    """All three ``Fp8Tensor``; E4M3 data; one float32 descale each, on the data's device."""
-    problems = []
-    for name, t in tensors.items():
-        if not isinstance(t, Fp8Tensor):
-            kind = f"a {dtype_name(t.dtype)} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
-            problems.append(
-                f"{name}: {kind} beside an Fp8Tensor; pass query, key and value all as Fp8Tensor "
-                "(Fp8Tensor.quantise) or all as float16/bfloat16 tensors"
-            )
-            continue
-        data, descale = t
-        if not isinstance(data, torch.Tensor) or data.dtype != E4M3:
-            what = dtype_name(data.dtype) if isinstance(data, torch.Tensor) else type(data).__name__
-            problems.append(f"{name}.data: {what}; expected a float8_e4m3fn tensor")
-        elif not isinstance(descale, torch.Tensor) or descale.dtype != torch.float32 or descale.numel() != 1:
-            what = (
-                f"{dtype_name(descale.dtype)} of shape {list(descale.shape)}"
-                if isinstance(descale, torch.Tensor)
-                else type(descale).__name__
-            )
-            problems.append(f"{name}.descale: {what}; expected a float32 tensor of one element")
-        elif descale.device != data.device:
-            problems.append(
-                f"{name}.descale: on {descale.device} but its data is on {data.device}; put them on one device"
-            )
-    if problems:
-        raise ValidationError(problems, context="sdpa_fp8")
-    devices = {name: t.data.device for name, t in tensors.items()}
-    if len(set(devices.values())) > 1:
-        where = ", ".join(f"{name} on {device}" for name, device in devices.items())
-        raise ValidationError(
-            [f"device: tensors are on several devices ({where}); put them on one device"], context="sdpa_fp8"
-        )
-
-
 def _check_arguments(
     query: Any, key: Any, value: Any, attn_mask: Any, is_causal: Any, scale: Any, enable_gqa: Any
 ) -> None:
-    """torch's rules on the arguments ``sdpa_fp8`` shares with its SDPA, in its own name."""
+    """torch's rules on the arguments ``sdpa_fp8`` shares with its SDPA, in its own name; first
+    what only FP8 attention refuses, so that its reason is the one given."""
+    named = (("query", query), ("key", key), ("value", value))
+    nested = [name for name, t in named if isinstance(t, torch.Tensor) and t.is_nested]
+    if nested:
+        raise UnsupportedError(
+            [
+                f"{nested[0]}: a nested tensor; sdpa_fp8 takes dense [B, H, L, E] tensors (cudnn_attn.sdpa takes nested ones)"
+            ],
+            context="sdpa_fp8",
+        )
+    raw = [name for name, t in named if isinstance(t, torch.Tensor) and t.dtype in (E4M3, torch.float8_e5m2)]
+    if raw:
+        raise ValidationError(
+            [
+                f"{name}: a raw FP8 tensor; sdpa_fp8 takes float16/bfloat16 tensors, which it casts, "
+                "or cudnn_attn.Fp8Tensor (FP8 data with its descale)"
+                for name in raw
+            ],
+            context="sdpa_fp8",
+        )
     try:
         check_arguments(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa)
     except ValidationError as error:
@@ -474,12 +458,20 @@ def gradients(
     else:
         scales = scaling.gradient_scales(d_out.device)
         if scales is None:  # no history yet: measure this backward's amaxes first (not recorded:
-            # the history keeps one backward per forward, the real pass's below)
-            measured = _run_backward(saved, do8, descale_do, torch.ones(4, device=d_out.device))[3:]
-            scales = scales_for(finite_amaxes(torch.cat([a.reshape(1) for a in measured])))
+            # the history keeps one backward per forward, the real pass's below). dQ and dK come
+            # from dS as quantised under dP's scale: at scale 1 a small dS flushed to zero (and
+            # dQ, dK with it) and a large one saturated, so dP's amax is measured first.
+            ones = torch.ones(4, device=d_out.device)
+            scale_dp = scales_for(_amaxes(_run_backward(saved, do8, descale_do, ones)))[3:]
+            scales = scales_for(_amaxes(_run_backward(saved, do8, descale_do, torch.cat([ones[:3], scale_dp]))))
         results = _run_backward(saved, do8, descale_do, scales)
         scaling.record_gradients(list(results[3:]))
     return [from_fp8(g8, (1.0 / scales[i]).reshape(1, 1, 1, 1), dtype) for i, g8 in enumerate(results[:3])], scales
+
+
+def _amaxes(results: tuple) -> torch.Tensor:
+    """A backward's amaxes of dQ, dK, dV and dP ([4]), an inf or NaN one as 0 (scale 1)."""
+    return finite_amaxes(torch.cat([a.reshape(1) for a in results[3:]]))
 
 
 def _run_backward(saved: dict[str, Any], do8: torch.Tensor, descale_do: torch.Tensor, scales: torch.Tensor) -> tuple:

@@ -17,7 +17,7 @@ import torch
 from .core.dtypes import dtype_name
 from .errors import ValidationError, shown
 from .fp8_scaling import current_scale
-from .kernels.fp8_cast import from_fp8, reciprocal_scale, to_fp8
+from .kernels.fp8_cast import E4M3, from_fp8, reciprocal_scale, to_fp8
 
 
 class Fp8Tensor(NamedTuple):
@@ -112,3 +112,40 @@ def _check_quantise(x: Any, scale: Any) -> None:
             problems.append(f"scale: on {scale.device}; x is on {x.device}")
     if problems:
         raise ValidationError(problems, context="Fp8Tensor.quantise")
+
+
+def check_fp8_inputs(tensors: dict[str, Any]) -> None:
+    """``sdpa_fp8``'s query, key and value given as ``Fp8Tensor``: all three, E4M3 data, one
+    float32 descale each on its data's device, one device for all."""
+    problems = []
+    for name, t in tensors.items():
+        if not isinstance(t, Fp8Tensor):
+            kind = f"a {dtype_name(t.dtype)} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
+            problems.append(
+                f"{name}: {kind} beside an Fp8Tensor; pass query, key and value all as Fp8Tensor "
+                "(Fp8Tensor.quantise) or all as float16/bfloat16 tensors"
+            )
+            continue
+        data, descale = t
+        if not isinstance(data, torch.Tensor) or data.dtype != E4M3:
+            what = dtype_name(data.dtype) if isinstance(data, torch.Tensor) else type(data).__name__
+            problems.append(f"{name}.data: {what}; expected a float8_e4m3fn tensor")
+        elif not isinstance(descale, torch.Tensor) or descale.dtype != torch.float32 or descale.numel() != 1:
+            what = (
+                f"{dtype_name(descale.dtype)} of shape {list(descale.shape)}"
+                if isinstance(descale, torch.Tensor)
+                else type(descale).__name__
+            )
+            problems.append(f"{name}.descale: {what}; expected a float32 tensor of one element")
+        elif descale.device != data.device:
+            problems.append(
+                f"{name}.descale: on {descale.device} but its data is on {data.device}; put them on one device"
+            )
+    if problems:
+        raise ValidationError(problems, context="sdpa_fp8")
+    devices = {name: t.data.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        where = ", ".join(f"{name} on {device}" for name, device in devices.items())
+        raise ValidationError(
+            [f"device: tensors are on several devices ({where}); put them on one device"], context="sdpa_fp8"
+        )

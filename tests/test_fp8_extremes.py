@@ -119,3 +119,29 @@ def test_an_fp8_layer_takes_an_empty_batch_or_sequence():
 def test_bad_quantise_arguments_are_named(x, scale, message):
     with pytest.raises(ValidationError, match=f"Fp8Tensor.quantise: {message}"):
         cudnn_attn.Fp8Tensor.quantise(x, scale=scale)
+
+
+def test_sdpa_fp8_names_nested_and_raw_fp8_inputs():
+    """A nested tensor was an AttributeError deep in the problem's strides; raw float8 tensors
+    were told float16..float64 are expected, then float32 was refused."""
+    nested = torch.nested.nested_tensor(
+        [torch.randn(5, 2, 16, dtype=torch.bfloat16), torch.randn(7, 2, 16, dtype=torch.bfloat16)], layout=torch.jagged
+    ).transpose(1, 2)
+    with pytest.raises(UnsupportedError, match="query: a nested tensor; sdpa_fp8 takes dense"):
+        cudnn_attn.sdpa_fp8(nested, nested, nested)
+    raw = torch.randn(1, 2, 8, 16).to(torch.float8_e4m3fn)
+    with pytest.raises(ValidationError, match="key: a raw FP8 tensor; .* or cudnn_attn.Fp8Tensor"):
+        cudnn_attn.sdpa_fp8(raw.to(torch.bfloat16), raw, raw)
+
+
+def test_a_graph_fp8_scale_problem_is_named_once():
+    """The backward's scales repeat some of the forward's: a bad descale_q was listed twice, and a
+    float given for it was also called missing."""
+    q8 = torch.randn(1, 2, 8, 16).to(torch.float8_e4m3fn)
+    one = torch.ones(1, 1, 1, 1)
+    for descale_q, message in ((torch.ones(1), "descale_q: dtype float32, shape \\[1\\]"), (1.0, "descale_q: float")):
+        with pytest.raises(ValidationError) as refused:
+            with cudnn_attn.Graph() as g:
+                g.sdpa_fp8(q8, q8, q8, descale_q, one, one, one, one, one)
+        assert len([line for line in refused.value.problems if line.startswith("descale_q")]) == 1, refused.value
+        assert refused.match(message)

@@ -239,3 +239,36 @@ def test_a_paged_v_cache_has_its_own_pages_heads_and_head_dim():
         q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(4, 1), attn_mask=mask
     )
     assert rel_err(out, expected) < 2e-3
+
+
+@pytest.mark.parametrize(
+    "bounds", [dict(diagonal_band_right_bound=1), dict(diagonal_band_left_bound=3, diagonal_band_right_bound=1)]
+)
+def test_a_bottom_right_band_leaving_the_first_rows_without_keys_is_refused_as_the_frontend_refuses_it(bounds):
+    """S_q > S_kv with a right bound on the bottom-right diagonal and no padding: the frontend's
+    validate() refuses it as it refuses bottom-right causal; it ran here, its first rows zeros."""
+
+    def build(module):
+        g = module.pygraph(io_data_type=module.data_type.HALF)
+        q = g.tensor(name="q", dim=[1, 1, 7, 8], stride=[56, 56, 8, 1], data_type=module.data_type.HALF)
+        k = g.tensor(name="k", dim=[1, 1, 3, 8], stride=[24, 24, 8, 1], data_type=module.data_type.HALF)
+        o, _ = g.sdpa(
+            name="sdpa",
+            q=q,
+            k=k,
+            v=k,
+            is_inference=True,
+            attn_scale=0.5,
+            diagonal_alignment=module.diagonal_alignment.BOTTOM_RIGHT,
+            **bounds,
+        )
+        o.set_output(True)
+        g.validate()
+
+    frontend = pytest.importorskip("cudnn")
+    with pytest.raises(frontend.cudnnGraphNotSupportedError, match="max_s_q > max_s_kv"):
+        build(frontend)
+    with pytest.raises(
+        cudnn.UnsupportedError, match="diagonal_band_right_bound: on the bottom-right diagonal with S_q=7 > S_kv=3"
+    ):
+        build(cudnn)

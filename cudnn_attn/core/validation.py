@@ -151,7 +151,8 @@ def _check_fp8(p: AttentionProblem, found: list[str]) -> None:
             found.append(f"{_name(role)}: dtype {_dt(spec)}; must be {', '.join(dtype_name(d) for d in wide)}")
     if p.stats is not None and p.stats.dtype != torch.float32:
         found.append(f"stats: dtype {_dt(p.stats)}; stats are float32")
-    for role in (*FP8_SCALES, *FP8_BACKWARD_SCALES, *FP8_AMAXES, *FP8_BACKWARD_AMAXES):
+    # dict.fromkeys: the backward's scales repeat some of the forward's (descale_q, ...): one line each
+    for role in dict.fromkeys((*FP8_SCALES, *FP8_BACKWARD_SCALES, *FP8_AMAXES, *FP8_BACKWARD_AMAXES)):
         spec = getattr(p, role)
         if spec is not None and (spec.dtype != torch.float32 or spec.shape != (1, 1, 1, 1)):
             found.append(
@@ -267,6 +268,11 @@ def unrunnable(p: AttentionProblem) -> list[str]:
         found.append(
             f"use_causal_mask_bottom_right: S_q={s_q} > S_kv={s_kv}; bottom-right causal needs S_q <= S_kv "
             "(or a padding mask with per-batch lengths)"
+        )
+    elif p.options.bottom_right and p.options.right_bound is not None:  # the same band, shifted right
+        found.append(
+            f"diagonal_band_right_bound: on the bottom-right diagonal with S_q={s_q} > S_kv={s_kv}; it needs "
+            "S_q <= S_kv (or a padding mask with per-batch lengths), as bottom-right causal does"
         )
     return found
 

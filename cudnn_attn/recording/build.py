@@ -68,7 +68,8 @@ def validate_nodes(
         problem = assemble_problem(node, dtypes, frontend_rules=frontend_rules)
         lines = list(node.errors)
         if problem is None:
-            lines += [line for line in missing_inputs(node) if line not in lines]
+            named = {line.split(":")[0] for line in lines}  # an argument refused already is not also missing
+            lines += [line for line in missing_inputs(node) if line.split(":")[0] not in named]
             if not lines:
                 lines = ["inputs: an input comes from a node that failed"]
         else:
