@@ -168,7 +168,7 @@ def test_each_candidate_plan_runs_by_index():
     want = _oracle(*data, D**-0.5, True)
     g = cudnn_attn.pygraph(io_data_type=cudnn_attn.data_type.HALF)
     q, k, v = (g.tensor_like(t) for t in data)
-    o, _ = g.sdpa(q=q, k=k, v=v, use_causal_mask=True, generate_stats=False)
+    o, _ = g.sdpa(q=q, k=k, v=v, attn_scale=D**-0.5, use_causal_mask=True, generate_stats=False)
     o.set_output(True)
     g.build([cudnn_attn.heur_mode.A, cudnn_attn.heur_mode.FALLBACK])
     count = g.get_execution_plan_count()
