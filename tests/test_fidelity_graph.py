@@ -58,8 +58,19 @@ def test_a_backward_with_another_mask_than_its_forward_is_refused_naming_the_opt
         (dict(use_alibi_mask=True), {}, "use_alibi_mask True there, False here"),
         (dict(dropout=(0.1, 1, 2)), {}, "dropout 0.1 there, 0 here"),
         (dict(use_causal_mask=True), dict(use_causal_mask_bottom_right=True), "diagonal_alignment"),
+        # int seeds and offsets are known at build: another one draws another mask (dV was 83% off)
+        (
+            dict(dropout=0.3, dropout_seed=1, dropout_offset=0),
+            dict(dropout=0.3, dropout_seed=2, dropout_offset=0),
+            "dropout_seed 1 there, 2 here",
+        ),
+        (
+            dict(dropout=0.3, dropout_seed=1, dropout_offset=0),
+            dict(dropout=0.3, dropout_seed=1, dropout_offset=5),
+            "dropout_offset 0 there, 5 here",
+        ),
     ],
-    ids=["scale", "window", "alibi", "dropout", "alignment-with-s_q-below-s_kv"],
+    ids=["scale", "window", "alibi", "dropout", "alignment-with-s_q-below-s_kv", "dropout-seed", "dropout-offset"],
 )
 def test_each_option_that_changes_the_probabilities_is_compared(forward, backward, named):
     with pytest.raises(cudnn.ValidationError, match=named):

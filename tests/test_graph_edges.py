@@ -150,3 +150,34 @@ def test_a_tensor_given_twice_in_a_variant_pack_is_refused():
         graph.execute({q: tensors[0], q.get_uid(): tensors[1], k: tensors[1], v: tensors[2], o: out}, None)
     graph.execute({q: tensors[0], k: tensors[1], v: tensors[2], o: out}, None)
     assert (out.double() - _attention(*tensors, 16**-0.5)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("bad", [torch.tensor(True), torch.tensor(1 + 0j)], ids=["bool", "complex"])
+def test_a_refused_tensor_scale_is_refused_whatever_the_cache_built_before(bad):
+    """A tensor scale was keyed by its float value alone: after a tensor(1.0) graph, a bool or
+    complex one adopted that build instead of being refused."""
+    q = torch.randn(1, 2, 8, 16)
+    cache = cudnn_attn.PlanCache()
+    with cudnn_attn.Graph(cache=cache) as g:
+        g.sdpa(q, q, q, attn_scale=torch.tensor(1.0))
+    with pytest.raises(cudnn_attn.ValidationError, match="attn_scale"):
+        with cudnn_attn.Graph(cache=cache) as g:
+            g.sdpa(q, q, q, attn_scale=bad)
+
+
+def test_score_mod_constants_of_other_signs_of_zero_build_apart():
+    """0.0 == -0.0, so two modifiers clipping at 1/0.0 (+inf: nothing) and 1/-0.0 (-inf: every
+    score) shared one build: the second ran the first's."""
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+
+    def run(c0, cache):
+        def clip(g, s):
+            return g.min(input0=s, input1=g.reciprocal(input=g.tensor_scalar(c0)))
+
+        with cudnn_attn.Graph(cache=cache) as g:
+            g.sdpa(q, k, v, score_mod=clip)
+        return g(q, k, v)
+
+    shared = cudnn_attn.PlanCache()
+    run(0.0, shared)
+    assert torch.equal(run(-0.0, shared), run(-0.0, cudnn_attn.PlanCache()))

@@ -68,7 +68,7 @@ MAX_INPUTS = 8  # graph tensors one modifier reads (roles score_input_0 ...)
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.bool)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Expr:
     """One node of a modifier: a leaf (``LEAVES``) or a pointwise op (``OPS``) on ``args``."""
 
@@ -79,7 +79,17 @@ class Expr:
     compute: torch.dtype | None = None  # the op's compute_data_type, if given
 
     def __post_init__(self) -> None:  # trees are hashed with every problem and as table keys: once each
-        object.__setattr__(self, "_hash", hash((self.op, self.args, self.value, self.dtype, self.compute)))
+        object.__setattr__(self, "_hash", hash(self._identity()))
+
+    def _identity(self) -> tuple:
+        # A float value by its bits: -0.0 == 0.0 (and 1/-0.0 is -inf, not inf), and NaN != NaN.
+        value = self.value.hex() if isinstance(self.value, float) else self.value
+        return (self.op, self.args, value, self.dtype, self.compute)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Expr):
+            return NotImplemented
+        return self is other or (hash(self) == hash(other) and self._identity() == other._identity())
 
     def __hash__(self) -> int:
         return self.__dict__["_hash"]

@@ -51,8 +51,14 @@ def _scale_key(value: Any) -> Hashable:
     """A torch tensor ``attn_scale`` is read by value when the graph is built: keyed by its value
     (a key by geometry handed the next graph this one's scale). One on a GPU is not keyed, as
     reading it on every call would sync."""
-    if type(value) is torch.Tensor and value.device.type == "cpu" and value.numel() == 1:
-        return ("scale", float(value))
+    if (
+        type(value) is torch.Tensor
+        and value.device.type == "cpu"
+        and value.numel() == 1
+        and not (value.is_complex() or value.dtype == torch.bool)  # refused at build: never adopted
+    ):
+        # The dtype too: the build checks the tensor, so two scales of one value may differ in verdict.
+        return ("scale", value.dtype, float(value.detach()))
     raise _UnkeyedError
 
 

@@ -5,7 +5,8 @@ with the forward's Stats; with another mask, scale or modifier the two disagree 
 gradients are wrong with no error (the frontend computes them anyway). Both nodes are in one
 graph, so the build compares what shapes the probabilities and refuses a difference by name.
 Only the options that change the probabilities are compared: not the data types, geometry,
-determinism, ragged offsets or which tensors hold the lengths or the dropout seed.
+determinism, ragged offsets or which tensors hold the lengths or the dropout seed; a seed or
+offset given as an int is known at build, and compared.
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ def pairing_problems(node: Node, valid: Iterable[Node]) -> list[str]:
             f"{keyword} {_shown(keyword, f(theirs))} there, {_shown(keyword, f(mine))} here"
             for keyword, f in COMPARED.items()
             if not _same(keyword, f(theirs), f(mine))
+        ]
+        differing += [  # int seeds and offsets draw the dropout mask: another one drops other weights
+            f"{role} {forward.runtime[role]} there, {node.runtime[role]} here"
+            for role in ("dropout_seed", "dropout_offset")
+            if role in forward.runtime and role in node.runtime and forward.runtime[role] != node.runtime[role]
         ]
         if differing:
             found.append(
