@@ -90,6 +90,9 @@ class Refusal:
     call: dict[str, Any] = field(default_factory=dict)
     per_rank: dict[int, dict[str, Any]] = field(default_factory=dict)
     op: str = "context_parallel_sdpa"  # or "shard", "unshard"
+    # Overrides of a valid call every rank makes first: its agreed signature must not let a
+    # malformed argument equal to it (True == 1, (2.0, 0) == (2, 0)) skip the checks.
+    after: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -306,6 +309,9 @@ def _packed_round_trip(case: PackedRoundTrip, rank: int, world: int, device: tor
 
 
 def _refusal(case: Refusal, rank: int, world: int, device: torch.device, index: int) -> dict[str, str]:
+    if case.after is not None:
+        agreed = Refusal(case.id, "nothing", "", {**case.call, **case.after}, op=case.op)
+        assert _refusal(agreed, rank, world, device, index)["raised"] == "nothing", "the first call is valid"
     call = {
         "seq": 8,
         "heads": 2,

@@ -124,6 +124,25 @@ REFUSALS = [
         "unshard-nested-on-one-rank", "ValidationError", "x: a nested", per_rank={1: {"dims": "nested"}}, op="unshard"
     ),
     Refusal("meta-shards", "ValidationError", "q: on meta", call={"dims": "meta"}),
+    # After a valid call equal to it: the agreed signature let it skip the checks (a bare ValueError
+    # on one rank, the others waiting out the timeout; 1 accepted as is_causal).
+    Refusal(
+        "float-window-after-an-int-one",
+        "ValidationError",
+        "window_size: (2.0, 0)",
+        call={"window": (2.0, 0)},
+        after={"window": (2, 0)},
+    ),
+    Refusal(
+        "int-is_causal-after-true", "ValidationError", "is_causal: 1", call={"is_causal": 1}, after={"is_causal": True}
+    ),
+    Refusal(
+        "unshard-layouts-differ-across-ranks",
+        "ValidationError",
+        "layout differs across ranks",
+        per_rank={1: {"layout": "contiguous"}},
+        op="unshard",
+    ),
     Refusal("dense-max_seqlen", "ValidationError", "max_seqlen: -3 without cu_seqlens", call={"max_seqlen": -3}),
     # Packed documents, windows and sinks (base packed call: 2 documents of 6W tokens, shards of 12).
     *(

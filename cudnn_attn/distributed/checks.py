@@ -1,6 +1,6 @@
 """The arguments of ``context_parallel_sdpa``: this rank's own problems, then agreement across ranks.
 
-Local rules (each a line naming the argument): q/k/v are 4-D ``[B, H, S_shard, D]`` fp16/bf16
+Local rules (each a line naming the argument): q/k/v are 4-D ``[B, H, S_shard, D]`` fp16/bf16/fp32
 tensors of one dtype and device (3-D ``[T_shard, H, D]`` with ``cu_seqlens`` for packed
 documents, each document's length a multiple of its chunks); K/V heads equal Q's or, with
 ``enable_gqa``, divide them; q, k and v hold the same positions (one shard length); a causal
@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import struct
 import zlib
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,13 @@ class Checked:
     documents: Documents | None = None
 
 
+def _typed(value: Any) -> Hashable:
+    """``value`` with its type, and its items' (a key that tells 1 from True and 2.0 from 2)."""
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_typed(item) for item in value))
+    return (type(value), value)
+
+
 def checked(
     q: Any,
     k: Any,
@@ -75,14 +83,10 @@ def checked(
         m.group,
         m.world,
         *(_geometry(t) for t in (q, k, v)),
-        is_causal,
-        scale,
-        mode,
-        enable_gqa,
-        layout,
+        # With their types: True == 1 and (2.0, 0) == (2, 0), yet only one of each is valid.
+        *(_typed(a) for a in (is_causal, scale, mode, enable_gqa, layout)),
         lengths,
-        max_seqlen,
-        window_size,
+        *(_typed(a) for a in (max_seqlen, window_size)),
         _geometry(sinks),
     )
     try:
@@ -211,7 +215,7 @@ def _problems(q, k, v, m: Members, is_causal, scale, mode, enable_gqa, layout, w
         if not isinstance(t, torch.Tensor):
             problems.append(f"{name}: {type(t).__name__}; expected a torch tensor")
         elif t.dtype not in FLOATING_IO:
-            problems.append(f"{name}: dtype {dtype_name(t.dtype)}; expected float16 or bfloat16")
+            problems.append(f"{name}: dtype {dtype_name(t.dtype)}; expected float16, bfloat16 or float32")
         elif t.dim() == 3 and not packed:
             problems.append(
                 f"{name}: 3-D (shape {list(t.shape)}); packed [T_shard, H, D] shards need cu_seqlens, "

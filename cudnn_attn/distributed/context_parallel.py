@@ -52,8 +52,8 @@ def context_parallel_sdpa(
     is left waiting (ranks change shapes together, as for any collective).
 
     Args:
-        q: this rank's query shard ``[B, H, S_shard, D]`` (any strides, e.g. BSHD views), fp16
-            or bf16; with ``cu_seqlens``, ``[T_shard, H, D]`` of packed documents.
+        q: this rank's query shard ``[B, H, S_shard, D]`` (any strides, e.g. BSHD views), fp16,
+            bf16 or float32; with ``cu_seqlens``, ``[T_shard, H, D]`` of packed documents.
         k: the key shard, ``q``'s layout with ``H_kv`` heads (``H_kv`` divides ``H`` with
             ``enable_gqa``).
         v: the value shard, as ``k`` with head dim ``D_v``.

@@ -132,7 +132,7 @@ def unshard(
     try:
         seq_dim = _checked(x, _default_dim(seq_dim, cu_seqlens), layout, "unshard")
     except ValidationError as error:  # raised on every rank alike: the others would wait in the gather
-        placeholder = [*shape_fields("x", ()), dtype_field("x", torch.uint8), Field("seq_dim", -1)]
+        placeholder = [*shape_fields("x", ()), dtype_field("x", torch.uint8), Field("seq_dim", -1), Field("layout", -1)]
         agree(m, None, error.problems, [*placeholder, Field("cu_seqlens: checksum of the lengths", -1)], "unshard")
         raise
     local = []
@@ -146,6 +146,8 @@ def unshard(
             f"x: shard length {x.shape[seq_dim]} (dim {seq_dim}) is odd; a zigzag shard holds two equal chunks"
         )
     fields = [*shape_fields("x", x.shape), dtype_field("x", x.dtype), Field("seq_dim", seq_dim)]
+    # Shards joined in another layout on one rank: each rank would return another "full" tensor.
+    fields.append(Field("layout", LAYOUTS.index(layout), lambda c: repr(LAYOUTS[c])))
     lengths = None if docs is None else docs.lengths
     fields.append(Field("cu_seqlens: checksum of the lengths", zlib.crc32(repr(lengths).encode())))
     key = ("unshard", m.group, m.world, x.shape, x.dtype, x.device, seq_dim, layout, lengths)
