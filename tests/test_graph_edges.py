@@ -4,6 +4,8 @@ crashed the process; a leaf that requires grad raised torch's RuntimeError)."""
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -181,3 +183,14 @@ def test_score_mod_constants_of_other_signs_of_zero_build_apart():
     shared = cudnn_attn.PlanCache()
     run(0.0, shared)
     assert torch.equal(run(-0.0, shared), run(-0.0, cudnn_attn.PlanCache()))
+
+
+@pytest.mark.parametrize("stream", ["foo", object(), -5], ids=["string", "object", "negative"])
+def test_a_stream_no_gpu_could_run_on_is_refused_on_every_backend(stream):
+    """It ran on the CPU and would fail inside the cuDNN path (int("foo")) on a GPU."""
+    q = torch.randn(1, 2, 8, 16)
+    with cudnn_attn.Graph() as g:
+        g.sdpa(q, q, q)
+    with pytest.raises(cudnn_attn.ValidationError, match="stream: .*expected None, a CUDA stream"):
+        g(q, stream=stream)
+    assert g(q, stream=types.SimpleNamespace(cuda_stream=0)).shape == q.shape  # any object holding a pointer

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
+from ..core.finite import integer
 from ..core.problem import TensorSpec
-from ..errors import ShapeMismatchError
+from ..errors import ShapeMismatchError, ValidationError, shown
 from . import interop
 
 
@@ -211,6 +212,14 @@ class Runner:
     # ---- running -----------------------------------------------------------------------------
 
     def run(self, values: list[Any], handle: Any, stream: Any, workspace: Any) -> list[Any]:
+        if stream is not None and not _stream_like(stream):  # checked on every backend, as it is used on cuDNN's
+            raise ValidationError(
+                [
+                    f"stream: {shown(stream)}; expected None, a CUDA stream (torch.cuda.Stream, or any object "
+                    "with .cuda_stream or .ptr) or a raw stream pointer (an int >= 0)"
+                ],
+                context=self.name,
+            )
         handle = handle if handle is not None else self.default_handle
         single = self._single
         if single is not None:  # one plan binding every slot in order: no per-step bookkeeping
@@ -281,3 +290,10 @@ class Runner:
         if kind is not None:
             results = [interop.to_kind(r, kind) for r in results]
         return results[0] if len(results) == 1 else tuple(results)
+
+
+def _stream_like(stream: Any) -> bool:
+    """A stream as the cuDNN path reads one: a raw pointer or an object holding one."""
+    if integer(stream):
+        return stream >= 0
+    return any(integer(getattr(stream, name, None)) for name in ("cuda_stream", "ptr"))
