@@ -228,3 +228,25 @@ def test_a_copy_of_a_default_strided_tensor_keeps_its_strides_a_default():
     g = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
     copy = g.tensor_like(g.tensor(dim=[1, 1, 1, 1]))
     assert copy.set_dim([B, H, S, D]).get_stride() == [H * S * D, S * D, D, 1]
+
+
+def test_output_getters_before_the_build_and_of_virtual_outputs_report_what_the_frontend_does():
+    """The frontend infers O's and Stats' geometry as the op is recorded, and keeps reporting a
+    virtual Stats' after validate(); these getters said None."""
+    frontend = _frontend()
+    reports = []
+    for module in (frontend, cudnn):
+        g = module.pygraph(io_data_type=module.data_type.HALF)
+        q = g.tensor(name="q", dim=[1, 2, 4, 8], stride=[64, 8, 16, 1], data_type=module.data_type.HALF)
+        v = g.tensor(name="v", dim=[1, 2, 6, 16], stride=[192, 96, 16, 1], data_type=module.data_type.HALF)
+        k = g.tensor(name="k", dim=[1, 2, 6, 8], stride=[96, 48, 8, 1], data_type=module.data_type.HALF)
+        o, stats = g.sdpa(name="sdpa", q=q, k=k, v=v, is_inference=False, attn_scale=0.5)
+        o.set_output(True)  # Stats left virtual
+        before = [o.get_dim(), o.get_stride(), stats.get_dim(), stats.get_stride()]
+        g.validate()
+        reports.append((before, stats.get_dim(), stats.get_stride(), stats.get_is_virtual()))
+    assert (
+        reports[1]
+        == reports[0]
+        == ([[1, 2, 4, 16], [128, 64, 16, 1], [1, 2, 4, 1], [8, 4, 1, 1]], [1, 2, 4, 1], [8, 4, 1, 1], True)
+    )

@@ -42,6 +42,8 @@ class RecordingPort(Protocol):
 
     def check_open(self, what: str) -> None: ...
 
+    def operand_dims(self, node: Any) -> dict[str, tuple[list[int], torch.dtype | None]]: ...
+
 
 class TensorHandle:
     """Common face of graph tensors: a name and the frontend's getters."""
@@ -259,22 +261,51 @@ class OutputHandle(TensorHandle):
     # Before the build the frontend's getters answer what the setters said, as the frontend's do.
 
     def get_dim(self) -> list[int] | None:
-        """The output's dims: once built, as built; before, as ``set_dim`` said (None if it did not)."""
+        """The output's dims: once built, as built; before, as ``set_dim`` said, else (in the
+        frontend's graphs) as the frontend reports them; None where none of those says."""
         if self.built_spec is None:
-            return None if self.dim is None else list(self.dim)
+            reported = self._reported()
+            return list(self.dim) if self.dim is not None else reported and reported[0]
         return super().get_dim()
 
     def get_stride(self) -> list[int] | None:
-        """The output's strides: once built, as built; before, as ``set_stride`` said (None if it did not)."""
+        """The output's strides: once built, as built; before, as ``set_stride`` said, else (in
+        the frontend's graphs) packed row-major over its dims, as the frontend reports them."""
         if self.built_spec is None:
-            return None if self.stride is None else list(self.stride)
+            if self.stride is not None:
+                return list(self.stride)
+            dims = self.get_dim()
+            return None if dims is None or self._reported() is None else list(contiguous_strides(tuple(dims)))
         return super().get_stride()
 
     def get_data_type(self) -> torch.dtype | None:
-        """The output's dtype: once built, as built; before, as ``set_data_type`` said (None if it did not)."""
+        """The output's dtype: once built, as built; before, as ``set_data_type`` said, else (in
+        the frontend's graphs) as the frontend reports it."""
         if self.built_spec is None:
-            return self.dtype
+            reported = self._reported()
+            return self.dtype if self.dtype is not None else reported and reported[1]
         return super().get_data_type()
+
+    def _reported(self) -> tuple[list[int], torch.dtype | None] | None:
+        """What the frontend reports for an output not built (before the build, or left virtual),
+        which it infers when the op is recorded: O [B, H, S_q, D_v] in q's type, Stats
+        [B, H, S_q, 1] float32, dQ/dK/dV like q/k/v, amaxes [1, 1, 1, 1] float32. None in the
+        library's own Graph (its getters answer what the setters said) or where q is not known."""
+        if not self.recording.frontend_rules:
+            return None
+        operands = self.recording.operand_dims(self.node)
+        q = operands.get("q")
+        if q is None or len(q[0]) != 4:
+            return None
+        if self.port == "o" and "v" in operands:
+            return [*q[0][:-1], operands["v"][0][-1]], q[1]
+        if self.port == "stats":
+            return [*q[0][:-1], 1], torch.float32
+        if self.port in ("grad_q", "grad_k", "grad_v"):
+            return operands.get(self.port.removeprefix("grad_"))
+        if self.port.startswith("amax_"):
+            return [1, 1, 1, 1], torch.float32
+        return None
 
     def get_is_virtual(self) -> bool:
         """Whether the output is not produced: once built, as built; before, as ``set_output``

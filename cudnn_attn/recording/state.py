@@ -177,6 +177,17 @@ class Recording:
         self.calls.append((spec, node, kept))
         return node
 
+    def operand_dims(self, node: Node) -> dict[str, tuple[list[int], torch.dtype | None]]:
+        """The dims and dtype of ``node``'s q, k and v: as built, or as its call recorded them."""
+        if node.problem is not None:
+            built = {role: getattr(node.problem, role) for role in ("q", "k", "v")}
+            return {role: (list(spec.shape), spec.dtype) for role, spec in built.items() if spec is not None}
+        for _, recorded, arguments in self.calls:
+            if recorded is node:
+                found = {role: _dims_of(arguments.get(role)) for role in ("q", "k", "v")}
+                return {role: dims for role, dims in found.items() if dims is not None}
+        return {}
+
     def new_output(self, node: Node, role: str, name: str | None = None) -> OutputHandle:
         base = ROLES[role].output or role
         unique = self.unique_name(name or (base if len(self.nodes) == 1 else f"{node.name}::{base}"))
@@ -292,3 +303,13 @@ def bind_offsets(node: Node) -> None:
             node.errors.append(
                 f"{node.argument(role)}: has ragged offsets (set_ragged_offset); only {takers} take them"
             )
+
+
+def _dims_of(value: Any) -> tuple[list[int], torch.dtype | None] | None:
+    """A recorded operand's dims and dtype: a graph tensor's, or a torch tensor's."""
+    if isinstance(value, TensorHandle):
+        dims = value.get_dim()
+        return None if dims is None else (dims, value.get_data_type())
+    if isinstance(value, torch.Tensor) and not value.is_nested:
+        return list(value.shape), value.dtype
+    return None
