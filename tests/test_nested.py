@@ -248,7 +248,7 @@ def _bad_inputs():
         "head-dim": ((q, _nt([3, 2], d=32), _nt([3, 2], d=32)), {}, cudnn_attn.ValidationError, ["key"]),
         "batch": ((q, _nt([3, 2, 4]), _nt([3, 2, 4])), {}, cudnn_attn.ValidationError, ["key", "value"]),
         "kv-lengths": ((q, _nt([3, 2]), _nt([2, 3])), {}, cudnn_attn.ValidationError, ["value"]),
-        "scale": ((q, q, q), {"scale": float("nan")}, cudnn_attn.ValidationError, ["scale"]),
+        "scale": ((q, q, q), {"scale": "0.5"}, cudnn_attn.ValidationError, ["scale"]),
         "dropout": ((q, q, q), {"dropout_p": 1.5}, cudnn_attn.ValidationError, ["dropout_p"]),
         "is_causal": ((q, q, q), {"is_causal": "yes"}, cudnn_attn.ValidationError, ["is_causal"]),
         "empty": ((_nt([0, 0]), q, q), {}, cudnn_attn.ValidationError, ["query"]),

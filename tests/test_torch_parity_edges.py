@@ -150,3 +150,33 @@ def test_a_cudnn_block_refuses_what_cudnn_cannot_run_naming_why(kw, reason):
     x = randn(1, 2, 3, 8, seed=4, dtype=torch.bfloat16)
     with cudnn_attn.backend("cudnn"), pytest.raises(cudnn_attn.UnsupportedError, match=reason):
         cudnn_attn.sdpa(x, x, x, **kw)
+
+
+def test_compiled_sdpa_takes_dynamic_shapes_a_traced_scale_and_causal_bias_masks_in_one_graph():
+    """fullgraph=True failed on the CPU once shapes went dynamic (the parity check's layout sort
+    over symbolic strides), with a scale traced as an argument (math.isfinite of a SymFloat) and
+    with a CausalBias mask (built again inside the traced function)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    plain = torch.compile(lambda q, k, v: cudnn_attn.sdpa(q, k, v, is_causal=True), fullgraph=True)
+    scaled = torch.compile(lambda q, s: cudnn_attn.sdpa(q, q, q, scale=s), dynamic=True, fullgraph=True)
+    masked = torch.compile(lambda q, k, m: cudnn_attn.sdpa(q, k, k, attn_mask=m), fullgraph=True)
+    for length in (4, 6, 9):  # the second length retraces with dynamic shapes
+        q, k, v = (randn(2, 2, length, 8, seed=30 + i).double() for i in range(3))
+        assert rel_err(plain(q, k, v), F(q, k, v, is_causal=True)) < 1e-10
+        assert rel_err(scaled(q, 0.3), F(q, q, q, scale=0.3)) < 1e-10
+    q, k = randn(2, 2, 5, 8, seed=40).double(), randn(2, 2, 7, 8, seed=41).double()
+    assert rel_err(masked(q, k, causal_lower_right(5, 7)), F(q, k, k, attn_mask=causal_lower_right(5, 7))) < 1e-10
+
+
+@pytest.mark.parametrize("kw", [dict(dropout_p=1.0), dict(scale=math.inf)], ids=["dropout-1", "inf-scale"])
+def test_nested_calls_torch_answers_degenerately_are_answered_as_torch(kw):
+    """Refused on nested inputs (dropout_p must be < 1; scale finite) while dense ones ran."""
+
+    def nested():
+        parts = [torch.randn(3, 2, 8), torch.randn(2, 2, 8)]
+        return torch.nested.nested_tensor(parts, layout=torch.jagged).transpose(1, 2)
+
+    q, k, v = nested(), nested(), nested()
+    ours, theirs = cudnn_attn.sdpa(q, k, v, **kw).values(), F(q, k, v, **kw).values()
+    assert torch.equal(ours.isnan(), theirs.isnan()) and torch.equal(ours.nan_to_num(), theirs.nan_to_num())

@@ -201,7 +201,9 @@ def sdpa(
     call = Call(query, key, value, attn_mask, float(dropout_p), causal, scale, enable_gqa, train)
     requested = "auto" if torch.compiler.is_compiling() else backend_choice.chosen()
     choice = select_call(call, requested, torch_op=False)  # the compile op has its own autograd
-    if choice.as_graph:
+    if choice.as_graph and not torch.compiler.is_compiling():
+        # Not while tracing: Dynamo cannot trace the problem's layout checks over dynamic shapes
+        # (fullgraph=True failed), and torch's kernel runs what it is given.
         check_as_graph(query, key, value, attn_mask, dropout_p, causal, scale, train)
     if choice.run is not None:
         return choice.run(query, key, value, attn_mask)

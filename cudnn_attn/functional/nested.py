@@ -22,12 +22,13 @@ is computed once (a host sync on a GPU) and cached there for the tensors derived
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from ..core.dtypes import dtype_name
-from ..core.mask import Causal, window_band
+from ..core.mask import Causal, unbounded_window, window_band
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
 from ..varlen import varlen_attention
 from .arguments import ARGUMENT_NAMES, causal_kind, check_arguments, materialised
@@ -59,6 +60,19 @@ def nested_sdpa(
     """``cudnn_attn.sdpa`` where one of query/key/value/attn_mask is nested: checked, then run on
     the packed tokens; returns a jagged ``[B, H, (S_q), D_v]`` with q's lengths."""
     q, k, v = _checked(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    plain = sinks is None and softcap is None and unbounded_window(window_size)
+    if plain and (float(dropout_p) >= 1 or (scale is not None and not math.isfinite(float(scale)))):
+        # Degenerate calls torch answers (zeros for dropout_p=1, NaN for an inf or NaN scale) and
+        # no kernel should: torch's own nested SDPA, as the dense door takes torch's math kernel.
+        return torch.nn.functional.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            dropout_p=float(dropout_p),
+            is_causal=bool(is_causal),
+            scale=scale,
+            enable_gqa=bool(enable_gqa),
+        )
     causal, window_left, window_right = _band(window_size, is_causal)
     try:
         out = varlen_attention(

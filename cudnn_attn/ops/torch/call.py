@@ -38,11 +38,16 @@ class Call:
     @property
     def scale_positive(self) -> bool:
         """A scale the kernels compute with: None, or finite and > 0 (torch takes inf and NaN too)."""
-        return self.scale is None or 0 < float(self.scale) < math.inf
+        return self.scale is None or 0 < self._scale_value() < math.inf
 
     @property
     def scale_finite(self) -> bool:
-        return self.scale is None or math.isfinite(float(self.scale))
+        return self.scale is None or -math.inf < self._scale_value() < math.inf  # NaN compares False
+
+    def _scale_value(self) -> Any:
+        # Compared, not passed to math.isfinite: a traced scale may be symbolic (torch.compile's
+        # dynamic=True), and Dynamo traces comparisons of it but not float() or math calls.
+        return float(self.scale) if isinstance(self.scale, torch.Tensor) else self.scale
 
     def describe(self) -> str:
         """The call's geometry and flags, for the dispatch's log and errors."""

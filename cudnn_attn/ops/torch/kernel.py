@@ -42,7 +42,11 @@ class TorchKernel:
             # torch 2.13's CPU flash kernel raises IndexError for a 0-D or 1-D mask beside 4-D inputs
             # (its math kernel broadcasts it, as documented): [S] and [1, S] are the same mask.
             attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.dim()) + tuple(attn_mask.shape))
-        if self.causal is Causal.BOTTOM_RIGHT:
+        if self.causal is Causal.BOTTOM_RIGHT and torch.compiler.is_compiling():
+            # Dynamo cannot build a CausalBias inside a traced function: the same band as a mask.
+            s_q, s_kv = query.shape[-2], key.shape[-2]
+            attn_mask = torch.ones(s_q, s_kv, dtype=torch.bool, device=query.device).tril(s_kv - s_q)
+        elif self.causal is Causal.BOTTOM_RIGHT:
             from torch.nn.attention.bias import causal_lower_right  # loads torch._dynamo: not at import
 
             attn_mask = causal_lower_right(query.shape[-2], key.shape[-2])
