@@ -180,3 +180,14 @@ def test_nested_calls_torch_answers_degenerately_are_answered_as_torch(kw):
     q, k, v = nested(), nested(), nested()
     ours, theirs = cudnn_attn.sdpa(q, k, v, **kw).values(), F(q, k, v, **kw).values()
     assert torch.equal(ours.isnan(), theirs.isnan()) and torch.equal(ours.nan_to_num(), theirs.nan_to_num())
+
+
+def test_an_sdpa_kernel_context_that_leaves_no_kernel_is_an_unsupported_error_torchs_code_still_catches():
+    """torch's bare RuntimeError came through; it is now the library's error, which a caller's
+    ``except RuntimeError`` (written for torch's) still catches."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = randn(1, 2, 4, 8, seed=50)
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION), pytest.raises(RuntimeError) as refused:
+        cudnn_attn.sdpa(q, q, q)
+    assert isinstance(refused.value, cudnn_attn.UnsupportedError) and "sdpa_kernel context" in str(refused.value)

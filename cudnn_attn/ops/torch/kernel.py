@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ... import log
 from ...core.mask import Causal
-from ...errors import ValidationError
+from ...errors import UnsupportedError, ValidationError
 
 WHERE = "cudnn_attn.sdpa"
 _said: set[str] = set()  # each reason is logged once, not per call
@@ -58,16 +58,26 @@ class TorchKernel:
             return self._sdpa(query, key, value, attn_mask)
 
     def _sdpa(self, query, key, value, attn_mask) -> torch.Tensor:
-        return torch.nn.functional.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=attn_mask,
-            dropout_p=self.dropout_p,
-            is_causal=self.causal is Causal.TOP_LEFT,
-            scale=self.scale,
-            enable_gqa=self.enable_gqa,
-        )
+        call = {
+            "attn_mask": attn_mask,
+            "dropout_p": self.dropout_p,
+            "is_causal": self.causal is Causal.TOP_LEFT,
+            "scale": self.scale,
+            "enable_gqa": self.enable_gqa,
+        }
+        if torch.compiler.is_compiling():  # traced as torch's own call
+            return torch.nn.functional.scaled_dot_product_attention(query, key, value, **call)
+        try:
+            return torch.nn.functional.scaled_dot_product_attention(query, key, value, **call)
+        except RuntimeError as error:
+            if "No viable backend" not in str(error) and "No available kernel" not in str(error):
+                raise
+            # A caller's sdpa_kernel(...) context left torch none of its kernels for this call.
+            reason = (
+                f"torch's SDPA kernels allowed by the enclosing torch.nn.attention.sdpa_kernel context "
+                f"cannot run this call on {query.device.type} ({str(error).splitlines()[0]})"
+            )
+            raise UnsupportedError([reason], context="sdpa") from None
 
 
 def shape_problems(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool) -> list[str]:
