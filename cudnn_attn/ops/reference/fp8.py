@@ -61,7 +61,7 @@ from collections.abc import Callable
 
 import torch
 
-from .math import BlockTerms, ScoreTerms, _expand_kv, _reduce_groups, row_blocks
+from .math import BlockTerms, ScoreTerms, _expand_kv, _reduce_groups, row_blocks, warm_exp
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 FP8_DTYPES = tuple(FP8_MAX)
@@ -128,6 +128,7 @@ def forward_fp8(
     amax_S stay the graph's. attn_scale and every scale are taken as float32, as cuDNN holds them.
     """
     ct = compute_dtype
+    warm_exp(ct, q.device)
     p_dtype = _fp8_dtype(p_dtype, q, "p_dtype")
     out_dtype = p_dtype if out_dtype is None else out_dtype
     terms = _score_terms(terms, attn_scale, bias, allowed, keep, dropout_p)
@@ -206,6 +207,7 @@ def backward_fp8(
     dK, dV are summed over each GQA group before their amax and scale.
     """
     ct = compute_dtype
+    warm_exp(ct, q.device)
     p_dtype = _fp8_dtype(p_dtype, q, "p_dtype")
     ds_dtype = _fp8_dtype(ds_dtype, d_o, "ds_dtype")
     grad_dtype = p_dtype if grad_dtype is None else grad_dtype
