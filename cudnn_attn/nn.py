@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .core.dtypes import dtype_name
-from .core.finite import finite_real, integer
+from .core.finite import finite_real, flag, integer
 from .errors import ShapeMismatchError, UnsupportedError, ValidationError, shown
 from .fp8 import sdpa_fp8
 from .fp8_scaling import Fp8Scaling
@@ -151,7 +151,7 @@ class Attention(nn.Module):
             UnsupportedError: a call this GPU or cuDNN cannot run.
         """
         problems = self._input_problems(x)
-        if is_causal is not None and not _flag(is_causal):
+        if is_causal is not None and not flag(is_causal):
             problems.append(f"is_causal: {shown(is_causal)}; expected True, False or None (the layer's causal)")
         if problems:
             raise ValidationError(problems, context="Attention")
@@ -231,17 +231,10 @@ class Attention(nn.Module):
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, causal={self.causal}{extra}"
 
 
-def _flag(value: Any) -> bool:
-    """A yes/no argument as torch's take them: a bool, or the ints 0 and 1 (a string is neither)."""
-    return isinstance(value, (bool, int)) and value in (0, 1)
-
-
 def _factory_problems(causal: Any, bias: Any, device: Any, dtype: Any) -> list[str]:
     """The flags, device and dtype ``Attention`` is built with, checked by name."""
     problems = [
-        f"{name}: {shown(v)}; expected True or False"
-        for name, v in (("causal", causal), ("bias", bias))
-        if not _flag(v)
+        f"{name}: {shown(v)}; expected True or False" for name, v in (("causal", causal), ("bias", bias)) if not flag(v)
     ]
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         problems.append(f"dtype: {shown(dtype)}; expected a floating torch dtype (torch.bfloat16, ...) or None")

@@ -14,6 +14,11 @@ def integer(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def flag(value: Any) -> bool:
+    """A yes/no argument as torch's take them: a bool, or the ints 0 and 1 (a string is neither)."""
+    return isinstance(value, (bool, int)) and value in (0, 1)
+
+
 def finite_real(value: Any) -> bool:
     """True for a finite real number (bools excluded)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..core.dtypes import FLOATING_IO, dtype_name
+from ..core.finite import flag as is_flag
 from ..core.finite import integer
 from ..core.mask import Causal, default_scale, unbounded_window
 from ..errors import ValidationError, shown
@@ -172,7 +173,7 @@ def check_arguments(
     for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
         if name == "is_causal" and isinstance(flag, Causal):
             continue  # a variant read from a CausalBias mask
-        if not isinstance(flag, (bool, int)) or flag not in (0, 1):
+        if not is_flag(flag):
             problems.append(f"{name}: {shown(flag)}; expected True or False")
     problems += score_term_problems(sinks, softcap, window_size, query if "query" in usable else None)
     if len(usable) == 3 and not any(t.is_nested for t in usable.values()):

@@ -181,14 +181,15 @@ def sdpa(
         return sdpa_with_score_terms(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks, softcap, window_size
         )
-    if not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
         out = sdpa_eager.run(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if out is not None:
             return out
     shapes = broadcast_shapes(query, key, value, enable_gqa)  # size-1 dims torch broadcasts
     if shapes is not None:
         query, key, value = broadcast((query, key, value), shapes)
-    if not torch.compiler.is_compiling():
+    if not compiling:
         check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         # Another rank ([L, E], [H, L, E], [N, ..., H, L, E]) or scalars of other types: the same
         # door on the call's 4-D views, not the compile op (whose dispatch costs host time).
@@ -199,9 +200,9 @@ def sdpa(
     causal = causal_kind(is_causal)
     train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask))
     call = Call(query, key, value, attn_mask, float(dropout_p), causal, scale, enable_gqa, train)
-    requested = "auto" if torch.compiler.is_compiling() else backend_choice.chosen()
+    requested = "auto" if compiling else backend_choice.chosen()
     choice = select_call(call, requested, torch_op=False)  # the compile op has its own autograd
-    if choice.as_graph and not torch.compiler.is_compiling():
+    if choice.as_graph and not compiling:
         # Not while tracing: Dynamo cannot trace the problem's layout checks over dynamic shapes
         # (fullgraph=True failed), and torch's kernel runs what it is given.
         check_as_graph(query, key, value, attn_mask, dropout_p, causal, scale, train)
