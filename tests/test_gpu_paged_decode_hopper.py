@@ -200,3 +200,68 @@ def test_one_kv_heads_caches_that_differ_only_in_the_head_stride_are_read(form, 
     )
     assert bool(calls) == (form == "hopper")
     assert rel_err(out.cpu().double(), want) < 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("launch", ["wait", "early"])
+@pytest.mark.parametrize("case", ["gqa4-one-split", "gqa4-splits-empty", "page16-odd-chunks", "mtp4-causal"])
+def test_a_dependent_launch_reads_what_the_kernel_before_it_wrote(case, launch):
+    """Layers captured as a model runs them: a copy kernel writes the layer's caches and query,
+    then the decode kernel, launched to start while that copy drains, reads them. The live
+    caches and query hold NaN until each copy lands, and every layer's output is checked: a read
+    before the copy completed would show as NaN or as another layer's values."""
+    q, k_cache, v_cache, table, lengths, scale, sink, want = _case(case)
+    layout, splits = CASES[case][4], CASES[case][7]
+    if not usable(q, k_cache, v_cache, layout):
+        pytest.skip("the Hopper form needs an sm_90 GPU and Gluon")
+    layers = 3
+    # Layer i's caches: the case's K scaled by i + 1 and its V negated every other layer.
+    sources = [(k_cache * (i + 1), v_cache * (-1) ** i, q * (1 - 0.25 * i)) for i in range(layers)]
+    live_k, live_v, live_q = torch.empty_like(k_cache), torch.empty_like(v_cache), torch.empty_like(q)
+    outs = [torch.empty_like(q) for _ in range(layers)]
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    chunk = math.ceil(table.shape[1] / splits)
+    options = dict(scale=scale, kv_layout=layout, splits=math.ceil(table.shape[1] / chunk), chunk_pages=chunk)
+    extra = {"sink": sink.cuda()} if sink is not None else {}
+    partials = None
+    if options["splits"] > 1:  # one pair of partial buffers for every layer, as PagedAttention keeps
+        rows = q.shape[1] * q.shape[2]
+        partials = {
+            "partial_o": torch.empty(q.shape[0], options["splits"], rows, q.shape[-1], device="cuda"),
+            "partial_lse": torch.empty(q.shape[0], options["splits"], rows, device="cuda"),
+        }
+
+    def step():
+        for (k, v, query), out in zip(sources, outs):
+            live_k.copy_(k)
+            live_v.copy_(v)
+            live_q.copy_(query)
+            paged_decode_hopper(
+                live_q,
+                live_k,
+                live_v,
+                table,
+                lens,
+                out,
+                dependent_launch=launch,
+                **options,
+                **extra,
+                **(partials or {}),
+            )
+
+    step()  # compiled outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for replay in (graph.replay, step):  # captured, then eager
+        for t in (live_k, live_v, live_q, *outs):
+            t.fill_(float("nan"))
+        replay()
+        torch.cuda.synchronize()
+        for i, out in enumerate(outs):
+            got = out.cpu().double()
+            assert torch.isfinite(got).all(), f"layer {i}: {int((~torch.isfinite(got)).sum())} non-finite values"
+            k, v, query = (t.cpu() for t in sources[i])
+            expected = _reference(query, k, v, table.cpu(), lengths, layout, scale, sink)
+            assert rel_err(got, expected) < 1e-2, f"layer {i}"

@@ -15,7 +15,7 @@ from cudnn_attn.errors import UnsupportedError, ValidationError
 from cudnn_attn.ops import dispatch
 from cudnn_attn.ops.decode_step import DecodeStep
 from cudnn_attn.serving import schedule as paged_schedule
-from cudnn_attn.serving.step import keyed_parts
+from cudnn_attn.serving.step import keyed_parts, launch_after_tables
 
 HQ, HKV, D, PAGE = 8, 2, 32, 16
 
@@ -125,6 +125,25 @@ def test_cuda_graph_mode_pads_the_batch_and_follows_new_plans():
         current = {name: t.data_ptr() for name, t in attn._buffers.items() if name in ("table", "lengths")}
         assert buffers is None or current == buffers  # the same memory, rewritten
         buffers = current
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "cuda-graph"])
+def test_the_first_decode_after_each_plan_waits_for_the_tables_it_wrote(cuda_graph):
+    """A decode kernel may read its length and page indices before the kernel ahead of it has
+    completed (``kernels/grid_dependency``) only where that kernel cannot be their writer: the
+    first decode of a geometry after each ``plan`` (which derives the geometry's tables anew)
+    waits, later layers start early, and a geometry first run mid-step waits too."""
+    fixed = {"max_batch": 2, "max_pages_per_seq": 4, "cuda_graph": True} if cuda_graph else {}
+    attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, **fixed)
+    for seed in (1, 2):
+        q, k_cache, v_cache, table, lengths = make_step([30, 9], pages_per_seq=4, seed=seed)
+        attn.plan(table, lengths)
+        attn.run(q, k_cache, v_cache)
+        derived = attn._tables.get(("decode", 1, k_cache.shape[0]), attn._tables.step)
+        assert [launch_after_tables(derived) for _ in range(3)] == ["wait", "early", "early"]
+        larger = torch.cat([k_cache, k_cache])  # a new geometry: its tables derived now
+        attn.run(q, larger, larger)
+        assert launch_after_tables(attn._tables.get(("decode", 1, larger.shape[0]), attn._tables.step)) == "wait"
 
 
 @pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])

@@ -64,15 +64,19 @@ def merge_partials(parts: Parts, out: torch.Tensor, lse: torch.Tensor | None = N
     return merge_checked(parts, out, lse)
 
 
-def merge_checked(parts: Parts, out: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
+def merge_checked(
+    parts: Parts, out: torch.Tensor, lse: torch.Tensor | None = None, *, dependent_launch: bool = False
+) -> torch.Tensor:
     """``merge_partials`` for arguments already known good (a decode kernel's own partial
-    buffers): the checks cost an eager decode step more host time than the launch."""
+    buffers): the checks cost an eager decode step more host time than the launch.
+    ``dependent_launch``: launched to start while the kernel before it drains, reading the
+    partials once it has completed (``grid_dependency``)."""
     launchable = out.is_cuda and out.numel() > 0 and len(parts) <= KERNEL_PARTS
     kernels = _kernels() if launchable else None
     if kernels is None:
         _merge_torch(parts, out, lse)
     else:
-        _merge_triton(kernels, parts, out, lse)
+        _merge_triton(kernels, parts, out, lse, dependent_launch)
     return out
 
 
@@ -172,7 +176,9 @@ def _merge_torch(parts: Parts, out: torch.Tensor, lse: torch.Tensor | None) -> N
         lse.copy_(base.squeeze(1) + torch.log(total))  # log(0) = -inf for rows with no visible key
 
 
-def _merge_triton(kernels: Any, parts: Parts, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+def _merge_triton(
+    kernels: Any, parts: Parts, out: torch.Tensor, lse: torch.Tensor | None, dependent_launch: bool = False
+) -> None:
     """One launch over every (b, h, s) row, reading each part in place."""
     b, h, s, d = out.shape
     slots = [*parts, *parts[:1]][:KERNEL_PARTS]  # an unused slot repeats the first, with no chunks
@@ -203,6 +209,8 @@ def _merge_triton(kernels: Any, parts: Parts, out: torch.Tensor, lse: torch.Tens
         BLOCK_D=block_d,
         CHUNKS=chunks,
         ONE_PASS=len(parts) == 1 and most <= chunks,
+        PDL=dependent_launch,
+        launch_pdl=dependent_launch,
     )
 
 
@@ -215,6 +223,11 @@ def _kernels() -> Any:
 
     import triton
     import triton.language as tl
+
+    from .grid_dependency import triton_functions
+
+    dependency = triton_functions()
+    wait_for_previous, release_next = dependency.wait, dependency.release
 
     # Chunks are read CHUNKS at a time, each block of loads independent of the last: a long
     # split (64-128 chunks of a 32k decode) is then bound by bandwidth, not by one load's latency.
@@ -292,7 +305,11 @@ def _kernels() -> Any:
         BLOCK_D: tl.constexpr,
         CHUNKS: tl.constexpr,
         ONE_PASS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:  # the partials are the decode kernel's: read once it has completed
+            wait_for_previous()
+            release_next()
         row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         col = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         live = row < rows

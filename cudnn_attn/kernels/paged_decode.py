@@ -98,6 +98,7 @@ def paged_decode(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     hopper: bool = False,
+    dependent_launch: str = "off",
 ) -> torch.Tensor:
     """Decode attention of ``q`` ``[B, H_q, S_q, D]`` into ``out`` (same shape, any strides),
     bottom-right causal over each sequence's ``lengths[b]`` keys.
@@ -112,7 +113,8 @@ def paged_decode(
     dtype with one query token, else to float16, the query scaled into its range), and their real values are ``k_scale`` / ``v_scale`` times the stored ones: K's
     folds into the softmax scale, V's multiplies the output. ``hopper``: run
     ``paged_decode_hopper``'s warp-specialised kernel instead where it takes these tensors
-    (16-bit caches TMA can address, on Hopper; ``tuning`` is then not read).
+    (16-bit caches TMA can address, on Hopper; ``tuning`` is then not read), launched as
+    ``dependent_launch`` says (``paged_decode_hopper``; the Triton kernel launches plainly).
     """
     if hopper and paged_decode_hopper.usable(q, k_cache, v_cache, kv_layout):  # refuses FP8 caches
         return paged_decode_hopper.paged_decode_hopper(
@@ -129,6 +131,7 @@ def paged_decode(
             partial_o=partial_o,
             partial_lse=partial_lse,
             sink=sink,
+            dependent_launch=dependent_launch,
         )
     tuning = tuning or {}
     kernels = _kernels()

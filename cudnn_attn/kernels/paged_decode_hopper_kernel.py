@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from . import paged_decode_hopper_pieces, paged_decode_hopper_swapped
+from . import grid_dependency, paged_decode_hopper_pieces, paged_decode_hopper_swapped
 from .launch import Launcher
 
 LOG2_E = 1.4426950408889634
@@ -39,6 +39,8 @@ def kernel() -> Any:
     shared = paged_decode_hopper_pieces.pieces()
     stage_query, softmax_start = shared.stage_query, shared.softmax_start
     zero_rows_past, natural_lse = shared.zero_rows_past, shared.natural_lse
+    dependency = grid_dependency.gluon_functions()
+    wait_for_previous, release_next = dependency.wait, dependency.release
 
     @gluon.jit
     def loader(
@@ -237,10 +239,15 @@ def kernel() -> Any:
         SPLIT: gl.constexpr,
         HAS_SINK: gl.constexpr,
         SWAPPED: gl.constexpr,
+        PDL: gl.constexpr,
+        EARLY_READS: gl.constexpr,
+        RELEASE_AT_END: gl.constexpr,
     ):
         split = gl.program_id(0)
         kv_head = gl.program_id(1)
         b = gl.program_id(2).to(gl.int64)
+        if PDL and not EARLY_READS:  # the length and page table may be the last kernel's output
+            wait_for_previous()
         length = gl.load(len_ptr + b)
         start = split * chunk_tokens
         end = gl.minimum(length, start + chunk_tokens)
@@ -273,6 +280,11 @@ def kernel() -> Any:
             mbarrier.init(v_ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=1)
         fence_async_shared()
+        if PDL:  # queries and caches are read after the last kernel has completed
+            if EARLY_READS:
+                wait_for_previous()
+            if not RELEASE_AT_END:
+                release_next()
         ring = (k_smem, v_smem, k_ready, v_ready, empty)  # the stages and their barriers
         chunk = (b, start, end, steps)  # the program's sequence and its keys [start, end)
         addressing = (row_page, kv_head * row_head, kv_head * col_head)
@@ -378,5 +390,7 @@ def kernel() -> Any:
                 [1],
                 [40],
             )
+        if PDL and RELEASE_AT_END:  # the next kernel starts once every program's stores are issued
+            release_next()
 
     return Launcher(decode)

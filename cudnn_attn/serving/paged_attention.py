@@ -49,7 +49,7 @@ from .fp8_cache import UNIT_SCALES, check_scales, compact_table, dequantised, de
 from .paged_calls import PagedCalls
 from .paged_checks import check_device, check_plan, check_run, unread_slots_zeroed
 from .schedule import Schedule
-from .step import Step, StepBuffers, StepTables
+from .step import Step, StepBuffers, StepTables, launch_after_tables
 
 LAYOUTS = ("NHPD", "NPHD")
 
@@ -469,6 +469,7 @@ class PagedAttention:
             k_scale=scales[0],
             v_scale=scales[1],
             hopper=schedule.hopper,
+            dependent_launch=launch_after_tables(derived),
         )
 
     def _run_prefill(

@@ -306,6 +306,19 @@ class StepTables:
         return derived
 
 
+def launch_after_tables(derived: dict[str, Any]) -> str:
+    """How this geometry's next decode kernel launches (``kernels/grid_dependency``), and it is
+    counted as launched. The first since ``derived``'s tables were written (by ``plan``, or by
+    the geometry's first derivation) reads them only once the kernel before it has completed:
+    that kernel may be the one that wrote them (``"wait"``). Later ones read the length and
+    first page indices as they start, while the kernel before drains (``"early"``): nothing
+    but those two writes them, and a decode that waited has run since."""
+    if derived.get("tables_read"):
+        return "early"
+    derived["tables_read"] = True
+    return "wait"
+
+
 def body_end_of(lengths: Any, s_q: int, page: int) -> Any:
     """Where a multi-token decode body ends (a tensor of lengths, or one length): the keys every
     query token sees, rounded down to a page boundary; the causal tail holds the rest."""
