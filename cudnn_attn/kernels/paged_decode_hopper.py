@@ -14,7 +14,9 @@ Hopper MLA kernel is:
   that the math is sized by the rows there are rather than by a 64-row tile.
 
 The copies run ahead of the math by the ring's depth, issued by one thread each, so a program
-keeps ``STAGES`` steps of K and V in flight while it computes. Pages of 16-256 tokens,
+keeps ``STAGES`` steps of K and V in flight while it computes. The kernel and its split merge
+can launch as programmatic dependent launches (``grid_dependency``), each starting while the
+kernel before it drains: on an H200 that took 1.0-1.4 us off a decode layer. Pages of 16-256 tokens,
 head dims 64, 128 or 256, fp16/bf16 caches (FP8 caches stay on the Triton kernel, which widens
 them in registers), token rows TMA can address; ``usable`` says which.
 """
