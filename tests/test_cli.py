@@ -186,6 +186,8 @@ def test_cache_ls_lists_headers_of_another_format(private_store, capsys):
             "variant": "fwd",
             "choice": {"index": 3, "name": "eng3"},
         },
+        # no platform at all: a load never matches it (it was listed as OK)
+        "e": {"describe": "sdpa b8", "variant": "fwd", "choice": {"index": 1, "name": "eng1"}},
     }
     for name, header in headers.items():
         assert private_store.save(name * 64, header, b"blob")
@@ -194,13 +196,19 @@ def test_cache_ls_lists_headers_of_another_format(private_store, capsys):
     assert rows["a"]["plan"] == "sdpa b1 h2 s64" and rows["a"]["gpu"] == rows["a"]["cudnn"] == "?"
     assert rows["b"]["gpu"] == "H100" and rows["b"]["plan"] == rows["b"]["cudnn"] == rows["b"]["engine"] == "?"
     assert rows["c"]["cudnn"] == 91900 and rows["c"]["variant"] == "?"
-    for name, fields in {"a": ["platform"], "b": ["platform.cudnn", "describe", "choice"], "c": ["variant"]}.items():
+    odd = {
+        "a": ["platform"],
+        "b": ["platform.cudnn", "describe", "choice"],
+        "c": ["variant"],
+        "e": ["platform is missing"],
+    }
+    for name, fields in odd.items():
         assert not rows[name]["ok"] and all(field in rows[name]["problem"] for field in fields), rows[name]
     assert rows["d"]["ok"] and rows["d"]["problem"] is None and rows["d"]["engine"] == "eng3"
     assert commands.main(["cache", "ls"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].endswith("4 plan(s)") and len(lines) == 5
-    assert sum("FOREIGN (header of another format" in line for line in lines) == 3
+    assert lines[0].endswith("5 plan(s)") and len(lines) == 6
+    assert sum("FOREIGN (header of another format" in line for line in lines) == 4
     assert any(line.strip().startswith("d" * 12) and "H100 cuDNN 91900" in line for line in lines)
 
 

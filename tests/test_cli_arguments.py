@@ -134,3 +134,31 @@ def test_json_that_fails_as_it_is_written_is_one_line(argv, monkeypatch, tmp_pat
     monkeypatch.setattr(cache_module, "_default", None)
     err = one_line_usage_error([*argv, "--json", "/dev/full"], capsys)
     assert err == f"cudnn-attn {' '.join(argv)}: --json /dev/full: cannot be written (No space left on device)\n"
+
+
+@pytest.mark.parametrize(
+    "argv,dropped",
+    [
+        (["--grid", "-b", "2"], "--batch"),
+        (["--grid", "-s", "1024", "-d", "64"], "--seq, --head-dim"),
+        (["b=1,h=2,s=64,d=64", "--causal"], "--causal"),
+        (["b=1,h=2,s=64,d=64", "--dtype", "fp16", "--bwd"], "--dtype, --bwd"),
+    ],
+)
+def test_shape_flags_beside_grid_or_shapes_are_refused_not_dropped(argv, dropped, gpu_machine, capsys):
+    """The number and kind flags describe the one shape run when no shape is named: beside
+    --grid or shapes they were silently ignored."""
+    err = one_line_usage_error(["bench", *argv], capsys)
+    assert f"drop {dropped} (or write them into a shape)" in err, err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_plot_that_fails_as_it_is_written_is_one_line(tmp_path, capsys):
+    """An image path that opens and fails at the write (a .png name linked to /dev/full): it was
+    an OSError traceback after the whole run."""
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "full.png"
+    target.symlink_to("/dev/full")
+    report = str(ROOT / "docs/bench/serving_h200.json")
+    err = one_line_usage_error(["bench", "--plot-from", report, "--plot", str(target)], capsys)
+    assert err == f"cudnn-attn bench: --plot {target}: cannot be written (No space left on device)\n"

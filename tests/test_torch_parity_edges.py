@@ -191,3 +191,12 @@ def test_an_sdpa_kernel_context_that_leaves_no_kernel_is_an_unsupported_error_to
     with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION), pytest.raises(RuntimeError) as refused:
         cudnn_attn.sdpa(q, q, q)
     assert isinstance(refused.value, cudnn_attn.UnsupportedError) and "sdpa_kernel context" in str(refused.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_float32_mask_beside_16_bit_queries_is_added_as_torch_adds_it(dtype):
+    """torch's CPU kernel adds a float32 mask to its float32 scores as it is; cast to the
+    queries' dtype first, outputs were one 16-bit step apart from torch's."""
+    q, k, v = (randn(2, 2, 33, 16, seed=i, dtype=dtype) for i in range(3))
+    mask = randn(33, 33, seed=3) * 3
+    assert torch.equal(cudnn_attn.sdpa(q, k, v, attn_mask=mask), F(q, k, v, attn_mask=mask))

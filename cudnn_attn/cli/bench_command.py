@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_report("bench", args.json, report, out)
     if args.plot:
-        charts.draw(report, args.plot)
+        _draw(report, args.plot)
     return 0
 
 
@@ -141,8 +141,19 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+# The flags that describe the one shape run when neither shapes nor --grid name them.
+SHAPE_FLAGS = ("batch", "heads", "kv_heads", "seq", "head_dim", "dtype", "causal", "bwd")
+
+
 def _shapes(args: argparse.Namespace) -> list[Shape]:
     given = [parse(s) for s in args.shapes]  # checked whatever runs: a bad shape is a usage error
+    if given or args.grid:  # the shape flags would be dropped: refused instead, as shapes beside --grid are
+        defaults = vars(parser.bench().parse_args([]))
+        dropped = [name for name in SHAPE_FLAGS if getattr(args, name) != defaults[name]]
+        if dropped:
+            whose = "--grid runs the standard grid of shapes" if args.grid else "the shapes given name their own"
+            flags = ", ".join(_flag(name) for name in dropped)
+            raise usage(f"cudnn-attn bench: {whose}; drop {flags} (or write them into a shape)")
     if args.grid:
         if given:  # both name the shapes to run: one is refused rather than the other dropped
             raise usage("cudnn-attn bench: --grid runs the standard grid of shapes; drop the shapes (or --grid)")
@@ -170,10 +181,19 @@ def _redraw(args: argparse.Namespace) -> int:
         charts.panels(report)  # a report with nothing to draw is refused before matplotlib is asked for
         _needs_matplotlib()
         _check_plot_format(args.plot)
-        charts.draw(report, args.plot)  # refuses, as panels does, values only drawing meets
+        _draw(report, args.plot)  # refuses, as panels does, values only drawing meets
     except charts.NoChartError as error:
         raise usage(f"cudnn-attn bench: --plot-from {args.plot_from}: {error}") from error
     return 0
+
+
+def _draw(report: dict, path: str) -> None:
+    """``charts.draw``; an image that fails as it is written (a full disk, /dev/full) is a usage
+    error naming ``--plot``, as ``--json``'s is, not a traceback."""
+    try:
+        charts.draw(report, path)
+    except OSError as error:
+        raise usage(f"cudnn-attn bench: --plot {path}: cannot be written ({error.strerror or error})") from error
 
 
 def _needs_matplotlib() -> None:

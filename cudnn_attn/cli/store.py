@@ -55,7 +55,7 @@ def _row(listed: Any) -> dict[str, Any]:
     matches; a choice it cannot read makes the build rebuild the plan)."""
     header = listed.entry.header if listed.entry else {}
     odd: list[str] = []
-    platform = _record(header, "platform", odd)
+    platform = _record(header, "platform", odd, required=listed.entry is not None)
     fields = {
         "plan": _scalar(header, "describe", odd),
         "variant": _scalar(header, "variant", odd),
@@ -77,10 +77,12 @@ def _row(listed: Any) -> dict[str, Any]:
     }
 
 
-def _record(header: dict[str, Any], name: str, odd: list[str]) -> dict[str, Any]:
+def _record(header: dict[str, Any], name: str, odd: list[str], required: bool = False) -> dict[str, Any]:
     """``header[name]`` where it is a JSON object; empty (its fields unknown) where it is absent
-    or of another type (noted in ``odd``)."""
+    or of another type (noted in ``odd``; absent too where a load reads it: ``required``)."""
     if name not in header:
+        if required:  # a load compares it with this platform's: never loaded without one
+            odd.append(f"{name} is missing")
         return {}
     value = header[name]
     if isinstance(value, dict):

@@ -34,9 +34,14 @@ class TorchKernel:
         problems = shape_problems(query, key, value, self.enable_gqa)
         if problems:  # what torch's kernel would raise a RuntimeError for, said as the graphs say it
             raise ValidationError(problems, context="sdpa")
-        if isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point() and attn_mask.dtype != query.dtype:
-            # torch's kernel takes a float mask of the query's dtype only (a RuntimeError); every
-            # other path of sdpa adds any float mask to the scores, so this one does too
+        if (
+            isinstance(attn_mask, torch.Tensor)
+            and attn_mask.is_floating_point()
+            and attn_mask.dtype not in (query.dtype, torch.float32)
+        ):
+            # torch's kernel takes a float mask of the query's dtype or float32 only (a RuntimeError);
+            # every other path of sdpa adds any float mask to the scores, so this one does too. A
+            # float32 mask goes as it is: torch adds it to float32 scores (cast, one 16-bit step off).
             attn_mask = attn_mask.to(query.dtype)
         if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() < 2:
             # torch 2.13's CPU flash kernel raises IndexError for a 0-D or 1-D mask beside 4-D inputs
