@@ -348,7 +348,7 @@ class _VarlenCall:
         q, k, v, lengths_q, lengths_k, sinks, cu_seqlens_q = inputs
         options = self.options
         train = options.train
-        sink = sink_token(sinks)
+        sink = sink_token(sinks, q)
         run = _forward_run(q, k, v, lengths_q, lengths_k, options, train or options.lse, sink)
         out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)  # every row written
         outputs = run.run(

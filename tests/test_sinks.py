@@ -177,3 +177,42 @@ def test_a_decode_sink_lowers_to_a_sinkless_graph_with_its_stats():
         uids = {t["uid"] for t in tensors.values() if not t["is_virtual"]}
         assert (UID["sink_token"] in uids) is not after and (UID["stats"] in uids) is after, tensors
         assert capabilities.unsupported_reasons(p, capabilities.Platform("H100", (9, 0), 91900, "1.32.0")) == []
+
+
+@pytest.mark.parametrize("form", ["dense", "nested"])
+def test_float64_sinks_keep_float64_precision(form):
+    """float64 queries and sinks: the output and every gradient, the sinks' included, as plain
+    torch float64 math gives them (the sinks were rounded to float32: 1e-8 off)."""
+    gen = torch.Generator().manual_seed(64)
+    q, k, v = (torch.randn(2, 4, 37, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64) * 2 + 0.123456789
+    lengths = (20, 37)
+
+    def plain(q, k, v, sinks):  # one sequence [1, H, S, D]
+        scores = q @ k.transpose(-1, -2) / 4
+        column = sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        return torch.softmax(torch.cat([scores, column], -1), -1)[..., :-1] @ v
+
+    def leaves():
+        return [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+
+    ours, theirs = leaves(), leaves()
+    if form == "nested":
+        nest = [
+            torch.nested.as_nested_tensor(
+                [t[b, :, :n].transpose(0, 1) for b, n in enumerate(lengths)], layout=torch.jagged
+            )
+            for t in ours[:3]
+        ]
+        out = cudnn.sdpa(*(t.transpose(1, 2) for t in nest), sinks=ours[3])
+        got = list(out.unbind())  # each [H, S_b, D]
+    else:
+        lengths = (37, 37)
+        got = list(cudnn.sdpa(*ours[:3], sinks=ours[3]).unbind())
+    want = [plain(*(t[b : b + 1, :, :n] for t in theirs[:3]), theirs[3])[0] for b, n in enumerate(lengths)]
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-13
+    loss_ours = sum((g * g).sum() for g in got)
+    loss_theirs = sum((w * w).sum() for w in want)
+    for a, b in zip(torch.autograd.grad(loss_ours, ours), torch.autograd.grad(loss_theirs, theirs)):
+        assert a.dtype == torch.float64 and rel_err(a, b) < 1e-12

@@ -158,7 +158,7 @@ class _ContextParallel(torch.autograd.Function):
         packing = PackedKV.of(k, v)
         kv = packing.pack(k, v)
         shards = setup.shards(q)
-        token = sink_token(sinks)
+        token = sink_token(sinks, q)
         sink = None if token is None else _sink_like(shards, token)
         if setup.mode == "p2p":
             out, lse = ring.forward(q, kv, packing, setup.ring(), shards, sink)

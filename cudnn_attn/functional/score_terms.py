@@ -125,7 +125,7 @@ class _ScoreTermsCall:
 
     def forward(self, inputs: tuple) -> tuple[tuple[torch.Tensor], tuple, None]:
         q, k, v, bias, sinks = inputs
-        sink = sink_token(sinks)
+        sink = sink_token(sinks, q)
         out, stats = runs.forward(q, k, v, bias, sink, self.options, self.modifier, self.rng)
         return (out,), (q, k, v, bias, sink, out, stats), None
 

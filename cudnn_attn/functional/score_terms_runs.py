@@ -21,8 +21,9 @@ from ..runtime.prepared import PreparedRun, prepare
 MAX_RUNS = 256
 
 
-def _sink_spec(q: torch.Tensor) -> TensorSpec:
-    return TensorSpec.contiguous((1, q.shape[1], 1, 1), torch.float32, TensorSpec.of(q).device)
+def _sink_spec(q: torch.Tensor, sink: torch.Tensor) -> TensorSpec:
+    """``sink_token``'s: ``[1, H, 1, 1]`` of the sink's dtype (float32; float64 beside float64 queries)."""
+    return TensorSpec.contiguous((1, q.shape[1], 1, 1), sink.dtype, TensorSpec.of(q).device)
 
 
 def _geometry(t: torch.Tensor | None) -> tuple | None:
@@ -50,7 +51,7 @@ def forward_run(q, k, v, bias, sink, options: ScoreOptions, modifier, rng) -> Pr
         _geometry(k),
         _geometry(v),
         _geometry(bias),
-        sink is not None,
+        None if sink is None else sink.dtype,
         options,
         modifier,
         backend_choice.chosen(),
@@ -64,7 +65,7 @@ def forward_run(q, k, v, bias, sink, options: ScoreOptions, modifier, rng) -> Pr
             options,
             stats=True,
             bias=None if bias is None else TensorSpec.of(bias),
-            sink_token=None if sink is None else _sink_spec(q),
+            sink_token=None if sink is None else _sink_spec(q, sink),
             score_mod=modifier,
             dropout_seed=_rng_specs(rng)[0],
             dropout_offset=_rng_specs(rng)[1],
@@ -80,7 +81,7 @@ def backward_run(
     fast = (
         *(_geometry(t) for t in (q, k, v, out, d_out, stats, bias)),
         grad_bias,
-        sink is not None,
+        None if sink is None else sink.dtype,
         options,
         modifier,
         backend_choice.chosen(),
@@ -98,7 +99,7 @@ def backward_run(
             options,
             bias=None if bias is None else spec(bias),
             grad_bias=grad_bias,
-            sink_token=None if sink is None else _sink_spec(q),
+            sink_token=None if sink is None else _sink_spec(q, sink),
             score_mod=modifier,
             dropout_seed=_rng_specs(rng)[0],
             dropout_offset=_rng_specs(rng)[1],

@@ -337,7 +337,7 @@ class PagedAttention:
         scales = UNIT_SCALES if unit else check_scales(fp8, k_scale, v_scale)
         if sinks is not None:
             check_sinks(sinks, self.num_q_heads, q.device, context="PagedAttention.run")
-        sink = sink_token(sinks)
+        sink = sink_token(sinks, q)
         if step.prefill:
             return self._run_prefill(q, k_cache, v_cache, out, step, sink, scales if fp8 else None)
         # A geometry new to this PagedAttention is derived now, and by every later plan().
