@@ -5,6 +5,7 @@ each sequence's end hold NaN, outputs poisoned with NaN."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -202,52 +203,85 @@ def test_one_kv_heads_caches_that_differ_only_in_the_head_stride_are_read(form, 
     assert rel_err(out.cpu().double(), want) < 1e-2
 
 
+SPIN_NS = 200_000  # how long the writer holds its stores back after letting the decode start
+
+
+@functools.cache
+def _late_copy():
+    """A Triton copy that lets the next kernel start at once (``launch_dependents`` at entry, as
+    kernels of other libraries do), holds its stores back ``SPIN_NS``, then waits for the kernel
+    before it and stores: a decode that read its inputs before its own wait would see the old
+    values every time."""
+    import triton
+    import triton.language as tl
+
+    from cudnn_attn.kernels.grid_dependency import triton_functions
+
+    dependency = triton_functions()
+    wait, release = dependency.wait, dependency.release
+
+    @triton.jit
+    def now():
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+    @triton.jit
+    def late_copy(src, dst, n, SPIN: tl.constexpr, BLOCK: tl.constexpr):
+        release()
+        start = now()
+        t = start
+        while t - start < SPIN:
+            t = now()
+        wait()
+        at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(dst + at, tl.load(src + at, mask=at < n), mask=at < n)
+
+    def copy(src: torch.Tensor, dst: torch.Tensor) -> None:
+        flat_src, flat_dst = src.reshape(-1).view(torch.int16), dst.view(-1).view(torch.int16)
+        n = flat_src.numel()
+        late_copy[(triton.cdiv(n, 4096),)](flat_src, flat_dst, n, SPIN=SPIN_NS, BLOCK=4096, launch_pdl=True)
+
+    return copy
+
+
+def _splits_options(q, table, splits, scale, layout):
+    chunk = math.ceil(table.shape[1] / splits)
+    options = dict(scale=scale, kv_layout=layout, splits=math.ceil(table.shape[1] / chunk), chunk_pages=chunk)
+    if options["splits"] > 1:  # one pair of partial buffers for every layer, as PagedAttention keeps
+        rows = q.shape[1] * q.shape[2]
+        options["partial_o"] = torch.empty(q.shape[0], options["splits"], rows, q.shape[-1], device="cuda")
+        options["partial_lse"] = torch.empty(q.shape[0], options["splits"], rows, device="cuda")
+    return options
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("launch", ["wait", "early"])
 @pytest.mark.parametrize("case", ["gqa4-one-split", "gqa4-splits-empty", "page16-odd-chunks", "mtp4-causal"])
 def test_a_dependent_launch_reads_what_the_kernel_before_it_wrote(case, launch):
-    """Layers captured as a model runs them: a copy kernel writes the layer's caches and query,
-    then the decode kernel, launched to start while that copy drains, reads them. The live
-    caches and query hold NaN until each copy lands, and every layer's output is checked: a read
-    before the copy completed would show as NaN or as another layer's values."""
+    """Layers as a model runs them, every kernel a dependent launch: copies that let the decode
+    start at once and store the layer's caches and query only 200 us later, then the decode and
+    its merge (the partial buffers shared by every layer). Every layer's output is checked, in a
+    graph replay and eagerly: a read before the copies completed would give another layer's
+    values (or NaN: the live buffers are poisoned before each pass)."""
     q, k_cache, v_cache, table, lengths, scale, sink, want = _case(case)
     layout, splits = CASES[case][4], CASES[case][7]
     if not usable(q, k_cache, v_cache, layout):
         pytest.skip("the Hopper form needs an sm_90 GPU and Gluon")
+    late_copy = _late_copy()
     layers = 3
-    # Layer i's caches: the case's K scaled by i + 1 and its V negated every other layer.
+    # Layer i's inputs: the case's K scaled by i + 1, its V negated every other layer.
     sources = [(k_cache * (i + 1), v_cache * (-1) ** i, q * (1 - 0.25 * i)) for i in range(layers)]
-    live_k, live_v, live_q = torch.empty_like(k_cache), torch.empty_like(v_cache), torch.empty_like(q)
+    live = [torch.empty_like(t) for t in sources[0]]
     outs = [torch.empty_like(q) for _ in range(layers)]
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    chunk = math.ceil(table.shape[1] / splits)
-    options = dict(scale=scale, kv_layout=layout, splits=math.ceil(table.shape[1] / chunk), chunk_pages=chunk)
-    extra = {"sink": sink.cuda()} if sink is not None else {}
-    partials = None
-    if options["splits"] > 1:  # one pair of partial buffers for every layer, as PagedAttention keeps
-        rows = q.shape[1] * q.shape[2]
-        partials = {
-            "partial_o": torch.empty(q.shape[0], options["splits"], rows, q.shape[-1], device="cuda"),
-            "partial_lse": torch.empty(q.shape[0], options["splits"], rows, device="cuda"),
-        }
+    options = _splits_options(q, table, splits, scale, layout)
+    if sink is not None:
+        options["sink"] = sink.cuda()
 
     def step():
-        for (k, v, query), out in zip(sources, outs):
-            live_k.copy_(k)
-            live_v.copy_(v)
-            live_q.copy_(query)
-            paged_decode_hopper(
-                live_q,
-                live_k,
-                live_v,
-                table,
-                lens,
-                out,
-                dependent_launch=launch,
-                **options,
-                **extra,
-                **(partials or {}),
-            )
+        for inputs, out in zip(sources, outs):
+            for source, target in zip(inputs, live):
+                late_copy(source, target)
+            paged_decode_hopper(live[2], live[0], live[1], table, lens, out, dependent_launch=launch, **options)
 
     step()  # compiled outside the capture
     torch.cuda.synchronize()
@@ -255,7 +289,7 @@ def test_a_dependent_launch_reads_what_the_kernel_before_it_wrote(case, launch):
     with torch.cuda.graph(graph):
         step()
     for replay in (graph.replay, step):  # captured, then eager
-        for t in (live_k, live_v, live_q, *outs):
+        for t in (*live, *outs):
             t.fill_(float("nan"))
         replay()
         torch.cuda.synchronize()
@@ -265,3 +299,69 @@ def test_a_dependent_launch_reads_what_the_kernel_before_it_wrote(case, launch):
             k, v, query = (t.cpu() for t in sources[i])
             expected = _reference(query, k, v, table.cpu(), lengths, layout, scale, sink)
             assert rel_err(got, expected) < 1e-2, f"layer {i}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_early_read_is_early_the_control_of_the_test_above():
+    """The harness above can fail: a decode launched ``"early"`` right after a copy that writes
+    new lengths 200 us late reads the old ones (which is why only a decode after one that waited
+    may read early), and a decode launched ``"wait"`` reads the new ones."""
+    q, k_cache, v_cache, table, lengths, scale, sink, _ = _case("gqa4-splits-empty")
+    if not usable(q, k_cache, v_cache, "NHPD"):
+        pytest.skip("the Hopper form needs an sm_90 GPU and Gluon")
+    late_copy = _late_copy()
+    old = [max(n - 700, 0) for n in lengths]
+    live = torch.tensor(old, dtype=torch.int32, device="cuda")
+    new = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    options = _splits_options(q, table, CASES["gqa4-splits-empty"][7], scale, "NHPD")
+    found = {}
+    for launch in ("wait", "early"):
+        out = torch.full_like(q, float("nan"))
+        live.copy_(torch.tensor(old, dtype=torch.int32))
+        paged_decode_hopper(q, k_cache, v_cache, table, live, out, dependent_launch="off", **options)  # compiled
+        torch.cuda.synchronize()
+        late_copy(new.view(torch.int16), live.view(torch.int16))
+        paged_decode_hopper(q, k_cache, v_cache, table, live, out, dependent_launch=launch, **options)
+        torch.cuda.synchronize()
+        found[launch] = out.cpu().double()
+    reference = {
+        n: _reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), table.cpu(), ls, "NHPD", scale, sink)
+        for n, ls in (("old", old), ("new", lengths))
+    }
+    assert rel_err(found["wait"], reference["new"]) < 1e-2
+    assert rel_err(found["early"], reference["old"]) < 1e-2, (
+        "the early decode read the new lengths: the harness cannot tell"
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_captured_step_does_not_count_as_a_decode_that_waited(monkeypatch):
+    """``PagedAttention``'s launches after each plan: the first decode waits, later layers read
+    their tables early; a capture executes nothing, so its layers count apart: an eager layer
+    right after a capture (no replay between) still waits."""
+    q, k_cache, v_cache, table, lengths, *_ = _case("gqa4-splits-empty")
+    if not usable(q, k_cache, v_cache, "NHPD"):
+        pytest.skip("the Hopper form needs an sm_90 GPU and Gluon")
+    fixed = {"max_batch": len(lengths), "max_pages_per_seq": table.shape[1], "cuda_graph": True}
+    attn = cudnn_attn.PagedAttention(32, 8, 128, 64, dtype=torch.bfloat16, device="cuda", **fixed)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    modes = []
+    launch = hopper_form.paged_decode_hopper
+
+    def recorded(*args, **kwargs):
+        modes.append(kwargs.get("dependent_launch", "off"))
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(hopper_form, "paged_decode_hopper", recorded)
+    attn.plan(table, lens)
+    attn.run(q, k_cache, v_cache)  # compiled outside the capture
+    attn.plan(table, lens)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(2):
+            attn.run(q, k_cache, v_cache)
+    eager = [attn.run(q, k_cache, v_cache) for _ in range(2)]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert modes == ["wait", "wait", "early", "wait", "early"]
+    assert all(torch.isfinite(out).all() for out in eager)

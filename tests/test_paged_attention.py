@@ -15,7 +15,7 @@ from cudnn_attn.errors import UnsupportedError, ValidationError
 from cudnn_attn.ops import dispatch
 from cudnn_attn.ops.decode_step import DecodeStep
 from cudnn_attn.serving import schedule as paged_schedule
-from cudnn_attn.serving.step import keyed_parts, launch_after_tables
+from cudnn_attn.serving.step import keyed_parts, launch_after_tables, launched
 
 HQ, HKV, D, PAGE = 8, 2, 32, 16
 
@@ -135,15 +135,26 @@ def test_the_first_decode_after_each_plan_waits_for_the_tables_it_wrote(cuda_gra
     waits, later layers start early, and a geometry first run mid-step waits too."""
     fixed = {"max_batch": 2, "max_pages_per_seq": 4, "cuda_graph": True} if cuda_graph else {}
     attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, **fixed)
+    cpu = torch.device("cpu")
+
+    def launches(derived, count):
+        found = []
+        for _ in range(count):
+            mode, mark = launch_after_tables(derived, cpu)
+            found.append(mode)
+            launched(derived, mark)
+        return found
+
     for seed in (1, 2):
         q, k_cache, v_cache, table, lengths = make_step([30, 9], pages_per_seq=4, seed=seed)
         attn.plan(table, lengths)
         attn.run(q, k_cache, v_cache)
         derived = attn._tables.get(("decode", 1, k_cache.shape[0]), attn._tables.step)
-        assert [launch_after_tables(derived) for _ in range(3)] == ["wait", "early", "early"]
+        assert launch_after_tables(derived, cpu)[0] == "wait"  # asked, not launched: still the first
+        assert launches(derived, 3) == ["wait", "early", "early"]
         larger = torch.cat([k_cache, k_cache])  # a new geometry: its tables derived now
         attn.run(q, larger, larger)
-        assert launch_after_tables(attn._tables.get(("decode", 1, larger.shape[0]), attn._tables.step)) == "wait"
+        assert launches(attn._tables.get(("decode", 1, larger.shape[0]), attn._tables.step), 1) == ["wait"]
 
 
 @pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])

@@ -6,14 +6,18 @@ last programs of the one before drain. ``wait`` blocks until that kernel has com
 writes are visible; ``release`` lets the next PDL-launched kernel start. Without PDL both are
 no-ops, so a kernel compiled with them runs anywhere sm_90 code runs.
 
-The rules our kernels keep, which make the chain safe:
+The rules our kernels keep, and why they are safe beside other kernels, ours or not:
 
-- every read of what an earlier kernel may have written (queries, caches, partials) comes
-  after ``wait``;
-- ``release`` comes after ``wait``: when a kernel starts, the one before it has passed its own
-  ``wait``, so everything two launches back has completed. The decode kernel reads its length
-  and first page indices before ``wait`` only where its caller knows no kernel since the last
-  ``plan`` wrote them but an earlier decode layer (``PagedAttention``'s later layers).
+- every read of what an earlier kernel may have written (queries, caches, partials) and every
+  write comes after ``wait``, which waits for every prerequisite grid still in flight;
+- ``release`` comes after ``wait``, so a kernel launched after one of ours starts only once ours
+  has passed its wait (kernel starts keep stream order);
+- the decode kernel reads its length and first page indices before ``wait`` only where its
+  caller knows that only ``plan`` (or a layer geometry's first derivation) writes them and that
+  a decode that waited has executed since (``PagedAttention``'s later layers of a step; a graph
+  being captured executes nothing, so it counts apart). A kernel of another library launched
+  after ours may start while ours still runs (ours releases early): the PDL contract, writes
+  only after its own ``wait``, keeps that safe.
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ def kernel() -> Any:
         PAGE: gl.constexpr,
         BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr,
+        PDL: gl.constexpr,
     ):
         """Streams each step's K and V into the ring. Pages of 64 tokens or more: a step is one
         box of a page, each page index loaded two steps ahead (the first three copies wait for
@@ -62,6 +63,8 @@ def kernel() -> Any:
         a box each, their indices read as one vector a step ahead; a page past the chunk's last
         key is read from row -PAGE, all out of bounds, so TMA fills it with zeros and the
         stage's byte count holds."""
+        if PDL:  # the default warps waited before the fork; this warp does not rely on the fork's order
+            wait_for_previous()
         k_smem, v_smem, k_ready, v_ready, empty = ring
         table_ptr, t_sb = table
         b, start, end, steps = chunk
@@ -337,6 +340,7 @@ def kernel() -> Any:
                             PAGE,
                             BLOCK_N,
                             STAGES,
+                            PDL,
                         ),
                     ),
                 ],
@@ -384,6 +388,7 @@ def kernel() -> Any:
                             PAGE,
                             BLOCK_N,
                             STAGES,
+                            PDL,
                         ),
                     ),
                 ],

@@ -49,7 +49,7 @@ from .fp8_cache import UNIT_SCALES, check_scales, compact_table, dequantised, de
 from .paged_calls import PagedCalls
 from .paged_checks import check_device, check_plan, check_run, unread_slots_zeroed
 from .schedule import Schedule
-from .step import Step, StepBuffers, StepTables, launch_after_tables
+from .step import Step, StepBuffers, StepTables, launch_after_tables, launched
 
 LAYOUTS = ("NHPD", "NPHD")
 
@@ -452,6 +452,7 @@ class PagedAttention:
                 sink=None if sink is None else sink.view(-1),
             )
             return
+        launch, mark = launch_after_tables(derived, q.device)
         paged_decode.paged_decode(
             q,
             k_cache,
@@ -469,8 +470,9 @@ class PagedAttention:
             k_scale=scales[0],
             v_scale=scales[1],
             hopper=schedule.hopper,
-            dependent_launch=launch_after_tables(derived),
+            dependent_launch=launch,
         )
+        launched(derived, mark)
 
     def _run_prefill(
         self,

@@ -306,17 +306,21 @@ class StepTables:
         return derived
 
 
-def launch_after_tables(derived: dict[str, Any]) -> str:
-    """How this geometry's next decode kernel launches (``kernels/grid_dependency``), and it is
-    counted as launched. The first since ``derived``'s tables were written (by ``plan``, or by
-    the geometry's first derivation) reads them only once the kernel before it has completed:
-    that kernel may be the one that wrote them (``"wait"``). Later ones read the length and
-    first page indices as they start, while the kernel before drains (``"early"``): nothing
-    but those two writes them, and a decode that waited has run since."""
-    if derived.get("tables_read"):
-        return "early"
-    derived["tables_read"] = True
-    return "wait"
+def launch_after_tables(derived: dict[str, Any], device: torch.device) -> tuple[str, str]:
+    """How this geometry's next decode kernel launches on ``device`` (``kernels/grid_dependency``),
+    and the mark ``launched`` sets once it has. The first since ``derived``'s tables were written
+    (by ``plan``, or by the geometry's first derivation) reads them only once the kernel before it
+    has completed: that kernel may be the one that wrote them (``"wait"``). Later ones read the
+    length and first page indices as they start, while the kernel before drains (``"early"``):
+    nothing but those two writes them, and a decode that waited has run since. A graph being
+    captured runs nothing: its launches count apart, its own first decode waiting too."""
+    mark = "decode_captured" if device.type == "cuda" and capturing(device) else "decode_launched"
+    return ("early" if derived.get(mark) else "wait"), mark
+
+
+def launched(derived: dict[str, Any], mark: str) -> None:
+    """Count a decode of this geometry as launched (after the launch: one that failed is not)."""
+    derived[mark] = True
 
 
 def body_end_of(lengths: Any, s_q: int, page: int) -> Any:
