@@ -671,7 +671,13 @@ class Graph:
         return self
 
     def __call__(
-        self, *args: Any, handle: Any = None, stream: Any = None, out: Any = None, workspace: Any = None
+        self,
+        *args: Any,
+        handle: Any = None,
+        stream: Any = None,
+        out: Any = None,
+        workspace: Any = None,
+        **unknown: Any,
     ) -> Any:
         """Run the graph: ``g(q, k, v, ...)`` positionally, or ``g({name: tensor})``.
 
@@ -699,7 +705,13 @@ class Graph:
             ShapeMismatchError: an input missing, extra, or of another geometry than the
                 graph's (named, before any GPU work).
             GraphStateError: the graph's plans were released (the interpreter is exiting).
+            ValidationError: a keyword the call does not take (named).
         """
+        if unknown:  # named as the ops and the constructor name theirs, not Python's TypeError
+            raise ValidationError(
+                [f"{name}: not a keyword of a graph's call (handle, stream, out, workspace)" for name in unknown],
+                context=self.name,
+            )
         if not self.recording.built:
             self.build()
         runner = self._runner

@@ -313,6 +313,50 @@ def test_serialize_and_deserialize_run_the_same_graph_without_building_it_again(
     assert all(rel_err(a, e) < 1e-4 for a, e in zip(got, expected))
 
 
+@pytest.mark.parametrize("shared", ["q-k-v", "lengths", "ragged-offsets"])
+def test_a_graph_with_one_tensor_in_several_input_roles_round_trips(shared):
+    """One tensor as q, k and v; one lengths tensor as seq_len_q and seq_len_kv; the frontend's
+    THD form's one offsets tensor for Q, K, V and O: each builds and runs, and its serialized
+    form was refused as damaged ("a uid is given to two of its tensors")."""
+    b, s = 2, 8
+    x = randn(b, H, s, D, seed=90)
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
+    pack = {}
+    if shared == "ragged-offsets":
+        off = g.tensor(name="off", dim=[b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+        lens = g.tensor(name="lens", dim=[b, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+        stride = [s * H * D, D, H * D, 1]
+        q, k, v = (g.tensor(name=n, dim=[b, H, s, D], stride=stride, ragged_offset=off) for n in "qkv")
+        o, _ = g.sdpa(
+            q=q, k=k, v=v, generate_stats=False, attn_scale=0.25, use_padding_mask=True, seq_len_q=lens, seq_len_kv=lens
+        )
+        o.set_output(True).set_stride(stride).set_ragged_offset(off)
+        tokens = randn(b * s, H, D, seed=91)
+        pack = {"q": tokens, "k": tokens, "v": tokens, "off": torch.tensor([0, s * H * D, 2 * s * H * D]).int()}
+        pack["off"] = pack["off"].view(b + 1, 1, 1, 1)
+        pack["lens"] = torch.full((b, 1, 1, 1), s, dtype=torch.int32)
+        want = _attention(*(tokens.view(b, s, H, D).transpose(1, 2),) * 3, 0.25).transpose(1, 2).reshape(b * s, H, D)
+        out = torch.full((b * s, H, D), float("nan"))
+    else:
+        q = g.tensor_like(x).set_name("q")
+        lens = g.tensor_like(torch.full((b, 1, 1, 1), s, dtype=torch.int32)).set_name("lens")
+        k, v = (q, q) if shared == "q-k-v" else (g.tensor_like(x).set_name("k"), g.tensor_like(x).set_name("v"))
+        o, _ = g.sdpa(
+            q=q, k=k, v=v, generate_stats=False, attn_scale=0.25, use_padding_mask=True, seq_len_q=lens, seq_len_kv=lens
+        )
+        o.set_output(True)
+        pack = {"q": x, "lens": torch.full((b, 1, 1, 1), s, dtype=torch.int32)}
+        if shared != "q-k-v":
+            pack.update(k=x, v=x)
+        want, out = _attention(x, x, x, 0.25), torch.full_like(x, float("nan"))
+    o.set_name("o")
+    g.build()
+    restored = cudnn.pygraph()
+    restored.deserialize(g.serialize())
+    restored.execute({**pack, "o": out})
+    assert rel_err(out, want) < 1e-4
+
+
 def test_deserialize_refuses_damaged_data_and_a_graph_in_use():
     g, q, k, v = _dense_graph(1, 8)
     g.sdpa(q=q, k=k, v=v, generate_stats=False)

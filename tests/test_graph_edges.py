@@ -194,3 +194,74 @@ def test_a_stream_no_gpu_could_run_on_is_refused_on_every_backend(stream):
     with pytest.raises(cudnn_attn.ValidationError, match="stream: .*expected None, a CUDA stream"):
         g(q, stream=stream)
     assert g(q, stream=types.SimpleNamespace(cuda_stream=0)).shape == q.shape  # any object holding a pointer
+
+
+def test_an_output_sharing_memory_with_an_input_or_another_output_is_refused():
+    """``out=`` tensors were never compared with the inputs or each other: node 1's O written
+    into q's memory made node 2 read it as q (0.45 off), and dQ and dK given one buffer lost dQ.
+    A packed dQKV's views interleave in one buffer without sharing an element, and stay taken."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, do = (torch.randn(1, 2, 8, 16, generator=gen) for _ in range(4))
+    with cudnn_attn.Graph() as chain:
+        o1, _ = chain.sdpa(q, k, v)
+        chain.sdpa(q, o1, v)
+    with pytest.raises(cudnn_attn.ValidationError, match=r"out\[O\]: shares memory with q"):
+        chain(q, k, v, out=(q, torch.empty_like(q)))
+    with cudnn_attn.Graph() as one:
+        one.sdpa(q, k, v)
+    with pytest.raises(cudnn_attn.ValidationError, match="shares memory with v"):
+        one(q, k, v, out=v[:, :, :, :])  # a view of v, the one-output fast path
+    with cudnn_attn.Graph() as train:
+        o, stats = train.sdpa(q, k, v, generate_stats=True)
+        train.sdpa_backward(q, k, v, o, do, stats)
+    grad = torch.empty_like(q)
+    given = (torch.empty_like(q), torch.empty(1, 2, 8, 1), grad, grad, torch.empty_like(v))
+    with pytest.raises(cudnn_attn.ValidationError, match=r"dK\]: shares memory with out\[sdpa_backward::dQ\]"):
+        train(q, k, v, do, out=given)
+    expected = train(q, k, v, do)
+    fresh = (torch.empty_like(q), torch.empty(1, 2, 8, 1), *(torch.empty_like(q) for _ in range(3)))
+    assert all(torch.equal(a, b) for a, b in zip(train(q, k, v, do, out=fresh), expected))
+
+
+def test_interleaved_views_of_one_buffer_share_no_element():
+    from cudnn_attn.core.shared_memory import share_elements
+
+    q, k, v = torch.empty(2, 8, 3, 4, 16).unbind(2)  # a packed QKV's views
+    assert not share_elements(q, k) and not share_elements(k, v) and share_elements(q, q[:, :1])
+    x = torch.empty(4, 6)
+    assert not share_elements(x[:, ::2], x[:, 1::2]) and share_elements(x[:, ::2], x[:, ::3])
+    assert not share_elements(q, q.clone())
+
+
+def test_a_built_graph_keeps_none_of_its_keyword_templates_alive():
+    """The plan cache kept each recorded graph's bias, lengths and sinks templates (q, k and v
+    were released): on a GPU, a graph recorded per shape pinned its first [B, H, S, S] bias."""
+    import gc
+    import weakref
+
+    q = torch.randn(1, 2, 64, 16)
+    bias, lens, sinks = torch.randn(1, 1, 64, 64), torch.tensor([5], dtype=torch.int32), torch.zeros(1, 2, 1, 1)
+    alive = [weakref.ref(t) for t in (bias, lens, sinks)]
+    with cudnn_attn.Graph() as g:
+        g.sdpa(q, q, q, bias=bias, use_padding_mask=True, seq_len_q=lens, seq_len_kv=lens, sink_token=sinks)
+    g(q, bias, lens, sinks)
+    del g, bias, lens, sinks
+    gc.collect()
+    assert [ref() is None for ref in alive] == [True, True, True]
+
+
+def test_a_nested_template_is_refused_by_name():
+    """torch's AttributeError from its symbolic ints came through as the block closed."""
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    nested = torch.nested.nested_tensor([q[0]], layout=torch.jagged)
+    with pytest.raises(cudnn_attn.ValidationError, match="q: a nested tensor"):
+        with cudnn_attn.Graph() as g:
+            g.sdpa(nested, k, v)
+
+
+def test_an_unknown_keyword_of_a_graph_call_is_refused_by_name():
+    q = torch.randn(1, 2, 8, 16)
+    with cudnn_attn.Graph() as g:
+        g.sdpa(q, q, q)
+    with pytest.raises(cudnn_attn.ValidationError, match="foo: not a keyword of a graph's call"):
+        g(q, q, q, foo=1)

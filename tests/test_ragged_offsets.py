@@ -187,3 +187,40 @@ def test_a_recording_that_differs_only_in_whether_o_has_offsets_is_built_again()
     # Padded O: sequence 1's rows at batch 1's own place; ragged O: 3 tokens after sequence 0's.
     flat = outs[0].as_strided((b * s, h, d), (h * d, d, 1))
     assert torch.equal(flat[3:11].transpose(0, 1), outs[1][1])
+
+
+@pytest.mark.parametrize("lengths", [[3, 0], [0, 3], [2, 0, 1, 0]], ids=str)
+def test_an_empty_sequence_may_start_at_the_end_of_the_tokens(lengths):
+    """The frontend's THD form with an empty sequence whose cumulative offset is the token count
+    (a batch's trailing empty sequences): it reads nothing, and was refused as placing a
+    sequence outside q."""
+    b, h, s, d, t = len(lengths), 1, 4, 16, sum(lengths)
+    gen = torch.Generator().manual_seed(len(lengths))
+    qb, kb, vb = (torch.randn(t, h, d, generator=gen).half() for _ in range(3))
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF)
+    off = g.tensor(name="off", dim=[b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+    lens = g.tensor(name="len", dim=[b, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+    q, k, v = (g.tensor(name=n, dim=[b, h, s, d], stride=[s * h * d, d, h * d, 1], ragged_offset=off) for n in "qkv")
+    o, _ = g.sdpa(
+        q=q, k=k, v=v, generate_stats=False, attn_scale=0.25, use_padding_mask=True, seq_len_q=lens, seq_len_kv=lens
+    )
+    o.set_output(True).set_stride([s * h * d, d, h * d, 1]).set_ragged_offset(off)
+    g.build([cudnn.heur_mode.A])
+    out = torch.full((t, h, d), float("nan"), dtype=torch.float16)
+    pack = {
+        q: qb,
+        k: kb,
+        v: vb,
+        off: (torch.tensor(starts, dtype=torch.int32) * h * d).view(b + 1, 1, 1, 1),
+        lens: torch.tensor(lengths, dtype=torch.int32).view(b, 1, 1, 1),
+        o: out,
+    }
+    g.execute(pack, torch.empty(g.get_workspace_size(), dtype=torch.uint8))
+    for start, n in zip(starts, lengths):
+        rows = slice(start, start + n)
+        want = torch.softmax(qb[rows].float().transpose(0, 1) @ kb[rows].float().transpose(0, 1).mT * 0.25, -1)
+        want = (want @ vb[rows].float().transpose(0, 1)).transpose(0, 1)
+        assert rel_err(out[rows].float(), want) < TOLERANCE[torch.float16]

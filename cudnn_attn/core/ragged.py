@@ -100,13 +100,15 @@ def clamp_packed_offsets(
 
 
 def _packed_highs(flat: torch.Tensor, lengths: torch.Tensor | None, span: int, spec: TensorSpec) -> torch.Tensor:
-    """Each sequence's largest start that keeps its rows inside ``span`` elements (< 0: none does)."""
+    """Each sequence's largest start that keeps its rows inside ``span`` elements (< 0: none does);
+    an empty sequence reads nothing, so it may start at the end (a batch's trailing empty ones)."""
     b, s = flat.numel() - 1, spec.shape[2]
     if lengths is None:
         rows = torch.full((b,), s, dtype=torch.int64, device=flat.device)
     else:
-        rows = lengths.reshape(-1)[:b].to(device=flat.device, dtype=torch.int64).clamp(1, s)
-    return span - (rows - 1) * spec.stride[2] - sequence_extent(spec, 1)
+        rows = lengths.reshape(-1)[:b].to(device=flat.device, dtype=torch.int64).clamp(0, s)
+    high = span - (rows - 1).clamp(min=0) * spec.stride[2] - sequence_extent(spec, 1)
+    return torch.where(rows == 0, span, high)
 
 
 def packed_offset_problems(p: AttentionProblem, inputs: Mapping, outputs: Mapping) -> list[str]:

@@ -137,7 +137,7 @@ def binding_problems(
 ) -> list[str]:
     """What is wrong with a node's tensors. ``roles``: the op's required, other input and output
     roles. A role the op does not have or leaves out, a role the problem has and the tensors
-    leave unbound (or the reverse), a uid given twice in the node, an earlier node's uid of
+    leave unbound (or the reverse), a uid shared by an output or by inputs of other geometries, an earlier node's uid of
     another geometry or taken again as an output, dropout's seed and offset given both ways or
     not at all. ``seen``: uid -> geometry, of the nodes before; updated here."""
     required, inputs, outputs = roles
@@ -148,9 +148,15 @@ def binding_problems(
         return found
     if set(tensors) != set(specs):
         return [f"tensors {sorted(tensors)}; its problem has {sorted(specs)}"]
-    uids = [t["uid"] for t in tensors.values()]
-    if len(set(uids)) != len(uids):
-        found.append("a uid is given to two of its tensors")
+    # One tensor may fill several input roles of a node (q = k = v; one lengths tensor for Q
+    # and K/V; the frontend's THD form's one offsets tensor) where their geometries agree; an
+    # output's uid is its own.
+    by_uid: dict[Any, list[str]] = {}
+    for role, tensor in tensors.items():
+        by_uid.setdefault(tensor["uid"], []).append(role)
+    for uid, shared in by_uid.items():
+        if len(shared) > 1 and (any(role in outputs for role in shared) or len({specs[r] for r in shared}) > 1):
+            found.append(f"{', '.join(shared)}: one uid ({uid}) for tensors of another role or geometry")
     for role, tensor in tensors.items():
         earlier = seen.get(tensor["uid"])
         if earlier is not None and (earlier != specs[role] or role in outputs):

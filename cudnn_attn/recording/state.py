@@ -201,6 +201,9 @@ class Recording:
         call's tensors alive for as long as the graph is cached."""
         for handle in [*self.inputs, *self.made]:
             handle.template = None
+        for node in self.nodes:  # the keyword tensors (bias, lengths, sinks) bound as inputs
+            if node.parsed is not None:
+                node.parsed.tensors.clear()
         self.by_identity.clear()
         self.key.forget()
 
@@ -224,6 +227,12 @@ class Recording:
             if tensor is None:
                 node.errors.append(
                     f"{node.argument(role)}: {type(value).__name__}; expected a tensor (torch, or any DLPack array)"
+                )
+                return
+            if tensor.is_nested:  # its ragged dim has no stride a graph tensor could hold
+                node.errors.append(
+                    f"{node.argument(role)}: a nested tensor; a graph's tensors are dense (ragged sequences: "
+                    "sequence lengths with padding or ragged offsets; cudnn_attn.sdpa takes nested tensors)"
                 )
                 return
             handle = self.new_input(TensorSpec.of(tensor), node.argument(role), tensor, role)

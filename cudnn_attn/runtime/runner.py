@@ -18,6 +18,7 @@ import torch
 
 from ..core.finite import integer
 from ..core.problem import TensorSpec
+from ..core.shared_memory import share_elements
 from ..errors import ShapeMismatchError, ValidationError, shown
 from . import interop
 
@@ -169,6 +170,7 @@ class Runner:
             if mismatch:
                 raise ShapeMismatchError([f"out[{self.outputs[0].name}]: {mismatch}"], context=self.name)
             values[slot] = out
+            self._check_aliasing(values, [(self.outputs[0], out)])
             return
         if isinstance(out, Mapping):
             by_name = {h.name: h for h in self._produced}
@@ -208,6 +210,21 @@ class Runner:
             values[slot] = tensor
         if problems:
             raise ShapeMismatchError(problems, context=self.name)
+        self._check_aliasing(values, [(handle, values[self._slot[handle]]) for handle, _ in pairs])
+
+    def _check_aliasing(self, values: list[Any], given: list[tuple[Any, torch.Tensor]]) -> None:
+        """An output written in place shares no element with an input (a later node, or a kernel
+        still reading it, would read the output instead) nor with another output (one of the
+        two would be lost)."""
+        problems = []
+        inputs = [(h.name, t) for h, t in zip(self.inputs, values) if isinstance(t, torch.Tensor)]
+        for n, (handle, tensor) in enumerate(given):
+            others = inputs + [(f"out[{h.name}]", t) for h, t in given[:n]]
+            for name, other in others:
+                if share_elements(tensor, other):
+                    problems.append(f"out[{handle.name}]: shares memory with {name}; an output needs memory of its own")
+        if problems:
+            raise ValidationError(problems, context=self.name)
 
     # ---- running -----------------------------------------------------------------------------
 
