@@ -40,7 +40,7 @@ import torch
 from .core import varlen_keywords
 from .core.constructors import backward_problem, forward_problem
 from .core.derived import derived
-from .core.finite import integer
+from .core.finite import finite_real, integer
 from .core.mask import Causal, ScoreOptions, default_scale
 from .core.problem import AttentionProblem, TensorSpec
 from .core.score_inputs import check_sinks, sink_token
@@ -235,6 +235,28 @@ def varlen_attention(
         enable_gqa,
         context,
     )
+    if q.shape[0] == 0 or k.shape[0] == 0:  # FlashAttention's: every sequence empty on that side
+        return _without_tokens(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            causal=causal,
+            window_left=window_left,
+            window_right=window_right,
+            window_bottom_right=window_bottom_right,
+            scale=scale,
+            dropout_p=dropout_p,
+            enable_gqa=enable_gqa,
+            sinks=sinks,
+            softcap=softcap,
+            deterministic=deterministic,
+            return_lse=return_lse,
+            context=context,
+        )
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)  # NumPy's ints too
     if not cu_seqlens_q.is_cuda:  # host lengths cost nothing to read: the tile spans the longest
         # sequence, not a generous max_seqlen (the reference's time grows with its square)
@@ -296,9 +318,28 @@ def varlen_attention(
         raise error.renamed(_NAMES, context=context) from None
 
 
+def _without_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """A packed batch with no query or no key tokens at all (its sequences all empty on that
+    side, as FlashAttention takes them): one padding row past the last sequence, read by none,
+    stands in for the missing tokens, and is dropped from the output and the LSE again."""
+    q_rows = q.shape[0]
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(1, *t.shape[1:])]) if t.shape[0] == 0 else t
+
+    found = varlen_attention(padded(q), padded(k), padded(v), *args, **kwargs)
+    if isinstance(found, tuple):
+        out, lse = found
+        return out[:q_rows], lse[:, :q_rows]
+    return found[:q_rows]
+
+
 _NAMES = {
     "seq_len_q": "cu_seqlens_q",
     "seq_len_kv": "cu_seqlens_k",
+    "use_padding_mask": "cu_seqlens_q/cu_seqlens_k",
+    "sink_token": "sinks",
+    "score_mod": "softcap",
     "max_seq_len_q": "max_seqlen_q",
     "max_seq_len_kv": "max_seqlen_k",
     "sliding_window_length": "window_size",
@@ -484,10 +525,12 @@ def _check(
                 f"{name}: a nested tensor; varlen takes packed [tokens, heads, head_dim] tensors with cu_seqlens "
                 "(cudnn_attn.sdpa takes nested ones)"
             )
+        elif t.layout != torch.strided:  # sparse: no strides to read (they read as 0)
+            problems.append(
+                f"{name}: a {str(t.layout).removeprefix('torch.')} tensor; expected a dense one (.to_dense())"
+            )
         elif t.dim() != 3:
             problems.append(f"{name}: shape {list(t.shape)}; expected packed [tokens, heads, head_dim]")
-        elif t.shape[0] == 0:  # refused whether or not a plan of this geometry exists
-            problems.append(f"{name}: no tokens; a packed batch needs at least one")
     if problems:
         raise ValidationError(problems, context=context)
     if v.shape[0] != k.shape[0]:  # every call: a warm plan reads T_kv from k alone
@@ -504,7 +547,7 @@ def _check(
         problems.append(
             f"window_size: right bound {window_right!r}; must be an int >= 1, without a causal mask (a right bound of 0)"
         )
-    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0 <= dropout_p < 1:
+    if not finite_real(dropout_p) or not 0 <= dropout_p < 1:  # NumPy scalars too, as FlashAttention takes them
         problems.append(f"dropout_p: {dropout_p!r}; must be a float in [0, 1)")
     for name, value in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
         if not integer(value) or value < 0:  # 0: every sequence empty (FlashAttention's zeros)

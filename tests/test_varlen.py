@@ -3,6 +3,7 @@ attention, the checks on ``cu_seqlens``, and the bounded number of plans a run b
 
 from __future__ import annotations
 
+import numpy as np
 import oracle
 import pytest
 import torch
@@ -160,8 +161,10 @@ def test_other_bad_arguments_are_named():
         cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, -1, enable_gqa=True)
     with pytest.raises(ValidationError, match="cu_seqlens_k: sequence 1 has length 5, above max_seqlen 0"):
         cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 0, enable_gqa=True)
-    with pytest.raises(ValidationError, match="q: no tokens"):
+    with pytest.raises(ValidationError, match="cu_seqlens_q: ends at 9, past the 0 packed tokens"):
         cudnn_attn.varlen_sdpa(q[:0], k, v, cu_q, cu_k, 8, 8, enable_gqa=True)
+    with pytest.raises(ValidationError, match="q: a sparse_coo tensor; expected a dense one"):
+        cudnn_attn.varlen_sdpa(q.to_sparse(), k, v, cu_q, cu_k, 8, 8, enable_gqa=True)
     with pytest.raises(ValidationError, match="q: shape"):
         cudnn_attn.varlen_sdpa(q[None], k, v, cu_q, cu_k, 8, 8, enable_gqa=True)
     with pytest.raises(ValidationError, match="window_size"):
@@ -202,3 +205,37 @@ def test_views_of_one_packed_projection_are_separate_inputs():
     out.sum().backward()
     want.sum().backward()
     assert rel_err(qkv.grad, torch.stack([x.grad for x in leaves], 1)) < 2e-2
+
+
+def test_a_side_without_tokens_gives_flash_attentions_zeros():
+    """Every sequence without keys, and k, v holding exactly those 0 tokens (FlashAttention's
+    total_k = 0): zeros, and zero gradients; a batch without query tokens: empty outputs. Both
+    were refused ("no tokens") unless a padding row was added."""
+    q = torch.randn(5, 2, 16, requires_grad=True)
+    none = torch.zeros(0, 2, 16, requires_grad=True)
+    cu_q, cu_k = torch.tensor([0, 2, 5], dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
+    out = cudnn_attn.varlen_sdpa(q, none, none, cu_q, cu_k, 3, 0)
+    assert out.shape == q.shape and torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q)) and none.grad.shape == none.shape
+    out, lse = cudnn_attn.varlen_sdpa(q[:0], q, q, cu_k, cu_q, 0, 3, return_lse=True)
+    assert out.shape == (0, 2, 16) and lse.shape == (2, 0)
+
+
+def test_a_window_bound_past_any_sequence_is_no_bound():
+    """FlashAttention reads a bound past S_kv as none; one past int64 raised an OverflowError."""
+    q, k, v, cu_q, cu_k = packed([4, 5], [4, 5], seed=9)
+    for huge, none in (((10**30, 0), (-1, 0)), ((0, 10**30), (0, -1)), ((10**30, 10**30), (-1, -1))):
+        got = cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 8, window_size=huge)
+        assert torch.equal(got, cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 8, window_size=none)), huge
+
+
+def test_numpy_dropout_and_the_callers_names_under_the_torch_backend():
+    q, k, v, cu_q, cu_k = packed([4, 5], [4, 5], seed=10)
+    out = cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 8, dropout_p=np.float32(0.0))
+    assert torch.equal(out, cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 8))
+    with cudnn_attn.backend("torch"), pytest.raises(cudnn_attn.UnsupportedError) as refused:
+        cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 8, sinks=torch.zeros(q.shape[1]), softcap=2.0)
+    said = str(refused.value)
+    assert all(name in said for name in ("cu_seqlens_q/cu_seqlens_k:", "softcap:", "sinks:")), said
+    assert not any(name in said for name in ("use_padding_mask", "score_mod", "sink_token")), said

@@ -31,7 +31,7 @@ import torch
 
 from ..errors import UnsupportedError, ValidationError, shown
 from .finite import finite_real
-from .mask import Causal, window_band
+from .mask import NO_BOUND, Causal, window_band
 
 CONTEXT = "varlen_sdpa"
 
@@ -162,4 +162,5 @@ def _window(window_size: Any, problems: list[str]) -> tuple[int, int]:
     except ValueError as error:
         problems.append(str(error))
         return -1, -1
-    return int(window_size[0]), int(window_size[1])
+    # a bound past any sequence is none (window_band's reading)
+    return tuple(-1 if int(w) >= NO_BOUND else int(w) for w in window_size)  # type: ignore[return-value]

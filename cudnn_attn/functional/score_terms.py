@@ -36,7 +36,7 @@ from .softcap_split import CausalSplit, SplitCall, causal_split
 
 # The score terms' own inner names: the sink is sdpa's sinks, and the statistics it needs are
 # no argument of sdpa (a backend refusing them refuses the sinks, said once).
-SCORE_TERM_NAMES = {**ARGUMENT_NAMES, "sink_token": "sinks", "generate_stats": ""}
+SCORE_TERM_NAMES = {**ARGUMENT_NAMES, "sink_token": "sinks", "score_mod": "softcap", "generate_stats": ""}
 
 
 def sdpa_with_score_terms(
