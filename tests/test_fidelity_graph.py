@@ -268,7 +268,8 @@ EDITS = {
     "header not an object": lambda h: h.clear(),
     "a tensor left out": lambda h: h["nodes"][0]["tensors"].pop("k"),
     "uid a string": lambda h: h["nodes"][0]["tensors"]["k"].__setitem__("uid", "2"),
-    "uid twice": lambda h: h["nodes"][0]["tensors"]["k"].__setitem__("uid", 1),
+    # one uid for two input roles of one geometry is a graph (q = k); for an input and an output, damage
+    "uid twice": lambda h: h["nodes"][0]["tensors"]["k"].__setitem__("uid", h["nodes"][0]["tensors"]["o"]["uid"]),
     "output on an input's uid": lambda h: h["nodes"][1]["tensors"]["grad_q"].__setitem__("uid", 1),
     "forward read as backward": lambda h: h["nodes"][0]["problem"].__setitem__("op", "sdpa_backward"),
     "unknown op": lambda h: h["nodes"][0]["problem"].__setitem__("op", "sdpx"),

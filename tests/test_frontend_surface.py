@@ -250,3 +250,22 @@ def test_output_getters_before_the_build_and_of_virtual_outputs_report_what_the_
         == reports[0]
         == ([[1, 2, 4, 16], [128, 64, 16, 1], [1, 2, 4, 1], [8, 4, 1, 1]], [1, 2, 4, 1], [8, 4, 1, 1], True)
     )
+
+
+def test_get_data_type_answers_the_frontends_members_in_its_graphs():
+    """Frontend code compares ``t.get_data_type()`` with ``cudnn.data_type.HALF`` or keys a dict
+    by it: a pygraph answered torch dtypes, so the comparison was False. The library's own Graph
+    keeps torch's dtypes."""
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF)
+    q = g.tensor(name="q", dim=[1, 2, 8, 16], stride=[256, 128, 16, 1])
+    o, stats = g.sdpa(q=q, k=q, v=q, generate_stats=True, attn_scale=0.25)
+    before = [t.get_data_type() for t in (q, o, stats)]
+    g.validate()
+    after = [t.get_data_type() for t in (q, o, stats)]
+    half, single = cudnn.data_type.HALF, cudnn.data_type.FLOAT
+    assert before == after == [half, half, single]
+    assert {half: torch.float16}[q.get_data_type()] is torch.float16
+    x = torch.randn(1, 2, 8, 16)
+    with cudnn.Graph() as own:
+        out, _ = own.sdpa(x, x, x)
+    assert out.get_data_type() is torch.float32

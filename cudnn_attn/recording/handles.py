@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..core.dtypes import to_torch_dtype
+from ..core.dtypes import data_type, to_torch_dtype
 from ..core.problem import TensorSpec, contiguous_strides, device_name
 from ..errors import GraphStateError, ValidationError, shown
 
@@ -136,10 +136,23 @@ class TensorHandle:
         spec = self.spec
         return None if spec is None else list(spec.stride)
 
-    def get_data_type(self) -> torch.dtype | None:
-        """The tensor's torch dtype."""
+    def get_data_type(self) -> torch.dtype | data_type | None:
+        """The tensor's torch dtype; in the frontend's graphs (``pygraph``) its ``data_type``
+        member, as the frontend answers (code compares it with ``cudnn.data_type.HALF``)."""
+        return self._answered(self.torch_dtype())
+
+    def torch_dtype(self) -> torch.dtype | None:
+        """The tensor's torch dtype, in every graph."""
         spec = self.spec
         return None if spec is None else spec.dtype
+
+    def _answered(self, dtype: torch.dtype | None) -> torch.dtype | data_type | None:
+        if dtype is None or not self.recording.frontend_rules:
+            return dtype
+        try:
+            return data_type.from_torch(dtype)
+        except ValueError:  # a dtype no member stands for: as it is
+            return dtype
 
     def __repr__(self) -> str:
         spec = self.spec
@@ -154,14 +167,12 @@ class InputHandle(TensorHandle):
 
     Example:
         ```python
-        import torch
-
         import cudnn_attn as cudnn
 
         g = cudnn.pygraph()
         q = g.tensor(dim=(1, 2, 16, 64), stride=(2048, 64, 128, 1), data_type=cudnn.data_type.HALF, name="q")
         q.set_stride((2048, 1024, 64, 1))  # BHSD after all
-        assert q.get_dim() == [1, 2, 16, 64] and q.get_data_type() is torch.float16
+        assert q.get_dim() == [1, 2, 16, 64] and q.get_data_type() == cudnn.data_type.HALF
         ```
     """
 
@@ -278,13 +289,13 @@ class OutputHandle(TensorHandle):
             return None if dims is None or self._reported() is None else list(contiguous_strides(tuple(dims)))
         return super().get_stride()
 
-    def get_data_type(self) -> torch.dtype | None:
+    def torch_dtype(self) -> torch.dtype | None:
         """The output's dtype: once built, as built; before, as ``set_data_type`` said, else (in
-        the frontend's graphs) as the frontend reports it."""
+        the frontend's graphs) as the frontend reports it. ``get_data_type`` answers it."""
         if self.built_spec is None:
             reported = self._reported()
             return self.dtype if self.dtype is not None else reported and reported[1]
-        return super().get_data_type()
+        return super().torch_dtype()
 
     def _reported(self) -> tuple[list[int], torch.dtype | None] | None:
         """What the frontend reports for an output not built (before the build, or left virtual),

@@ -318,7 +318,7 @@ def _dims_of(value: Any) -> tuple[list[int], torch.dtype | None] | None:
     """A recorded operand's dims and dtype: a graph tensor's, or a torch tensor's."""
     if isinstance(value, TensorHandle):
         dims = value.get_dim()
-        return None if dims is None else (dims, value.get_data_type())
+        return None if dims is None else (dims, value.torch_dtype())
     if isinstance(value, torch.Tensor) and not value.is_nested:
         return list(value.shape), value.dtype
     return None
