@@ -216,3 +216,14 @@ def test_float64_sinks_keep_float64_precision(form):
     loss_theirs = sum((w * w).sum() for w in want)
     for a, b in zip(torch.autograd.grad(loss_ours, ours), torch.autograd.grad(loss_theirs, theirs)):
         assert a.dtype == torch.float64 and rel_err(a, b) < 1e-12
+
+
+def test_compiled_float64_sinks_keep_float64_precision():
+    """torch.compile's path rounded float64 sinks and their gradient to float32 (1e-9 off eager)."""
+    gen = torch.Generator().manual_seed(65)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    sinks = torch.randn(2, generator=gen, dtype=torch.float64).requires_grad_()
+    eager = cudnn.sdpa(q, k, v, sinks=sinks)
+    compiled = torch.compile(lambda q, k, v, s: cudnn.sdpa(q, k, v, sinks=s), fullgraph=True)(q, k, v, sinks)
+    assert torch.equal(compiled, eager)
+    assert torch.equal(*(torch.autograd.grad(out.sum(), sinks)[0] for out in (compiled, eager)))

@@ -200,3 +200,46 @@ def test_a_float32_mask_beside_16_bit_queries_is_added_as_torch_adds_it(dtype):
     q, k, v = (randn(2, 2, 33, 16, seed=i, dtype=dtype) for i in range(3))
     mask = randn(33, 33, seed=3) * 3
     assert torch.equal(cudnn_attn.sdpa(q, k, v, attn_mask=mask), F(q, k, v, attn_mask=mask))
+
+
+@pytest.mark.parametrize(
+    "terms", [{"softcap": 50.0}, {"window_size": (2, 0)}, {"sinks": torch.zeros(2)}], ids=["softcap", "window", "sinks"]
+)
+def test_score_terms_broadcast_size_one_batch_and_head_dims_as_plain_calls_do(terms):
+    """With a score term, K/V of batch 1 beside a query of batch 2 (and one K/V head beside
+    query heads, without enable_gqa) were refused; plain calls and torch broadcast them."""
+    q, k, v = randn(2, 2, 4, 8, seed=1), randn(1, 2, 4, 8, seed=2), randn(1, 2, 4, 8, seed=3)
+    got = cudnn_attn.sdpa(q, k, v, **terms)
+    want = cudnn_attn.sdpa(q, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), **terms)
+    assert torch.equal(got, want)
+    q2, k2 = randn(2, 4, 4, 8, seed=4), randn(2, 1, 4, 8, seed=5)
+    heads = {**terms, "sinks": torch.zeros(4)} if "sinks" in terms else terms
+    assert cudnn_attn.sdpa(q2, k2, k2, **heads).shape == q2.shape
+
+
+@pytest.mark.parametrize("terms", [{"softcap": 5.0}, {"window_size": (1, 1)}, {"sinks": torch.zeros(2)}])
+def test_dropout_of_one_beside_score_terms_gives_torchs_zeros(terms):
+    q, k, v = (randn(1, 2, 4, 8, seed=i).requires_grad_() for i in range(3))
+    out = cudnn_attn.sdpa(q, k, v, dropout_p=1.0, **terms)
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    assert all(torch.equal(t.grad, torch.zeros_like(t)) for t in (q, k, v))
+
+
+@pytest.mark.parametrize("heads,kv_heads,gqa", [(0, 0, False), (0, 0, True), (0, 2, True)])
+def test_no_query_heads_give_torchs_empty_output(heads, kv_heads, gqa):
+    q, k = randn(2, heads, 5, 8, seed=1), randn(2, kv_heads, 7, 8, seed=2)
+    assert cudnn_attn.sdpa(q, k, k, enable_gqa=gqa).shape == F(q, k, k, enable_gqa=gqa).shape == (2, 0, 5, 8)
+
+
+def test_sparse_and_meta_nested_inputs_are_named():
+    """torch's RuntimeError and NotImplementedError came through (torch fails on them too)."""
+    q = randn(2, 2, 4, 8, seed=1)
+    with pytest.raises(cudnn_attn.ValidationError, match="attn_mask: a sparse_coo tensor"):
+        cudnn_attn.sdpa(q, q, q, attn_mask=torch.ones(4, 4).to_sparse())
+    with pytest.raises(cudnn_attn.ValidationError, match="query: a sparse_coo tensor"):
+        cudnn_attn.sdpa(q.to_sparse(), q, q)
+    nested = torch.nested.nested_tensor([randn(n, 2, 8, seed=n) for n in (3, 4)], layout=torch.jagged)
+    meta = nested.transpose(1, 2).to("meta")
+    with pytest.raises(cudnn_attn.UnsupportedError, match="query: a nested tensor on the meta device"):
+        cudnn_attn.sdpa(meta, meta, meta)

@@ -139,6 +139,10 @@ def causal_kind(is_causal: Any) -> Causal:
     return Causal.TOP_LEFT if is_causal else Causal.NONE
 
 
+def _layout(t: torch.Tensor) -> str:
+    return str(t.layout).removeprefix("torch.")
+
+
 def check_arguments(
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, sinks=None, softcap=None, window_size=None
 ) -> None:
@@ -155,6 +159,8 @@ def check_arguments(
             problems.append(f"{name}: {type(t).__name__}; expected a torch tensor")
         elif not _readable(t):
             problems.append(_subclass_problem(name, t))
+        elif t.layout != torch.strided and not t.is_nested:
+            problems.append(f"{name}: a {_layout(t)} tensor; expected a dense (strided) one (.to_dense())")
         elif t.dtype not in TORCH_FLOATING:
             problems.append(f"{name}: dtype {dtype_name(t.dtype)}; expected float16, bfloat16, float32 or float64")
         elif t.dim() < 2:
@@ -166,6 +172,8 @@ def check_arguments(
         problems.append(f"attn_mask: {type(attn_mask).__name__}; expected a torch tensor (bool or float) or None")
     if mask is not None and mask.dtype != torch.bool and not mask.dtype.is_floating_point:
         problems.append(f"attn_mask: dtype {mask.dtype}; expected bool or a floating dtype")
+    if mask is not None and mask.layout != torch.strided and not mask.is_nested:
+        problems.append(f"attn_mask: a {_layout(mask)} tensor; expected a dense (strided) one (.to_dense())")
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p <= 1.0:
         problems.append(f"dropout_p: {shown(dropout_p)}; expected a probability 0 <= p <= 1")
     if scale is not None and not _scalar(scale):
@@ -256,7 +264,7 @@ def _geometry_problems(query, key, value, mask, enable_gqa: bool) -> list[str]:
         h = heads_of(t)
         if not enable_gqa and h != h_q:
             problems.append(f"{name}: {h} heads differ from query's {h_q}; pass enable_gqa=True for GQA/MQA")
-        elif enable_gqa and (h == 0 or h_q % h):
+        elif enable_gqa and h_q and (h == 0 or h_q % h):  # no query heads: torch's empty output
             problems.append(f"{name}: {h} heads do not divide query's {h_q} (enable_gqa=True needs H_kv to divide H_q)")
         if t.shape[:-3] != query.shape[:-3]:
             problems.append(f"{name}: batch {list(t.shape[:-3])} differs from query's {list(query.shape[:-3])}")

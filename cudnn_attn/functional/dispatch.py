@@ -178,6 +178,9 @@ def sdpa(
     attn_mask, is_causal = causal_from_mask(attn_mask, is_causal, query, key)
     query, key, value, attn_mask = autocast_inputs(query, key, value, attn_mask)
     if sinks is not None or softcap is not None or _windowed(window_size):
+        shapes = broadcast_shapes(query, key, value, enable_gqa)  # size-1 dims torch broadcasts
+        if shapes is not None:
+            query, key, value = broadcast((query, key, value), shapes)
         return sdpa_with_score_terms(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks, softcap, window_size
         )

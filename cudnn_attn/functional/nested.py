@@ -178,6 +178,8 @@ def _form_problems(tensors: dict[str, Any], attn_mask: Any) -> tuple[list[str], 
                 )
         elif t.layout is not torch.jagged:
             unsupported.append(f"{name}: a nested tensor of layout {t.layout}; expected layout=torch.jagged")
+        elif t.device.type == "meta":  # torch's own call fails on it too
+            unsupported.append(f"{name}: a nested tensor on the meta device; its sequence lengths have no values")
         elif t.dim() != 4:
             invalid.append(f"{name}: {t.dim()}-D nested tensor; expected 4-D [B, H, (S), D]")
         elif t._ragged_idx != 2:  # type: ignore[attr-defined]

@@ -31,7 +31,7 @@ from ..core.softcap import softcap_modifier
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
 from ..runtime.training import differentiable
 from . import score_terms_runs as runs
-from .arguments import ARGUMENT_NAMES, batched, causal_kind, check_arguments
+from .arguments import ARGUMENT_NAMES, batched, causal_kind, check_arguments, heads_of
 from .softcap_split import CausalSplit, SplitCall, causal_split
 
 # The score terms' own inner names: the sink is sdpa's sinks, and the statistics it needs are
@@ -49,6 +49,10 @@ def sdpa_with_score_terms(
         causal, window, right = window_band(window_size, causal_kind(is_causal))
     except ValueError as error:
         raise ValidationError([str(error)], context="sdpa") from None
+    if float(dropout_p) == 1.0:  # every weight dropped: torch's zeros (and zero gradients), whatever the terms
+        if sinks is not None:
+            check_sinks(sinks, heads_of(query), query.device)
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=1.0, enable_gqa=enable_gqa)
     query, key, value, bias, scale, restore = batched(query, key, value, attn_mask, scale)
     run = compiled_score_terms_sdpa if torch.compiler.is_compiling() else score_terms_sdpa
     try:
@@ -155,7 +159,7 @@ def compiled_score_terms_sdpa(
     right_bound: int | None = None,
 ) -> torch.Tensor:
     """``score_terms_sdpa`` as ``torch.compile`` sees it: the checks traced, the run one custom op.
-    The sinks reach the op as float32 ``[1, H, 1, 1]`` through differentiable views, so their
+    The sinks reach the op as ``[1, H, 1, 1]`` (``sink_token``'s dtype) through differentiable views, so their
     gradient flows back to the caller's shape and dtype."""
     if sinks is not None:
         check_sinks(sinks, q.shape[1], q.device)
@@ -166,7 +170,9 @@ def compiled_score_terms_sdpa(
     )
     if rows is not None:
         return rows
-    sink = None if sinks is None else sinks.reshape(1, -1, 1, 1).to(torch.float32).contiguous()
+    # float32, cuDNN's; float64 beside float64 queries (the reference backend's), as sink_token gives
+    sink_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    sink = None if sinks is None else sinks.reshape(1, -1, 1, 1).to(sink_dtype).contiguous()
     seed = offset = None
     if dropout_p:
         seed, offset = torch.randint(0, 2**62, (1,), dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
@@ -249,7 +255,7 @@ def sdpa_terms_backward(
         return d_q, d_k, d_v, q.new_empty(0), q.new_empty(0)
     grads = runs.backward(options, modifier, bias_grad, q, k, v, bias, sink, out, d_out, stats, _op_rng(seed, offset))
     d_bias = grads["grad_bias"] if bias_grad else q.new_empty(0)
-    d_sink = grads["grad_sink"].reshape(sink.shape).to(torch.float32) if sink is not None else q.new_empty(0)
+    d_sink = grads["grad_sink"].reshape(sink.shape).to(sink.dtype) if sink is not None else q.new_empty(0)
     return grads["grad_q"], grads["grad_k"], grads["grad_v"], d_bias, d_sink
 
 

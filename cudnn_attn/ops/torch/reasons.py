@@ -38,7 +38,8 @@ ZERO_HEAD_DIM = (
     "a head dim of 0: cuDNN's kernels take head dims >= 8 (torch's math kernel gives the mean of the values)"
 )
 ALL_DROPPED = "dropout_p=1: cuDNN's dropout scales by 1 / (1 - p) (torch's math kernel gives zeros)"
-DEGENERATE = (ZERO_HEAD_DIM, ALL_DROPPED)
+NO_HEADS = "no query heads: nothing to compute (torch gives the empty output)"
+DEGENERATE = (ZERO_HEAD_DIM, ALL_DROPPED, NO_HEADS)
 
 # Measured on a 2-core CPU (torch 2.13, causal B1 H8 d64, docs/benchmarks.md): the reference
 # backend ran 5-35x slower than torch's CPU kernel, which computes the same plain attention.
@@ -85,8 +86,10 @@ def cudnn(call: Call, asked: bool) -> list[str]:
 
 
 def degenerate(call: Call) -> list[str]:
-    """The degenerate calls torch answers and no kernel should: a head dim of 0, dropout_p=1."""
+    """The degenerate calls torch answers and no kernel should: a head dim of 0, no query heads,
+    dropout_p=1."""
     found = [ZERO_HEAD_DIM] if call.query.shape[-1] == 0 or call.value.shape[-1] == 0 else []
+    found += [NO_HEADS] if call.query.dim() >= 3 and call.query.shape[-3] == 0 else []
     return found + ([ALL_DROPPED] if call.dropout_p >= 1 else [])
 
 
