@@ -243,3 +243,32 @@ def test_sparse_and_meta_nested_inputs_are_named():
     meta = nested.transpose(1, 2).to("meta")
     with pytest.raises(cudnn_attn.UnsupportedError, match="query: a nested tensor on the meta device"):
         cudnn_attn.sdpa(meta, meta, meta)
+
+
+def test_the_reference_backend_takes_empty_inputs_of_a_strided_head_dim():
+    """An empty K/V (or query) whose head dim is strided: contiguous() keeps an empty tensor's
+    strides, and the layout check refused what torch and "auto" run."""
+    q, k = randn(1, 3, 2, 2, seed=1), randn(1, 3, 0, 2, seed=2)
+    v = randn(1, 3, 0, 4, seed=3)[..., ::2]
+    with cudnn_attn.backend("reference"):
+        assert torch.equal(cudnn_attn.sdpa(q, k, v), F(q, k, v))
+        empty_q = randn(1, 3, 0, 4, seed=4)[..., ::2]
+        assert cudnn_attn.sdpa(empty_q, randn(1, 3, 5, 2, seed=5), randn(1, 3, 5, 2, seed=6)).shape == (1, 3, 0, 2)
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        ((2, 3, 5, 8), (3, 7, 8), (3, 7, 8)),
+        ((3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 8)),
+        ((5, 8), (2, 3, 7, 8), (2, 3, 7, 8)),
+    ],
+    ids=["3-D K/V", "3-D query", "2-D query"],
+)
+def test_inputs_of_other_ranks_broadcast_as_torchs(shapes):
+    """torch adds the missing leading dims as size 1 and broadcasts; they were refused."""
+    q, k, v = (randn(*shape, seed=i, dtype=torch.float64) for i, shape in enumerate(shapes))
+    (out, grads), (want_out, want_grads) = _both(q, k, v)
+    assert out.shape == want_out.shape
+    for a, b in zip((out, *grads), (want_out, *want_grads)):
+        assert a.shape == b.shape and rel_err(a, b) < 1e-12

@@ -31,6 +31,7 @@ from .arguments import (
     broadcast_shapes,
     causal_kind,
     check_arguments,
+    dense,
     mask_as_bias,
     materialised,
 )
@@ -146,7 +147,7 @@ class Prepared:
     def layouts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.materialise is None:
             return q, k, v
-        return tuple(t.contiguous() if m else t for t, m in zip((q, k, v), self.materialise))
+        return tuple(dense(t) if m else t for t, m in zip((q, k, v), self.materialise))  # empty ones too
 
     def rng(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A fresh dropout seed from torch's default generator (so torch.manual_seed repeats it)."""
