@@ -24,6 +24,25 @@ from __future__ import annotations
 
 import functools
 import types
+from typing import Any
+
+
+def _functions(jit: Any, language: Any) -> types.SimpleNamespace:
+    """``wait`` and ``release`` compiled by ``jit`` (Triton's or Gluon's) in its ``language``."""
+
+    @jit
+    def wait():
+        language.inline_asm_elementwise(
+            "griddepcontrol.wait; // $0", "=r", [], dtype=language.int32, is_pure=False, pack=1
+        )
+
+    @jit
+    def release():
+        language.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=language.int32, is_pure=False, pack=1
+        )
+
+    return types.SimpleNamespace(wait=wait, release=release)
 
 
 @functools.cache
@@ -32,17 +51,7 @@ def triton_functions() -> types.SimpleNamespace:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def wait():
-        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def release():
-        tl.inline_asm_elementwise(
-            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
-        )
-
-    return types.SimpleNamespace(wait=wait, release=release)
+    return _functions(triton.jit, tl)
 
 
 @functools.cache
@@ -51,17 +60,7 @@ def gluon_functions() -> types.SimpleNamespace:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    @gluon.jit
-    def wait():
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def release():
-        gl.inline_asm_elementwise(
-            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-
-    return types.SimpleNamespace(wait=wait, release=release)
+    return _functions(gluon.jit, gl)
 
 
 __all__ = ["gluon_functions", "triton_functions"]
