@@ -37,11 +37,14 @@ class TorchKernel:
         if (
             isinstance(attn_mask, torch.Tensor)
             and attn_mask.is_floating_point()
-            and attn_mask.dtype not in (query.dtype, torch.float32)
+            and attn_mask.dtype != query.dtype
+            and (attn_mask.dtype != torch.float32 or query.is_cuda)
         ):
             # torch's kernel takes a float mask of the query's dtype or float32 only (a RuntimeError);
             # every other path of sdpa adds any float mask to the scores, so this one does too. A
-            # float32 mask goes as it is: torch adds it to float32 scores (cast, one 16-bit step off).
+            # float32 mask on the CPU goes as it is: torch adds it to float32 scores (cast, one
+            # 16-bit step off); on a GPU it is cast, as cuDNN's path casts it (torch 2.11's cuDNN
+            # kernel gave NaN for a float32 mask beside bf16 queries on an H200).
             attn_mask = attn_mask.to(query.dtype)
         if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() < 2:
             # torch 2.13's CPU flash kernel raises IndexError for a 0-D or 1-D mask beside 4-D inputs
