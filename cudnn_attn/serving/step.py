@@ -314,8 +314,17 @@ def launch_after_tables(derived: dict[str, Any], device: torch.device) -> tuple[
     length and first page indices as they start, while the kernel before drains (``"early"``):
     nothing but those two writes them, and a decode that waited has run since. A graph being
     captured runs nothing: its launches count apart, its own first decode waiting too."""
-    mark = "decode_captured" if device.type == "cuda" and capturing(device) else "decode_launched"
+    mark = "decode_captured" if _capturing(device) else "decode_launched"
     return ("early" if derived.get(mark) else "wait"), mark
+
+
+def _capturing(device: torch.device) -> bool:
+    """``capturing``, without switching devices where ``device`` is the current one (per layer)."""
+    if device.type != "cuda":
+        return False
+    if device.index is None or device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    return capturing(device)
 
 
 def launched(derived: dict[str, Any], mark: str) -> None:
