@@ -484,7 +484,6 @@ FUNCTIONAL_ARGUMENTS = {
     "e-mismatch": ("query", "key"),
     "s-mismatch": ("key", "value"),
     "batch-mismatch": ("query", "key", "value"),
-    "rank-mismatch": ("query", "key", "value"),
     "gqa-not-dividing": ("query", "key", "value", "enable_gqa"),
     "heads-without-gqa": ("query", "key", "value", "enable_gqa"),
 }
@@ -3311,10 +3310,12 @@ def _functional_malformed(rng, gen, req: FunctionalRequest) -> Case:
     elif m == "s-mismatch":
         args[2] = randn(gen, *req.shape_v[:-2], req.shape_v[-2] + 1, req.shape_v[-1], dtype=dt)
     elif m == "batch-mismatch":
-        if len(req.shape_q) == 3:
-            args[1] = randn(gen, 2, *req.shape_k, dtype=dt)
-            args[2] = randn(gen, 2, *req.shape_v, dtype=dt)
-            label = "rank-mismatch"
+        if len(req.shape_q) == 3:  # a batch dim added to each, of sizes that do not broadcast
+            # (inputs of other ranks broadcast, as torch's: a missing leading dim is 1)
+            args[0] = randn(gen, 2, *req.shape_q, dtype=dt)
+            args[1] = randn(gen, 3, *req.shape_k, dtype=dt)
+            args[2] = randn(gen, 3, *req.shape_v, dtype=dt)
+            kw.pop("attn_mask", None)
         else:  # batches that differ and do not broadcast (torch broadcasts a batch of 1)
             nq = max(req.shape_q[0], 2)
             args[0] = randn(gen, nq, *req.shape_q[1:], dtype=dt)
