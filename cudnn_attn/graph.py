@@ -327,7 +327,7 @@ class Graph:
                 ``(p, seed_tensor, offset_tensor)``.
             dropout_seed (int | tensor): the dropout RNG's seed (int64).
             dropout_offset (int | tensor): the dropout RNG's offset (int64).
-            sink_token (tensor): attention sinks, float32 ``[1, H_q, 1, 1]``, one logit per head
+            sink_token (tensor): attention sinks, float32 ``[1, H_q, 1, 1]`` (float64 beside float64 queries), one logit per head
                 in every softmax denominator (cuDNN >= 9.13).
             score_mod (callable): ``(graph, scores) -> scores``, a pointwise modifier traced at
                 build (cuDNN >= 9.6); ``score_mod_bprop`` is its gradient's, backward.

@@ -265,3 +265,23 @@ def test_an_unknown_keyword_of_a_graph_call_is_refused_by_name():
         g.sdpa(q, q, q)
     with pytest.raises(cudnn_attn.ValidationError, match="foo: not a keyword of a graph's call"):
         g(q, q, q, foo=1)
+
+
+def test_packed_gqa_gradients_and_outputs_cut_from_one_buffer_are_taken():
+    """A GQA packed dQKV (dQ, dK, dV: views of one buffer with other head counts) and O and Stats
+    cut from one arena share no element: the first aliasing check refused them."""
+    from cudnn_attn.core.shared_memory import share_elements
+
+    packed = torch.zeros(1, 8, 8, 16)  # [B, S, H_q + 2 H_kv, D]
+    dq, dk, dv = (t.transpose(1, 2) for t in packed.split([4, 2, 2], dim=2))
+    assert not share_elements(dq, dk) and not share_elements(dk, dv) and share_elements(dq, dq[:, :1])
+    arena = torch.zeros(1000)
+    o, stats = arena[:256].view(1, 2, 8, 16), arena[256:272].view(1, 2, 8, 1)
+    assert not share_elements(o, stats)
+    shifted = arena[8:264].view(1, 2, 8, 16)  # overlaps o from its ninth element on
+    assert share_elements(o, shifted)
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    with cudnn_attn.Graph() as g:
+        g.sdpa(q, k, v, generate_stats=True)
+    out, lse = g(q, k, v, out=(o, stats))
+    assert out.data_ptr() == o.data_ptr() and torch.equal(out, g(q, k, v)[0])

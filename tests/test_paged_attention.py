@@ -130,9 +130,11 @@ def test_cuda_graph_mode_pads_the_batch_and_follows_new_plans():
 @pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "cuda-graph"])
 def test_the_first_decode_after_each_plan_waits_for_the_tables_it_wrote(cuda_graph):
     """A decode kernel may read its length and page indices before the kernel ahead of it has
-    completed (``kernels/grid_dependency``) only where that kernel cannot be their writer: the
-    first decode of a geometry after each ``plan`` (which derives the geometry's tables anew)
-    waits, later layers start early, and a geometry first run mid-step waits too."""
+    completed (``kernels/grid_dependency``) only where that kernel cannot be their writer. On the
+    CPU no decode kernel launches, so this checks the rule's two halves here: the helpers' count
+    (first "wait", then "early"; asking does not count) and that each ``plan`` derives every
+    geometry's tables anew, as does a geometry first run mid-step. The launches themselves are
+    test_gpu_paged_decode_hopper's (a capture counted apart among them)."""
     fixed = {"max_batch": 2, "max_pages_per_seq": 4, "cuda_graph": True} if cuda_graph else {}
     attn = cudnn_attn.PagedAttention(HQ, HKV, D, PAGE, dtype=torch.bfloat16, **fixed)
     cpu = torch.device("cpu")

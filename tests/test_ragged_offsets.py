@@ -224,3 +224,32 @@ def test_an_empty_sequence_may_start_at_the_end_of_the_tokens(lengths):
         want = torch.softmax(qb[rows].float().transpose(0, 1) @ kb[rows].float().transpose(0, 1).mT * 0.25, -1)
         want = (want @ vb[rows].float().transpose(0, 1)).transpose(0, 1)
         assert rel_err(out[rows].float(), want) < TOLERANCE[torch.float16]
+
+
+def test_sequences_may_lie_anywhere_in_a_larger_token_buffer():
+    """Rows 6..9 of a 10-token buffer run as a batch of one sequence of 4: the offsets were judged
+    against the graph tensor's dims (64 elements), not the 160 bound, and refused, while a
+    buffer smaller than the dims was judged by its real size (and a GPU clamps against it)."""
+    b, h, s, d, t = 1, 1, 4, 16, 10
+    gen = torch.Generator().manual_seed(10)
+    qb, kb, vb = (torch.randn(t, h, d, generator=gen).half() for _ in range(3))
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF)
+    off = g.tensor(name="off", dim=[b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+    lens = g.tensor(name="len", dim=[b, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+    q, k, v = (g.tensor(name=n, dim=[b, h, s, d], stride=[s * h * d, d, h * d, 1], ragged_offset=off) for n in "qkv")
+    o, _ = g.sdpa(
+        q=q, k=k, v=v, generate_stats=False, attn_scale=0.25, use_padding_mask=True, seq_len_q=lens, seq_len_kv=lens
+    )
+    o.set_output(True).set_stride([s * h * d, d, h * d, 1]).set_ragged_offset(off)
+    g.build([cudnn.heur_mode.A])
+    out = torch.full((t, h, d), float("nan"), dtype=torch.float16)
+    offsets = torch.tensor([6 * h * d, 10 * h * d], dtype=torch.int32).view(b + 1, 1, 1, 1)
+    pack = {q: qb, k: kb, v: vb, off: offsets, lens: torch.full((b, 1, 1, 1), 4, dtype=torch.int32), o: out}
+    g.execute(pack, torch.empty(g.get_workspace_size(), dtype=torch.uint8))
+    rows = slice(6, 10)
+    want = torch.softmax(qb[rows].float().transpose(0, 1) @ kb[rows].float().transpose(0, 1).mT * 0.25, -1)
+    want = (want @ vb[rows].float().transpose(0, 1)).transpose(0, 1)
+    assert rel_err(out[rows].float(), want) < TOLERANCE[torch.float16]
+    past = torch.tensor([7 * h * d, 11 * h * d], dtype=torch.int32).view(b + 1, 1, 1, 1)  # rows 7..10: past the end
+    with pytest.raises(cudnn.ValidationError, match="out of range|outside"):
+        g.execute({**pack, off: past}, torch.empty(g.get_workspace_size(), dtype=torch.uint8))

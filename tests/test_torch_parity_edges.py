@@ -217,15 +217,6 @@ def test_score_terms_broadcast_size_one_batch_and_head_dims_as_plain_calls_do(te
     assert cudnn_attn.sdpa(q2, k2, k2, **heads).shape == q2.shape
 
 
-@pytest.mark.parametrize("terms", [{"softcap": 5.0}, {"window_size": (1, 1)}, {"sinks": torch.zeros(2)}])
-def test_dropout_of_one_beside_score_terms_gives_torchs_zeros(terms):
-    q, k, v = (randn(1, 2, 4, 8, seed=i).requires_grad_() for i in range(3))
-    out = cudnn_attn.sdpa(q, k, v, dropout_p=1.0, **terms)
-    assert torch.equal(out, torch.zeros_like(out))
-    out.sum().backward()
-    assert all(torch.equal(t.grad, torch.zeros_like(t)) for t in (q, k, v))
-
-
 @pytest.mark.parametrize("heads,kv_heads,gqa", [(0, 0, False), (0, 0, True), (0, 2, True)])
 def test_no_query_heads_give_torchs_empty_output(heads, kv_heads, gqa):
     q, k = randn(2, heads, 5, 8, seed=1), randn(2, kv_heads, 7, 8, seed=2)

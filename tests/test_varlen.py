@@ -232,8 +232,11 @@ def test_a_window_bound_past_any_sequence_is_no_bound():
 
 def test_numpy_dropout_and_the_callers_names_under_the_torch_backend():
     q, k, v, cu_q, cu_k = packed([4, 5], [4, 5], seed=10)
-    out = cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 8, dropout_p=np.float32(0.0))
-    assert torch.equal(out, cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 8))
+    found = []
+    for p in (np.float32(0.25), 0.25):  # the same dropout under the same seed
+        torch.manual_seed(5)
+        found.append(cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 8, dropout_p=p))
+    assert torch.equal(*found) and not torch.equal(found[0], cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 8))
     with cudnn_attn.backend("torch"), pytest.raises(cudnn_attn.UnsupportedError) as refused:
         cudnn_attn.varlen_sdpa(q, k, v, cu_q, cu_k, 8, 8, sinks=torch.zeros(q.shape[1]), softcap=2.0)
     said = str(refused.value)

@@ -95,20 +95,25 @@ def clamp_packed_offsets(
     """Offsets of a packed tensor clamped so each sequence's rows (as many as its length) end
     inside the ``span`` elements bound at this run; int64 ``[B + 1, 1, 1, 1]``, on the device."""
     flat = offsets.reshape(-1).to(torch.int64)
-    high = _packed_highs(flat, lengths, span, spec).clamp(min=0)
+    # an empty sequence's start kept a row inside the memory: it reads nothing, but a kernel is
+    # then never handed an address past the end
+    high = _packed_highs(flat, lengths, span, spec, empty_at_end=False).clamp(min=0)
     return torch.cat([torch.minimum(flat[:-1].clamp(min=0), high), flat[-1:].clamp(0, span)]).view(-1, 1, 1, 1)
 
 
-def _packed_highs(flat: torch.Tensor, lengths: torch.Tensor | None, span: int, spec: TensorSpec) -> torch.Tensor:
+def _packed_highs(
+    flat: torch.Tensor, lengths: torch.Tensor | None, span: int, spec: TensorSpec, empty_at_end: bool = True
+) -> torch.Tensor:
     """Each sequence's largest start that keeps its rows inside ``span`` elements (< 0: none does);
-    an empty sequence reads nothing, so it may start at the end (a batch's trailing empty ones)."""
+    an empty sequence reads nothing, so it may start at the end (a batch's trailing empty ones),
+    unless ``empty_at_end`` is false (one row inside, as a sequence of one row)."""
     b, s = flat.numel() - 1, spec.shape[2]
     if lengths is None:
         rows = torch.full((b,), s, dtype=torch.int64, device=flat.device)
     else:
         rows = lengths.reshape(-1)[:b].to(device=flat.device, dtype=torch.int64).clamp(0, s)
     high = span - (rows - 1).clamp(min=0) * spec.stride[2] - sequence_extent(spec, 1)
-    return torch.where(rows == 0, span, high)
+    return torch.where(rows == 0, span, high) if empty_at_end else high
 
 
 def packed_offset_problems(p: AttentionProblem, inputs: Mapping, outputs: Mapping) -> list[str]:
@@ -166,6 +171,9 @@ def offset_value_problems(p: AttentionProblem, data: Mapping[str, torch.Tensor])
         if t is None:
             continue
         span = (spec.shape[0] - 1) * spec.stride[0] + sequence_extent(spec)
+        bound = data.get(role)  # the memory bound at a run, where given: sequences may lie past the dims
+        if isinstance(bound, torch.Tensor):
+            span = max(span, memory_span(bound))
         values = t.detach().reshape(-1).to("cpu", torch.int64)
         rows = None if lengths is None else lengths.detach().to("cpu")
         highs = _packed_highs(values, rows, span, spec)

@@ -26,7 +26,10 @@ def score_input_problems(p: AttentionProblem) -> list[str]:
     for role, name in (("sink_token", "sink_token"), ("grad_sink", "dSink_token")):
         spec = getattr(p, role)
         if spec is not None and (tuple(spec.shape) != want or spec.dtype not in sink_dtypes):
-            found.append(f"{name}: {spec.describe()}; expected float32 {list(want)} (one logit per query head)")
+            found.append(
+                f"{name}: {spec.describe()}; expected float32 {list(want)} (one logit per query head; float64 "
+                "beside float64 queries)"
+            )
     if p.grad_sink is not None and p.sink_token is None:
         found.append("dSink_token: given without sink_token")
     if p.score_mod is not None:

@@ -78,7 +78,7 @@ def _cu_problems(name: str, cu: Any, device: torch.device, tokens: int, longest:
     if cu.device != device:
         return [f"{name}: on {cu.device}; must be on q's device ({device})"]
     if cu.is_cuda:
-        return []  # values are made safe on the device (see the module's docstring)
+        return []  # values are made safe on the device (see varlen.py's docstring)
     problems = []
     lengths = cu[1:] - cu[:-1]
     if cu[0] != 0:

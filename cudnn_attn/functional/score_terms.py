@@ -31,7 +31,7 @@ from ..core.softcap import softcap_modifier
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
 from ..runtime.training import differentiable
 from . import score_terms_runs as runs
-from .arguments import ARGUMENT_NAMES, batched, causal_kind, check_arguments, heads_of
+from .arguments import ARGUMENT_NAMES, batched, causal_kind, check_arguments
 from .softcap_split import CausalSplit, SplitCall, causal_split
 
 # The score terms' own inner names: the sink is sdpa's sinks, and the statistics it needs are
@@ -49,10 +49,6 @@ def sdpa_with_score_terms(
         causal, window, right = window_band(window_size, causal_kind(is_causal))
     except ValueError as error:
         raise ValidationError([str(error)], context="sdpa") from None
-    if float(dropout_p) == 1.0:  # every weight dropped: torch's zeros (and zero gradients), whatever the terms
-        if sinks is not None:
-            check_sinks(sinks, heads_of(query), query.device)
-        return torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=1.0, enable_gqa=enable_gqa)
     query, key, value, bias, scale, restore = batched(query, key, value, attn_mask, scale)
     run = compiled_score_terms_sdpa if torch.compiler.is_compiling() else score_terms_sdpa
     try:

@@ -210,7 +210,7 @@ def _merge_triton(
         CHUNKS=chunks,
         ONE_PASS=len(parts) == 1 and most <= chunks,
         PDL=dependent_launch,
-        launch_pdl=dependent_launch,
+        **({"launch_pdl": True} if dependent_launch else {}),  # a Triton without the option takes plain calls
     )
 
 

@@ -215,14 +215,23 @@ class Runner:
     def _check_aliasing(self, values: list[Any], given: list[tuple[Any, torch.Tensor]]) -> None:
         """An output written in place shares no element with an input (a later node, or a kernel
         still reading it, would read the output instead) nor with another output (one of the
-        two would be lost)."""
+        two would be lost). Only tensors of one storage are compared element by element; names
+        are read only for a problem found (this runs on every call with ``out=``)."""
+        storages: dict[int, list[int]] = {}
+        for i, t in enumerate(values[: len(self.inputs)]):
+            if type(t) is torch.Tensor:
+                storages.setdefault(t.untyped_storage().data_ptr(), []).append(i)
         problems = []
-        inputs = [(h.name, t) for h, t in zip(self.inputs, values) if isinstance(t, torch.Tensor)]
         for n, (handle, tensor) in enumerate(given):
-            others = inputs + [(f"out[{h.name}]", t) for h, t in given[:n]]
-            for name, other in others:
-                if share_elements(tensor, other):
+            storage = tensor.untyped_storage().data_ptr()
+            if storage == 0:  # no memory (meta, empty)
+                continue
+            for other in storages.get(storage, ()):
+                peer = values[other] if other >= 0 else given[-other - 1][1]
+                if share_elements(tensor, peer):
+                    name = self.inputs[other].name if other >= 0 else f"out[{given[-other - 1][0].name}]"
                     problems.append(f"out[{handle.name}]: shares memory with {name}; an output needs memory of its own")
+            storages.setdefault(storage, []).append(-n - 1)  # outputs as negative indices into given
         if problems:
             raise ValidationError(problems, context=self.name)
 

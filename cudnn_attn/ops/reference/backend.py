@@ -188,7 +188,15 @@ class ReferencePlan:
         checked = (*self._bounds, *(offset_role(role) for role in self.problem.offset_tensors))
         ints = {role: t for role in checked if isinstance(t := inputs.get(role), torch.Tensor)}
         if all(t.device.type == "cpu" for t in ints.values()):
-            found = value_problems(self.problem, ints) + ragged.packed_offset_problems(self.problem, inputs, outputs)
+            # the packed tensors too: their sequences are judged against the memory bound
+            bound = {
+                r: t
+                for r in ragged.packed_roles(self.problem)
+                if isinstance(t := inputs.get(r, outputs.get(r)), torch.Tensor)
+            }
+            found = value_problems(self.problem, {**ints, **bound}) + ragged.packed_offset_problems(
+                self.problem, inputs, outputs
+            )
             if found:
                 raise ValidationError(found, context=self.problem.describe())
             return inputs
