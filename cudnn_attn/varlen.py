@@ -234,28 +234,9 @@ def varlen_attention(
         enable_gqa,
         context,
     )
-    if q.shape[0] == 0 or k.shape[0] == 0:  # FlashAttention's: every sequence empty on that side
-        return _without_tokens(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            causal=causal,
-            window_left=window_left,
-            window_right=window_right,
-            window_bottom_right=window_bottom_right,
-            scale=scale,
-            dropout_p=dropout_p,
-            enable_gqa=enable_gqa,
-            sinks=sinks,
-            softcap=softcap,
-            deterministic=deterministic,
-            return_lse=return_lse,
-            context=context,
-        )
+    q_rows = q.shape[0]
+    if q_rows == 0 or k.shape[0] == 0:  # FlashAttention's: every sequence empty on that side
+        q, k, v = (_padding_row_if_empty(t) for t in (q, k, v))
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)  # NumPy's ints too
     if not cu_seqlens_q.is_cuda:  # host lengths cost nothing to read: the tile spans the longest
         # sequence, not a generous max_seqlen (the reference's time grows with its square)
@@ -312,25 +293,19 @@ def varlen_attention(
     # nothing of it (a call under no_grad needs no stats and no backward).
     options.train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
     try:
-        return differentiable(_VarlenCall(options, sinks), q, k, v, lengths_q, lengths_k, sinks, cu_seqlens_q)
+        found = differentiable(_VarlenCall(options, sinks), q, k, v, lengths_q, lengths_k, sinks, cu_seqlens_q)
     except (ValidationError, UnsupportedError, ShapeMismatchError) as error:
         raise error.renamed(_NAMES, context=context) from None
+    if q.shape[0] == q_rows:
+        return found
+    return (found[0][:q_rows], found[1][:, :q_rows]) if isinstance(found, tuple) else found[:q_rows]
 
 
-def _without_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    """A packed batch with no query or no key tokens at all (its sequences all empty on that
-    side, as FlashAttention takes them): one padding row past the last sequence, read by none,
-    stands in for the missing tokens, and is dropped from the output and the LSE again."""
-    q_rows = q.shape[0]
-
-    def padded(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t, t.new_zeros(1, *t.shape[1:])]) if t.shape[0] == 0 else t
-
-    found = varlen_attention(padded(q), padded(k), padded(v), *args, **kwargs)
-    if isinstance(found, tuple):
-        out, lse = found
-        return out[:q_rows], lse[:, :q_rows]
-    return found[:q_rows]
+def _padding_row_if_empty(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with one zero row where it holds no token: a padding row past the last sequence,
+    read by none, so that a batch with no query or no key tokens runs (its outputs and LSE are
+    cut back to the real rows)."""
+    return torch.cat([t, t.new_zeros(1, *t.shape[1:])]) if t.shape[0] == 0 else t
 
 
 _NAMES = {

@@ -189,67 +189,59 @@ def test_a_recording_that_differs_only_in_whether_o_has_offsets_is_built_again()
     assert torch.equal(flat[3:11].transpose(0, 1), outs[1][1])
 
 
+def _thd_run(tokens, batch, offsets, lengths, h=1, s=4, d=16):
+    """The frontend's THD form: packed ``[T, H, D]`` halves under one offsets tensor (in tokens
+    here, elements for the graph) and one lengths tensor, executed into a NaN-poisoned output;
+    returns (q, k, v, out, run) with ``run(offsets)`` executing again with other offsets."""
+    gen = torch.Generator().manual_seed(tokens + batch)
+    qb, kb, vb = (torch.randn(tokens, h, d, generator=gen).half() for _ in range(3))
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF)
+    off = g.tensor(name="off", dim=[batch + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+    lens = g.tensor(name="len", dim=[batch, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+    stride = [s * h * d, d, h * d, 1]
+    q, k, v = (g.tensor(name=n, dim=[batch, h, s, d], stride=stride, ragged_offset=off) for n in "qkv")
+    o, _ = g.sdpa(
+        q=q, k=k, v=v, generate_stats=False, attn_scale=0.25, use_padding_mask=True, seq_len_q=lens, seq_len_kv=lens
+    )
+    o.set_output(True).set_stride(stride).set_ragged_offset(off)
+    g.build([cudnn.heur_mode.A])
+    out = torch.full((tokens, h, d), float("nan"), dtype=torch.float16)
+    pack = {q: qb, k: kb, v: vb, lens: torch.tensor(lengths, dtype=torch.int32).view(batch, 1, 1, 1), o: out}
+
+    def run(starts):
+        given = (torch.tensor(starts, dtype=torch.int32) * h * d).view(batch + 1, 1, 1, 1)
+        g.execute({**pack, off: given}, torch.empty(g.get_workspace_size(), dtype=torch.uint8))
+
+    run(offsets)
+    return qb, kb, vb, out, run
+
+
+def _one_sequence(qb, kb, vb, rows):
+    """float32 attention of one sequence's rows of packed ``[T, H, D]`` tensors (scale 0.25)."""
+    q, k, v = (t[rows].float().transpose(0, 1) for t in (qb, kb, vb))
+    return (torch.softmax(q @ k.mT * 0.25, -1) @ v).transpose(0, 1)
+
+
 @pytest.mark.parametrize("lengths", [[3, 0], [0, 3], [2, 0, 1, 0]], ids=str)
 def test_an_empty_sequence_may_start_at_the_end_of_the_tokens(lengths):
     """The frontend's THD form with an empty sequence whose cumulative offset is the token count
     (a batch's trailing empty sequences): it reads nothing, and was refused as placing a
     sequence outside q."""
-    b, h, s, d, t = len(lengths), 1, 4, 16, sum(lengths)
-    gen = torch.Generator().manual_seed(len(lengths))
-    qb, kb, vb = (torch.randn(t, h, d, generator=gen).half() for _ in range(3))
     starts = [0]
     for n in lengths:
         starts.append(starts[-1] + n)
-    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF)
-    off = g.tensor(name="off", dim=[b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
-    lens = g.tensor(name="len", dim=[b, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
-    q, k, v = (g.tensor(name=n, dim=[b, h, s, d], stride=[s * h * d, d, h * d, 1], ragged_offset=off) for n in "qkv")
-    o, _ = g.sdpa(
-        q=q, k=k, v=v, generate_stats=False, attn_scale=0.25, use_padding_mask=True, seq_len_q=lens, seq_len_kv=lens
-    )
-    o.set_output(True).set_stride([s * h * d, d, h * d, 1]).set_ragged_offset(off)
-    g.build([cudnn.heur_mode.A])
-    out = torch.full((t, h, d), float("nan"), dtype=torch.float16)
-    pack = {
-        q: qb,
-        k: kb,
-        v: vb,
-        off: (torch.tensor(starts, dtype=torch.int32) * h * d).view(b + 1, 1, 1, 1),
-        lens: torch.tensor(lengths, dtype=torch.int32).view(b, 1, 1, 1),
-        o: out,
-    }
-    g.execute(pack, torch.empty(g.get_workspace_size(), dtype=torch.uint8))
+    qb, kb, vb, out, _ = _thd_run(sum(lengths), len(lengths), starts, lengths)
     for start, n in zip(starts, lengths):
         rows = slice(start, start + n)
-        want = torch.softmax(qb[rows].float().transpose(0, 1) @ kb[rows].float().transpose(0, 1).mT * 0.25, -1)
-        want = (want @ vb[rows].float().transpose(0, 1)).transpose(0, 1)
-        assert rel_err(out[rows].float(), want) < TOLERANCE[torch.float16]
+        assert rel_err(out[rows].float(), _one_sequence(qb, kb, vb, rows)) < TOLERANCE[torch.float16]
 
 
 def test_sequences_may_lie_anywhere_in_a_larger_token_buffer():
     """Rows 6..9 of a 10-token buffer run as a batch of one sequence of 4: the offsets were judged
     against the graph tensor's dims (64 elements), not the 160 bound, and refused, while a
     buffer smaller than the dims was judged by its real size (and a GPU clamps against it)."""
-    b, h, s, d, t = 1, 1, 4, 16, 10
-    gen = torch.Generator().manual_seed(10)
-    qb, kb, vb = (torch.randn(t, h, d, generator=gen).half() for _ in range(3))
-    g = cudnn.pygraph(io_data_type=cudnn.data_type.HALF)
-    off = g.tensor(name="off", dim=[b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
-    lens = g.tensor(name="len", dim=[b, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
-    q, k, v = (g.tensor(name=n, dim=[b, h, s, d], stride=[s * h * d, d, h * d, 1], ragged_offset=off) for n in "qkv")
-    o, _ = g.sdpa(
-        q=q, k=k, v=v, generate_stats=False, attn_scale=0.25, use_padding_mask=True, seq_len_q=lens, seq_len_kv=lens
-    )
-    o.set_output(True).set_stride([s * h * d, d, h * d, 1]).set_ragged_offset(off)
-    g.build([cudnn.heur_mode.A])
-    out = torch.full((t, h, d), float("nan"), dtype=torch.float16)
-    offsets = torch.tensor([6 * h * d, 10 * h * d], dtype=torch.int32).view(b + 1, 1, 1, 1)
-    pack = {q: qb, k: kb, v: vb, off: offsets, lens: torch.full((b, 1, 1, 1), 4, dtype=torch.int32), o: out}
-    g.execute(pack, torch.empty(g.get_workspace_size(), dtype=torch.uint8))
+    qb, kb, vb, out, run = _thd_run(10, 1, [6, 10], [4])
     rows = slice(6, 10)
-    want = torch.softmax(qb[rows].float().transpose(0, 1) @ kb[rows].float().transpose(0, 1).mT * 0.25, -1)
-    want = (want @ vb[rows].float().transpose(0, 1)).transpose(0, 1)
-    assert rel_err(out[rows].float(), want) < TOLERANCE[torch.float16]
-    past = torch.tensor([7 * h * d, 11 * h * d], dtype=torch.int32).view(b + 1, 1, 1, 1)  # rows 7..10: past the end
+    assert rel_err(out[rows].float(), _one_sequence(qb, kb, vb, rows)) < TOLERANCE[torch.float16]
     with pytest.raises(cudnn.ValidationError, match="out of range|outside"):
-        g.execute({**pack, off: past}, torch.empty(g.get_workspace_size(), dtype=torch.uint8))
+        run([7, 11])  # rows 7..10: past the end

@@ -192,22 +192,24 @@ def check_arguments(
 
 def broadcast_shapes(query: Any, key: Any, value: Any, enable_gqa: Any) -> list[torch.Size] | None:
     """The shapes query, key and value take over the batch and head dims torch's SDPA
-    broadcasts (a size of 1 against n, as its matmuls broadcast them); None where they agree
-    already, or do not broadcast (the checks then name what differs). With enable_gqa the
-    heads are left as they are, as torch leaves them."""
+    broadcasts (a size of 1 against n, as its matmuls broadcast them, a missing leading dim
+    counting as 1); None where they agree already, or do not broadcast (the checks then name
+    what differs). With enable_gqa the heads are left as they are, as torch leaves them."""
     tensors = (query, key, value)
-    if not all(type(t) is torch.Tensor for t in tensors) or not query.dim() == key.dim() == value.dim() >= 3:
+    if not all(type(t) is torch.Tensor for t in tensors) or min(t.dim() for t in tensors) < 2:
         return None
-    if query.shape[:-2] == key.shape[:-2] == value.shape[:-2]:
+    rank = max(t.dim() for t in tensors)
+    if rank < 3 or query.shape[:-2] == key.shape[:-2] == value.shape[:-2]:
         return None
-    heads = [t.shape[-3] for t in tensors]
+    dims = [(1,) * (rank - t.dim()) + tuple(t.shape) for t in tensors]  # expand() prepends them
+    heads = [d[-3] for d in dims]
     try:
-        batch = torch.broadcast_shapes(*(t.shape[:-3] for t in tensors))
+        batch = torch.broadcast_shapes(*(d[:-3] for d in dims))
         # With enable_gqa torch groups heads and broadcasts none (it refuses counts that do not divide).
         shared = None if enable_gqa else torch.broadcast_shapes(*((h,) for h in heads))[0]
     except RuntimeError:
         return None
-    shapes = [torch.Size((*batch, t.shape[-3] if shared is None else shared, *t.shape[-2:])) for t in tensors]
+    shapes = [torch.Size((*batch, d[-3] if shared is None else shared, *d[-2:])) for d in dims]
     return None if shapes == [t.shape for t in tensors] else shapes
 
 

@@ -169,11 +169,8 @@ def sdpa(
     dropout_p = probability(dropout_p)
     try:  # nested tensors take the varlen door (functional/nested.py)
         nested = query.is_nested or key.is_nested or value.is_nested or attn_mask is not None and attn_mask.is_nested
-        uneven = query.dim() != key.dim() or key.dim() != value.dim()
     except AttributeError:
-        nested = uneven = False  # not tensors: refused below, naming them
-    if uneven and not nested:  # torch broadcasts inputs of other ranks as its matmuls do: a missing dim is 1
-        query, key, value = _same_rank(query, key, value)
+        nested = False  # not tensors: refused below, naming them
     if nested:  # each sequence gets the dense call's sinks, softcap and window
         return nested_sdpa(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks, softcap, window_size
@@ -235,15 +232,6 @@ def _eager_on_4d(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     mask = bias if attn_mask is not None and query.dim() > 4 and attn_mask.dim() > 3 else attn_mask
     out = sdpa_eager.run(q, k, v, mask, float(dropout_p), causal_kind(is_causal), resolved, bool(enable_gqa))
     return None if out is None else restore(out)
-
-
-def _same_rank(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Tensors of at least 2 dims with leading size-1 dims added up to the highest rank (as torch's
-    SDPA broadcasts them); others as given, for the checks to name."""
-    if any(t.dim() < 2 for t in tensors):
-        return tensors
-    rank = max(t.dim() for t in tensors)
-    return tuple(t.reshape((1,) * (rank - t.dim()) + tuple(t.shape)) for t in tensors)
 
 
 def _windowed(window_size: object) -> bool:
