@@ -21,8 +21,7 @@ def score_input_problems(p: AttentionProblem) -> list[str]:
             f"attn_scale: {p.scale_tensor.describe()}; a tensor scale is float32 with one value (shape [1, 1, 1, 1])"
         )
     want = (1, p.h_q, 1, 1)
-    # float32, cuDNN's; float64 beside float64 queries too, which only the reference backend runs
-    sink_dtypes = (torch.float32, torch.float64) if p.q.dtype == torch.float64 else (torch.float32,)
+    sink_dtypes = (torch.float32, sink_dtype(p.q.dtype))
     for role, name in (("sink_token", "sink_token"), ("grad_sink", "dSink_token")):
         spec = getattr(p, role)
         if spec is not None and (tuple(spec.shape) != want or spec.dtype not in sink_dtypes):
@@ -57,12 +56,15 @@ def check_sinks(sinks: Any, heads: int, device: torch.device, context: str | Non
         raise ValidationError([f"sinks: on {sinks.device}; q is on {device}"], context=context)
 
 
+def sink_dtype(q_dtype: torch.dtype) -> torch.dtype:
+    """The dtype sinks are bound in beside queries of ``q_dtype``: float32, cuDNN's; float64
+    beside float64 queries, which only the reference backend runs, so that float64 attention
+    keeps its precision."""
+    return torch.float64 if q_dtype == torch.float64 else torch.float32
+
+
 def sink_token(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
-    """A checked ``sinks`` as the plans bind it beside queries ``q``: float32 ``[1, H, 1, 1]``
-    (cuDNN's; float64 beside float64 queries, which only the reference backend runs, so that
-    float64 attention keeps its precision), contiguous, detached (its gradient comes back through
-    the caller's autograd function)."""
-    if sinks is None:
-        return None
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return sinks.detach().reshape(1, -1, 1, 1).to(dtype).contiguous()
+    """A checked ``sinks`` as the plans bind it beside queries ``q``: ``[1, H, 1, 1]`` of
+    ``sink_dtype``, contiguous, detached (its gradient comes back through the caller's autograd
+    function)."""
+    return None if sinks is None else sinks.detach().reshape(1, -1, 1, 1).to(sink_dtype(q.dtype)).contiguous()

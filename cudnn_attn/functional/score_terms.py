@@ -26,7 +26,7 @@ import torch
 
 from ..core.mask import Causal, ScoreOptions, window_band
 from ..core.problem import strides_like
-from ..core.score_inputs import check_sinks, sink_token
+from ..core.score_inputs import check_sinks, sink_dtype, sink_token
 from ..core.softcap import softcap_modifier
 from ..errors import ShapeMismatchError, UnsupportedError, ValidationError
 from ..runtime.training import differentiable
@@ -166,9 +166,7 @@ def compiled_score_terms_sdpa(
     )
     if rows is not None:
         return rows
-    # float32, cuDNN's; float64 beside float64 queries (the reference backend's), as sink_token gives
-    sink_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    sink = None if sinks is None else sinks.reshape(1, -1, 1, 1).to(sink_dtype).contiguous()
+    sink = None if sinks is None else sinks.reshape(1, -1, 1, 1).to(sink_dtype(q.dtype)).contiguous()
     seed = offset = None
     if dropout_p:
         seed, offset = torch.randint(0, 2**62, (1,), dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
