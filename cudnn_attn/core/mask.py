@@ -82,20 +82,25 @@ def unbounded_window(window_size: object) -> bool:
 NO_BOUND = 2**31 - 1  # a window bound at least this far bounds no sequence
 
 
+def window_bounds(window_size: object) -> tuple[int, int]:
+    """FlashAttention's ``window_size=(left, right)`` as two ints, a bound past any sequence
+    (lengths are int32) read as none (-1), as FlashAttention reads a bound past S_kv (one past
+    int64 reached the masks as an overflow). Raises ``ValueError`` naming what is wrong."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(integer(w) for w in window_size):
+        raise ValueError(f"window_size: {window_size!r}; expected (left, right), each an int (negative: no bound)")
+    left, right = (int(w) for w in window_size)
+    return (-1 if left >= NO_BOUND else left), (-1 if right >= NO_BOUND else right)
+
+
 def window_band(window_size: object, causal: Causal) -> tuple[Causal, int | None, int | None]:
     """FlashAttention's ``window_size=(left, right)`` (query i keeps keys ``i - left .. i + right``,
     any negative: no bound, as FlashAttention reads it) beside ``causal``, as
     ``(causal, sliding_window, right_bound)``: a right bound of 0 is causal (top-left where
     ``causal`` names no alignment). Raises ``ValueError`` naming what is wrong (the doors
     re-raise it as their ``ValidationError``)."""
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(integer(w) for w in window_size):
-        raise ValueError(f"window_size: {window_size!r}; expected (left, right), each an int (negative: no bound)")
-    left, right = int(window_size[0]), int(window_size[1])
-    # A bound past any sequence (lengths are int32) bounds nothing, as FlashAttention reads a
-    # bound past S_kv: no bound (one past int64 reached the masks as an overflow).
-    left = -1 if left >= NO_BOUND else left
+    left, right = window_bounds(window_size)
     if right > 0 and causal is not Causal.NONE:
         raise ValueError(f"window_size: right bound {right} with a causal mask (which is a right bound of 0)")
     if right == 0 and causal is Causal.NONE:
         causal = Causal.TOP_LEFT
-    return causal, (None if left < 0 else left + 1), (right if 0 < right < NO_BOUND else None)
+    return causal, (None if left < 0 else left + 1), (right if right > 0 else None)

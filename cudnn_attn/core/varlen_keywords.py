@@ -31,7 +31,7 @@ import torch
 
 from ..errors import UnsupportedError, ValidationError, shown
 from .finite import finite_real
-from .mask import NO_BOUND, Causal, window_band
+from .mask import window_bounds
 
 CONTEXT = "varlen_sdpa"
 
@@ -158,9 +158,7 @@ def _flag(value: Any, name: str, problems: list[str]) -> bool:
 
 def _window(window_size: Any, problems: list[str]) -> tuple[int, int]:
     try:
-        window_band(window_size, Causal.NONE)
+        return window_bounds(window_size)
     except ValueError as error:
         problems.append(str(error))
         return -1, -1
-    # a bound past any sequence is none (window_band's reading)
-    return tuple(-1 if int(w) >= NO_BOUND else int(w) for w in window_size)  # type: ignore[return-value]
